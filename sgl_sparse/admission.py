@@ -1,0 +1,51 @@
+"""Request metadata -> initial state rows, for the requests of an extend batch.
+
+Runs on the host in the scheduler process, once per extend/prefill batch, before
+the forward that uses the rows. The tokenizer-side hook has already validated and
+completed the metadata; it is parsed again here because that is the object the
+scheduler holds, and a malformed request is served as `full` rather than allowed
+to disturb the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from sgl_sparse import compat
+from sgl_sparse.config import REQUEST_KEY, SparseConfigError, SparseServerConfig, parse_request_policy
+from sgl_sparse.policies import MODULES, RowInit
+from sgl_sparse.policies.base import PolicyId
+
+logger = logging.getLogger(__name__)
+
+
+def request_policy_raw(req: Any) -> Any:
+    params = getattr(req.sampling_params, "custom_params", None)
+    return params.get(REQUEST_KEY) if isinstance(params, dict) else None
+
+
+def row_for_request(
+    req: Any, cfg: SparseServerConfig, think_ids: tuple[Optional[int], Optional[int]]
+) -> RowInit:
+    try:
+        spec = parse_request_policy(request_policy_raw(req), cfg)
+    except SparseConfigError as e:  # unreachable through the HTTP API (400 there)
+        logger.error("sgl_sparse: request %s has invalid metadata (%s); serving it as 'full'",
+                     getattr(req, "rid", "?"), e)
+        return RowInit(policy=PolicyId.FULL)
+    prompt, output = compat.token_ids(req)
+    return MODULES[spec.policy].init_row(spec, prompt, output, think_ids)
+
+
+def rows_for_batch(
+    reqs: list, cfg: SparseServerConfig, think_ids: tuple[Optional[int], Optional[int]]
+) -> tuple[list[int], list[RowInit]]:
+    rows, inits = [], []
+    for req in reqs:
+        idx = compat.req_pool_idx(req)
+        if idx is None:
+            continue
+        rows.append(int(idx))
+        inits.append(row_for_request(req, cfg, think_ids))
+    return rows, inits

@@ -1,0 +1,171 @@
+"""The `sgl_sparse` attention backend.
+
+Data path, top to bottom:
+  request metadata  -> admission.rows_for_batch (host, when a request enters a batch)
+  policy state      -> SparseState rows, indexed by req_pool_idx (device)
+  per-step decision -> decision.plan_decode (device, once per decode step)
+  kernel            -> reference.decode_attention on CPU; on CUDA, FlashInfer for
+                       dense work (prefill/extend and all-`full` decode)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sgl_sparse import reference
+from sgl_sparse.config import config_from_env
+from sgl_sparse.decision import DecodePlan, plan_decode
+from sgl_sparse.state import SparseState
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Attribute through which plugin.hooks hands a batch's admissions to the backend.
+ADMISSIONS_ATTR = "sgl_sparse_admissions"
+
+
+class SparseAttnBackend(AttentionBackend):
+    def __init__(self, model_runner: ModelRunner):
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        _check_supported(model_runner)
+
+        self.config = config_from_env()
+        self.think_ids = (self.config.think_start_id, self.config.think_end_id)
+        self.state = SparseState(self.req_to_token_pool.req_to_token.shape[0], self.device)
+        # The pool's free hook finds the state through the pool it belongs to.
+        self.req_to_token_pool.sgl_sparse_state = self.state
+        self.plan: Optional[DecodePlan] = None
+
+        # Dense work on CUDA goes through SGLang's own FlashInfer backend, so
+        # `full` is exactly the stock flashinfer path. On CPU the reference path.
+        self.dense: Optional[AttentionBackend] = None
+        if self.device.type == "cuda":
+            from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+            self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
+        logger.info(
+            "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
+            self.device, type(self.dense).__name__ if self.dense else "reference",
+            self.config.default_policy, self.think_ids,
+        )
+
+    # ---- per-forward metadata ----------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        self.init_forward_metadata_out_graph(forward_batch)
+        self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        admissions = getattr(forward_batch, ADMISSIONS_ATTR, None)
+        if admissions:
+            self.state.admit(*admissions)
+        if self.dense is not None:
+            if forward_batch.forward_mode.is_decode() or in_capture:
+                self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+            else:
+                self.dense.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        if self.dense is not None and forward_batch.forward_mode.is_decode():
+            self.dense.init_forward_metadata_in_graph(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            self.plan = plan_decode(
+                self.state,
+                forward_batch.req_pool_indices,
+                forward_batch.input_ids,
+                forward_batch.seq_lens,
+                self.think_ids,
+            )
+        else:
+            self.plan = None
+
+    # ---- CUDA graphs: the dense backend owns the captured buffers ---------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if self.dense is None:
+            raise RuntimeError("sgl_sparse: CUDA graphs need a CUDA device")
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value() if self.dense else 1
+
+    def on_after_cuda_graph_warmup(self):
+        if self.dense is not None:
+            self.dense.on_after_cuda_graph_warmup()
+
+    # ---- forward -------------------------------------------------------------------
+    def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+            )
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs):
+        # Prefill/extend is dense for every policy.
+        if self.dense is not None:
+            return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        reference.extend_attention(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens,
+            scaling=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+        return o
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs):
+        if self.dense is not None:
+            # GPU sparse decode (two-segment Triton kernel) lands with the GPU
+            # path; until then CUDA serves every policy densely and says so.
+            return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        reference.decode_attention(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            self.plan,
+            scaling=layer.scaling,
+            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+        return o
+
+    def support_triton(self):
+        return self.dense is not None
+
+
+def _check_supported(model_runner) -> None:
+    """Refuse, at start-up and by name, what the backend does not implement."""
+    if getattr(model_runner, "use_mla_backend", False):
+        raise ValueError("--attention-backend sgl_sparse: MLA models are not supported yet")
+    if getattr(model_runner, "is_hybrid_swa", False) or getattr(model_runner, "sliding_window_size", None):
+        raise ValueError(
+            "--attention-backend sgl_sparse: models with sliding-window layers are not supported yet"
+        )
+    if getattr(model_runner.model_config, "is_encoder_decoder", False):
+        raise ValueError("--attention-backend sgl_sparse: encoder-decoder models are not supported")

@@ -1,0 +1,61 @@
+"""Every difference between the supported SGLang releases lives here.
+
+Supported: sglang 0.5.17 (what the lent H100 image can run, torch 2.11) and the
+newest 0.5.x (0.5.23 at the time of writing). Both already use the
+``init_forward_metadata_out_graph`` / ``_in_graph`` backend contract, so the
+backend class itself has no version branches; what moved is request bookkeeping.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Optional
+
+try:
+    SGLANG_VERSION = version("sglang")
+except PackageNotFoundError:  # source checkout without metadata
+    SGLANG_VERSION = "0"
+
+
+def _vtuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+SGLANG_AT_LEAST_0_5_23 = _vtuple(SGLANG_VERSION) >= (0, 5, 23)
+
+
+def req_pool_idx(req: Any) -> Optional[int]:
+    """0.5.23 moved KV bookkeeping of a Req into ``req.kv``."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and hasattr(kv, "req_pool_idx"):
+        return kv.req_pool_idx
+    return req.req_pool_idx
+
+
+# ReqToTokenPool method through which a finished/aborted/retracted request's row
+# goes back to the free list: 0.5.17 `free(req)`; 0.5.23 `free(req)` calls
+# `free_rows(indices)`, which beam search also uses directly.
+REQ_POOL_FREE_TARGET = (
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows"
+    if SGLANG_AT_LEAST_0_5_23
+    else "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free"
+)
+
+
+def freed_rows(args: tuple, kwargs: dict) -> list[int]:
+    """Rows released by a call to REQ_POOL_FREE_TARGET (args[0] is the pool)."""
+    if SGLANG_AT_LEAST_0_5_23:
+        rows = kwargs.get("indices", args[1] if len(args) > 1 else [])
+        return [int(r) for r in rows]
+    req = kwargs.get("req", args[1] if len(args) > 1 else None)
+    idx = req_pool_idx(req) if req is not None else None
+    return [] if idx is None else [int(idx)]
+
+
+def token_ids(req: Any) -> tuple[Any, Any]:
+    """(prompt ids, generated ids) of a Req; lists in 0.5.17, array('q') in 0.5.23."""
+    return req.origin_input_ids, req.output_ids

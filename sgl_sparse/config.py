@@ -1,0 +1,184 @@
+"""Validated configuration at the two edges: the server (flags + config file) and the request.
+
+Everything that enters from outside goes through a pydantic model here, and every
+error message names the offending field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+POLICY_NAMES = ("full", "streaming", "sadas")
+
+# The resolved server config travels to SGLang's scheduler processes through the
+# environment: they are spawned after argument parsing and inherit it, and it also
+# works for `sglang.Engine(...)` users who never touch the CLI.
+ENV_CONFIG = "SGL_SPARSE_CONFIG_JSON"
+
+# Where the request's policy lives inside SamplingParams.custom_params.
+REQUEST_KEY = "sparse"
+REQUEST_FIELD_PREFIX = f"custom_params.{REQUEST_KEY}"
+
+
+class _Strict(BaseModel):
+    # strict: a JSON string "12" or a bool must not silently become an int window.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class FullPolicy(_Strict):
+    """Dense attention over the whole KV cache: identical to SGLang's stock backends."""
+
+    policy: Literal["full"] = "full"
+
+
+class StreamingPolicy(_Strict):
+    """StreamingLLM: the first `sink` tokens plus the last `window` tokens."""
+
+    policy: Literal["streaming"] = "streaming"
+    window: int = Field(1024, ge=1, le=1 << 24, description="recent tokens attended")
+    sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended")
+
+
+class SadasPolicy(_Strict):
+    """SADAS: sliding window until the first `</think>`, full attention after (latched)."""
+
+    policy: Literal["sadas"] = "sadas"
+    window: int = Field(2048, ge=1, le=1 << 24, description="window while thinking")
+    sink: int = Field(4, ge=0, le=1 << 16, description="sink tokens kept in window mode [ours]")
+
+
+RequestPolicy = Annotated[
+    Union[FullPolicy, StreamingPolicy, SadasPolicy], Field(discriminator="policy")
+]
+_POLICY_MODELS: dict[str, type[_Strict]] = {
+    "full": FullPolicy,
+    "streaming": StreamingPolicy,
+    "sadas": SadasPolicy,
+}
+
+
+class PolicyDefaults(_Strict):
+    """Server-wide defaults per policy; a request overrides any subset of them."""
+
+    streaming: StreamingPolicy = StreamingPolicy()
+    sadas: SadasPolicy = SadasPolicy()
+
+
+class SparseServerConfig(_Strict):
+    default_policy: Literal["full", "streaming", "sadas"] = "full"
+    policies: PolicyDefaults = PolicyDefaults()
+    # Control tokens for SADAS. Looked up in the tokenizer at start-up; ids may be
+    # given directly for tokenizers that spell them differently.
+    think_start_token: str = "<think>"
+    think_end_token: str = "</think>"
+    think_start_id: Optional[int] = Field(None, ge=0)
+    think_end_id: Optional[int] = Field(None, ge=0)
+
+    def defaults_for(self, name: str) -> dict[str, Any]:
+        model = getattr(self.policies, name, None)
+        return model.model_dump() if model is not None else {"policy": name}
+
+    @property
+    def sadas_available(self) -> bool:
+        return self.think_start_id is not None and self.think_end_id is not None
+
+
+class SparseConfigError(ValueError):
+    """A bad flag, config file or request field. The message names the field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{field}: {msg} (got {e.get('input')!r})")
+    return "; ".join(parts)
+
+
+def _check_policy_name(raw: Mapping[str, Any], prefix: str, available: tuple[str, ...]) -> str:
+    name = raw.get("policy")
+    if not isinstance(name, str) or name not in POLICY_NAMES:
+        raise SparseConfigError(
+            f"{prefix}.policy: must be one of {', '.join(POLICY_NAMES)} (got {name!r})"
+        )
+    if name not in available:
+        raise SparseConfigError(
+            f"{prefix}.policy: {name!r} is not available on this server "
+            f"(available: {', '.join(available)})"
+        )
+    return name
+
+
+def parse_request_policy(
+    raw: Any, server: SparseServerConfig, prefix: str = REQUEST_FIELD_PREFIX
+) -> RequestPolicy:
+    """Request metadata -> a complete, validated policy (server defaults filled in)."""
+    available = tuple(p for p in POLICY_NAMES if p != "sadas" or server.sadas_available)
+    if raw is None:
+        raw = {"policy": server.default_policy}
+    if isinstance(raw, str):  # shorthand: {"sparse": "streaming"}
+        raw = {"policy": raw}
+    if not isinstance(raw, Mapping):
+        raise SparseConfigError(
+            f"{prefix}: must be an object like {{\"policy\": \"streaming\", \"window\": 1024}} "
+            f"(got {type(raw).__name__})"
+        )
+    raw = dict(raw)
+    raw.setdefault("policy", server.default_policy)
+    name = _check_policy_name(raw, prefix, available)
+    merged = {**server.defaults_for(name), **raw}
+    try:
+        return _POLICY_MODELS[name].model_validate(merged)
+    except ValidationError as e:
+        raise SparseConfigError(format_validation_error(e, prefix)) from None
+
+
+def load_server_config(
+    path: Optional[str] = None, default_policy: Optional[str] = None
+) -> SparseServerConfig:
+    """--sparse-config file (YAML or JSON) plus --sparse-default-policy -> config."""
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise SparseConfigError(f"--sparse-config: file not found: {path!r}")
+        try:
+            loaded = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as e:
+            raise SparseConfigError(f"--sparse-config: {path!r} is not valid YAML/JSON: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise SparseConfigError(
+                f"--sparse-config: top level of {path!r} must be a mapping (got {type(loaded).__name__})"
+            )
+        data = loaded
+    if default_policy is not None:
+        data = {**data, "default_policy": default_policy}
+    try:
+        # Config files are written by hand: accept YAML's lax scalars (non-strict).
+        return SparseServerConfig.model_validate(data, strict=False)
+    except ValidationError as e:
+        where = f"--sparse-config {path}" if path else "--sparse-default-policy"
+        raise SparseConfigError(f"{where}: {format_validation_error(e, '')}") from None
+
+
+def export_to_env(cfg: SparseServerConfig) -> None:
+    os.environ[ENV_CONFIG] = cfg.model_dump_json()
+
+
+def config_from_env() -> SparseServerConfig:
+    raw = os.environ.get(ENV_CONFIG)
+    if not raw:
+        return SparseServerConfig()
+    return SparseServerConfig.model_validate(json.loads(raw), strict=False)

@@ -1,0 +1,74 @@
+"""The per-step decision: state rows + last token -> the attention plan of the step.
+
+Runs once per decode step (not per layer), entirely as tensor ops on device, so it
+is recorded into SGLang's decode CUDA graphs and replays with whatever mix of
+policies the batch holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sgl_sparse.policies import MODULES
+from sgl_sparse.policies.base import StepInputs
+from sgl_sparse.state import SparseState
+
+
+@dataclass
+class DecodePlan:
+    """Which keys each request of the batch attends at this step (all [bs] int32).
+
+    Two segments per request, the shape the two-segment decode kernel consumes:
+      A: positions [0, a_len)          -- sink tokens
+      B: positions [b_start, b_end)    -- recent window, or the whole sequence
+    `full` is A empty and B = [0, n). A and B never overlap (a_len <= b_start).
+    """
+
+    a_len: torch.Tensor
+    b_start: torch.Tensor
+    b_end: torch.Tensor
+
+    def attended(self) -> torch.Tensor:
+        return self.a_len + (self.b_end - self.b_start)
+
+
+def plan_decode(
+    state: SparseState,
+    req_pool_indices: torch.Tensor,
+    last_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    think_ids: tuple[Optional[int], Optional[int]],
+) -> DecodePlan:
+    rows = req_pool_indices.long()
+    step = StepInputs(
+        policy=state.policy[rows],
+        window=state.window[rows],
+        sink=state.sink[rows],
+        think=state.think[rows],
+        latch=state.latch[rows],
+        last_token=last_token.long(),
+        think_start_id=think_ids[0] if think_ids[0] is not None else -1,
+        think_end_id=think_ids[1] if think_ids[1] is not None else -1,
+    )
+    # Transitions first: step t attends according to F_t, which includes y_{t-1}.
+    for module in MODULES.values():
+        if hasattr(module, "update"):
+            step.think, step.latch = module.update(step)
+    # Padded CUDA-graph slots all point at row 0 (FULL): their update is a no-op
+    # and they never share a row with a real request.
+    state.think[rows] = step.think
+    state.latch[rows] = step.latch
+
+    windowed = torch.zeros_like(step.latch)
+    for module in MODULES.values():
+        mask = module.windowed(step)
+        if mask is not None:
+            windowed |= mask
+    n = seq_lens.to(torch.int32)
+    zero = torch.zeros_like(n)
+    b_start = torch.where(windowed, torch.clamp(n - step.window, min=0), zero)
+    a_len = torch.where(windowed, torch.minimum(step.sink, b_start), zero)
+    return DecodePlan(a_len=a_len, b_start=b_start, b_end=n)

@@ -1,0 +1,170 @@
+"""SGLang general plugin: registers the backend, its CLI flags and request hooks.
+
+SGLang calls ``register()`` (through ``sgl_sparse_entry.load``) in the launching
+process before argument parsing, and again in every scheduler process (one per
+TP/DP rank), where the backend is constructed. The detokenizer process never
+touches attention or request metadata and loads no plugins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional
+
+from sgl_sparse import BACKEND_NAME, compat
+from sgl_sparse.config import (
+    ENV_CONFIG,
+    POLICY_NAMES,
+    REQUEST_KEY,
+    SparseConfigError,
+    SparseServerConfig,
+    config_from_env,
+    export_to_env,
+    load_server_config,
+    parse_request_policy,
+)
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    register_attention_backend(BACKEND_NAME)(create_backend)
+
+    hooks = [
+        ("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, HookType.AFTER),
+        ("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, HookType.BEFORE),
+        ("sglang.srt.server_args.ServerArgs.__post_init__", server_args_post_init, HookType.AFTER),
+        ("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_sampling_params, HookType.AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", attach_admissions, HookType.AFTER),
+        (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
+        ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
+    ]
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)
+
+
+def create_backend(runner):
+    from sgl_sparse.backend import SparseAttnBackend
+
+    return SparseAttnBackend(runner)
+
+
+def configure(config_path: Optional[str] = None, default_policy: Optional[str] = None) -> SparseServerConfig:
+    """For `sglang.Engine(...)` users: the equivalent of the two CLI flags."""
+    cfg = load_server_config(config_path, default_policy)
+    export_to_env(cfg)
+    return cfg
+
+
+# ---- server arguments -------------------------------------------------------------
+def add_cli_args(_result, parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sgl_sparse", "Sparse decode (--attention-backend sgl_sparse)")
+    group.add_argument(
+        "--sparse-default-policy", type=str, choices=POLICY_NAMES, default=None,
+        help="Policy for requests that name none in custom_params.sparse (default: full).",
+    )
+    group.add_argument(
+        "--sparse-config", type=str, default=None, metavar="PATH",
+        help="YAML/JSON file with the server's sparse config: default_policy, per-policy "
+             "defaults (policies.streaming.window, ...), think token names/ids.",
+    )
+
+
+def _uses_backend(server_args) -> bool:
+    return BACKEND_NAME in (
+        getattr(server_args, "attention_backend", None),
+        getattr(server_args, "decode_attention_backend", None),
+    )
+
+
+def from_cli_args(_cls, args: argparse.Namespace):
+    path = getattr(args, "sparse_config", None)
+    policy = getattr(args, "sparse_default_policy", None)
+    uses = BACKEND_NAME in (getattr(args, "attention_backend", None), getattr(args, "decode_attention_backend", None))
+    if not uses:
+        if path or policy:
+            _die("--sparse-config/--sparse-default-policy need --attention-backend sgl_sparse")
+        return None
+    try:
+        configure(path, policy)
+    except SparseConfigError as e:
+        _die(str(e))
+    return None
+
+
+def server_args_post_init(_result, server_args) -> None:
+    if not _uses_backend(server_args):
+        return
+    if getattr(server_args, "speculative_algorithm", None):
+        raise ValueError("--attention-backend sgl_sparse does not support --speculative-algorithm yet")
+    from sgl_sparse.tokens import resolve_think_ids
+
+    cfg = resolve_think_ids(
+        config_from_env(),
+        server_args.tokenizer_path or server_args.model_path,
+        getattr(server_args, "trust_remote_code", False),
+    )
+    export_to_env(cfg)
+
+
+def _die(msg: str) -> None:
+    print(f"sglang serve: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---- requests -----------------------------------------------------------------------
+def verify_sampling_params(_result, sampling_params, *args, **kwargs) -> None:
+    """Runs in the tokenizer manager: a ValueError here is an HTTP 400 for this request."""
+    if ENV_CONFIG not in os.environ:
+        return  # this server does not run sgl_sparse
+    params = sampling_params.custom_params
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        return
+    spec = parse_request_policy(params.get(REQUEST_KEY), config_from_env())
+    # Hand the scheduler the complete, validated policy (server defaults filled in).
+    params[REQUEST_KEY] = spec.model_dump()
+
+
+def attach_admissions(forward_batch, _cls, batch, model_runner, *args, **kwargs):
+    """Extend batches carry their requests' initial state rows to the backend."""
+    from sgl_sparse.admission import rows_for_batch
+    from sgl_sparse.backend import ADMISSIONS_ATTR, SparseAttnBackend
+
+    if forward_batch is None or batch is None or batch.forward_mode.is_decode_or_idle():
+        return None
+    backend = getattr(model_runner, "attn_backend", None)
+    if not isinstance(backend, SparseAttnBackend):
+        return None
+    setattr(forward_batch, ADMISSIONS_ATTR, rows_for_batch(batch.reqs, backend.config, backend.think_ids))
+    return None
+
+
+def release_rows(pool, *args, **kwargs) -> None:
+    state = getattr(pool, "sgl_sparse_state", None)
+    if state is not None:
+        state.release(compat.freed_rows((pool, *args), kwargs))
+    return None
+
+
+def release_all_rows(_result, pool, *args, **kwargs) -> None:
+    state = getattr(pool, "sgl_sparse_state", None)
+    if state is not None:
+        state.release_all()

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Optional
+
+import torch
+
+
+class PolicyId(IntEnum):
+    # Row 0 of the request pool is SGLang's CUDA-graph padding row and stays zero:
+    # FULL must be 0 so padded batch slots behave as dense and change no state.
+    FULL = 0
+    STREAMING = 1
+    SADAS = 2
+
+
+@dataclass(frozen=True)
+class RowInit:
+    """Initial per-request state, one row of SparseState."""
+
+    policy: PolicyId
+    window: int = 0
+    sink: int = 0
+    think: bool = False  # SADAS S_t: inside a <think> block
+    latch: bool = False  # SADAS F_t: a </think> was seen -> full attention for good
+
+
+@dataclass
+class StepInputs:
+    """What one decode step's decision may read; all device tensors of shape [bs]."""
+
+    policy: torch.Tensor  # int8
+    window: torch.Tensor  # int32
+    sink: torch.Tensor  # int32
+    think: torch.Tensor  # bool
+    latch: torch.Tensor  # bool
+    last_token: torch.Tensor  # int64: y_{t-1}, this step's input id
+    think_start_id: Optional[int]
+    think_end_id: Optional[int]

@@ -1,0 +1,91 @@
+"""Plain-PyTorch attention: the CPU serving path and the correctness oracle.
+
+Every later kernel is tested against these functions. They loop over requests and
+call ``scaled_dot_product_attention`` exactly the way SGLang's stock
+``torch_native`` backend does, so a request whose plan covers its whole sequence
+gets bit-identical outputs to the stock backend (greedy tokens match).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sgl_sparse.decision import DecodePlan
+
+
+def _gather_kv(k_cache, v_cache, slots, dtype):
+    # [n, H, D] -> [H, n, D]
+    k = k_cache[slots].movedim(0, 1)
+    v = v_cache[slots].movedim(0, 1)
+    if k.dtype != dtype:  # SDPA needs one dtype (e.g. an fp8 KV cache)
+        k, v = k.to(dtype), v.to(dtype)
+    return k, v
+
+
+def extend_attention(
+    q: torch.Tensor,  # [tokens, Hq, D]
+    o: torch.Tensor,  # [tokens, Hq, Dv]
+    k_cache: torch.Tensor,  # [pool, Hkv, D]
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    scaling: Optional[float],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its prefix + themselves."""
+    qh = q.movedim(0, 1)  # [Hq, tokens, D]
+    start_q = 0
+    for i, (rpi, n, prefix, ext) in enumerate(
+        zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_prefix_lens.tolist(), extend_seq_lens.tolist())
+    ):
+        end_q = start_q + ext
+        # Queries padded to the full length so SDPA's is_causal aligns them with
+        # their absolute positions (torch_native's formulation, kept for parity).
+        q_full = qh.new_empty((qh.shape[0], n, qh.shape[2]))
+        q_full[:, prefix:, :] = qh[:, start_q:end_q, :]
+        k, v = _gather_kv(k_cache, v_cache, req_to_token[rpi, :n], q.dtype)
+        out = scaled_dot_product_attention(
+            q_full.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            enable_gqa=enable_gqa, scale=scaling, is_causal=True,
+        ).squeeze(0).movedim(0, 1)
+        o[start_q:end_q] = out[prefix:]
+        start_q = end_q
+    return o
+
+
+def decode_attention(
+    q: torch.Tensor,  # [bs, Hq, D]
+    o: torch.Tensor,  # [bs, Hq, Dv]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    plan: DecodePlan,
+    scaling: Optional[float],
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """One query per request over segment A [0, a_len) and segment B [b_start, b_end)."""
+    qh = q.movedim(0, 1)  # [Hq, bs, D]
+    a_len, b_start, b_end = (t.tolist() for t in (plan.a_len, plan.b_start, plan.b_end))
+    for i, rpi in enumerate(req_pool_indices.tolist()):
+        row = req_to_token[rpi]
+        if a_len[i] == 0:
+            slots = row[b_start[i]: b_end[i]]
+        else:
+            slots = torch.cat([row[: a_len[i]], row[b_start[i]: b_end[i]]])
+        if slots.numel() == 0:  # nothing to attend: defined output, never NaN
+            o[i].zero_()
+            continue
+        k, v = _gather_kv(k_cache, v_cache, slots, q.dtype)
+        out = scaled_dot_product_attention(
+            qh[:, i: i + 1, :].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            enable_gqa=enable_gqa, scale=scaling,
+        ).squeeze(0).movedim(0, 1)
+        o[i: i + 1] = out
+    return o

@@ -1,0 +1,80 @@
+"""Per-request policy state: device tensors indexed by SGLang's ``req_pool_idx``.
+
+A row is written when its request enters a batch (every extend chunk rewrites the
+whole row, so a reused row never inherits a finished request's state) and released
+when SGLang returns the row to its free list (finish, abort, retraction).
+
+Release is host bookkeeping only: with the overlap scheduler a forward that still
+reads the row may be in flight on another stream, so the device row is left as is
+until the row's next owner overwrites it, in stream order, at admission.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Iterable, Sequence
+
+import torch
+
+from sgl_sparse.policies.base import PolicyId, RowInit
+
+
+class SparseState:
+    def __init__(self, num_rows: int, device: torch.device | str):
+        self.num_rows = num_rows
+        self.device = torch.device(device)
+        z = lambda dt: torch.zeros(num_rows, dtype=dt, device=self.device)  # noqa: E731
+        # Row 0 is SGLang's CUDA-graph padding row: it stays all-zero (= FULL, no
+        # think state), so padded slots of a captured batch are dense and inert.
+        self.policy = z(torch.int8)
+        self.window = z(torch.int32)
+        self.sink = z(torch.int32)
+        self.think = z(torch.bool)
+        self.latch = z(torch.bool)
+        self._lock = threading.Lock()
+        self._active: dict[int, PolicyId] = {}
+
+    # ---- admission / release (host side, once per request) -------------------
+    def admit(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
+        """Write whole rows for requests entering a batch. No host sync."""
+        if not rows:
+            return
+        for r in rows:
+            if not 0 < r < self.num_rows:
+                raise IndexError(f"req_pool_idx {r} outside [1, {self.num_rows})")
+        idx = torch.tensor(rows, dtype=torch.int64)
+        host = {
+            "policy": torch.tensor([int(i.policy) for i in inits], dtype=torch.int8),
+            "window": torch.tensor([i.window for i in inits], dtype=torch.int32),
+            "sink": torch.tensor([i.sink for i in inits], dtype=torch.int32),
+            "think": torch.tensor([i.think for i in inits], dtype=torch.bool),
+            "latch": torch.tensor([i.latch for i in inits], dtype=torch.bool),
+        }
+        pin = self.device.type == "cuda"
+        idx = idx.pin_memory().to(self.device, non_blocking=True) if pin else idx
+        for name, values in host.items():
+            values = values.pin_memory().to(self.device, non_blocking=True) if pin else values
+            getattr(self, name).index_copy_(0, idx, values)
+        with self._lock:
+            for r, i in zip(rows, inits):
+                self._active[int(r)] = i.policy
+
+    def release(self, rows: Iterable[int]) -> None:
+        with self._lock:
+            for r in rows:
+                self._active.pop(int(r), None)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._active.clear()
+
+    # ---- introspection (metrics, leak checks) ---------------------------------
+    def active_count(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def active_by_policy(self) -> dict[str, int]:
+        with self._lock:
+            c = Counter(p.name.lower() for p in self._active.values())
+        return dict(c)

@@ -1,0 +1,48 @@
+"""Control-token ids the policies react to, resolved once from the tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from sgl_sparse.config import SparseServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _lookup(tokenizer, token: str) -> Optional[int]:
+    # An added/special token maps to one id; anything the tokenizer would split
+    # or map to <unk> cannot be recognised from a single generated id.
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return None if unk is not None and ids[0] == unk else int(ids[0])
+
+
+def resolve_think_ids(
+    cfg: SparseServerConfig, tokenizer_path: Optional[str], trust_remote_code: bool = False
+) -> SparseServerConfig:
+    """Fill think_start_id / think_end_id from the tokenizer unless given explicitly."""
+    if cfg.think_start_id is not None and cfg.think_end_id is not None:
+        return cfg
+    if not tokenizer_path:
+        logger.warning("sgl_sparse: no tokenizer path; policy 'sadas' is unavailable")
+        return cfg
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # a tokenizer we cannot load only disables SADAS
+        logger.warning("sgl_sparse: cannot load tokenizer %r (%s); 'sadas' unavailable", tokenizer_path, e)
+        return cfg
+    start = cfg.think_start_id if cfg.think_start_id is not None else _lookup(tok, cfg.think_start_token)
+    end = cfg.think_end_id if cfg.think_end_id is not None else _lookup(tok, cfg.think_end_token)
+    if start is None or end is None:
+        logger.warning(
+            "sgl_sparse: tokenizer %r has no single-id %r/%r tokens; policy 'sadas' is "
+            "unavailable (set think_start_id/think_end_id in --sparse-config)",
+            tokenizer_path, cfg.think_start_token, cfg.think_end_token,
+        )
+        return cfg
+    return cfg.model_copy(update={"think_start_id": start, "think_end_id": end})

@@ -1,0 +1,83 @@
+"""Server config and request metadata validation: every error names its field."""
+
+import json
+
+import pytest
+
+from sgl_sparse.config import (
+    SparseConfigError,
+    SparseServerConfig,
+    load_server_config,
+    parse_request_policy,
+)
+
+CFG = SparseServerConfig(think_start_id=5, think_end_id=6)
+
+
+def test_defaults_fill_in_and_request_overrides():
+    p = parse_request_policy({"policy": "streaming", "window": 16}, CFG)
+    assert (p.policy, p.window, p.sink) == ("streaming", 16, 4)
+    assert parse_request_policy(None, CFG).policy == "full"
+    assert parse_request_policy("sadas", CFG).window == 2048
+    server = SparseServerConfig(default_policy="streaming", think_start_id=5, think_end_id=6)
+    assert parse_request_policy({}, server).policy == "streaming"
+    assert parse_request_policy({"window": 8}, server).window == 8
+
+
+@pytest.mark.parametrize(
+    "raw, field, words",
+    [
+        ({"policy": "nope"}, "custom_params.sparse.policy", "full, streaming, sadas"),
+        ({"policy": 3}, "custom_params.sparse.policy", "must be one of"),
+        ({"policy": "streaming", "window": 0}, "custom_params.sparse.window", "greater than or equal to 1"),
+        ({"policy": "streaming", "window": "12"}, "custom_params.sparse.window", "valid integer"),
+        ({"policy": "streaming", "window": True}, "custom_params.sparse.window", "valid integer"),
+        ({"policy": "sadas", "sink": -1}, "custom_params.sparse.sink", "greater than or equal to 0"),
+        ({"policy": "full", "window": 4}, "custom_params.sparse.window", "unknown field"),
+        ([1, 2], "custom_params.sparse", "must be an object"),
+    ],
+)
+def test_bad_request_metadata_names_field(raw, field, words):
+    with pytest.raises(SparseConfigError) as e:
+        parse_request_policy(raw, CFG)
+    assert str(e.value).startswith(field + ":")
+    assert words in str(e.value)
+
+
+def test_sadas_unavailable_without_think_tokens():
+    with pytest.raises(SparseConfigError, match="'sadas' is not available"):
+        parse_request_policy({"policy": "sadas"}, SparseServerConfig())
+
+
+def test_config_file_yaml_and_json(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("default_policy: sadas\npolicies:\n  sadas:\n    window: 64\n")
+    cfg = load_server_config(str(y))
+    assert cfg.default_policy == "sadas" and cfg.policies.sadas.window == 64
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"policies": {"streaming": {"window": 32, "sink": 0}}}))
+    cfg = load_server_config(str(j), default_policy="streaming")
+    assert cfg.default_policy == "streaming" and cfg.policies.streaming.sink == 0
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("default_policy: fast\n", "default_policy"),
+        ("policies:\n  streaming:\n    window: -3\n", "policies.streaming.window"),
+        ("polices: {}\n", "polices: unknown field"),
+        ("- a\n- b\n", "top level"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_file_names_field(tmp_path, text, words):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(SparseConfigError) as e:
+        load_server_config(str(p))
+    assert "--sparse-config" in str(e.value) and words in str(e.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(SparseConfigError, match="file not found"):
+        load_server_config("/nonexistent/sparse.yaml")
