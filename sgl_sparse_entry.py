@@ -18,7 +18,7 @@ _BACKEND = "sgl_sparse"
 def _requested() -> bool:
     # Scheduler processes inherit the resolved config through the environment.
     return _BACKEND in sys.argv or any(a.endswith("=" + _BACKEND) for a in sys.argv) or (
-        "SGL_SPARSE_CONFIG_JSON" in os.environ
+        "SGLSPARSE_CONFIG_JSON" in os.environ
     )
 
 

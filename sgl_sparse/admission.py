@@ -25,14 +25,21 @@ def request_policy_raw(req: Any) -> Any:
     return params.get(REQUEST_KEY) if isinstance(params, dict) else None
 
 
-def row_for_request(
-    req: Any, cfg: SparseServerConfig, think_ids: tuple[Optional[int], Optional[int]]
-) -> RowInit:
+def request_spec(req: Any, cfg: SparseServerConfig):
+    """The request's validated policy, or None (served as `full`) if it is invalid."""
     try:
-        spec = parse_request_policy(request_policy_raw(req), cfg)
+        return parse_request_policy(request_policy_raw(req), cfg)
     except SparseConfigError as e:  # unreachable through the HTTP API (400 there)
         logger.error("sgl_sparse: request %s has invalid metadata (%s); serving it as 'full'",
                      getattr(req, "rid", "?"), e)
+        return None
+
+
+def row_for_request(
+    req: Any, cfg: SparseServerConfig, think_ids: tuple[Optional[int], Optional[int]]
+) -> RowInit:
+    spec = request_spec(req, cfg)
+    if spec is None:
         return RowInit(policy=PolicyId.FULL)
     prompt, output = compat.token_ids(req)
     return MODULES[spec.policy].init_row(spec, prompt, output, think_ids)

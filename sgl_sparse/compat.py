@@ -36,6 +36,16 @@ def req_pool_idx(req: Any) -> Optional[int]:
     return req.req_pool_idx
 
 
+# Where ServerArgs is complete (tokenizer path, device resolved): 0.5.17 resolves in
+# the dataclass `__post_init__`; 0.5.23 builds the record unresolved and fills it in
+# `resolve_once()`, called by every launcher before processes are spawned.
+SERVER_ARGS_RESOLVED_TARGET = (
+    "sglang.srt.server_args.ServerArgs.resolve_once"
+    if SGLANG_AT_LEAST_0_5_23
+    else "sglang.srt.server_args.ServerArgs.__post_init__"
+)
+
+
 # ReqToTokenPool method through which a finished/aborted/retracted request's row
 # goes back to the free list: 0.5.17 `free(req)`; 0.5.23 `free(req)` calls
 # `free_rows(indices)`, which beam search also uses directly.

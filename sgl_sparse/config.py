@@ -19,7 +19,7 @@ POLICY_NAMES = ("full", "streaming", "sadas")
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also
 # works for `sglang.Engine(...)` users who never touch the CLI.
-ENV_CONFIG = "SGL_SPARSE_CONFIG_JSON"
+ENV_CONFIG = "SGLSPARSE_CONFIG_JSON"
 
 # Where the request's policy lives inside SamplingParams.custom_params.
 REQUEST_KEY = "sparse"
@@ -79,14 +79,17 @@ class SparseServerConfig(_Strict):
     think_end_token: str = "</think>"
     think_start_id: Optional[int] = Field(None, ge=0)
     think_end_id: Optional[int] = Field(None, ge=0)
+    # Filled at start-up, not by users: policies this server cannot run, with why.
+    unavailable: dict[str, str] = Field(default_factory=dict)
 
     def defaults_for(self, name: str) -> dict[str, Any]:
         model = getattr(self.policies, name, None)
         return model.model_dump() if model is not None else {"policy": name}
 
-    @property
-    def sadas_available(self) -> bool:
-        return self.think_start_id is not None and self.think_end_id is not None
+    def unavailable_reason(self, name: str) -> Optional[str]:
+        if name == "sadas" and (self.think_start_id is None or self.think_end_id is None):
+            return "the tokenizer has no single-id think tokens (set think_start_id/think_end_id)"
+        return self.unavailable.get(name)
 
 
 class SparseConfigError(ValueError):
@@ -105,15 +108,17 @@ def format_validation_error(err: ValidationError, prefix: str) -> str:
     return "; ".join(parts)
 
 
-def _check_policy_name(raw: Mapping[str, Any], prefix: str, available: tuple[str, ...]) -> str:
+def _check_policy_name(raw: Mapping[str, Any], prefix: str, server: SparseServerConfig) -> str:
     name = raw.get("policy")
     if not isinstance(name, str) or name not in POLICY_NAMES:
         raise SparseConfigError(
             f"{prefix}.policy: must be one of {', '.join(POLICY_NAMES)} (got {name!r})"
         )
-    if name not in available:
+    why = server.unavailable_reason(name)
+    if why:
+        available = [p for p in POLICY_NAMES if not server.unavailable_reason(p)]
         raise SparseConfigError(
-            f"{prefix}.policy: {name!r} is not available on this server "
+            f"{prefix}.policy: {name!r} is not available on this server: {why} "
             f"(available: {', '.join(available)})"
         )
     return name
@@ -123,7 +128,6 @@ def parse_request_policy(
     raw: Any, server: SparseServerConfig, prefix: str = REQUEST_FIELD_PREFIX
 ) -> RequestPolicy:
     """Request metadata -> a complete, validated policy (server defaults filled in)."""
-    available = tuple(p for p in POLICY_NAMES if p != "sadas" or server.sadas_available)
     if raw is None:
         raw = {"policy": server.default_policy}
     if isinstance(raw, str):  # shorthand: {"sparse": "streaming"}
@@ -135,7 +139,7 @@ def parse_request_policy(
         )
     raw = dict(raw)
     raw.setdefault("policy", server.default_policy)
-    name = _check_policy_name(raw, prefix, available)
+    name = _check_policy_name(raw, prefix, server)
     merged = {**server.defaults_for(name), **raw}
     try:
         return _POLICY_MODELS[name].model_validate(merged)

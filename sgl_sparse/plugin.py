@@ -49,8 +49,9 @@ def register() -> None:
     hooks = [
         ("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, HookType.AFTER),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, HookType.BEFORE),
-        ("sglang.srt.server_args.ServerArgs.__post_init__", server_args_post_init, HookType.AFTER),
+        (compat.SERVER_ARGS_RESOLVED_TARGET, server_args_resolved, HookType.AFTER),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_sampling_params, HookType.AFTER),
+        ("sglang.srt.managers.schedule_batch.Req.__init__", namespace_sparse_kv, HookType.AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", attach_admissions, HookType.AFTER),
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
@@ -108,7 +109,7 @@ def from_cli_args(_cls, args: argparse.Namespace):
     return None
 
 
-def server_args_post_init(_result, server_args) -> None:
+def server_args_resolved(_result, server_args) -> None:
     if not _uses_backend(server_args):
         return
     if getattr(server_args, "speculative_algorithm", None):
@@ -120,6 +121,14 @@ def server_args_post_init(_result, server_args) -> None:
         server_args.tokenizer_path or server_args.model_path,
         getattr(server_args, "trust_remote_code", False),
     )
+    if getattr(server_args, "device", "cuda") != "cpu":
+        # The GPU sparse-decode kernel is not wired into the backend yet: refuse
+        # sparse policies (HTTP 400) rather than serve them densely in disguise.
+        why = "sparse decode on CUDA is not available in this release (CPU only)"
+        cfg = cfg.model_copy(update={"unavailable": {"streaming": why, "sadas": why}})
+    why = cfg.unavailable_reason(cfg.default_policy)
+    if why:
+        raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
 
 
@@ -141,6 +150,25 @@ def verify_sampling_params(_result, sampling_params, *args, **kwargs) -> None:
     spec = parse_request_policy(params.get(REQUEST_KEY), config_from_env())
     # Hand the scheduler the complete, validated policy (server defaults filled in).
     params[REQUEST_KEY] = spec.model_dump()
+
+
+def namespace_sparse_kv(_result, req, *args, **kwargs) -> None:
+    """Keep KV decoded under a sparse policy out of prefix reuse by other policies.
+
+    Tokens generated while attention skipped part of the context have different
+    KV than dense decoding would give; the radix cache keys prefixes by
+    `extra_key`, so each exact sparse policy gets its own namespace. The price:
+    a sparse request does not reuse prefixes cached by `full` requests.
+    """
+    if ENV_CONFIG not in os.environ:
+        return
+    from sgl_sparse.admission import request_spec
+
+    spec = request_spec(req, config_from_env())
+    if spec is None or spec.policy == "full":
+        return
+    tag = "sgl_sparse:" + ",".join(f"{k}={v}" for k, v in spec.model_dump().items())
+    req.extra_key = (req.extra_key or "") + tag
 
 
 def attach_admissions(forward_batch, _cls, batch, model_runner, *args, **kwargs):
