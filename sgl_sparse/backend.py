@@ -30,10 +30,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Attribute through which plugin.hooks hands a batch's admissions to the backend.
-ADMISSIONS_ATTR = "sgl_sparse_admissions"
-
-
 class SparseAttnBackend(AttentionBackend):
     def __init__(self, model_runner: ModelRunner):
         super().__init__()
@@ -42,11 +38,17 @@ class SparseAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         _check_supported(model_runner)
 
-        self.config = config_from_env()
-        self.think_ids = (self.config.think_start_id, self.config.think_end_id)
-        self.state = SparseState(self.req_to_token_pool.req_to_token.shape[0], self.device)
-        # The pool's free hook finds the state through the pool it belongs to.
-        self.req_to_token_pool.sgl_sparse_state = self.state
+        # One state per request pool, shared by every backend instance built on
+        # it (SGLang may build several, e.g. per decode stream); the scheduler-side
+        # hooks find it through the pool.
+        self.state = getattr(self.req_to_token_pool, "sgl_sparse_state", None)
+        if self.state is None:
+            self.state = SparseState(
+                self.req_to_token_pool.req_to_token.shape[0], self.device, config_from_env()
+            )
+            self.req_to_token_pool.sgl_sparse_state = self.state
+        self.config = self.state.config
+        self.think_ids = self.state.think_ids
         self.plan: Optional[DecodePlan] = None
 
         # Dense work on CUDA goes through SGLang's own FlashInfer backend, so
@@ -68,9 +70,7 @@ class SparseAttnBackend(AttentionBackend):
         self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
-        admissions = getattr(forward_batch, ADMISSIONS_ATTR, None)
-        if admissions:
-            self.state.admit(*admissions)
+        self.state.admit_queued()
         if self.dense is not None:
             if forward_batch.forward_mode.is_decode() or in_capture:
                 self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)

@@ -52,7 +52,7 @@ def register() -> None:
         (compat.SERVER_ARGS_RESOLVED_TARGET, server_args_resolved, HookType.AFTER),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_sampling_params, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.Req.__init__", namespace_sparse_kv, HookType.AFTER),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", attach_admissions, HookType.AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", queue_admissions, HookType.AFTER),
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
     ]
@@ -171,17 +171,22 @@ def namespace_sparse_kv(_result, req, *args, **kwargs) -> None:
     req.extra_key = (req.extra_key or "") + tag
 
 
-def attach_admissions(forward_batch, _cls, batch, model_runner, *args, **kwargs):
-    """Extend batches carry their requests' initial state rows to the backend."""
-    from sgl_sparse.admission import rows_for_batch
-    from sgl_sparse.backend import ADMISSIONS_ATTR, SparseAttnBackend
+def queue_admissions(forward_batch, _cls, batch, model_runner, *args, **kwargs):
+    """An extend batch's requests get their initial state rows queued for the backend.
 
-    if forward_batch is None or batch is None or batch.forward_mode.is_decode_or_idle():
+    The rows are queued on the state (host only) rather than attached to the
+    ForwardBatch: SGLang may hand the backend a copy of it. The backend writes them
+    to the device in its next metadata init, i.e. in this batch's forward, on the
+    forward's own stream.
+    """
+    from sgl_sparse.admission import rows_for_batch
+
+    if batch is None or batch.forward_mode.is_decode_or_idle():
         return None
-    backend = getattr(model_runner, "attn_backend", None)
-    if not isinstance(backend, SparseAttnBackend):
+    state = getattr(model_runner.req_to_token_pool, "sgl_sparse_state", None)
+    if state is None:  # this model runner does not use sgl_sparse
         return None
-    setattr(forward_batch, ADMISSIONS_ATTR, rows_for_batch(batch.reqs, backend.config, backend.think_ids))
+    state.enqueue(*rows_for_batch(batch.reqs, state.config, state.think_ids))
     return None
 
 

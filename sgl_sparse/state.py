@@ -17,11 +17,15 @@ from typing import Iterable, Sequence
 
 import torch
 
+from sgl_sparse.config import SparseServerConfig
 from sgl_sparse.policies.base import PolicyId, RowInit
 
 
 class SparseState:
-    def __init__(self, num_rows: int, device: torch.device | str):
+    def __init__(self, num_rows: int, device: torch.device | str,
+                 config: SparseServerConfig | None = None):
+        self.config = config or SparseServerConfig()
+        self.think_ids = (self.config.think_start_id, self.config.think_end_id)
         self.num_rows = num_rows
         self.device = torch.device(device)
         z = lambda dt: torch.zeros(num_rows, dtype=dt, device=self.device)  # noqa: E731
@@ -34,8 +38,22 @@ class SparseState:
         self.latch = z(torch.bool)
         self._lock = threading.Lock()
         self._active: dict[int, PolicyId] = {}
+        self._queued: tuple[list[int], list[RowInit]] = ([], [])
 
     # ---- admission / release (host side, once per request) -------------------
+    def enqueue(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
+        """Scheduler side: rows of an extend batch about to run (host only)."""
+        with self._lock:
+            self._queued[0].extend(rows)
+            self._queued[1].extend(inits)
+
+    def admit_queued(self) -> None:
+        """Backend side, in the forward that follows: write the queued rows."""
+        with self._lock:
+            rows, inits = self._queued
+            self._queued = ([], [])
+        self.admit(rows, inits)
+
     def admit(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
         """Write whole rows for requests entering a batch. No host sync."""
         if not rows:

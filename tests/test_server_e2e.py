@@ -1,0 +1,171 @@
+"""End to end on CPU: real SGLang servers, a tiny random Qwen3 model made here.
+
+The stock `torch_native` server gives the reference greedy tokens; the
+`sgl_sparse` server must reproduce them for `full` and for window policies whose
+window covers the sequence, differ with a small window, answer bad metadata with
+HTTP 400 while serving everything else, and keep radix-cache hits exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+import pytest
+import requests
+
+from tests.server import running_server
+from tests.tiny_model import make_tiny_qwen3
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+NEW_TOKENS = 24
+THINK, END_THINK = "<think>", "</think>"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def think_ids(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.convert_tokens_to_ids(THINK), tok.convert_tokens_to_ids(END_THINK)
+
+
+def _prompts(think_ids) -> dict[str, list[int]]:
+    rng = random.Random(0)
+    think, end = think_ids
+    body = lambda n: [rng.randrange(20, 300) for _ in range(n)]  # noqa: E731
+    return {
+        "plain_a": body(180),
+        "plain_b": body(97),
+        "plain_c": body(233),
+        # ends inside <think>: SADAS starts in window mode
+        "thinking": body(150) + [think] + body(20),
+        # thinking already concluded in the prompt: SADAS latched to full from the start
+        "concluded": body(150) + [think] + body(10) + [end] + body(5),
+    }
+
+
+def _generate(url: str, ids: list[int], sparse=None, **extra) -> requests.Response:
+    sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    if sparse is not None:
+        sp["custom_params"] = {"sparse": sparse}
+    return requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, **extra}, timeout=300)
+
+
+def _ids(resp: requests.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(model_dir, think_ids):
+    prompts = _prompts(think_ids)
+    with running_server(model_dir, "torch_native") as h:
+        return {name: _ids(_generate(h.url, ids)) for name, ids in prompts.items()}
+
+
+@pytest.fixture(scope="module")
+def sparse_server(model_dir):
+    with running_server(model_dir, "sgl_sparse") as h:
+        yield h
+
+
+def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
+    """One decode batch holding full, streaming and sadas requests (and a bad one)."""
+    prompts = _prompts(think_ids)
+    big = {"window": 4096}
+    cases = [
+        # (prompt, sparse metadata, expectation)
+        ("plain_a", None, "same"),
+        ("plain_b", {"policy": "full"}, "same"),
+        ("plain_c", "full", "same"),
+        ("plain_a", {"policy": "streaming", **big}, "same"),
+        ("plain_b", {"policy": "sadas", **big}, "same"),
+        ("thinking", {"policy": "sadas", **big, "sink": 0}, "same"),
+        ("concluded", {"policy": "sadas", "window": 8}, "same"),  # latched: full attention
+        ("plain_c", {"policy": "streaming", "window": 8, "sink": 4}, "differ"),
+        ("plain_a", {"policy": "streaming", "window": 16, "sink": 0}, "differ"),
+        ("thinking", {"policy": "sadas", "window": 8}, "differ"),
+        ("plain_b", {"policy": "streaming", "window": -1}, 400),
+        ("plain_c", {"policy": "quantum"}, 400),
+    ]
+    with cf.ThreadPoolExecutor(len(cases)) as ex:
+        futures = [ex.submit(_generate, sparse_server.url, prompts[p], s) for p, s, _ in cases]
+        results = [f.result() for f in futures]
+    for (prompt, sparse, expect), resp in zip(cases, results):
+        if expect == 400:
+            assert resp.status_code == 400, (sparse, resp.text)
+            assert "custom_params.sparse." in resp.text
+            continue
+        out = _ids(resp)
+        assert len(out) == NEW_TOKENS
+        if expect == "same":
+            assert out == stock_outputs[prompt], (prompt, sparse)
+        else:
+            assert out != stock_outputs[prompt], (prompt, sparse)
+    assert sparse_server.alive()
+
+
+def test_bad_metadata_names_field_and_allowed_values(sparse_server):
+    r = _generate(sparse_server.url, [5, 6, 7], {"policy": "fast"})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "custom_params.sparse.policy" in msg and "full, streaming, sadas" in msg
+    r = _generate(sparse_server.url, [5, 6, 7], {"policy": "streaming", "windw": 5})
+    assert r.status_code == 400 and "custom_params.sparse.windw: unknown field" in r.text
+    # the server keeps serving
+    assert _generate(sparse_server.url, [5, 6, 7], {"policy": "streaming"}).status_code == 200
+
+
+def test_openai_api_extra_body(sparse_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=sparse_server.url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "tell me a story about a long context"}]
+    dense = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0)
+    same = client.chat.completions.create(
+        model="m", messages=msgs, max_tokens=12, temperature=0,
+        extra_body={"custom_params": {"sparse": {"policy": "streaming", "window": 4096}}},
+    )
+    assert same.choices[0].message.content == dense.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=4,
+            extra_body={"custom_params": {"sparse": {"policy": "sadas", "window": 0}}},
+        )
+    assert "custom_params.sparse.window" in str(e.value)
+
+
+def test_radix_cache_hits_stay_exact(sparse_server, stock_outputs, think_ids):
+    """A prefix hit reuses cached KV; `full` output must still equal the stock run,
+    also right after a sparse request decoded the same prompt."""
+    ids = _prompts(think_ids)["plain_a"]
+    assert _ids(_generate(sparse_server.url, ids, {"policy": "streaming", "window": 8})) != stock_outputs["plain_a"]
+    first = _generate(sparse_server.url, ids, {"policy": "full"})
+    again = _generate(sparse_server.url, ids, {"policy": "full"})
+    assert _ids(first) == stock_outputs["plain_a"]
+    assert _ids(again) == stock_outputs["plain_a"]
+    assert again.json()["meta_info"]["cached_tokens"] > 0
+    # a longer prompt sharing the cached prefix: hit on the prefix, extend the rest
+    longer = ids + ids[:40]
+    hit = _generate(sparse_server.url, longer, {"policy": "full"})
+    assert hit.json()["meta_info"]["cached_tokens"] >= len(ids) - 1
+    assert len(_ids(hit)) == NEW_TOKENS
+
+
+def test_client_abort_mid_stream_keeps_serving(sparse_server, stock_outputs, think_ids):
+    ids = _prompts(think_ids)["plain_b"]
+    sp = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True,
+          "custom_params": {"sparse": {"policy": "sadas", "window": 8}}}
+    with requests.post(sparse_server.url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
+                       stream=True, timeout=300) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # drop the connection mid-generation
+    assert _ids(_generate(sparse_server.url, ids, {"policy": "full"})) == stock_outputs["plain_b"]
