@@ -46,6 +46,12 @@ SERVER_ARGS_RESOLVED_TARGET = (
 )
 
 
+# 0.5.17 decides whether SGLang's own Triton helpers (e.g. the req_to_token writer)
+# may run from the attention backend's *name* only; 0.5.23 also asks the platform,
+# so a CPU server never reaches Triton. On 0.5.17 the plugin answers for its name.
+SUPPORT_TRITON_TARGET = None if SGLANG_AT_LEAST_0_5_23 else "sglang.srt.utils.common.support_triton"
+
+
 # ReqToTokenPool method through which a finished/aborted/retracted request's row
 # goes back to the free list: 0.5.17 `free(req)`; 0.5.23 `free(req)` calls
 # `free_rows(indices)`, which beam search also uses directly.

@@ -79,8 +79,10 @@ class SparseServerConfig(_Strict):
     think_end_token: str = "</think>"
     think_start_id: Optional[int] = Field(None, ge=0)
     think_end_id: Optional[int] = Field(None, ge=0)
-    # Filled at start-up, not by users: policies this server cannot run, with why.
+    # Filled at start-up, not by users: policies this server cannot run, with why,
+    # and the device the server runs on.
     unavailable: dict[str, str] = Field(default_factory=dict)
+    device: Optional[str] = None
 
     def defaults_for(self, name: str) -> dict[str, Any]:
         model = getattr(self.policies, name, None)

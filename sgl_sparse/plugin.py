@@ -9,6 +9,7 @@ touches attention or request metadata and loads no plugins.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -56,6 +57,8 @@ def register() -> None:
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
     ]
+    if compat.SUPPORT_TRITON_TARGET:
+        hooks.append((compat.SUPPORT_TRITON_TARGET, support_triton, HookType.AROUND))
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
 
@@ -121,7 +124,9 @@ def server_args_resolved(_result, server_args) -> None:
         server_args.tokenizer_path or server_args.model_path,
         getattr(server_args, "trust_remote_code", False),
     )
-    if getattr(server_args, "device", "cuda") != "cpu":
+    device = getattr(server_args, "device", None) or "cuda"
+    cfg = cfg.model_copy(update={"device": device})
+    if device != "cpu":
         # The GPU sparse-decode kernel is not wired into the backend yet: refuse
         # sparse policies (HTTP 400) rather than serve them densely in disguise.
         why = "sparse decode on CUDA is not available in this release (CPU only)"
@@ -130,6 +135,17 @@ def server_args_resolved(_result, server_args) -> None:
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _device_of_config(raw: Optional[str]) -> Optional[str]:
+    return config_from_env().device if raw else None
+
+
+def support_triton(original, backend: str, *args, **kwargs) -> bool:
+    if backend == BACKEND_NAME:
+        return _device_of_config(os.environ.get(ENV_CONFIG)) not in (None, "cpu")
+    return original(backend, *args, **kwargs)
 
 
 def _die(msg: str) -> None:
