@@ -4,8 +4,10 @@ Data path, top to bottom:
   request metadata  -> admission.rows_for_batch (host, when a request enters a batch)
   policy state      -> SparseState rows, indexed by req_pool_idx (device)
   per-step decision -> decision.plan_decode (device, once per decode step)
-  kernel            -> reference.decode_attention on CPU; on CUDA, FlashInfer for
-                       dense work (prefill/extend and all-`full` decode)
+  kernel            -> CPU: reference.decode_attention;
+                       CUDA: the two-segment Triton kernel (one launch for the
+                       whole mixed-policy batch, `full` included), FlashInfer
+                       for prefill/extend
 """
 
 from __future__ import annotations
@@ -50,14 +52,27 @@ class SparseAttnBackend(AttentionBackend):
         self.config = self.state.config
         self.think_ids = self.state.think_ids
         self.plan: Optional[DecodePlan] = None
+        # KV heads of this rank, as the pool stores them.
+        self._num_kv_heads = self.token_to_kv_pool.get_key_buffer(0).shape[1]
 
-        # Dense work on CUDA goes through SGLang's own FlashInfer backend, so
-        # `full` is exactly the stock flashinfer path. On CPU the reference path.
+        # Prefill/extend on CUDA goes through SGLang's own FlashInfer backend;
+        # decode through our kernel. On CPU everything takes the reference path.
         self.dense: Optional[AttentionBackend] = None
         if self.device.type == "cuda":
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
             self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
+            kv_dtype = self.token_to_kv_pool.get_key_buffer(0).dtype
+            if kv_dtype != model_runner.dtype:
+                raise ValueError(
+                    f"--attention-backend sgl_sparse: KV cache dtype {kv_dtype} must equal the "
+                    f"model dtype {model_runner.dtype} (quantized KV caches are not supported yet)"
+                )
+            # Segment A of every request is read in place from the pool for now
+            # (sink tokens): an empty one-slot compact buffer stands in.
+            kv = self.token_to_kv_pool.get_key_buffer(0)
+            self._no_compact = kv.new_zeros((1, kv.shape[1], 1, kv.shape[2]))
+            self._max_kv_len = self.req_to_token_pool.req_to_token.shape[1]
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -71,15 +86,10 @@ class SparseAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         self.state.admit_queued()
-        if self.dense is not None:
-            if forward_batch.forward_mode.is_decode() or in_capture:
-                self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-            else:
-                self.dense.init_forward_metadata(forward_batch)
+        if self.dense is not None and not forward_batch.forward_mode.is_decode_or_idle():
+            self.dense.init_forward_metadata(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        if self.dense is not None and forward_batch.forward_mode.is_decode():
-            self.dense.init_forward_metadata_in_graph(forward_batch)
         if forward_batch.forward_mode.is_decode():
             self.plan = plan_decode(
                 self.state,
@@ -87,22 +97,22 @@ class SparseAttnBackend(AttentionBackend):
                 forward_batch.input_ids,
                 forward_batch.seq_lens,
                 self.think_ids,
+                num_kv_heads=self._num_kv_heads,
             )
         else:
             self.plan = None
 
-    # ---- CUDA graphs: the dense backend owns the captured buffers ---------------
+    # ---- CUDA graphs --------------------------------------------------------------
+    # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor
+    # they read is the runner's static input buffer or allocated during capture,
+    # so a replay recomputes each request's plan from the current inputs.
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.dense is None:
             raise RuntimeError("sgl_sparse: CUDA graphs need a CUDA device")
-        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self):
-        return self.dense.get_cuda_graph_seq_len_fill_value() if self.dense else 1
-
-    def on_after_cuda_graph_warmup(self):
-        if self.dense is not None:
-            self.dense.on_after_cuda_graph_warmup()
+        # Padded slots attend one key of row 0 (SGLang's padding row): finite output.
+        return 1
 
     # ---- forward -------------------------------------------------------------------
     def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
@@ -136,9 +146,7 @@ class SparseAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs):
         if self.dense is not None:
-            # GPU sparse decode (two-segment Triton kernel) lands with the GPU
-            # path; until then CUDA serves every policy densely and says so.
-            return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return self._forward_decode_cuda(q, k, v, layer, forward_batch, save_kv_cache)
         self._save_kv(layer, forward_batch, k, v, save_kv_cache)
         q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
@@ -154,6 +162,27 @@ class SparseAttnBackend(AttentionBackend):
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
         )
         return o
+
+    def _forward_decode_cuda(self, q, k, v, layer, forward_batch, save_kv_cache):
+        from sgl_sparse.kernels import two_segment_decode
+
+        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        plan = self.plan
+        bs = plan.b_end.shape[0]
+        q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
+        o = two_segment_decode(
+            q3,
+            self._no_compact, self._no_compact,
+            plan.a_slot, plan.a_len_per_head,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            plan.b_start, plan.b_end,
+            layer.scaling,
+            max_kv_len=self._max_kv_len,
+        )
+        return o.view(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):
         return self.dense is not None

@@ -30,6 +30,11 @@ class DecodePlan:
     a_len: torch.Tensor
     b_start: torch.Tensor
     b_end: torch.Tensor
+    # Kernel-facing forms (filled when the caller gives num_kv_heads): segment A's
+    # compact-buffer slot per request (-1: read positions [0, a_len) in place from
+    # the pool) and its length per KV head.
+    a_slot: Optional[torch.Tensor] = None
+    a_len_per_head: Optional[torch.Tensor] = None
 
     def attended(self) -> torch.Tensor:
         return self.a_len + (self.b_end - self.b_start)
@@ -41,6 +46,7 @@ def plan_decode(
     last_token: torch.Tensor,
     seq_lens: torch.Tensor,
     think_ids: tuple[Optional[int], Optional[int]],
+    num_kv_heads: Optional[int] = None,
 ) -> DecodePlan:
     rows = req_pool_indices.long()
     step = StepInputs(
@@ -71,4 +77,8 @@ def plan_decode(
     zero = torch.zeros_like(n)
     b_start = torch.where(windowed, torch.clamp(n - step.window, min=0), zero)
     a_len = torch.where(windowed, torch.minimum(step.sink, b_start), zero)
-    return DecodePlan(a_len=a_len, b_start=b_start, b_end=n)
+    plan = DecodePlan(a_len=a_len, b_start=b_start, b_end=n)
+    if num_kv_heads is not None:
+        plan.a_slot = torch.full_like(n, -1)
+        plan.a_len_per_head = a_len[:, None].expand(-1, num_kv_heads).contiguous()
+    return plan

@@ -126,11 +126,6 @@ def server_args_resolved(_result, server_args) -> None:
     )
     device = getattr(server_args, "device", None) or "cuda"
     cfg = cfg.model_copy(update={"device": device})
-    if device != "cpu":
-        # The GPU sparse-decode kernel is not wired into the backend yet: refuse
-        # sparse policies (HTTP 400) rather than serve them densely in disguise.
-        why = "sparse decode on CUDA is not available in this release (CPU only)"
-        cfg = cfg.model_copy(update={"unavailable": {"streaming": why, "sadas": why}})
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")

@@ -1,0 +1,25 @@
+"""Triton kernels for sparse decode (packaged as ``sgl_sparse.kernels``).
+
+Public API:
+
+* :func:`two_segment_decode` -- one-launch split-KV decode attention over a
+  compact segment (A) plus an in-place paged position range (B).
+* :func:`pack_compact` -- gather selected positions from the paged pool into
+  the compact buffer.
+* :func:`choose_num_splits` -- the static split heuristic used by the above.
+* Plain-PyTorch references: :func:`two_segment_decode_ref`,
+  :func:`pack_compact_ref`, :func:`dense_decode_ref`.
+"""
+
+from .pack_compact import pack_compact
+from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
+from .two_segment_decode import choose_num_splits, two_segment_decode
+
+__all__ = [
+    "two_segment_decode",
+    "pack_compact",
+    "choose_num_splits",
+    "two_segment_decode_ref",
+    "pack_compact_ref",
+    "dense_decode_ref",
+]

@@ -1,0 +1,57 @@
+"""Small host-side helpers shared by the kernels in this package.
+
+Nothing in here touches tensor *data* on the host: everything is derived from
+shapes, dtypes, devices or environment variables, so that the kernel launch
+paths that use these helpers stay CUDA-graph capturable (no ``.item()``, no
+``.tolist()``, no device->host copies).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Number of "SMs" we pretend to have when running on the CPU interpreter. Only
+# used by the split heuristic; kept small so interpreter runs stay cheap.
+CPU_FAKE_NUM_SMS = 4
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run in the numpy interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_num_sms(device: torch.device) -> int:
+    """Streaming-multiprocessor count of ``device`` (cached; host-only query)."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_num_sms(idx)
+    return CPU_FAKE_NUM_SMS
+
+
+def needs_fp32_dot(dtype: torch.dtype) -> bool:
+    """Work around a Triton interpreter bug (present in triton 3.6).
+
+    The interpreter stores bf16 values as raw ``uint16`` bit patterns and its
+    ``tl.dot`` calls ``np.matmul`` directly on those bits, producing garbage
+    (~1e10). Compiled GPU code is unaffected. When interpreting bf16 we
+    therefore up-cast dot operands to fp32 *after* every rounding step the GPU
+    kernel performs (e.g. ``p.to(bf16)``), so the interpreter still reproduces
+    the GPU numerics faithfully.
+    """
+    return is_interpreter() and dtype == torch.bfloat16
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,181 @@
+"""Plain-PyTorch references for the kernels in this package.
+
+Written for obviousness, not speed: explicit Python loops over requests and
+KV heads, explicit gathers, and float64 (CPU) / float32 (CUDA) math. They do
+host syncs (``.item()``) freely and must never be used in a serving path.
+
+The references return **float32** outputs (more precise than the kernels,
+which round to the input dtype), so tests can measure the kernels' error.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+__all__ = ["two_segment_decode_ref", "pack_compact_ref", "dense_decode_ref"]
+
+
+def _default_compute_dtype(device: torch.device) -> torch.dtype:
+    # float64 is exact enough to be "the truth" and cheap on CPU; on GPUs fp64
+    # can be slow, and fp32 is still ~100x more precise than bf16.
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
+    """Softmax attention of G query rows over L keys, in the dtype of q.
+
+    q: [G, D], k/v: [L, D]. Returns (out [G, D], lse [G]) with natural-log
+    LSE; with L == 0 returns zeros and -inf.
+    """
+    if k.shape[0] == 0:
+        return torch.zeros_like(q), torch.full(q.shape[:1], float("-inf"), dtype=q.dtype, device=q.device)
+    scores = (q @ k.T) * sm_scale  # [G, L]
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[:, None])
+    return p @ v, lse
+
+
+def two_segment_decode_ref(
+    q: torch.Tensor,
+    a_k: torch.Tensor,
+    a_v: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    b_start: torch.Tensor,
+    b_end: torch.Tensor,
+    sm_scale: float,
+    *,
+    return_lse: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+    **_tuning_kwargs,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Reference for :func:`two_segment_decode` (same positional signature).
+
+    Keys of request b, KV head h are ``a_k[a_slot[b], h, :a_len[b, h]]`` (or, when
+    ``a_slot[b] < 0``, pool positions ``[0, min(a_len[b, h], b_start[b]))``)
+    followed by ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
+    Kernel tuning kwargs (num_splits, block_n, ...) are accepted and ignored.
+    Returns float32 ``o [bs, Hq, D]`` (and natural-log ``lse [bs, Hq]``).
+    """
+    cd = compute_dtype or _default_compute_dtype(q.device)
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    cap = a_k.shape[2]
+
+    out = torch.zeros((bs, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((bs, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(bs):
+        rp = int(req_pool_idx[b].item())
+        s, e = int(b_start[b].item()), int(b_end[b].item())
+        b_tokens = req_to_token[rp, s:e].long() if e > s else req_to_token.new_zeros(0).long()
+        slot = int(a_slot[b].item())
+        for h in range(num_kv_heads):
+            n_a = min(max(int(a_len[b, h].item()), 0), s if slot < 0 else cap)
+            if n_a > 0 and slot < 0:  # in place: positions [0, n_a) of the pool
+                a_tokens = req_to_token[rp, :n_a].long()
+                ka, va = k_pool[a_tokens, h], v_pool[a_tokens, h]
+            elif n_a > 0:
+                ka, va = a_k[slot, h, :n_a], a_v[slot, h, :n_a]
+            else:  # a_slot may be garbage here: do not touch it
+                ka = a_k.new_zeros((0, head_dim))
+                va = a_v.new_zeros((0, head_dim))
+            k = torch.cat([ka, k_pool[b_tokens, h]], dim=0).to(cd)
+            v = torch.cat([va, v_pool[b_tokens, h]], dim=0).to(cd)
+            heads = slice(h * group, (h + 1) * group)
+            o_bh, lse_bh = _attend(q[b, heads].to(cd), k, v, sm_scale)
+            out[b, heads] = o_bh.float()
+            lse[b, heads] = lse_bh.float()
+    if return_lse:
+        return out, lse
+    return out
+
+
+def dense_decode_ref(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    return_lse: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Full (dense) decode attention over positions ``[0, seq_lens[b])``.
+
+    Same conventions as SGLang's paged KV pool with page_size 1. GQA: query
+    head ``j`` uses KV head ``j // (Hq / Hkv)``. Returns float32.
+    """
+    cd = compute_dtype or _default_compute_dtype(q.device)
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros((bs, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((bs, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(bs):
+        n = int(seq_lens[b].item())
+        if n == 0:
+            continue
+        tokens = req_to_token[int(req_pool_idx[b].item()), :n].long()
+        k = k_pool[tokens].to(cd)  # [n, Hkv, D]
+        v = v_pool[tokens].to(cd)
+        qb = q[b].to(cd).view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale
+        l = torch.logsumexp(scores, dim=-1)  # [Hkv, G]
+        p = torch.exp(scores - l[..., None])
+        o = torch.einsum("hgn,nhd->hgd", p, v)
+        out[b] = o.reshape(num_q_heads, head_dim).float()
+        lse[b] = l.reshape(num_q_heads).float()
+    if return_lse:
+        return out, lse
+    return out
+
+
+def pack_compact_ref(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    sel_pos: torch.Tensor,
+    sel_len: torch.Tensor,
+    do_pack: torch.Tensor,
+    a_k: torch.Tensor,
+    a_v: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+    **_tuning_kwargs,
+) -> None:
+    """Reference for :func:`pack_compact` (same positional signature; in place).
+
+    For every request b with ``do_pack[b]`` and every KV head h, with
+    ``n = clamp(sel_len[b, h], 0, cap)``::
+
+        a_k[a_slot[b], h, i] = k_pool[req_to_token[req_pool_idx[b], sel_pos[b, h, i]], h]
+        a_v[...]             = v_pool[...]                    for i < n
+        a_len[b, h] = n
+
+    Rows ``>= n`` of the slot and all requests without ``do_pack`` are left
+    untouched.
+    """
+    bs, num_kv_heads, cap = sel_pos.shape
+    for b in range(bs):
+        if not bool(do_pack[b].item()):
+            continue
+        rp = int(req_pool_idx[b].item())
+        slot = int(a_slot[b].item())
+        for h in range(num_kv_heads):
+            n = min(max(int(sel_len[b, h].item()), 0), cap)
+            a_len[b, h] = n
+            if n == 0:
+                continue
+            tokens = req_to_token[rp, sel_pos[b, h, :n].long()].long()
+            a_k[slot, h, :n] = k_pool[tokens, h]
+            a_v[slot, h, :n] = v_pool[tokens, h]

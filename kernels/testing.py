@@ -1,0 +1,349 @@
+"""Random problem builders shared by the kernel tests and benchmarks.
+
+Every builder draws *fresh* random data (``torch.randn``; never zeros), lays
+requests out at random rows of ``req_to_token`` and maps their positions to a
+random permutation of pool slots, so that ``req_to_token`` is non-contiguous
+and any indexing mistake shows up as a numerical mismatch. Entries that a
+correct kernel must not read (``req_to_token`` beyond a request's length,
+compact-buffer rows beyond ``a_len``) are filled with valid-but-wrong data
+rather than left empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "DecodeCase",
+    "PackCase",
+    "make_decode_case",
+    "make_pack_case",
+    "policy_segments",
+    "rel_error",
+]
+
+IntOrPerHead = Union[int, Sequence[int]]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are exactly zero)."""
+    out = out.double()
+    ref = ref.double()
+    num = torch.linalg.vector_norm(out - ref).item()
+    den = torch.linalg.vector_norm(ref).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+@dataclass
+class DecodeCase:
+    q: torch.Tensor
+    a_k: torch.Tensor
+    a_v: torch.Tensor
+    a_slot: torch.Tensor
+    a_len: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_idx: torch.Tensor
+    b_start: torch.Tensor
+    b_end: torch.Tensor
+    sm_scale: float
+    seq_lens: torch.Tensor  # [bs] int32, length of each request's sequence
+    meta: dict = field(default_factory=dict)
+
+    def args(self) -> tuple:
+        """Positional arguments of two_segment_decode / two_segment_decode_ref."""
+        return (
+            self.q,
+            self.a_k,
+            self.a_v,
+            self.a_slot,
+            self.a_len,
+            self.k_pool,
+            self.v_pool,
+            self.req_to_token,
+            self.req_pool_idx,
+            self.b_start,
+            self.b_end,
+            self.sm_scale,
+        )
+
+    def kv_lens(self) -> torch.Tensor:
+        """[bs, Hkv] number of keys each (request, KV head) attends to."""
+        cap = self.a_k.shape[2]
+        b_len = (self.b_end - self.b_start).clamp_min(0).to(torch.int64)
+        return self.a_len.to(torch.int64).clamp(0, cap) + b_len[:, None]
+
+
+def _per_head(x: IntOrPerHead, num_kv_heads: int) -> List[int]:
+    if isinstance(x, int):
+        return [x] * num_kv_heads
+    x = [int(v) for v in x]
+    assert len(x) == num_kv_heads, f"expected {num_kv_heads} per-head values, got {len(x)}"
+    return x
+
+
+def _layout_requests(
+    seq_lens: Sequence[int],
+    *,
+    max_ctx: int,
+    max_reqs: int,
+    extra_pool_tokens: int,
+    device,
+    gen: torch.Generator,
+    pool_layout: str = "random",
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Random req_pool rows and pool slots -> (req_to_token, req_pool_idx, N).
+
+    ``pool_layout="random"``: positions map to a random permutation of pool
+    slots (worst case: every K/V row is a separate random access).
+    ``"contiguous"``: each request owns a run of consecutive slots (best
+    case, like a freshly allocated pool).
+    """
+    assert pool_layout in ("random", "contiguous")
+    bs = len(seq_lens)
+    total = int(sum(seq_lens))
+    num_tokens = total + extra_pool_tokens
+    # Unused entries point at random *valid* slots: reading them is a wrong
+    # answer, not a crash.
+    req_to_token = torch.randint(0, num_tokens, (max_reqs, max_ctx), generator=gen, device=device, dtype=torch.int32)
+    req_pool_idx = torch.randperm(max_reqs, generator=gen, device=device)[:bs].to(torch.int64)
+    if pool_layout == "random":
+        perm = torch.randperm(num_tokens, generator=gen, device=device).to(torch.int32)
+    else:
+        perm = torch.arange(num_tokens, device=device, dtype=torch.int32)
+    off = 0
+    for b, n in enumerate(seq_lens):
+        n = int(n)
+        if n > 0:
+            row = int(req_pool_idx[b].item())
+            req_to_token[row, :n] = perm[off : off + n]
+            off += n
+    return req_to_token, req_pool_idx, num_tokens
+
+
+def make_decode_case(
+    seq_lens: Sequence[int],
+    a_lens: Sequence[IntOrPerHead],
+    b_ranges: Sequence[Tuple[int, int]],
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    cap: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    max_ctx: Optional[int] = None,
+    max_reqs: Optional[int] = None,
+    num_slots: Optional[int] = None,
+    q_scale: float = 1.0,
+    empty_slot_value: Optional[int] = -1,
+    req_pool_idx_dtype: torch.dtype = torch.int64,
+    extra_pool_tokens: int = 7,
+    pool_layout: str = "random",
+) -> DecodeCase:
+    """Build a random two-segment decode problem.
+
+    Args:
+        seq_lens: per-request sequence length (positions ``[0, n)`` exist in the pool).
+        a_lens: per-request segment-A length, an int or one int per KV head.
+        b_ranges: per-request ``(b_start, b_end)`` with ``0 <= b_start <= b_end <= n``.
+        q_scale: multiply q (peakier softmax for values > 1).
+        empty_slot_value: a_slot given to requests whose a_len is 0 for every
+            head (the kernel must ignore it); ``None`` keeps a real slot.
+        pool_layout: ``"random"`` (default) or ``"contiguous"`` pool slots.
+    """
+    device = torch.device(device)
+    bs = len(seq_lens)
+    assert len(a_lens) == bs and len(b_ranges) == bs
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    max_ctx = max_ctx or max(8, max(int(n) for n in seq_lens) + 5)
+    max_reqs = max_reqs or bs + 3
+    num_slots = num_slots or bs + 2
+    hq = num_kv_heads * group
+
+    req_to_token, req_pool_idx, num_tokens = _layout_requests(
+        seq_lens, max_ctx=max_ctx, max_reqs=max_reqs, extra_pool_tokens=extra_pool_tokens, device=device, gen=gen,
+        pool_layout=pool_layout,
+    )
+
+    def randn(*shape):
+        # Directly in the target dtype: no fp32 temporary (matters at 128K x 32).
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    q = (torch.randn(bs, hq, head_dim, generator=gen, device=device) * q_scale).to(dtype)
+    k_pool = randn(num_tokens, num_kv_heads, head_dim)
+    v_pool = randn(num_tokens, num_kv_heads, head_dim)
+    # Rows beyond a_len hold random data too: reading them would be wrong.
+    a_k = randn(num_slots, num_kv_heads, cap, head_dim)
+    a_v = randn(num_slots, num_kv_heads, cap, head_dim)
+
+    a_len_rows = [_per_head(x, num_kv_heads) for x in a_lens]
+    for row in a_len_rows:
+        assert all(0 <= x <= cap for x in row), f"a_len must be in [0, {cap}]"
+    a_len = torch.tensor(a_len_rows, dtype=torch.int32, device=device).view(bs, num_kv_heads)
+    a_slot = torch.randperm(num_slots, generator=gen, device=device)[:bs].to(torch.int32)
+    if empty_slot_value is not None:
+        for b, row in enumerate(a_len_rows):
+            if max(row) == 0:
+                a_slot[b] = empty_slot_value
+
+    for (s, e), n in zip(b_ranges, seq_lens):
+        assert 0 <= s <= e <= n, f"bad segment-B range {(s, e)} for seq_len {n}"
+    b_start = torch.tensor([s for s, _ in b_ranges], dtype=torch.int32, device=device)
+    b_end = torch.tensor([e for _, e in b_ranges], dtype=torch.int32, device=device)
+
+    return DecodeCase(
+        q=q,
+        a_k=a_k,
+        a_v=a_v,
+        a_slot=a_slot,
+        a_len=a_len,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        req_to_token=req_to_token,
+        req_pool_idx=req_pool_idx.to(req_pool_idx_dtype),
+        b_start=b_start,
+        b_end=b_end,
+        sm_scale=head_dim**-0.5,
+        seq_lens=torch.tensor([int(n) for n in seq_lens], dtype=torch.int32, device=device),
+        meta=dict(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, cap=cap, dtype=dtype),
+    )
+
+
+def policy_segments(policy: str, seq_len: int, budget: int = 0, *, sink: int = 4, recent: int = 256):
+    """(a_len, (b_start, b_end)) of one request under a named policy.
+
+    * ``"dense"``: A empty, B = [0, n).
+    * ``"sink_window"``: A = ``sink`` sink tokens, B = the last ``budget - sink`` positions.
+    * ``"select_recent"``: B = the last ``min(recent, budget // 2)`` positions and
+      A = sink + selected tokens for the rest of ``budget``.
+    * ``"empty"``: no keys at all.
+    Lengths are clipped so that A + B never exceeds the sequence.
+    """
+    n = int(seq_len)
+    if policy == "dense":
+        return 0, (0, n)
+    if policy == "empty":
+        return 0, (n, n)
+    budget = min(int(budget), n)
+    if policy == "sink_window":
+        a = min(sink, budget)
+        w = budget - a
+        return a, (n - w, n)
+    if policy == "select_recent":
+        r = min(recent, budget // 2)
+        return budget - r, (n - r, n)
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+@dataclass
+class PackCase:
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_idx: torch.Tensor
+    sel_pos: torch.Tensor
+    sel_len: torch.Tensor
+    do_pack: torch.Tensor
+    a_k: torch.Tensor
+    a_v: torch.Tensor
+    a_slot: torch.Tensor
+    a_len: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def args(self) -> tuple:
+        """Positional arguments of pack_compact / pack_compact_ref."""
+        return (
+            self.k_pool,
+            self.v_pool,
+            self.req_to_token,
+            self.req_pool_idx,
+            self.sel_pos,
+            self.sel_len,
+            self.do_pack,
+            self.a_k,
+            self.a_v,
+            self.a_slot,
+            self.a_len,
+        )
+
+    def clone_outputs(self) -> "PackCase":
+        """Same inputs, private copies of the in-place outputs (a_k, a_v, a_len)."""
+        return PackCase(**{**self.__dict__, "a_k": self.a_k.clone(), "a_v": self.a_v.clone(), "a_len": self.a_len.clone()})
+
+
+def make_pack_case(
+    seq_lens: Sequence[int],
+    sel_lens: Sequence[IntOrPerHead],
+    do_pack: Sequence[bool],
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    cap: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    num_slots: Optional[int] = None,
+    max_reqs: Optional[int] = None,
+    sorted_positions: bool = True,
+) -> PackCase:
+    """Random pack problem: unique random positions per (request, head).
+
+    Unused ``sel_pos`` entries (beyond ``sel_len``) hold out-of-range garbage
+    so that reading them would fault or mismatch; ``a_len`` starts at random
+    values so that the test sees which entries were (not) updated.
+    """
+    device = torch.device(device)
+    bs = len(seq_lens)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    max_ctx = max(8, max(int(n) for n in seq_lens) + 5)
+    max_reqs = max_reqs or bs + 3
+    num_slots = num_slots or bs + 2
+    req_to_token, req_pool_idx, num_tokens = _layout_requests(
+        seq_lens, max_ctx=max_ctx, max_reqs=max_reqs, extra_pool_tokens=7, device=device, gen=gen
+    )
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    k_pool = randn(num_tokens, num_kv_heads, head_dim)
+    v_pool = randn(num_tokens, num_kv_heads, head_dim)
+    a_k = randn(num_slots, num_kv_heads, cap, head_dim)
+    a_v = randn(num_slots, num_kv_heads, cap, head_dim)
+
+    sel_pos = torch.full((bs, num_kv_heads, cap), 1 << 30, dtype=torch.int32, device=device)
+    sel_len_rows = [_per_head(x, num_kv_heads) for x in sel_lens]
+    for b, n in enumerate(seq_lens):
+        for h in range(num_kv_heads):
+            m = sel_len_rows[b][h]
+            assert 0 <= m <= min(cap, int(n)), "sel_len must be <= min(cap, seq_len)"
+            pos = torch.randperm(int(n), generator=gen, device=device)[:m]
+            if sorted_positions:
+                pos = pos.sort().values
+            sel_pos[b, h, :m] = pos.to(torch.int32)
+    sel_len = torch.tensor(sel_len_rows, dtype=torch.int32, device=device).view(bs, num_kv_heads)
+    a_len = torch.randint(0, cap + 1, (bs, num_kv_heads), generator=gen, device=device, dtype=torch.int32)
+    a_slot = torch.randperm(num_slots, generator=gen, device=device)[:bs].to(torch.int32)
+    return PackCase(
+        k_pool=k_pool,
+        v_pool=v_pool,
+        req_to_token=req_to_token,
+        req_pool_idx=req_pool_idx,
+        sel_pos=sel_pos,
+        sel_len=sel_len,
+        do_pack=torch.tensor([bool(x) for x in do_pack], dtype=torch.bool, device=device),
+        a_k=a_k,
+        a_v=a_v,
+        a_slot=a_slot,
+        a_len=a_len,
+        seq_lens=torch.tensor([int(n) for n in seq_lens], dtype=torch.int32, device=device),
+    )

@@ -1,0 +1,562 @@
+"""
+Two-segment sparse decode attention (one launch for a mixed-policy batch)
+==========================================================================
+
+Every decode request attends to the concatenation of two key segments:
+
+* **Segment A -- compact buffer.** A per-request, per-KV-head list of packed
+  K/V rows living in ``a_k``/``a_v`` ``[num_slots, Hkv, cap, D]`` at slot
+  ``a_slot[b]``; only the first ``a_len[b, h]`` rows are valid. Different KV
+  heads may keep a different number of tokens. This is where sparse policies
+  put "sink" tokens or top-k selected tokens (see ``pack_compact.py``).
+* **Segment B -- in-place range.** The contiguous *position* range
+  ``[b_start[b], b_end[b])`` of the request, read directly from SGLang's paged
+  KV pool (page_size 1) through ``req_to_token[req_pool_idx[b], pos]``. This
+  is the recent window, or the whole context ``[0, n)`` for dense requests.
+
+So one batch can mix dense requests (A empty, B = [0, n)), sink + window
+(A = sinks, B = window) and selected + recent (A = top-k, B = recent) and
+still be served by *one* kernel launch.
+
+Flash-decoding (split-KV)
+-------------------------
+Decode has one query token per request, so a (request, KV head) pair alone
+gives only ``bs * Hkv`` programs -- 8 for batch 1 of Qwen3-1.7B, far too few
+to fill 132 SMs. As in flash-decoding we cut the combined key range
+(A first, then B) of every request into ``num_splits`` chunks processed by
+separate programs (grid ``(bs, Hkv, num_splits)``); each writes an fp32
+partial output (already normalised by its own softmax denominator) plus its
+log-sum-exp. A second small kernel merges the partials with LSE weights.
+When ``num_splits == 1`` stage 1 writes the final output directly and the
+merge launch is skipped.
+
+CUDA-graph friendliness
+-----------------------
+The grid depends only on ``bs``, ``Hkv`` and ``num_splits``, and
+``num_splits`` is chosen on the host from *static* quantities only
+(``bs``, ``Hkv``, SM count and a static upper bound ``max_kv_len``). The
+actual per-request lengths are read *inside* the kernel, where each program
+derives its own chunk as ``ceil(kv_len / num_splits)`` (rounded to BLOCK_N,
+at least ``min_split_len``). That keeps the launch free of host syncs, lets a
+graph captured for a 128K upper bound still spread a 4K request over all
+splits, and means a wrong ``max_kv_len`` can only cost speed, never
+correctness (the chunks always tile the whole range). Programs whose chunk
+is empty write a zero partial with LSE = -inf, which the merge ignores.
+
+Numerics
+--------
+fp32 accumulation; online softmax in base 2 (``exp2``), with
+``sm_scale * log2(e)`` folded into a single multiply of the scores, as in the
+FlashAttention Triton tutorial. All ``G = Hq / Hkv`` query heads of a GQA
+group are processed by the same program as the rows of a ``[BLOCK_H, D]``
+tile, so every K/V row is loaded once per group and the scores are a
+tensor-core ``tl.dot``. ``BLOCK_H >= 16`` because ``tl.dot`` needs M >= 16;
+padding rows are zero queries that are never stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+
+__all__ = ["two_segment_decode", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+
+# Split heuristic knobs (see choose_num_splits()); tuned on an H100 (132 SMs),
+# see bench/kernels/bench_decode.py --sweep.
+MAX_SPLITS = 64
+DEFAULT_MIN_SPLIT_LEN = 128
+CTAS_PER_SM_TARGET = 2
+
+
+# -----------------------------------------------------------------------------
+# Device helpers
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr):
+    # FP32_DOT is only set under the CPU interpreter for bf16 (see
+    # _utils.needs_fp32_dot); compiled code always takes the native dot.
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
+    """One BLOCK_N step of the online softmax for a [BLOCK_H, D] query tile.
+
+    q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (input dtype),
+    mask_n: [BLOCK_N] valid keys. Scores live in the base-2 domain:
+    s = (q . k) * sm_scale * log2(e), so exp(x*sm_scale) == exp2(s).
+    Callers only pass blocks with at least one valid key, so the running max
+    is finite after the first step and no (-inf) - (-inf) = NaN can occur.
+    """
+    qk = _dot(q, tl.trans(k), FP32_DOT)  # [BLOCK_H, BLOCK_N] fp32
+    qk = qk * qk_scale
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # Rescale what we accumulated so far to the new max (alpha == 0 on the
+    # very first block, where m_i == -inf).
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to the V dtype so the PV product runs on tensor cores, the
+    # standard FlashAttention trade-off (error ~2^-9 relative, averaged out).
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+    return m_new, l_i, acc
+
+
+# -----------------------------------------------------------------------------
+# Stage 1: one program per (request, KV head, split)
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _two_segment_decode_stage1(
+    Q,
+    A_K,
+    A_V,
+    A_SLOT,
+    A_LEN,
+    K_POOL,
+    V_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    B_START,
+    B_END,
+    OUT,  # [bs, Hq, S, D] fp32 partials, or final [bs, Hq, D] when DIRECT
+    LSE,  # [bs, Hq, S] fp32 partial LSE (base 2), or final [bs, Hq] (natural log)
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_aks,
+    stride_akh,
+    stride_akn,
+    stride_avs,
+    stride_avh,
+    stride_avn,
+    stride_alen_b,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_r2t,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    A_CAP,
+    MIN_SPLIT_BLOCKS,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
+    # Clamp defensively so a bad descriptor can never read out of bounds.
+    a_len = tl.load(A_LEN + cur_b * stride_alen_b + cur_kvh)
+    b_start = tl.load(B_START + cur_b)
+    b_end = tl.load(B_END + cur_b)
+    # a_slot < 0: segment A is positions [0, a_len) read in place from the pool
+    # (sink tokens of window policies), which must end before segment B starts.
+    slot = tl.load(A_SLOT + cur_b).to(tl.int64)
+    a_in_pool = slot < 0
+    a_len = tl.minimum(tl.maximum(a_len, 0), tl.where(a_in_pool, b_start, A_CAP))
+    b_len = tl.maximum(b_end - b_start, 0)
+    kv_len = a_len + b_len  # combined key index space: [0, a_len) is A, rest is B
+
+    # ---- This program's chunk of the combined range. ----
+    # Chunks are a whole number of BLOCK_N blocks so segment-A loads stay
+    # aligned; every request is spread over all splits (down to a minimum
+    # chunk size), independent of the static max_kv_len used to size the grid.
+    n_blocks = tl.cdiv(kv_len, BLOCK_N)
+    blocks_per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_SPLIT_BLOCKS)
+    chunk_start = split * blocks_per_split * BLOCK_N
+    chunk_end = tl.minimum(chunk_start + blocks_per_split * BLOCK_N, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q_heads = cur_kvh * GROUP + offs_h  # the G query heads sharing this KV head
+
+    # Padding rows (offs_h >= GROUP) load zeros: their scores are 0, finite,
+    # and they are never stored.
+    q = tl.load(
+        Q + cur_b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    # ---- Segment A: contiguous rows of the compact buffer, or in place. ----
+    # a_slot is only dereferenced inside the loop, so it may hold garbage for
+    # requests whose a_len is 0. 64-bit offsets: a large compact buffer easily
+    # exceeds 2^31 elements.
+    a_hi = tl.minimum(chunk_end, a_len)
+    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+    if a_in_pool:
+        r2t_a = REQ_TO_TOKEN + req_row * stride_r2t
+        for n0 in range(chunk_start, a_hi, BLOCK_N):
+            offs = n0 + offs_n
+            mask_n = offs < a_hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            tok = tl.load(r2t_a + offs, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+    else:
+        ak_base = A_K + slot * stride_aks + cur_kvh * stride_akh
+        av_base = A_V + slot * stride_avs + cur_kvh * stride_avh
+        for n0 in range(chunk_start, a_hi, BLOCK_N):
+            offs = n0 + offs_n
+            mask_n = offs < a_hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(ak_base + offs[:, None] * stride_akn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(av_base + offs[:, None] * stride_avn + offs_d[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+
+    # ---- Segment B: position range gathered from the paged pool. ----
+    # Combined index i >= a_len maps to position b_start + (i - a_len), whose
+    # pool slot comes from the req_to_token row of this request.
+    b_lo = tl.maximum(chunk_start, a_len)
+    r2t_base = REQ_TO_TOKEN + req_row * stride_r2t + (b_start - a_len)
+    for n0 in range(b_lo, chunk_end, BLOCK_N):
+        offs = n0 + offs_n
+        mask_n = offs < chunk_end
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        tok = tl.load(r2t_base + offs, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+
+    # ---- Epilogue. Empty chunk (l_i == 0): output 0 and LSE -inf, no NaN. ----
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # base-2 LSE
+
+    store_mask = mask_h[:, None] & mask_d[None, :]
+    if DIRECT:
+        # Single split: this is already the final answer.
+        tl.store(
+            OUT + cur_b * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=store_mask,
+        )
+        if STORE_LSE:
+            tl.store(LSE + cur_b * stride_lb + q_heads * stride_lh, lse2 * 0.6931471805599453, mask=mask_h)
+    else:
+        tl.store(
+            OUT + cur_b * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+            out,
+            mask=store_mask,
+        )
+        tl.store(LSE + cur_b * stride_lb + q_heads * stride_lh + split, lse2, mask=mask_h)
+
+
+# -----------------------------------------------------------------------------
+# Stage 2: merge split partials by log-sum-exp, one program per (request, head)
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_splits_kernel(
+    MID_O,  # [bs, Hq, S, D] fp32
+    MID_LSE,  # [bs, Hq, S] fp32, base 2
+    O,  # [bs, Hq, D]
+    LSE,  # [bs, Hq] fp32 natural log (only if STORE_LSE)
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(MID_LSE + cur_b * stride_mlb + cur_h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    # All splits empty -> m == -inf; use 0 as the reference so that
+    # exp2(-inf - 0) == 0 rather than exp2(-inf - -inf) == NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits get weight exactly 0
+    denom = tl.sum(w, 0)
+
+    part = tl.load(
+        MID_O + cur_b * stride_mob + cur_h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    acc = tl.sum(part * w[:, None], 0)
+    has_keys = denom > 0.0
+    out = acc / tl.where(has_keys, denom, 1.0)
+    tl.store(O + cur_b * stride_ob + cur_h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    if STORE_LSE:
+        lse_out = tl.where(has_keys, (m + tl.log2(tl.where(has_keys, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + cur_b * stride_lb + cur_h * stride_lh, lse_out)
+
+
+# -----------------------------------------------------------------------------
+# Host side
+# -----------------------------------------------------------------------------
+
+
+def choose_num_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    num_sms: int,
+    *,
+    min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """Number of KV splits (grid dim 2) from *static* quantities only.
+
+    Aim for about CTAS_PER_SM_TARGET programs per SM in total (rounding
+    *down*): with BLOCK_N = 128 a program keeps 2 x 32 KiB of K/V in flight
+    per pipeline stage, so one or two resident programs per SM already
+    saturate HBM, while every extra split costs a partial-output write, a
+    longer merge and, past one full wave, a tail. On an H100 this measured
+    best: e.g. batch 32 x 8 KV heads -> 1 split (no merge launch), batch 8 ->
+    4, batch 1 -> 33. Never create more splits than ``max_kv_len /
+    min_split_len`` and cap at ``max_splits`` (bounds the fp32 workspace and
+    the merge's BLOCK_S).
+    """
+    programs = max(1, batch_size * num_kv_heads)
+    want = (num_sms * CTAS_PER_SM_TARGET) // programs
+    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    return int(max(1, min(want, by_len, max_splits)))
+
+
+def _default_block_n(head_dim: int) -> int:
+    # 128 keys x 128 dims x 2 B = 32 KiB per K (and V) tile. Measured on an
+    # H100 (bf16, D=128): 128 beat 64 and 32 at every dense shape and gave
+    # ~99% of copy bandwidth at large batch; larger heads halve it to stay
+    # within shared memory with num_stages=2.
+    return 128 if head_dim <= 128 else 64
+
+
+def two_segment_decode(
+    q: torch.Tensor,
+    a_k: torch.Tensor,
+    a_v: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    b_start: torch.Tensor,
+    b_end: torch.Tensor,
+    sm_scale: float,
+    *,
+    max_kv_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+    return_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Sparse decode attention over segment A (compact) + segment B (paged range).
+
+    Args:
+        q: ``[bs, Hq, D]`` bf16/fp16, ``Hq = G * Hkv``.
+        a_k, a_v: ``[num_slots, Hkv, cap, D]`` compact buffers (same dtype as q).
+        a_slot: ``[bs]`` int32 slot of each request (ignored where a_len == 0);
+            ``-1``: segment A is positions ``[0, a_len)`` read in place from the
+            pool through ``req_to_token`` (sink tokens), clamped to ``b_start``.
+        a_len: ``[bs, Hkv]`` int32 valid rows per request and KV head (0..cap).
+        k_pool, v_pool: ``[num_tokens_total, Hkv, D]`` paged KV pool (page_size 1).
+        req_to_token: ``[max_reqs, max_ctx]`` int32 (req_pool_idx, pos) -> pool slot.
+        req_pool_idx: ``[bs]`` int32/int64.
+        b_start, b_end: ``[bs]`` int32; segment B is positions ``[b_start, b_end)``.
+        sm_scale: softmax scale (usually ``D ** -0.5``).
+        max_kv_len: static upper bound on ``a_len + (b_end - b_start)``; only used
+            to choose ``num_splits``. Defaults to ``cap + max_ctx`` (from shapes).
+            Keep it fixed per CUDA graph. A too-small value costs speed only.
+        num_splits: override the split heuristic (grid dim 2).
+        num_sms: SM count for the heuristic (default: queried from the device).
+        min_split_len: smallest chunk (in keys) a split is given.
+        return_lse: also return the natural-log LSE ``[bs, Hq]`` fp32
+            (``-inf`` for requests with no keys).
+        out: optional preallocated ``[bs, Hq, D]`` output.
+        block_n, num_warps, num_stages: Triton tuning knobs.
+
+    Returns:
+        ``o`` ``[bs, Hq, D]`` (dtype of q), or ``(o, lse)`` if ``return_lse``.
+        A request with zero keys gets ``o == 0`` and ``lse == -inf``.
+
+    Launches 1 kernel (num_splits == 1) or 2 kernels, with no host sync; the
+    grid depends only on ``bs``, ``Hkv`` and ``num_splits``.
+    """
+    assert q.dim() == 3 and k_pool.dim() == 3 and a_k.dim() == 4
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    group = num_q_heads // num_kv_heads
+    assert k_pool.shape[2] == head_dim and v_pool.shape == k_pool.shape
+    assert a_k.shape[1] == num_kv_heads and a_k.shape[3] == head_dim and a_v.shape == a_k.shape
+    assert k_pool.dtype == q.dtype and a_k.dtype == q.dtype, "q, K and V must share a dtype"
+    assert a_len.shape == (bs, num_kv_heads) and a_slot.shape[0] == bs
+    assert b_start.shape[0] == bs and b_end.shape[0] == bs and req_pool_idx.shape[0] == bs
+    for t in (q, a_k, a_v, k_pool, v_pool):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    assert a_len.stride(1) == 1 and req_to_token.stride(1) == 1
+
+    cap = a_k.shape[2]
+    if max_kv_len is None:
+        max_kv_len = cap + req_to_token.shape[1]
+    if num_splits is None:
+        if num_sms is None:
+            num_sms = device_num_sms(q.device)
+        num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
+    num_splits = int(max(1, num_splits))
+
+    if block_n is None:
+        block_n = _default_block_n(head_dim)
+    block_d = next_pow2(head_dim)
+    block_h = max(16, next_pow2(group))  # tl.dot needs M >= 16
+    min_split_blocks = max(1, cdiv(min_split_len, block_n))
+
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    lse = torch.empty((bs, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
+
+    direct = num_splits == 1
+    if direct:
+        stage1_out, stage1_lse = out, (lse if return_lse else out)  # dummy LSE ptr when unused
+        s_ob, s_oh, s_os = out.stride(0), out.stride(1), 0
+        s_lb, s_lh = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
+    else:
+        # fp32 workspace; under CUDA-graph capture this comes from the graph pool.
+        mid_o = torch.empty((bs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((bs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        stage1_out, stage1_lse = mid_o, mid_lse
+        s_ob, s_oh, s_os = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
+        s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
+
+    grid = (bs, num_kv_heads, num_splits)
+    _two_segment_decode_stage1[grid](
+        q,
+        a_k,
+        a_v,
+        a_slot,
+        a_len,
+        k_pool,
+        v_pool,
+        req_to_token,
+        req_pool_idx,
+        b_start,
+        b_end,
+        stage1_out,
+        stage1_lse,
+        float(sm_scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        a_k.stride(0),
+        a_k.stride(1),
+        a_k.stride(2),
+        a_v.stride(0),
+        a_v.stride(1),
+        a_v.stride(2),
+        a_len.stride(0),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        req_to_token.stride(0),
+        s_ob,
+        s_oh,
+        s_os,
+        s_lb,
+        s_lh,
+        cap,
+        min_split_blocks,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DIRECT=direct,
+        STORE_LSE=return_lse,
+        FP32_DOT=needs_fp32_dot(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+    if not direct:
+        _merge_splits_kernel[(bs, num_q_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            lse if return_lse else mid_lse,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0) if return_lse else 0,
+            lse.stride(1) if return_lse else 0,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, next_pow2(num_splits)),
+            BLOCK_D=block_d,
+            STORE_LSE=return_lse,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+
+    if return_lse:
+        return out, lse
+    return out

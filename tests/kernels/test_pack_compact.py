@@ -1,0 +1,158 @@
+"""Tests for kernels.pack_compact (gather selected positions into segment A).
+
+The kernel is a pure copy, so results must be *bit-identical* to the
+reference. Destination buffers are poisoned with NaN before the launch:
+packed rows must be fully written (no NaN), everything else must be left
+exactly as it was (NaN stays NaN). ``a_len`` starts at random values so
+updates of unflagged requests would be caught.
+"""
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # must precede the first import of the kernel modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # packaged location first, then the in-repo source tree
+    from sgl_sparse import kernels as K
+except ImportError:
+    import kernels as K
+T = importlib.import_module(K.__name__ + ".testing")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def gpu_test(fn):
+    fn = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def poison(case):
+    case.a_k.fill_(float("nan"))
+    case.a_v.fill_(float("nan"))
+    return case
+
+
+def run_and_compare(case, **kw):
+    """Run kernel and reference on private copies; assert identical results."""
+    poison(case)
+    ker = case.clone_outputs()
+    ref = case.clone_outputs()
+    K.pack_compact(*ker.args(), **kw)
+    K.pack_compact_ref(*ref.args())
+    torch.testing.assert_close(ker.a_k, ref.a_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ker.a_v, ref.a_v, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ker.a_len, ref.a_len)
+    # Every packed row was written (no NaN left in the valid region).
+    cap = case.a_k.shape[2]
+    for b in range(case.sel_pos.shape[0]):
+        if not bool(case.do_pack[b]):
+            assert torch.equal(ker.a_len[b], case.a_len[b]), "unflagged request's a_len changed"
+            continue
+        slot = int(case.a_slot[b])
+        for h in range(case.sel_pos.shape[1]):
+            n = min(int(case.sel_len[b, h]), cap)
+            assert not torch.isnan(ker.a_k[slot, h, :n]).any()
+            assert not torch.isnan(ker.a_v[slot, h, :n]).any()
+    # Slots not owned by a flagged request are untouched (still all NaN).
+    owned = {int(case.a_slot[b]) for b in range(len(case.do_pack)) if bool(case.do_pack[b])}
+    for s in range(case.a_k.shape[0]):
+        if s not in owned:
+            assert torch.isnan(ker.a_k[s]).all() and torch.isnan(ker.a_v[s]).all()
+    return ker
+
+
+PACK_CONFIGS = [
+    # (dtype, head_dim, num_kv_heads, bs, block_n, max_chunks)
+    (torch.bfloat16, 64, 2, 1, 16, 16),
+    (torch.float16, 128, 3, 3, 16, 2),
+    (torch.bfloat16, 128, 1, 5, 32, None),
+    (torch.float16, 64, 4, 4, 16, 1),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(PACK_CONFIGS)))
+def test_pack_matches_reference(idx):
+    dtype, head_dim, hkv, bs, block_n, max_chunks = PACK_CONFIGS[idx]
+    rng = random.Random(idx)
+    cap = 45
+    seq_lens = [rng.randint(10, 120) for _ in range(bs)]
+    sel_lens = [[rng.randint(0, min(cap, n)) for _ in range(hkv)] for n in seq_lens]
+    sel_lens[0][0] = min(cap, seq_lens[0])  # one full selection
+    do_pack = [True] + [rng.random() < 0.6 for _ in range(bs - 1)]
+    case = T.make_pack_case(
+        seq_lens, sel_lens, do_pack, num_kv_heads=hkv, head_dim=head_dim, cap=cap, dtype=dtype, device=DEVICE,
+        seed=idx, sorted_positions=bool(idx % 2),
+    )
+    if idx == 1:
+        case.do_pack = case.do_pack.to(torch.int32)  # int flags work too
+    run_and_compare(case, block_n=block_n, max_chunks=max_chunks)
+
+
+def test_pack_nothing_flagged():
+    case = T.make_pack_case(
+        [30, 50], [[10, 3], [0, 20]], [False, False], num_kv_heads=2, head_dim=64, cap=24, device=DEVICE, seed=9
+    )
+    ker = run_and_compare(case, block_n=16)
+    assert torch.isnan(ker.a_k).all()
+
+
+def test_pack_default_tiling():
+    """Default block_n / max_chunks (the GPU configuration)."""
+    case = T.make_pack_case(
+        [200, 90], [[100, 7], [90, 0]], [True, True], num_kv_heads=2, head_dim=128, cap=130, device=DEVICE, seed=3
+    )
+    run_and_compare(case)
+
+
+def test_pack_then_decode():
+    """Pack a selection, then decode A(selected) + B(recent) == attention over those positions."""
+    seq_lens = [90, 64, 120]
+    hkv, group, head_dim, cap = 2, 4, 64, 32
+    sel_lens = [[20, 31], [0, 5], [32, 1]]
+    case = T.make_pack_case(
+        seq_lens, sel_lens, [True, True, True], num_kv_heads=hkv, head_dim=head_dim, cap=cap, dtype=torch.float16,
+        device=DEVICE, seed=5,
+    )
+    K.pack_compact(*case.args(), block_n=16)
+    recent = [(n - 17, n) for n in seq_lens]
+    q = torch.randn(len(seq_lens), hkv * group, head_dim, dtype=torch.float16, device=DEVICE)
+    b_start = torch.tensor([s for s, _ in recent], dtype=torch.int32, device=DEVICE)
+    b_end = torch.tensor([e for _, e in recent], dtype=torch.int32, device=DEVICE)
+    sm_scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    K.two_segment_decode(
+        q, case.a_k, case.a_v, case.a_slot, case.a_len, case.k_pool, case.v_pool, case.req_to_token,
+        case.req_pool_idx, b_start, b_end, sm_scale, out=out, num_splits=2, block_n=16, min_split_len=16,
+    )
+    # Expected: plain attention over (selected positions) ++ (recent window), per KV head.
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(seq_lens)):
+        row = case.req_to_token[case.req_pool_idx[b]].long()
+        for h in range(hkv):
+            pos = torch.cat([case.sel_pos[b, h, : sel_lens[b][h]].long(), torch.arange(*recent[b], device=DEVICE)])
+            k = case.k_pool[row[pos], h].double()
+            v = case.v_pool[row[pos], h].double()
+            qh = q[b, h * group : (h + 1) * group].double()
+            p = torch.softmax(qh @ k.T * sm_scale, dim=-1)
+            ref[b, h * group : (h + 1) * group] = (p @ v).cpu()
+    assert not torch.isnan(out).any()
+    assert T.rel_error(out.float().cpu(), ref) < 5e-3
+
+
+@gpu_test
+@pytest.mark.parametrize("ctx", [4096, 32768, 131072])
+def test_gpu_pack_large(ctx):
+    bs, hkv, cap = 4, 8, 2048
+    rng = random.Random(ctx)
+    seq_lens = [ctx - rng.randint(0, 99) for _ in range(bs)]
+    sel_lens = [[rng.randint(0, cap) for _ in range(hkv)] for _ in range(bs)]
+    case = T.make_pack_case(
+        seq_lens, sel_lens, [True, False, True, True], num_kv_heads=hkv, head_dim=128, cap=cap, device="cuda", seed=1
+    )
+    run_and_compare(case)

@@ -1,0 +1,355 @@
+"""Tests for kernels.two_segment_decode against the plain-PyTorch reference.
+
+Without CUDA these run under the Triton interpreter (TRITON_INTERPRET=1, set
+here and in conftest.py) at small shapes, with small BLOCK_N / min_split_len
+so that short sequences still exercise several loop iterations and several
+splits. ``@pytest.mark.gpu`` tests use real sizes (4K-128K) and need CUDA.
+
+Every test draws fresh random inputs, poisons the output with NaN before the
+launch (so an unwritten element fails), and checks the relative error
+``||out - ref|| / ||ref||`` against a per-dtype tolerance.
+"""
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # must precede the first import of the kernel modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # packaged location first, then the in-repo source tree
+    from sgl_sparse import kernels as K
+except ImportError:
+    import kernels as K
+T = importlib.import_module(K.__name__ + ".testing")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+# Interpreter-friendly tiling: 16-key blocks, splits as small as one block.
+SMALL = dict(block_n=16, min_split_len=16)
+
+
+def gpu_test(fn):
+    fn = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(fn)
+    return pytest.mark.gpu(fn)
+
+
+def run_kernel(case, **kw):
+    """Launch with a NaN-poisoned preallocated output; return (out, lse)."""
+    out = torch.full_like(case.q, float("nan"))
+    res = K.two_segment_decode(*case.args(), out=out, return_lse=True, **kw)
+    o, lse = res
+    assert o.data_ptr() == out.data_ptr()
+    return o, lse
+
+
+def check(case, tol=None, **kw):
+    o, lse = run_kernel(case, **kw)
+    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True)
+    assert not torch.isnan(o).any(), "NaN in output (unwritten element or bad softmax)"
+    assert not torch.isnan(lse).any(), "NaN in LSE"
+    tol = tol if tol is not None else TOL[case.q.dtype]
+    err = T.rel_error(o.float(), ref_o)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    # LSE: -inf exactly where the reference has no keys, close elsewhere.
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        torch.testing.assert_close(lse[finite], ref_lse[finite].to(lse.device), atol=2e-2, rtol=0)
+    # Requests (and heads) without any key must output exactly zero.
+    empty = ~finite
+    if empty.any():
+        assert (o.float()[empty] == 0).all()
+    return o, lse, err
+
+
+# -----------------------------------------------------------------------------
+# Mixed-policy batches: every dtype x GQA ratio x head dim
+# -----------------------------------------------------------------------------
+
+POLICIES = ["dense", "sink_window", "select_recent", "a_only", "empty_b", "both_empty"]
+
+
+def mixed_batch(bs, num_kv_heads, cap, rng):
+    """Ragged per-request lengths under a rotating set of policies."""
+    seq_lens, a_lens, b_ranges = [], [], []
+    start = rng.randrange(len(POLICIES))
+    for i in range(bs):
+        policy = POLICIES[(start + i) % len(POLICIES)]
+        n = rng.randint(20, 90)  # rarely a multiple of BLOCK_N = 16
+        if policy == "dense":
+            a, b = 0, (0, n)
+        elif policy == "sink_window":
+            w = rng.randint(5, min(40, n))
+            a, b = min(4, cap), (n - w, n)
+        elif policy == "select_recent":
+            # a_len differs per KV head (head-wise selection budgets).
+            a = [rng.randint(1, cap) for _ in range(num_kv_heads)]
+            r = rng.randint(1, 20)
+            b = (n - r, n)
+        elif policy == "a_only":
+            a, b = [rng.randint(0, cap) for _ in range(num_kv_heads)], (n, n)
+        elif policy == "empty_b":  # B empty but in the middle of the sequence
+            a, b = rng.randint(1, cap), (n // 2, n // 2)
+        else:  # both_empty
+            a, b = 0, (0, 0)
+        seq_lens.append(n)
+        a_lens.append(a)
+        b_ranges.append(b)
+    return seq_lens, a_lens, b_ranges
+
+
+MIXED_CONFIGS = [
+    (dtype, group, head_dim)
+    for dtype in (torch.bfloat16, torch.float16)
+    for group in (1, 4, 8)
+    for head_dim in (64, 128)
+]
+
+
+@pytest.mark.parametrize("idx", range(len(MIXED_CONFIGS)))
+def test_mixed_batch(idx):
+    dtype, group, head_dim = MIXED_CONFIGS[idx]
+    rng = random.Random(1000 + idx)
+    bs = 1 + idx % 5  # batch sizes 1..5
+    num_kv_heads = (2, 1, 3)[idx % 3]
+    cap = 37
+    seq_lens, a_lens, b_ranges = mixed_batch(bs, num_kv_heads, cap, rng)
+    case = T.make_decode_case(
+        seq_lens,
+        a_lens,
+        b_ranges,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        cap=cap,
+        dtype=dtype,
+        device=DEVICE,
+        seed=idx,
+        req_pool_idx_dtype=(torch.int64, torch.int32)[idx % 2],
+    )
+    check(case, num_splits=(1, 2, 3, 5)[idx % 4], **SMALL)
+
+
+# -----------------------------------------------------------------------------
+# Splits, empty segments, LSE, defaults
+# -----------------------------------------------------------------------------
+
+
+def _standard_case(dtype=torch.bfloat16, seed=0, group=4, head_dim=64, **kw):
+    seq_lens = [150, 61, 97]
+    a_lens = [[23, 5], [0, 0], [40, 17]]
+    b_ranges = [(150 - 70, 150), (0, 61), (97 - 19, 97)]
+    return T.make_decode_case(
+        seq_lens,
+        a_lens,
+        b_ranges,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        cap=40,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seed,
+        **kw,
+    )
+
+
+def test_num_splits_agree():
+    """1 split (direct store, no merge) up to more splits than there are blocks."""
+    case = _standard_case(seed=1)
+    outs = {}
+    for ns in (1, 2, 4, 16):
+        outs[ns], _, _ = check(case, num_splits=ns, **SMALL)
+    for ns in (2, 4, 16):
+        assert T.rel_error(outs[ns].float(), outs[1].float()) < 1e-2
+
+
+@pytest.mark.parametrize("which", ["a_empty", "b_empty", "both_empty"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_segments(which, num_splits):
+    n = [45, 70]
+    if which == "a_empty":
+        a_lens, b = [0, 0], [(3, 45), (0, 70)]
+    elif which == "b_empty":
+        a_lens, b = [[30, 9], [1, 33]], [(45, 45), (0, 0)]
+    else:
+        a_lens, b = [0, 0], [(45, 45), (10, 10)]
+    case = T.make_decode_case(
+        n, a_lens, b, num_kv_heads=2, group=4, head_dim=64, cap=33, dtype=torch.float16, device=DEVICE, seed=7
+    )
+    o, lse, _ = check(case, num_splits=num_splits, **SMALL)
+    if which == "both_empty":
+        assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def test_a_slot_ignored_when_a_len_zero():
+    """A garbage slot (-1 and out-of-range) must not be touched when a_len == 0."""
+    case = _standard_case(seed=2)
+    case.a_slot[1] = 1 << 20  # request 1 has a_len == 0 on every head
+    check(case, num_splits=2, **SMALL)
+
+
+def test_dense_matches_dense_reference():
+    """Segment B over [0, n) only == full attention; also cross-checks the references."""
+    seq_lens = [77, 33, 120]
+    case = T.make_decode_case(
+        seq_lens,
+        [0] * 3,
+        [(0, n) for n in seq_lens],
+        num_kv_heads=2,
+        group=8,
+        head_dim=128,
+        cap=16,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        seed=3,
+    )
+    o, lse = run_kernel(case, num_splits=3, **SMALL)
+    ref_o, ref_lse = K.dense_decode_ref(
+        case.q, case.k_pool, case.v_pool, case.req_to_token, case.req_pool_idx, case.seq_lens, case.sm_scale, return_lse=True
+    )
+    ref2 = K.two_segment_decode_ref(*case.args())
+    assert T.rel_error(ref2, ref_o) < 1e-6
+    assert T.rel_error(o.float(), ref_o) < TOL[torch.bfloat16]
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
+
+
+def test_peaky_softmax():
+    """Large logits (q scaled x8): exercises the running-max rescaling."""
+    case = _standard_case(dtype=torch.float16, seed=4, q_scale=8.0)
+    check(case, num_splits=3, **SMALL)
+
+
+def test_default_tuning():
+    """Default block_n (64) / heuristic split count, as used on the GPU."""
+    case = _standard_case(seed=5, head_dim=128, group=2)  # Qwen3-1.7B: G=2, D=128
+    check(case)  # no overrides
+    check(case, num_splits=2)  # default block_n with a merge
+
+
+def test_strided_views():
+    """Non-contiguous q / pool / compact views (only the head dim is contiguous)."""
+    case = _standard_case(seed=6)
+    def widen(t, dim):  # same values, inside a bigger buffer
+        shape = list(t.shape)
+        shape[dim] *= 2
+        big = torch.randn(shape, dtype=t.dtype, device=t.device)
+        idx = [slice(None)] * t.dim()
+        idx[dim] = slice(0, t.shape[dim])
+        big[tuple(idx)] = t
+        return big[tuple(idx)]
+    case.q = widen(case.q, 1)
+    case.k_pool = widen(case.k_pool, 1)
+    case.v_pool = widen(case.v_pool, 0)
+    case.a_k = widen(case.a_k, 2)
+    case.a_v = widen(case.a_v, 1)
+    assert not case.k_pool.is_contiguous() and not case.a_k.is_contiguous()
+    check(case, num_splits=2, **SMALL)
+
+
+def test_no_lse_and_fresh_output():
+    """return_lse=False returns a new tensor of the right dtype."""
+    case = _standard_case(seed=8, dtype=torch.float16)
+    o = K.two_segment_decode(*case.args(), num_splits=2, **SMALL)
+    assert o.dtype == torch.float16 and o.shape == case.q.shape
+    ref = K.two_segment_decode_ref(*case.args())
+    assert T.rel_error(o.float(), ref) < TOL[torch.float16]
+
+
+def test_choose_num_splits():
+    f = K.choose_num_splits
+    # Batch 1 at long context: enough programs to cover all SMs (132 on H100).
+    assert 1 * 8 * f(1, 8, 131072, 132) >= 132
+    assert f(8, 8, 131072, 132) == 4
+    # Large batch: already enough programs, no splitting (and no merge).
+    assert f(32, 8, 131072, 132) == 1
+    assert f(128, 8, 131072, 132) == 1
+    # Short contexts are never cut below min_split_len.
+    assert f(1, 8, 300, 132, min_split_len=256) == 2
+    assert f(1, 8, 1, 132) == 1
+    # Bounded by max_splits.
+    assert f(1, 1, 1 << 20, 1000) == 64
+    # Depends only on its (static) arguments.
+    assert f(3, 2, 4096, 132) == f(3, 2, 4096, 132)
+
+
+# -----------------------------------------------------------------------------
+# GPU-sized tests (CUDA only)
+# -----------------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("ctx", [4096, 32768, 131072])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_gpu_long_context(ctx, bs):
+    rng = random.Random(ctx + bs)
+    seq_lens, a_lens, b_ranges = [], [], []
+    policies = ["dense", "sink_window", "select_recent", "dense"]
+    cap = ctx // 8
+    for i in range(bs):
+        n = ctx - rng.randint(0, 100)
+        a, b = T.policy_segments(policies[i % 4], n, budget=min(cap, n // 8) + 256)
+        if policies[i % 4] == "select_recent":
+            a = [max(0, min(cap, a - 13 * h)) for h in range(8)]
+        else:
+            a = min(a, cap)
+        seq_lens.append(n)
+        a_lens.append(a)
+        b_ranges.append(b)
+    case = T.make_decode_case(
+        seq_lens, a_lens, b_ranges, num_kv_heads=8, group=2, head_dim=128, cap=cap, dtype=torch.bfloat16, device="cuda", seed=bs
+    )
+    check(case)
+
+
+@gpu_test
+def test_gpu_cuda_graph_replay():
+    """Capture once, then change only descriptor *values* and replay."""
+    seq_lens = [5000, 3000, 7000]
+    case = T.make_decode_case(
+        seq_lens, [0, 100, [300, 20, 0, 7, 1, 2, 3, 4]], [(0, 5000), (2000, 3000), (6500, 7000)],
+        num_kv_heads=8, group=2, head_dim=128, cap=512, dtype=torch.bfloat16, device="cuda", seed=11,
+        empty_slot_value=None,  # a_len of request 0 becomes non-zero below
+    )
+    out = torch.empty_like(case.q)
+    kw = dict(max_kv_len=8192, out=out)
+    K.two_segment_decode(*case.args(), **kw)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.two_segment_decode(*case.args(), **kw)
+    for step in range(3):
+        case.a_len.copy_(torch.randint(0, 513, case.a_len.shape, device="cuda", dtype=torch.int32))
+        starts = torch.tensor([step * 100, 1000 + step, 10], dtype=torch.int32, device="cuda")
+        case.b_start.copy_(starts)
+        case.b_end.copy_(torch.tensor([5000 - step, 3000, 6999], dtype=torch.int32, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = K.two_segment_decode_ref(*case.args())
+        assert T.rel_error(out.float(), ref) < TOL[torch.bfloat16]
+
+
+# -----------------------------------------------------------------------------
+# Segment A read in place (a_slot < 0): sink tokens of window policies
+# -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_in_place_sink_mixed_with_compact(num_splits, dtype):
+    """One launch: compact segment A, in-place sink, and dense rows side by side."""
+    seq_lens = [150, 61, 97, 40]
+    a_lens = [[23, 5], [4, 4], [40, 17], [6, 6]]  # row 3 asks for more sink than b_start allows
+    b_ranges = [(80, 150), (61 - 20, 61), (78, 97), (3, 40)]
+    case = T.make_decode_case(
+        seq_lens, a_lens, b_ranges, num_kv_heads=2, group=4, head_dim=64, cap=40,
+        dtype=dtype, device=DEVICE, seed=11,
+    )
+    case.a_slot[1] = -1
+    case.a_slot[3] = -1  # clamped to b_start = 3 in place
+    check(case, num_splits=num_splits, **SMALL)
