@@ -133,6 +133,7 @@ def _two_segment_decode_stage1(
     REQ_POOL_IDX,
     B_START,
     B_END,
+    ROW_MASK,  # [bs] int32: 0 = row served elsewhere, skip it (only if HAS_ROW_MASK)
     OUT,  # [bs, Hq, S, D] fp32 partials, or final [bs, Hq, D] when DIRECT
     LSE,  # [bs, Hq, S] fp32 partial LSE (base 2), or final [bs, Hq] (natural log)
     qk_scale,  # sm_scale * log2(e)
@@ -165,11 +166,17 @@ def _two_segment_decode_stage1(
     DIRECT: tl.constexpr,
     STORE_LSE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    if HAS_ROW_MASK:
+        # Rows another kernel serves (e.g. `full` rows through FlashInfer) are
+        # left untouched: the grid stays fixed for CUDA graphs, the work does not.
+        if tl.load(ROW_MASK + cur_b) == 0:
+            return
 
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
     # Clamp defensively so a bad descriptor can never read out of bounds.
@@ -293,6 +300,7 @@ def _two_segment_decode_stage1(
 
 @triton.jit
 def _merge_splits_kernel(
+    ROW_MASK,
     MID_O,  # [bs, Hq, S, D] fp32
     MID_LSE,  # [bs, Hq, S] fp32, base 2
     O,  # [bs, Hq, D]
@@ -311,9 +319,13 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
+    if HAS_ROW_MASK:
+        if tl.load(ROW_MASK + cur_b) == 0:
+            return
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -402,6 +414,7 @@ def two_segment_decode(
     min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
+    row_mask: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -429,6 +442,9 @@ def two_segment_decode(
         return_lse: also return the natural-log LSE ``[bs, Hq]`` fp32
             (``-inf`` for requests with no keys).
         out: optional preallocated ``[bs, Hq, D]`` output.
+        row_mask: optional ``[bs]`` int32; rows where it is 0 are skipped entirely
+            (their ``out``/``lse`` rows are not written): one fixed launch serves
+            only the rows that need it, e.g. next to FlashInfer for dense rows.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -452,6 +468,8 @@ def two_segment_decode(
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     assert a_len.stride(1) == 1 and req_to_token.stride(1) == 1
 
+    if row_mask is not None:
+        assert row_mask.shape == (bs,) and row_mask.dtype == torch.int32, "row_mask: [bs] int32"
     cap = a_k.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
@@ -498,6 +516,7 @@ def two_segment_decode(
         req_pool_idx,
         b_start,
         b_end,
+        row_mask if row_mask is not None else b_end,
         stage1_out,
         stage1_lse,
         float(sm_scale) * _LOG2E,
@@ -530,12 +549,14 @@ def two_segment_decode(
         DIRECT=direct,
         STORE_LSE=return_lse,
         FP32_DOT=needs_fp32_dot(q.dtype),
+        HAS_ROW_MASK=row_mask is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
     if not direct:
         _merge_splits_kernel[(bs, num_q_heads)](
+            row_mask if row_mask is not None else b_end,
             mid_o,
             mid_lse,
             out,
@@ -554,6 +575,7 @@ def two_segment_decode(
             BLOCK_S=max(2, next_pow2(num_splits)),
             BLOCK_D=block_d,
             STORE_LSE=return_lse,
+            HAS_ROW_MASK=row_mask is not None,
             num_warps=4 if head_dim >= 128 else 2,
         )
 

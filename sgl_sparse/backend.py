@@ -12,6 +12,7 @@ Data path, top to bottom:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -73,6 +74,11 @@ class SparseAttnBackend(AttentionBackend):
             kv = self.token_to_kv_pool.get_key_buffer(0)
             self._no_compact = kv.new_zeros((1, kv.shape[1], 1, kv.shape[2]))
             self._max_kv_len = self.req_to_token_pool.req_to_token.shape[1]
+            # Per decode slot: 1 = the kernel serves it, 0 = FlashInfer. Fixed
+            # address, so captured graphs read each step's routing.
+            self._row_mask = torch.zeros(
+                self.req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device
+            )
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -81,13 +87,51 @@ class SparseAttnBackend(AttentionBackend):
 
     # ---- per-forward metadata ----------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
-        self.init_forward_metadata_out_graph(forward_batch)
+        self._prepare(forward_batch, eager=True)
         self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        self._prepare(forward_batch, eager=False, in_capture=in_capture)
+
+    def _prepare(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool = False):
+        """Host-side, once per forward: state admissions, then FlashInfer's plan."""
         self.state.admit_queued()
-        if self.dense is not None and not forward_batch.forward_mode.is_decode_or_idle():
+        if self.dense is None:
+            return
+        if forward_batch.forward_mode.is_decode_or_idle():
+            forward_batch = self._route_decode_rows(forward_batch)
+        if eager:
             self.dense.init_forward_metadata(forward_batch)
+        else:
+            self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def _route_decode_rows(self, forward_batch: ForwardBatch) -> ForwardBatch:
+        """Split a decode batch between FlashInfer and the two-segment kernel.
+
+        `full` rows go through FlashInfer exactly as in the stock backend; every
+        other row through our kernel (SADAS rows too: their latch lives on the
+        device). FlashInfer is planned with one key for the kernel's rows, so it
+        reads almost nothing for them, and the kernel skips the FlashInfer rows:
+        both launches have fixed grids, so this holds inside CUDA graphs too.
+        """
+        bs = forward_batch.batch_size
+        mask = self.state.take_step_kernel_rows()  # host, one entry per real request
+        if mask is None:  # no routing known for this batch: the kernel serves all
+            mask = [1] * bs
+        mask = (mask + [0] * bs)[:bs]  # CUDA-graph padding rows: FlashInfer
+        if not any(mask):
+            self._row_mask[:bs].zero_()
+            return forward_batch
+        host = torch.tensor(mask, dtype=torch.int32, pin_memory=True)
+        self._row_mask[:bs].copy_(host, non_blocking=True)
+        routed = copy.copy(forward_batch)
+        routed.seq_lens = forward_batch.seq_lens.clone()
+        routed.seq_lens[:bs] = torch.where(self._row_mask[:bs].bool(), 1, forward_batch.seq_lens[:bs])
+        if forward_batch.seq_lens_cpu is not None:
+            routed.seq_lens_cpu = forward_batch.seq_lens_cpu.clone()
+            routed.seq_lens_cpu[:bs] = torch.where(host.bool(), 1, forward_batch.seq_lens_cpu[:bs])
+            routed.seq_lens_sum = int(routed.seq_lens_cpu[:bs].sum())
+        return routed
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         if forward_batch.forward_mode.is_decode():
@@ -109,10 +153,14 @@ class SparseAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.dense is None:
             raise RuntimeError("sgl_sparse: CUDA graphs need a CUDA device")
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self):
-        # Padded slots attend one key of row 0 (SGLang's padding row): finite output.
-        return 1
+        return self.dense.get_cuda_graph_seq_len_fill_value() if self.dense else 1
+
+    def on_after_cuda_graph_warmup(self):
+        if self.dense is not None:
+            self.dense.on_after_cuda_graph_warmup()
 
     # ---- forward -------------------------------------------------------------------
     def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
@@ -166,11 +214,13 @@ class SparseAttnBackend(AttentionBackend):
     def _forward_decode_cuda(self, q, k, v, layer, forward_batch, save_kv_cache):
         from sgl_sparse.kernels import two_segment_decode
 
-        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        # FlashInfer writes the KV and the rows routed to it; then the kernel
+        # overwrites the rows routed to it.
+        o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         plan = self.plan
         bs = plan.b_end.shape[0]
         q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
-        o = two_segment_decode(
+        two_segment_decode(
             q3,
             self._no_compact, self._no_compact,
             plan.a_slot, plan.a_len_per_head,
@@ -181,8 +231,10 @@ class SparseAttnBackend(AttentionBackend):
             plan.b_start, plan.b_end,
             layer.scaling,
             max_kv_len=self._max_kv_len,
+            out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
+            row_mask=self._row_mask[:bs],
         )
-        return o.view(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return o
 
     def support_triton(self):
         return self.dense is not None

@@ -53,7 +53,7 @@ def register() -> None:
         (compat.SERVER_ARGS_RESOLVED_TARGET, server_args_resolved, HookType.AFTER),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_sampling_params, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.Req.__init__", namespace_sparse_kv, HookType.AFTER),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", queue_admissions, HookType.AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", on_new_forward_batch, HookType.AFTER),
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
     ]
@@ -182,22 +182,23 @@ def namespace_sparse_kv(_result, req, *args, **kwargs) -> None:
     req.extra_key = (req.extra_key or "") + tag
 
 
-def queue_admissions(forward_batch, _cls, batch, model_runner, *args, **kwargs):
-    """An extend batch's requests get their initial state rows queued for the backend.
+def on_new_forward_batch(forward_batch, _cls, batch, model_runner, *args, **kwargs):
+    """Host-side facts about the batch, handed to the backend through the state.
 
-    The rows are queued on the state (host only) rather than attached to the
-    ForwardBatch: SGLang may hand the backend a copy of it. The backend writes them
-    to the device in its next metadata init, i.e. in this batch's forward, on the
-    forward's own stream.
+    Extend: the requests' initial state rows. Decode: which slots need the sparse
+    kernel. They go through the state (host only) rather than onto the
+    ForwardBatch, which SGLang may copy; the backend consumes them in its next
+    metadata init, i.e. in this batch's forward, on the forward's own stream.
     """
     from sgl_sparse.admission import rows_for_batch
 
-    if batch is None or batch.forward_mode.is_decode_or_idle():
-        return None
     state = getattr(model_runner.req_to_token_pool, "sgl_sparse_state", None)
-    if state is None:  # this model runner does not use sgl_sparse
+    if batch is None or state is None:  # this model runner does not use sgl_sparse
         return None
-    state.enqueue(*rows_for_batch(batch.reqs, state.config, state.think_ids))
+    if batch.forward_mode.is_decode():
+        state.set_step_rows([compat.req_pool_idx(r) for r in batch.reqs])
+    elif not batch.forward_mode.is_decode_or_idle():
+        state.enqueue(*rows_for_batch(batch.reqs, state.config, state.think_ids))
     return None
 
 

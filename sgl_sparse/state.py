@@ -39,6 +39,7 @@ class SparseState:
         self._lock = threading.Lock()
         self._active: dict[int, PolicyId] = {}
         self._queued: tuple[list[int], list[RowInit]] = ([], [])
+        self._step_kernel_rows: list[int] | None = None
 
     # ---- admission / release (host side, once per request) -------------------
     def enqueue(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
@@ -77,6 +78,22 @@ class SparseState:
         with self._lock:
             for r, i in zip(rows, inits):
                 self._active[int(r)] = i.policy
+
+    def set_step_rows(self, rows: Sequence[int]) -> None:
+        """Scheduler side, per decode batch: which slots need the sparse kernel.
+
+        Known on the host from each row's policy at admission; `full` rows can
+        go through the stock dense kernel.
+        """
+        with self._lock:
+            self._step_kernel_rows = [
+                int(self._active.get(int(r), PolicyId.FULL) != PolicyId.FULL) for r in rows
+            ]
+
+    def take_step_kernel_rows(self) -> list[int] | None:
+        with self._lock:
+            rows, self._step_kernel_rows = self._step_kernel_rows, None
+        return rows
 
     def release(self, rows: Iterable[int]) -> None:
         with self._lock:

@@ -353,3 +353,18 @@ def test_in_place_sink_mixed_with_compact(num_splits, dtype):
     case.a_slot[1] = -1
     case.a_slot[3] = -1  # clamped to b_start = 3 in place
     check(case, num_splits=num_splits, **SMALL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_row_mask_skips_rows(num_splits):
+    """Rows with mask 0 are not written at all (another kernel owns them)."""
+    case = _standard_case(seed=5)
+    mask = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
+    sentinel = 7.0
+    out = torch.full_like(case.q, sentinel)
+    K.two_segment_decode(*case.args(), out=out, row_mask=mask, num_splits=num_splits, **SMALL)
+    ref = K.two_segment_decode_ref(*case.args())
+    assert (out[1] == sentinel).all()
+    keep = mask.bool()
+    assert not torch.isnan(out).any()
+    assert T.rel_error(out[keep].float(), ref[keep]) < TOL[case.q.dtype]

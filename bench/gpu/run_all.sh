@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything the lent GPU runs, in one place. Assumes the wheelhouse (SGLang 0.5.17,
+# FlashInfer, this project's wheel) was installed into /tmp/site as in
+# ../shared/gpu/README.md (see bench/gpu/README.md for the exact device calls).
+#
+#   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmark
+#   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run
+#
+# Results land in $OUT (device tool) and are committed under bench/results/.
+set -uo pipefail
+export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+what="${1:-kernels}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+
+case "$what" in
+kernels)
+    python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
+    python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
+    ;;
+e2e)
+    python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000
+    python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" \
+        --sparse-extra "--sparse-config bench/gpu/sparse_config.yaml" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
+        --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
+    ;;
+esac
