@@ -196,7 +196,11 @@ def on_new_forward_batch(forward_batch, _cls, batch, model_runner, *args, **kwar
     if batch is None or state is None:  # this model runner does not use sgl_sparse
         return None
     if batch.forward_mode.is_decode():
-        state.set_step_rows([compat.req_pool_idx(r) for r in batch.reqs])
+        state.set_step_rows(
+            [compat.req_pool_idx(r) for r in batch.reqs],
+            batch.seq_lens_cpu.tolist(),
+            [r.output_ids for r in batch.reqs],
+        )
     elif not batch.forward_mode.is_decode_or_idle():
         state.enqueue(*rows_for_batch(batch.reqs, state.config, state.think_ids))
     return None

@@ -37,7 +37,10 @@ class SparseState:
         self.think = z(torch.bool)
         self.latch = z(torch.bool)
         self._lock = threading.Lock()
-        self._active: dict[int, PolicyId] = {}
+        # Host mirror of each live row's policy knobs; `latched` follows SADAS's
+        # latch as generated tokens reach the host (it may lag the device by a step).
+        self._active: dict[int, RowInit] = {}
+        self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit]] = ([], [])
         self._step_kernel_rows: list[int] | None = None
 
@@ -77,18 +80,34 @@ class SparseState:
             getattr(self, name).index_copy_(0, idx, values)
         with self._lock:
             for r, i in zip(rows, inits):
-                self._active[int(r)] = i.policy
+                self._active[int(r)] = i
+                self._scanned[int(r)] = 0
 
-    def set_step_rows(self, rows: Sequence[int]) -> None:
+    def set_step_rows(self, rows: Sequence[int], seq_lens: Sequence[int], new_tokens: Sequence) -> None:
         """Scheduler side, per decode batch: which slots need the sparse kernel.
 
-        Known on the host from each row's policy at admission; `full` rows can
-        go through the stock dense kernel.
+        A slot whose plan is dense this step -- `full`, a window covering the whole
+        sequence, a SADAS request the host already saw latch -- can go through the
+        stock dense kernel and give exactly its output. ``new_tokens[i]`` are the
+        generated ids of slot i (scanned incrementally for SADAS's `</think>`).
         """
+        end_id = self.think_ids[1]
+        mask = []
         with self._lock:
-            self._step_kernel_rows = [
-                int(self._active.get(int(r), PolicyId.FULL) != PolicyId.FULL) for r in rows
-            ]
+            for r, n, toks in zip(rows, seq_lens, new_tokens):
+                r = int(r)
+                row = self._active.get(r)
+                if row is None or row.policy == PolicyId.FULL:
+                    mask.append(0)
+                    continue
+                if row.policy == PolicyId.SADAS and not row.latch and end_id is not None:
+                    seen = self._scanned.get(r, 0)
+                    if any(int(t) == end_id for t in toks[seen:]):
+                        row = self._active[r] = RowInit(row.policy, row.window, row.sink, row.think, True)
+                    self._scanned[r] = len(toks)
+                dense = row.latch if row.policy == PolicyId.SADAS else False
+                mask.append(int(not dense and row.window + row.sink < int(n)))
+            self._step_kernel_rows = mask
 
     def take_step_kernel_rows(self) -> list[int] | None:
         with self._lock:
@@ -99,10 +118,12 @@ class SparseState:
         with self._lock:
             for r in rows:
                 self._active.pop(int(r), None)
+                self._scanned.pop(int(r), None)
 
     def release_all(self) -> None:
         with self._lock:
             self._active.clear()
+            self._scanned.clear()
 
     # ---- introspection (metrics, leak checks) ---------------------------------
     def active_count(self) -> int:
@@ -111,5 +132,5 @@ class SparseState:
 
     def active_by_policy(self) -> dict[str, int]:
         with self._lock:
-            c = Counter(p.name.lower() for p in self._active.values())
+            c = Counter(i.policy.name.lower() for i in self._active.values())
         return dict(c)

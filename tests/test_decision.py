@@ -2,7 +2,7 @@
 
 import torch
 
-from sgl_sparse.config import SadasPolicy, StreamingPolicy
+from sgl_sparse.config import SadasPolicy, SparseServerConfig, StreamingPolicy
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId, RowInit
 from sgl_sparse.policies import sadas
@@ -93,3 +93,22 @@ def test_release_tracks_active_rows():
     assert st.active_count() == 1
     st.release_all()
     assert st.active_count() == 0
+
+
+def test_host_routing_sends_only_windowed_rows_to_the_kernel():
+    """Dense-this-step rows go to the stock kernel: exact stock output, no overhead."""
+    st = SparseState(16, "cpu", config=SparseServerConfig(think_start_id=THINK, think_end_id=END))
+    st.admit([1, 2, 3, 4, 5], [
+        RowInit(PolicyId.FULL),
+        RowInit(PolicyId.STREAMING, window=10, sink=4),
+        RowInit(PolicyId.STREAMING, window=100, sink=4),  # covers the sequence
+        RowInit(PolicyId.SADAS, window=10, sink=4),
+        RowInit(PolicyId.SADAS, window=10, sink=4, latch=True),
+    ])
+    st.set_step_rows([1, 2, 3, 4, 5], [50, 50, 50, 50, 50], [[], [], [], [1, 2], []])
+    assert st.take_step_kernel_rows() == [0, 1, 0, 1, 0]
+    assert st.take_step_kernel_rows() is None  # consumed once
+    st.set_step_rows([2, 4], [14, 51], [[], [1, 2, END]])  # window+sink == n: dense; SADAS latched
+    assert st.take_step_kernel_rows() == [0, 0]
+    st.set_step_rows([4], [52], [[1, 2, END, 5]])
+    assert st.take_step_kernel_rows() == [0]
