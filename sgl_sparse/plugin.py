@@ -56,6 +56,7 @@ def register() -> None:
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", on_new_forward_batch, HookType.AFTER),
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", report_internal_state, HookType.AFTER),
     ]
     if compat.SUPPORT_TRITON_TARGET:
         hooks.append((compat.SUPPORT_TRITON_TARGET, support_triton, HookType.AROUND))
@@ -217,3 +218,20 @@ def release_all_rows(_result, pool, *args, **kwargs) -> None:
     state = getattr(pool, "sgl_sparse_state", None)
     if state is not None:
         state.release_all()
+
+
+def report_internal_state(result, scheduler, *args, **kwargs):
+    """`/get_server_info` -> internal_states[i]["sgl_sparse"]: live per-request rows.
+
+    Lets operators (and the leak tests) see that every request's state is released
+    when it finishes or is aborted.
+    """
+    pool = getattr(scheduler, "req_to_token_pool", None)
+    state = getattr(pool, "sgl_sparse_state", None)
+    info = getattr(result, "internal_state", None)
+    if state is not None and isinstance(info, dict):
+        info["sgl_sparse"] = {
+            "active_requests": state.active_count(),
+            "active_by_policy": state.active_by_policy(),
+        }
+    return result

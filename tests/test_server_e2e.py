@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import time
 
 import pytest
 import requests
@@ -169,3 +170,27 @@ def test_client_abort_mid_stream_keeps_serving(sparse_server, stock_outputs, thi
             if i >= 3:
                 break  # drop the connection mid-generation
     assert _ids(_generate(sparse_server.url, ids, {"policy": "full"})) == stock_outputs["plain_b"]
+
+
+def _sparse_internal_state(url: str) -> dict:
+    info = requests.get(url + "/get_server_info", timeout=30).json()
+    states = [s["sgl_sparse"] for s in info["internal_states"] if "sgl_sparse" in s]
+    assert states, "the scheduler reports no sgl_sparse state"
+    return states[0]
+
+
+def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
+    """Runs last in this module: every request above finished or was aborted."""
+    ids = _prompts(think_ids)["plain_c"]
+    sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True,
+          "custom_params": {"sparse": {"policy": "streaming", "window": 8}}}
+    with requests.post(sparse_server.url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
+                       stream=True, timeout=300) as r:
+        first = next(line for line in r.iter_lines() if line)
+        assert b"error" not in first, first
+        live = _sparse_internal_state(sparse_server.url)
+        assert live["active_requests"] >= 1 and live["active_by_policy"].get("streaming", 0) >= 1
+    deadline = time.time() + 60
+    while (state := _sparse_internal_state(sparse_server.url))["active_requests"] and time.time() < deadline:
+        time.sleep(0.5)  # the abort reaches the scheduler asynchronously
+    assert state == {"active_requests": 0, "active_by_policy": {}}
