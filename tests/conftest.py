@@ -1,9 +1,16 @@
 import os
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tests import the package from the checkout only when it is not installed.
 try:
     import sgl_sparse  # noqa: F401
 except ImportError:
     sys.path.insert(0, ROOT)
+
+# Without CUDA, Triton kernels run in the numpy interpreter, which must be chosen
+# before any kernel module is imported (@triton.jit decides at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

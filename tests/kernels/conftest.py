@@ -1,27 +1,13 @@
 """Shared setup for the kernel tests.
 
-* Without CUDA, Triton kernels can only run in the numpy interpreter, and
-  ``TRITON_INTERPRET`` must be set *before* the kernel modules are imported
-  (``@triton.jit`` decides interpreted vs compiled at decoration time).
-* The kernels live in ``kernels/`` at the repo root until they are packaged
-  as ``sgl_sparse.kernels``; make the repo root importable for the fallback.
+* ``TRITON_INTERPRET`` (no CUDA) is set by ``tests/conftest.py``, which pytest
+  loads before this file and before any kernel module is imported.
 * ``gpu`` marks GPU-sized tests; they are skipped when CUDA is unavailable.
 """
 
 import os
-import sys
 
-import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_configure(config):

@@ -7,22 +7,16 @@ exactly as it was (NaN stays NaN). ``a_len`` starts at random values so
 updates of unflagged requests would be caught.
 """
 
-import importlib
 import os
 import random
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # must precede the first import of the kernel modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from sgl_sparse import kernels as K  # TRITON_INTERPRET is set in tests/conftest.py
+from sgl_sparse.kernels import testing as T
 
-try:  # packaged location first, then the in-repo source tree
-    from sgl_sparse import kernels as K
-except ImportError:
-    import kernels as K
-T = importlib.import_module(K.__name__ + ".testing")
+HAS_CUDA = torch.cuda.is_available()
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
