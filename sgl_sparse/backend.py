@@ -50,6 +50,10 @@ class SparseAttnBackend(AttentionBackend):
                 self.req_to_token_pool.req_to_token.shape[0], self.device, config_from_env()
             )
             self.req_to_token_pool.sgl_sparse_state = self.state
+            if self.state.config.metrics:
+                from sgl_sparse.metrics import SchedulerMetrics
+
+                self.state.metrics = SchedulerMetrics(self.state.config.model_name)
         self.config = self.state.config
         self.think_ids = self.state.think_ids
         self.plan: Optional[DecodePlan] = None

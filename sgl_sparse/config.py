@@ -6,6 +6,7 @@ error message names the offending field, the value and what is allowed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -83,6 +84,8 @@ class SparseServerConfig(_Strict):
     # and the device the server runs on.
     unavailable: dict[str, str] = Field(default_factory=dict)
     device: Optional[str] = None
+    metrics: bool = False  # --enable-metrics
+    model_name: str = ""  # the `model_name` label of the metrics
 
     def defaults_for(self, name: str) -> dict[str, Any]:
         model = getattr(self.policies, name, None)
@@ -95,7 +98,19 @@ class SparseServerConfig(_Strict):
 
 
 class SparseConfigError(ValueError):
-    """A bad flag, config file or request field. The message names the field."""
+    """A bad flag, config file or request field. The message names the field;
+    `reason` is a bounded label for metrics (the field, or 'unknown_field'/'type')."""
+
+    def __init__(self, message: str, reason: str = "other"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _reason(err: ValidationError) -> str:
+    e = err.errors()[0]
+    if e["type"] == "extra_forbidden":
+        return "unknown_field"
+    return str(e["loc"][-1]) if e["loc"] else "other"
 
 
 def format_validation_error(err: ValidationError, prefix: str) -> str:
@@ -114,14 +129,14 @@ def _check_policy_name(raw: Mapping[str, Any], prefix: str, server: SparseServer
     name = raw.get("policy")
     if not isinstance(name, str) or name not in POLICY_NAMES:
         raise SparseConfigError(
-            f"{prefix}.policy: must be one of {', '.join(POLICY_NAMES)} (got {name!r})"
+            f"{prefix}.policy: must be one of {', '.join(POLICY_NAMES)} (got {name!r})", "policy"
         )
     why = server.unavailable_reason(name)
     if why:
         available = [p for p in POLICY_NAMES if not server.unavailable_reason(p)]
         raise SparseConfigError(
             f"{prefix}.policy: {name!r} is not available on this server: {why} "
-            f"(available: {', '.join(available)})"
+            f"(available: {', '.join(available)})", "policy"
         )
     return name
 
@@ -137,7 +152,7 @@ def parse_request_policy(
     if not isinstance(raw, Mapping):
         raise SparseConfigError(
             f"{prefix}: must be an object like {{\"policy\": \"streaming\", \"window\": 1024}} "
-            f"(got {type(raw).__name__})"
+            f"(got {type(raw).__name__})", "type"
         )
     raw = dict(raw)
     raw.setdefault("policy", server.default_policy)
@@ -146,7 +161,7 @@ def parse_request_policy(
     try:
         return _POLICY_MODELS[name].model_validate(merged)
     except ValidationError as e:
-        raise SparseConfigError(format_validation_error(e, prefix)) from None
+        raise SparseConfigError(format_validation_error(e, prefix), _reason(e)) from None
 
 
 def load_server_config(
@@ -184,7 +199,11 @@ def export_to_env(cfg: SparseServerConfig) -> None:
 
 
 def config_from_env() -> SparseServerConfig:
+    """The resolved server config; parsed once per distinct value (hot path: every request)."""
     raw = os.environ.get(ENV_CONFIG)
-    if not raw:
-        return SparseServerConfig()
-    return SparseServerConfig.model_validate(json.loads(raw), strict=False)
+    return _parse_config(raw) if raw else SparseServerConfig()
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_config(raw: str) -> SparseServerConfig:
+    return SparseServerConfig.model_validate(json.loads(raw), strict=False)  # frozen: safe to share

@@ -9,7 +9,6 @@ touches attention or request metadata and loads no plugins.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import sys
@@ -126,21 +125,21 @@ def server_args_resolved(_result, server_args) -> None:
         getattr(server_args, "trust_remote_code", False),
     )
     device = getattr(server_args, "device", None) or "cuda"
-    cfg = cfg.model_copy(update={"device": device})
+    model_name = getattr(server_args, "served_model_name", None) or server_args.model_path
+    cfg = cfg.model_copy(update={
+        "device": device,
+        "metrics": bool(getattr(server_args, "enable_metrics", False)),
+        "model_name": str(model_name),
+    })
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
 
 
-@functools.lru_cache(maxsize=4)
-def _device_of_config(raw: Optional[str]) -> Optional[str]:
-    return config_from_env().device if raw else None
-
-
 def support_triton(original, backend: str, *args, **kwargs) -> bool:
     if backend == BACKEND_NAME:
-        return _device_of_config(os.environ.get(ENV_CONFIG)) not in (None, "cpu")
+        return config_from_env().device not in (None, "cpu")
     return original(backend, *args, **kwargs)
 
 
@@ -159,7 +158,15 @@ def verify_sampling_params(_result, sampling_params, *args, **kwargs) -> None:
         return
     if not isinstance(params, dict):
         return
-    spec = parse_request_policy(params.get(REQUEST_KEY), config_from_env())
+    cfg = config_from_env()
+    try:
+        spec = parse_request_policy(params.get(REQUEST_KEY), cfg)
+    except SparseConfigError as e:
+        if cfg.metrics:
+            from sgl_sparse.metrics import count_rejected
+
+            count_rejected(e.reason, cfg.model_name)
+        raise
     # Hand the scheduler the complete, validated policy (server defaults filled in).
     params[REQUEST_KEY] = spec.model_dump()
 

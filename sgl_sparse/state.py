@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ class SparseState:
         self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit]] = ([], [])
         self._step_kernel_rows: list[int] | None = None
+        # Per live row: [decode steps, sum of per-step retention] (host-side stats).
+        self._stats: dict[int, list[float]] = {}
+        self.metrics = None  # sgl_sparse.metrics.SchedulerMetrics when --enable-metrics
 
     # ---- admission / release (host side, once per request) -------------------
     def enqueue(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
@@ -78,10 +81,18 @@ class SparseState:
         for name, values in host.items():
             values = values.pin_memory().to(self.device, non_blocking=True) if pin else values
             getattr(self, name).index_copy_(0, idx, values)
+        newly = []
         with self._lock:
             for r, i in zip(rows, inits):
-                self._active[int(r)] = i
-                self._scanned[int(r)] = 0
+                r = int(r)
+                if r not in self._active:  # not a later chunk of the same request
+                    newly.append(i.policy)
+                    self._stats[r] = [0, 0.0]
+                self._active[r] = i
+                self._scanned[r] = 0
+        if self.metrics is not None:
+            for p in newly:
+                self.metrics.on_admit(p.name.lower())
 
     def set_step_rows(self, rows: Sequence[int], seq_lens: Sequence[int], new_tokens: Sequence) -> None:
         """Scheduler side, per decode batch: which slots need the sparse kernel.
@@ -93,11 +104,13 @@ class SparseState:
         """
         end_id = self.think_ids[1]
         mask = []
+        per_policy: dict[str, list[int]] = {}
+        fallbacks: dict[tuple[str, str], int] = {}
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
-                r = int(r)
+                r, n = int(r), int(n)
                 row = self._active.get(r)
-                if row is None or row.policy == PolicyId.FULL:
+                if row is None:
                     mask.append(0)
                     continue
                 if row.policy == PolicyId.SADAS and not row.latch and end_id is not None:
@@ -105,9 +118,31 @@ class SparseState:
                     if any(int(t) == end_id for t in toks[seen:]):
                         row = self._active[r] = RowInit(row.policy, row.window, row.sink, row.think, True)
                     self._scanned[r] = len(toks)
-                dense = row.latch if row.policy == PolicyId.SADAS else False
-                mask.append(int(not dense and row.window + row.sink < int(n)))
+                name = row.policy.name.lower()
+                if row.policy == PolicyId.FULL:
+                    windowed = False
+                elif row.policy == PolicyId.SADAS and row.latch:
+                    windowed = False
+                    fallbacks[(name, "sadas_latched")] = fallbacks.get((name, "sadas_latched"), 0) + 1
+                elif row.window + row.sink >= n:
+                    windowed = False
+                    key = (name, "window_covers_sequence")
+                    fallbacks[key] = fallbacks.get(key, 0) + 1
+                else:
+                    windowed = True
+                mask.append(int(windowed))
+                attended = row.window + row.sink if windowed else n
+                agg = per_policy.setdefault(name, [0, 0, 0])
+                agg[0] += 1
+                agg[1] += attended
+                agg[2] += n
+                st = self._stats.get(r)
+                if st is not None:
+                    st[0] += 1
+                    st[1] += attended / max(n, 1)
             self._step_kernel_rows = mask
+        if self.metrics is not None:
+            self.metrics.on_step(per_policy, fallbacks)
 
     def take_step_kernel_rows(self) -> list[int] | None:
         with self._lock:
@@ -115,15 +150,27 @@ class SparseState:
         return rows
 
     def release(self, rows: Iterable[int]) -> None:
+        done = []
         with self._lock:
             for r in rows:
-                self._active.pop(int(r), None)
+                row = self._active.pop(int(r), None)
                 self._scanned.pop(int(r), None)
+                st = self._stats.pop(int(r), None)
+                if row is not None:
+                    done.append((row.policy.name.lower(), st[1] / st[0] if st and st[0] else None))
+        if self.metrics is not None:
+            for policy, retention in done:
+                self.metrics.on_release(policy, retention)
+
+    def mean_retention(self, row: int) -> Optional[float]:
+        with self._lock:
+            st = self._stats.get(int(row))
+        return st[1] / st[0] if st and st[0] else None
 
     def release_all(self) -> None:
         with self._lock:
-            self._active.clear()
-            self._scanned.clear()
+            rows = list(self._active)
+        self.release(rows)
 
     # ---- introspection (metrics, leak checks) ---------------------------------
     def active_count(self) -> int:

@@ -73,7 +73,7 @@ def stock_outputs(model_dir, think_ids):
 
 @pytest.fixture(scope="module")
 def sparse_server(model_dir):
-    with running_server(model_dir, "sgl_sparse") as h:
+    with running_server(model_dir, "sgl_sparse", extra_args=["--enable-metrics"]) as h:
         yield h
 
 
@@ -194,3 +194,46 @@ def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
     while (state := _sparse_internal_state(sparse_server.url))["active_requests"] and time.time() < deadline:
         time.sleep(0.5)  # the abort reaches the scheduler asynchronously
     assert state == {"active_requests": 0, "active_by_policy": {}}
+
+
+def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(requests.get(url + "/metrics", timeout=30).text):
+        for sample in fam.samples:
+            if sample.name.startswith("sglang_sparse_"):
+                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _value(samples, name, **labels) -> float:
+    hits = [v for (n, ls), v in samples.items() if n == name and all((k, v2) in ls for k, v2 in labels.items())]
+    return sum(hits)
+
+
+def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
+    """Runs after the traffic above: per-policy steps, retention, fallbacks, rejects."""
+    ids = _prompts(think_ids)["plain_a"]
+    _ids(_generate(sparse_server.url, ids, {"policy": "streaming", "window": 8, "sink": 4}))
+    _ids(_generate(sparse_server.url, ids, {"policy": "full"}))
+    assert _generate(sparse_server.url, ids, {"policy": "streaming", "window": 0}).status_code == 400
+    m = _scrape(sparse_server.url)
+    for policy in ("full", "streaming", "sadas"):
+        assert _value(m, "sglang_sparse_decode_steps_total", policy=policy) > 0, policy
+    full_ratio = _value(m, "sglang_sparse_attended_tokens_total", policy="full") / _value(
+        m, "sglang_sparse_cached_tokens_total", policy="full")
+    assert full_ratio == 1.0
+    stream_ratio = _value(m, "sglang_sparse_attended_tokens_total", policy="streaming") / _value(
+        m, "sglang_sparse_cached_tokens_total", policy="streaming")
+    assert 0 < stream_ratio < 1
+    assert _value(m, "sglang_sparse_request_retention_ratio_count", policy="streaming") >= 2
+    assert _value(m, "sglang_sparse_request_retention_ratio_bucket", policy="streaming", le="0.1") >= 1
+    # window >= length requests were served by the dense kernel, and said why
+    assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="streaming",
+                  reason="window_covers_sequence") > 0
+    assert _value(m, "sglang_sparse_rejected_requests_total", reason="window") >= 1
+    assert _value(m, "sglang_sparse_rejected_requests_total", reason="policy") >= 1
+    assert _value(m, "sglang_sparse_active_requests") == 0
+    labels = {k for (_, ls) in m for k, _ in ls}
+    assert labels <= {"policy", "model_name", "reason", "le"}  # bounded: never a request id
