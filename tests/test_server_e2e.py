@@ -21,6 +21,9 @@ from tests.tiny_model import make_tiny_qwen3
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 24
+# Small prefill chunks: prompts are admitted over several extend chunks (state rows
+# rewritten per chunk) and requests queue; both servers chunk the same way.
+SERVER_ARGS = ["--chunked-prefill-size", "64"]
 THINK, END_THINK = "<think>", "</think>"
 
 
@@ -67,13 +70,13 @@ def _ids(resp: requests.Response) -> list[int]:
 @pytest.fixture(scope="module")
 def stock_outputs(model_dir, think_ids):
     prompts = _prompts(think_ids)
-    with running_server(model_dir, "torch_native") as h:
+    with running_server(model_dir, "torch_native", extra_args=SERVER_ARGS) as h:
         return {name: _ids(_generate(h.url, ids)) for name, ids in prompts.items()}
 
 
 @pytest.fixture(scope="module")
 def sparse_server(model_dir):
-    with running_server(model_dir, "sgl_sparse", extra_args=["--enable-metrics"]) as h:
+    with running_server(model_dir, "sgl_sparse", extra_args=SERVER_ARGS + ["--enable-metrics"]) as h:
         yield h
 
 
@@ -186,7 +189,8 @@ def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
           "custom_params": {"sparse": {"policy": "streaming", "window": 8}}}
     with requests.post(sparse_server.url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
                        stream=True, timeout=300) as r:
-        first = next(line for line in r.iter_lines() if line)
+        lines = r.iter_lines()  # kept alive: a collected iterator closes the stream (an abort)
+        first = next(line for line in lines if line)
         assert b"error" not in first, first
         live = _sparse_internal_state(sparse_server.url)
         assert live["active_requests"] >= 1 and live["active_by_policy"].get("streaming", 0) >= 1
