@@ -4,10 +4,11 @@ Data path, top to bottom:
   request metadata  -> admission.rows_for_batch (host, when a request enters a batch)
   policy state      -> SparseState rows, indexed by req_pool_idx (device)
   per-step decision -> decision.plan_decode (device, once per decode step)
-  kernel            -> CPU: reference.decode_attention;
-                       CUDA: the two-segment Triton kernel (one launch for the
-                       whole mixed-policy batch, `full` included), FlashInfer
-                       for prefill/extend
+  kernel            -> CPU: reference.decode_attention (the oracle);
+                       CUDA: rows whose plan is dense this step through SGLang's
+                       FlashInfer decode (the stock path), the others through the
+                       two-segment Triton kernel, one launch for all of them;
+                       prefill/extend through FlashInfer
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
 
 class SparseAttnBackend(AttentionBackend):
     def __init__(self, model_runner: ModelRunner):
@@ -60,8 +62,8 @@ class SparseAttnBackend(AttentionBackend):
         # KV heads of this rank, as the pool stores them.
         self._num_kv_heads = self.token_to_kv_pool.get_key_buffer(0).shape[1]
 
-        # Prefill/extend on CUDA goes through SGLang's own FlashInfer backend;
-        # decode through our kernel. On CPU everything takes the reference path.
+        # CUDA: SGLang's own FlashInfer backend for prefill/extend and for the
+        # decode rows routed to it. CPU: everything on the reference path.
         self.dense: Optional[AttentionBackend] = None
         if self.device.type == "cuda":
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -112,11 +114,14 @@ class SparseAttnBackend(AttentionBackend):
     def _route_decode_rows(self, forward_batch: ForwardBatch) -> ForwardBatch:
         """Split a decode batch between FlashInfer and the two-segment kernel.
 
-        `full` rows go through FlashInfer exactly as in the stock backend; every
-        other row through our kernel (SADAS rows too: their latch lives on the
-        device). FlashInfer is planned with one key for the kernel's rows, so it
-        reads almost nothing for them, and the kernel skips the FlashInfer rows:
-        both launches have fixed grids, so this holds inside CUDA graphs too.
+        Rows whose plan is dense this step (`full`, a window covering the
+        sequence, SADAS after the host saw `</think>`; see
+        SparseState.set_step_rows) go through FlashInfer exactly as in the stock
+        backend; the others through our kernel. FlashInfer is planned with one key
+        for the kernel's rows, so it reads almost nothing for them, and the kernel
+        skips FlashInfer's rows: both launches have fixed grids, so this holds
+        inside CUDA graphs too. A SADAS row that latches on the device before the
+        host sees it stays on the kernel for that step, attending everything.
         """
         bs = forward_batch.batch_size
         mask = self.state.take_step_kernel_rows()  # host, one entry per real request
