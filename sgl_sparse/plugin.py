@@ -91,6 +91,7 @@ def add_cli_args(_result, parser: argparse.ArgumentParser) -> None:
 
 
 def _uses_backend(server_args) -> bool:
+    """ServerArgs or the parsed argparse namespace."""
     return BACKEND_NAME in (
         getattr(server_args, "attention_backend", None),
         getattr(server_args, "decode_attention_backend", None),
@@ -100,8 +101,7 @@ def _uses_backend(server_args) -> bool:
 def from_cli_args(_cls, args: argparse.Namespace):
     path = getattr(args, "sparse_config", None)
     policy = getattr(args, "sparse_default_policy", None)
-    uses = BACKEND_NAME in (getattr(args, "attention_backend", None), getattr(args, "decode_attention_backend", None))
-    if not uses:
+    if not _uses_backend(args):
         if path or policy:
             _die("--sparse-config/--sparse-default-policy need --attention-backend sgl_sparse")
         return None
