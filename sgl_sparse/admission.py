@@ -25,14 +25,25 @@ def request_policy_raw(req: Any) -> Any:
     return params.get(REQUEST_KEY) if isinstance(params, dict) else None
 
 
+_SPEC_ATTR = "_sgl_sparse_spec"
+
+
 def request_spec(req: Any, cfg: SparseServerConfig):
-    """The request's validated policy, or None (served as `full`) if it is invalid."""
+    """The request's validated policy, or None (served as `full`) if it is invalid.
+
+    Parsed once per request and kept on the Req: it is read when the Req is made
+    (radix namespace) and again at each extend chunk (admission).
+    """
+    if hasattr(req, _SPEC_ATTR):
+        return getattr(req, _SPEC_ATTR)
     try:
-        return parse_request_policy(request_policy_raw(req), cfg)
+        spec = parse_request_policy(request_policy_raw(req), cfg)
     except SparseConfigError as e:  # unreachable through the HTTP API (400 there)
         logger.error("sgl_sparse: request %s has invalid metadata (%s); serving it as 'full'",
                      getattr(req, "rid", "?"), e)
-        return None
+        spec = None
+    setattr(req, _SPEC_ATTR, spec)
+    return spec
 
 
 def row_for_request(

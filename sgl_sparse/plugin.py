@@ -154,9 +154,7 @@ def verify_sampling_params(_result, sampling_params, *args, **kwargs) -> None:
     if ENV_CONFIG not in os.environ:
         return  # this server does not run sgl_sparse
     params = sampling_params.custom_params
-    if params is None:
-        return
-    if not isinstance(params, dict):
+    if not isinstance(params, dict):  # None: the server's default policy
         return
     cfg = config_from_env()
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -105,7 +105,7 @@ class SparseState:
         end_id = self.think_ids[1]
         mask = []
         per_policy: dict[str, list[int]] = {}
-        fallbacks: dict[tuple[str, str], int] = {}
+        fallbacks: Counter[tuple[str, str]] = Counter()
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
@@ -118,17 +118,15 @@ class SparseState:
                     if any(int(t) == end_id for t in toks[seen:]):
                         row = self._active[r] = RowInit(row.policy, row.window, row.sink, row.think, True)
                     self._scanned[r] = len(toks)
+                # The host twin of decision.plan_decode: the device plan is windowed
+                # exactly when n > window + sink (then a_len + window < n).
                 name = row.policy.name.lower()
-                if row.policy == PolicyId.FULL:
-                    windowed = False
-                elif row.policy == PolicyId.SADAS and row.latch:
-                    windowed = False
-                    fallbacks[(name, "sadas_latched")] = fallbacks.get((name, "sadas_latched"), 0) + 1
-                elif row.window + row.sink >= n:
-                    windowed = False
-                    key = (name, "window_covers_sequence")
-                    fallbacks[key] = fallbacks.get(key, 0) + 1
-                else:
+                windowed = False
+                if row.policy == PolicyId.SADAS and row.latch:
+                    fallbacks[(name, "sadas_latched")] += 1
+                elif row.policy != PolicyId.FULL and row.window + row.sink >= n:
+                    fallbacks[(name, "window_covers_sequence")] += 1
+                elif row.policy != PolicyId.FULL:
                     windowed = True
                 mask.append(int(windowed))
                 attended = row.window + row.sink if windowed else n
@@ -161,11 +159,6 @@ class SparseState:
         if self.metrics is not None:
             for policy, retention in done:
                 self.metrics.on_release(policy, retention)
-
-    def mean_retention(self, row: int) -> Optional[float]:
-        with self._lock:
-            st = self._stats.get(int(row))
-        return st[1] / st[0] if st and st[0] else None
 
     def release_all(self) -> None:
         with self._lock:
