@@ -6,6 +6,8 @@ Public API:
   compact segment (A) plus an in-place paged position range (B).
 * :func:`pack_compact` -- gather selected positions from the paged pool into
   the compact buffer.
+* :func:`window_logits` -- a few queries' logits over a whole paged prefix (SFI's
+  Selector input).
 * :func:`choose_num_splits` -- the static split heuristic used by the above.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
@@ -14,10 +16,12 @@ Public API:
 from .pack_compact import pack_compact
 from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
 from .two_segment_decode import choose_num_splits, two_segment_decode
+from .window_logits import window_logits
 
 __all__ = [
     "two_segment_decode",
     "pack_compact",
+    "window_logits",
     "choose_num_splits",
     "two_segment_decode_ref",
     "pack_compact_ref",

@@ -133,7 +133,10 @@ def _two_segment_decode_stage1(
     REQ_POOL_IDX,
     B_START,
     B_END,
-    ROW_MASK,  # [bs] int32: 0 = row served elsewhere, skip it (only if HAS_ROW_MASK)
+    ROW_MASK,  # [bs] int32: 1 = attend; 0 = served elsewhere, skip; 2 = side effects only
+    KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
+    Q_SAVE,  # [slots, Hq, D] saved queries (only if SAVE_Q)
+    Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
     OUT,  # [bs, Hq, S, D] fp32 partials, or final [bs, Hq, D] when DIRECT
     LSE,  # [bs, Hq, S] fp32 partial LSE (base 2), or final [bs, Hq] (natural log)
     qk_scale,  # sm_scale * log2(e)
@@ -156,6 +159,9 @@ def _two_segment_decode_stage1(
     stride_os,
     stride_lb,
     stride_lh,
+    stride_kn,
+    stride_qss,
+    stride_qsh,
     A_CAP,
     MIN_SPLIT_BLOCKS,
     HEAD_DIM: tl.constexpr,
@@ -167,15 +173,19 @@ def _two_segment_decode_stage1(
     STORE_LSE: tl.constexpr,
     FP32_DOT: tl.constexpr,
     HAS_ROW_MASK: tl.constexpr,
+    STORE_KNORM: tl.constexpr,
+    SAVE_Q: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    row_mode = 1
     if HAS_ROW_MASK:
         # Rows another kernel serves (e.g. `full` rows through FlashInfer) are
         # left untouched: the grid stays fixed for CUDA graphs, the work does not.
-        if tl.load(ROW_MASK + cur_b) == 0:
+        row_mode = tl.load(ROW_MASK + cur_b)
+        if row_mode == 0:
             return
 
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
@@ -214,6 +224,24 @@ def _two_segment_decode_stage1(
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
+    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+
+    # ---- Side effects for SFI, once per (request, KV head): the norm of the key
+    # written this step (position b_end - 1) and, on a slow step, the query. ----
+    if split == 0:
+        if STORE_KNORM:
+            if b_end > 0:
+                tok_last = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + b_end - 1).to(tl.int64)
+                k_last = tl.load(K_POOL + tok_last * stride_kt + cur_kvh * stride_kh + offs_d,
+                                 mask=mask_d, other=0.0).to(tl.float32)
+                tl.store(KNORM + tok_last * stride_kn + cur_kvh, tl.sqrt(tl.sum(k_last * k_last, 0)))
+        if SAVE_Q:
+            q_slot = tl.load(Q_SAVE_SLOT + cur_b).to(tl.int64)
+            if q_slot >= 0:
+                tl.store(Q_SAVE + q_slot * stride_qss + q_heads[:, None] * stride_qsh + offs_d[None, :],
+                         q.to(Q_SAVE.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    if row_mode != 1:
+        return
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -224,7 +252,6 @@ def _two_segment_decode_stage1(
     # requests whose a_len is 0. 64-bit offsets: a large compact buffer easily
     # exceeds 2^31 elements.
     a_hi = tl.minimum(chunk_end, a_len)
-    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
     if a_in_pool:
         r2t_a = REQ_TO_TOKEN + req_row * stride_r2t
         for n0 in range(chunk_start, a_hi, BLOCK_N):
@@ -324,7 +351,7 @@ def _merge_splits_kernel(
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
     if HAS_ROW_MASK:
-        if tl.load(ROW_MASK + cur_b) == 0:
+        if tl.load(ROW_MASK + cur_b) != 1:
             return
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -415,6 +442,9 @@ def two_segment_decode(
     return_lse: bool = False,
     out: Optional[torch.Tensor] = None,
     row_mask: Optional[torch.Tensor] = None,
+    key_norms: Optional[torch.Tensor] = None,
+    q_save: Optional[torch.Tensor] = None,
+    q_save_slot: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -445,6 +475,12 @@ def two_segment_decode(
         row_mask: optional ``[bs]`` int32; rows where it is 0 are skipped entirely
             (their ``out``/``lse`` rows are not written): one fixed launch serves
             only the rows that need it, e.g. next to FlashInfer for dense rows.
+            Rows where it is 2 only get the side effects below, no output.
+        key_norms: optional ``[pool, Hkv]`` fp32: each served row stores the L2 norm
+            of its key at position ``b_end - 1`` (the one written this step) at
+            ``key_norms[req_to_token[req, b_end - 1], h]``.
+        q_save, q_save_slot: optional ``[slots, Hq, D]`` and ``[bs]`` int32: rows with
+            ``q_save_slot >= 0`` copy their query to ``q_save[q_save_slot]``.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -470,6 +506,11 @@ def two_segment_decode(
 
     if row_mask is not None:
         assert row_mask.shape == (bs,) and row_mask.dtype == torch.int32, "row_mask: [bs] int32"
+    if key_norms is not None:
+        assert key_norms.dtype == torch.float32 and key_norms.shape[1] == num_kv_heads and key_norms.stride(1) == 1
+    if q_save is not None:
+        assert q_save_slot is not None and q_save_slot.shape == (bs,) and q_save_slot.dtype == torch.int32
+        assert q_save.shape[1:] == (num_q_heads, head_dim) and q_save.stride(-1) == 1
     cap = a_k.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
@@ -517,6 +558,9 @@ def two_segment_decode(
         b_start,
         b_end,
         row_mask if row_mask is not None else b_end,
+        key_norms if key_norms is not None else b_end,
+        q_save if q_save is not None else q,
+        q_save_slot if q_save is not None else b_end,
         stage1_out,
         stage1_lse,
         float(sm_scale) * _LOG2E,
@@ -539,6 +583,9 @@ def two_segment_decode(
         s_os,
         s_lb,
         s_lh,
+        key_norms.stride(0) if key_norms is not None else 0,
+        q_save.stride(0) if q_save is not None else 0,
+        q_save.stride(1) if q_save is not None else 0,
         cap,
         min_split_blocks,
         HEAD_DIM=head_dim,
@@ -550,6 +597,8 @@ def two_segment_decode(
         STORE_LSE=return_lse,
         FP32_DOT=needs_fp32_dot(q.dtype),
         HAS_ROW_MASK=row_mask is not None,
+        STORE_KNORM=key_norms is not None,
+        SAVE_Q=q_save is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

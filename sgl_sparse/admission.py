@@ -58,12 +58,14 @@ def row_for_request(
 
 def rows_for_batch(
     reqs: list, cfg: SparseServerConfig, think_ids: tuple[Optional[int], Optional[int]]
-) -> tuple[list[int], list[RowInit]]:
-    rows, inits = [], []
+) -> tuple[list[int], list[RowInit], list[int]]:
+    """(rows, initial states, generated ids each request already has)."""
+    rows, inits, bases = [], [], []
     for req in reqs:
         idx = compat.req_pool_idx(req)
         if idx is None:
             continue
         rows.append(int(idx))
         inits.append(row_for_request(req, cfg, think_ids))
-    return rows, inits
+        bases.append(len(compat.token_ids(req)[1]))
+    return rows, inits, bases

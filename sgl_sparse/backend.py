@@ -4,6 +4,8 @@ Data path, top to bottom:
   request metadata  -> admission.rows_for_batch (host, when a request enters a batch)
   policy state      -> SparseState rows, indexed by req_pool_idx (device)
   per-step decision -> decision.plan_decode (device, once per decode step)
+  SFI refresh       -> selector.refresh (device work enqueued before a step, for
+                       requests whose previous step was slow)
   kernel            -> CPU: reference.decode_attention (the oracle);
                        CUDA: rows whose plan is dense this step through SGLang's
                        FlashInfer decode (the stock path), the others through the
@@ -20,8 +22,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sgl_sparse import reference
+from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
+from sgl_sparse.policies.base import PolicyId
+from sgl_sparse.selector.refresh import refresh
 from sgl_sparse.state import SparseState
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -61,6 +66,11 @@ class SparseAttnBackend(AttentionBackend):
         self.plan: Optional[DecodePlan] = None
         # KV heads of this rank, as the pool stores them.
         self._num_kv_heads = self.token_to_kv_pool.get_key_buffer(0).shape[1]
+        self._layer0 = getattr(self.token_to_kv_pool, "start_layer", 0) or 0
+        self._scaling: Optional[float] = None  # the layers' softmax scale, seen at the first forward
+        self._prompt_q_plan = None  # where this extend's SFI prompt queries go
+        if self.state.compact is None and "sfi" not in self.config.unavailable:
+            _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
 
         # CUDA: SGLang's own FlashInfer backend for prefill/extend and for the
         # decode rows routed to it. CPU: everything on the reference path.
@@ -100,8 +110,16 @@ class SparseAttnBackend(AttentionBackend):
         self._prepare(forward_batch, eager=False, in_capture=in_capture)
 
     def _prepare(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool = False):
-        """Host-side, once per forward: state admissions, then FlashInfer's plan."""
-        self.state.admit_queued()
+        """Host-side, once per forward: state admissions, SFI refreshes, then
+        FlashInfer's plan."""
+        admitted = self.state.admit_queued()
+        mode = forward_batch.forward_mode
+        self._prompt_q_plan = None
+        if self.state.compact is not None:
+            if mode.is_decode():
+                self._refresh_selections()
+            elif mode.is_extend():
+                self._plan_prompt_queries(forward_batch, admitted)
         if self.dense is None:
             return
         if forward_batch.forward_mode.is_decode_or_idle():
@@ -110,6 +128,62 @@ class SparseAttnBackend(AttentionBackend):
             self.dense.init_forward_metadata(forward_batch)
         else:
             self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def _refresh_selections(self) -> None:
+        pending = self.state.take_refresh_rows()
+        if not pending or self._scaling is None:
+            return
+        pool = self.token_to_kv_pool
+        refresh(
+            self.state, sorted(pending), max(pending.values()),
+            lambda layer: pool.get_key_buffer(layer + self._layer0),
+            lambda layer: pool.get_value_buffer(layer + self._layer0),
+            self.req_to_token_pool.req_to_token, self._scaling,
+            use_kernels=self.dense is not None,
+        )
+
+    def _plan_prompt_queries(self, forward_batch: ForwardBatch, admitted) -> None:
+        """SFI requests of this extend keep the last w_prefill - 1 queries of the
+        chunk: with the first decode step's query they are the first Selector's
+        evidence window (a later chunk of the same prompt overwrites them)."""
+        rows, inits = admitted
+        want = {r: i for r, i in zip(rows, inits) if i.policy == PolicyId.SFI and i.slot >= 0}
+        if not want:
+            return
+        store = self.state.compact
+        order = forward_batch.req_pool_indices.tolist()  # one sync, SFI prefills only
+        lens = forward_batch.extend_seq_lens_cpu
+        lens = lens.tolist() if hasattr(lens, "tolist") else list(lens)
+        src, dst_slot, dst_j, count_rows, counts = [], [], [], [], []
+        start = 0
+        for r, ext in zip(order, lens):
+            init = want.get(int(r))
+            if init is not None:
+                m = min(init.spec.w_prefill - 1, ext, store.q_prompt.shape[2])
+                for j in range(m):
+                    src.append(start + ext - 1 - j)
+                    dst_slot.append(init.slot)
+                    dst_j.append(j)
+                count_rows.append(int(r))
+                counts.append(m)
+            start += ext
+        dev = self.device
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        self.state.prompt_q[as_t(count_rows)] = torch.tensor(counts, dtype=torch.int32, device=dev)
+        if src:
+            self._prompt_q_plan = (as_t(src), as_t(dst_slot), as_t(dst_j))
+
+    def _record_for_sfi(self, layer, forward_batch, q, k) -> None:
+        """Extend: key norms of the new keys and the SFI prompt queries."""
+        store = self.state.compact
+        if store is None:
+            return
+        li = layer.layer_id - self._layer0
+        store.save_key_norms(li, forward_batch.out_cache_loc, k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
+        if self._prompt_q_plan is not None:
+            src, slot, j = self._prompt_q_plan
+            q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            store.q_prompt[li][slot, j] = q3[src].to(store.q_prompt.dtype)
 
     def _route_decode_rows(self, forward_batch: ForwardBatch) -> ForwardBatch:
         """Split a decode batch between FlashInfer and the two-segment kernel.
@@ -128,17 +202,16 @@ class SparseAttnBackend(AttentionBackend):
         if mask is None:  # no routing known for this batch: the kernel serves all
             mask = [1] * bs
         mask = (mask + [0] * bs)[:bs]  # CUDA-graph padding rows: FlashInfer
-        if not any(mask):
-            self._row_mask[:bs].zero_()
-            return forward_batch
         host = torch.tensor(mask, dtype=torch.int32, pin_memory=True)
         self._row_mask[:bs].copy_(host, non_blocking=True)
+        if 1 not in mask:  # 2 = FlashInfer attends, the kernel only records
+            return forward_batch
         routed = copy.copy(forward_batch)
         routed.seq_lens = forward_batch.seq_lens.clone()
-        routed.seq_lens[:bs] = torch.where(self._row_mask[:bs].bool(), 1, forward_batch.seq_lens[:bs])
+        routed.seq_lens[:bs] = torch.where(self._row_mask[:bs] == 1, 1, forward_batch.seq_lens[:bs])
         if forward_batch.seq_lens_cpu is not None:
             routed.seq_lens_cpu = forward_batch.seq_lens_cpu.clone()
-            routed.seq_lens_cpu[:bs] = torch.where(host.bool(), 1, forward_batch.seq_lens_cpu[:bs])
+            routed.seq_lens_cpu[:bs] = torch.where(host == 1, 1, forward_batch.seq_lens_cpu[:bs])
             routed.seq_lens_sum = int(routed.seq_lens_cpu[:bs].sum())
         return routed
 
@@ -181,9 +254,15 @@ class SparseAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs):
         # Prefill/extend is dense for every policy.
+        self._scaling = layer.scaling
         if self.dense is not None:
-            return self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            if save_kv_cache and k is not None:
+                self._record_for_sfi(layer, forward_batch, q, k)
+            return o
         self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        if save_kv_cache and k is not None:
+            self._record_for_sfi(layer, forward_batch, q, k)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         reference.extend_attention(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
@@ -202,11 +281,20 @@ class SparseAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs):
+        self._scaling = layer.scaling
         if self.dense is not None:
             return self._forward_decode_cuda(q, k, v, layer, forward_batch, save_kv_cache)
         self._save_kv(layer, forward_batch, k, v, save_kv_cache)
         q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        store, li = self.state.compact, layer.layer_id - self._layer0
+        if store is not None:
+            if save_kv_cache and k is not None:
+                store.save_key_norms(li, forward_batch.out_cache_loc,
+                                     k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim))
+            dest = self.plan.q_save_slot
+            dest = torch.where(dest >= 0, dest, store.scratch_slot).long()
+            store.q[li].index_copy_(0, dest, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim))
         reference.decode_attention(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
             o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
@@ -217,6 +305,8 @@ class SparseAttnBackend(AttentionBackend):
             self.plan,
             scaling=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            compact_k=store.k[li] if store is not None else None,
+            compact_v=store.v[li] if store is not None else None,
         )
         return o
 
@@ -229,9 +319,14 @@ class SparseAttnBackend(AttentionBackend):
         plan = self.plan
         bs = plan.b_end.shape[0]
         q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
+        store, li = self.state.compact, layer.layer_id - self._layer0
+        sfi_args = {}
+        if store is not None:
+            sfi_args = dict(key_norms=store.knorm[li], q_save=store.q[li], q_save_slot=plan.q_save_slot)
         two_segment_decode(
             q3,
-            self._no_compact, self._no_compact,
+            store.k[li] if store is not None else self._no_compact,
+            store.v[li] if store is not None else self._no_compact,
             plan.a_slot, plan.a_len_per_head,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
@@ -242,11 +337,40 @@ class SparseAttnBackend(AttentionBackend):
             max_kv_len=self._max_kv_len,
             out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
             row_mask=self._row_mask[:bs],
+            **sfi_args,
         )
         return o
 
     def support_triton(self):
         return self.dense is not None
+
+
+def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
+    """SFI's trigger table and compact buffers, once per request pool."""
+    from sgl_sparse.tokens import sentence_trigger_ids
+
+    cfg = state.config
+    mc = model_runner.model_config
+    state.set_trigger_table(sentence_trigger_ids(cfg, mc.vocab_size))
+    if cfg.compact.slots == 0:
+        return
+    kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
+    tp = getattr(model_runner, "tp_size", 1) or 1
+    try:
+        state.compact = CompactStore(
+            slots=cfg.compact.slots, capacity=cfg.compact.capacity,
+            num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1],
+            num_q_heads=mc.num_attention_heads // tp, head_dim=kv.shape[2], dtype=kv.dtype,
+            pool_size=kv.shape[0], prompt_queries=cfg.policies.sfi.w_prefill - 1, device=kv.device,
+        )
+    except torch.OutOfMemoryError:
+        raise ValueError(
+            f"sgl_sparse: no memory left for SFI's compact buffers ({cfg.compact.slots} slots x "
+            f"capacity {cfg.compact.capacity}): lower --mem-fraction-static, or compact.slots / "
+            f"compact.capacity in --sparse-config (compact.slots: 0 serves 'sfi' dense)"
+        ) from None
+    logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
+                cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
 
 
 def _check_supported(model_runner) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-POLICY_NAMES = ("full", "streaming", "sadas")
+POLICY_NAMES = ("full", "streaming", "sadas", "sfi")
 
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also
@@ -54,13 +54,41 @@ class SadasPolicy(_Strict):
     sink: int = Field(4, ge=0, le=1 << 16, description="sink tokens kept in window mode [ours]")
 
 
+class SfiPolicy(_Strict):
+    """Slow-Fast Inference (ALGORITHMS.md §1): sink + Selector-chosen memory + recent
+    window on fast steps; a dense slow step refreshes the memory on sentence
+    boundaries and at least every `t_max` steps. Defaults marked [ours] are this
+    project's choices, not the paper's numbers."""
+
+    policy: Literal["sfi"] = "sfi"
+    budget: int = Field(2048, ge=1, le=1 << 20, description="K: selected tokens per KV head [ours]")
+    recent: int = Field(256, ge=0, le=1 << 20, description="recent tokens always attended (paper)")
+    sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended [ours]")
+    t_max: int = Field(64, ge=0, le=1 << 20,
+                       description="refresh budget: slow step after t_max fast steps in a row [ours]")
+    sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
+    w_prefill: int = Field(32, ge=1, le=256,
+                           description="queries in the first slow step's evidence window [ours]")
+    beta: float = Field(0.5, gt=0, le=16, description="evidence power-mean exponent [ours]")
+    alpha: float = Field(1.0, ge=0, le=100, description="prior: recency decay strength [ours]")
+    kappa: float = Field(2.0, gt=0, le=100, description="prior: recency decay shape [ours]")
+    zeta: float = Field(0.5, ge=0, le=100, description="prior: tail-brake exponent [ours]")
+    clip: float = Field(0.02, ge=0, le=1, description="fusion weight clip c (paper's best)")
+    nms_gamma: float = Field(0.5, ge=0, le=10, description="Soft-NMS strength (paper's best)")
+    nms_radius: int = Field(2, ge=0, le=64, description="Soft-NMS radius [ours]")
+    excl_eta: float = Field(0.35, ge=0, le=10, description="cross-head exclusivity strength (paper's best)")
+    excl_tau: float = Field(1.0, gt=0, le=100, description="cross-head exclusivity temperature [ours]")
+    eps: float = Field(1e-12, gt=0, le=1e-3, description="log-score / tail-brake epsilon")
+
+
 RequestPolicy = Annotated[
-    Union[FullPolicy, StreamingPolicy, SadasPolicy], Field(discriminator="policy")
+    Union[FullPolicy, StreamingPolicy, SadasPolicy, SfiPolicy], Field(discriminator="policy")
 ]
 _POLICY_MODELS: dict[str, type[_Strict]] = {
     "full": FullPolicy,
     "streaming": StreamingPolicy,
     "sadas": SadasPolicy,
+    "sfi": SfiPolicy,
 }
 
 
@@ -69,11 +97,28 @@ class PolicyDefaults(_Strict):
 
     streaming: StreamingPolicy = StreamingPolicy()
     sadas: SadasPolicy = SadasPolicy()
+    sfi: SfiPolicy = SfiPolicy()
+
+
+class CompactBufferConfig(_Strict):
+    """SFI's compact K/V buffers, reserved once at start-up (GPU memory is taken
+    beside SGLang's KV pool: lower --mem-fraction-static to make room).
+
+    Bytes = slots x layers x KV heads x capacity x head_dim x 2 (K and V) x dtype
+    size; e.g. Qwen3-1.7B, 16 slots, capacity 2052: 3.8 GB. An `sfi` request that
+    finds no free slot is served dense (metric reason `no_compact_slot`).
+    """
+
+    slots: int = Field(16, ge=0, le=4096, description="concurrent sfi requests served sparse")
+    capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
 
 
 class SparseServerConfig(_Strict):
-    default_policy: Literal["full", "streaming", "sadas"] = "full"
+    default_policy: Literal["full", "streaming", "sadas", "sfi"] = "full"
     policies: PolicyDefaults = PolicyDefaults()
+    compact: CompactBufferConfig = CompactBufferConfig()
+    # SFI's trigger set: vocabulary ids whose decoded text ends with one of these.
+    trigger_suffixes: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！", "；")
     # Control tokens for SADAS. Looked up in the tokenizer at start-up; ids may be
     # given directly for tokenizers that spell them differently.
     think_start_token: str = "<think>"
@@ -86,6 +131,8 @@ class SparseServerConfig(_Strict):
     device: Optional[str] = None
     metrics: bool = False  # --enable-metrics
     model_name: str = ""  # the `model_name` label of the metrics
+    tokenizer_path: Optional[str] = None  # for SFI's trigger set, built per scheduler
+    trust_remote_code: bool = False
 
     def defaults_for(self, name: str) -> dict[str, Any]:
         model = getattr(self.policies, name, None)
@@ -159,9 +206,21 @@ def parse_request_policy(
     name = _check_policy_name(raw, prefix, server)
     merged = {**server.defaults_for(name), **raw}
     try:
-        return _POLICY_MODELS[name].model_validate(merged)
+        spec = _POLICY_MODELS[name].model_validate(merged)
     except ValidationError as e:
         raise SparseConfigError(format_validation_error(e, prefix), _reason(e)) from None
+    if isinstance(spec, SfiPolicy) and spec.w_prefill > server.policies.sfi.w_prefill:
+        raise SparseConfigError(
+            f"{prefix}.w_prefill: {spec.w_prefill} exceeds this server's policies.sfi.w_prefill "
+            f"{server.policies.sfi.w_prefill} (the query buffers are sized by it)", "w_prefill",
+        )
+    if isinstance(spec, SfiPolicy) and spec.sink + spec.budget > server.compact.capacity:
+        raise SparseConfigError(
+            f"{prefix}.budget: sink + budget = {spec.sink + spec.budget} exceeds this server's "
+            f"compact buffer capacity {server.compact.capacity} (compact.capacity in --sparse-config)",
+            "budget",
+        )
+    return spec
 
 
 def load_server_config(

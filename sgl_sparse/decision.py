@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from sgl_sparse.policies import MODULES
+from sgl_sparse.policies import MODULES, sfi
 from sgl_sparse.policies.base import StepInputs
 from sgl_sparse.state import SparseState
 
@@ -22,19 +22,22 @@ class DecodePlan:
     """Which keys each request of the batch attends at this step (all [bs] int32).
 
     Two segments per request, the shape the two-segment decode kernel consumes:
-      A: positions [0, a_len)          -- sink tokens
+        A: a_slot < 0: positions [0, a_len) in place  -- sink tokens
+         a_slot >= 0: the first a_len rows of the request's compact buffer
+                      (SFI: sink + selected tokens, all before b_start)
       B: positions [b_start, b_end)    -- recent window, or the whole sequence
-    `full` is A empty and B = [0, n). A and B never overlap (a_len <= b_start).
+    `full` is A empty and B = [0, n). A and B never overlap.
     """
 
     a_len: torch.Tensor
     b_start: torch.Tensor
     b_end: torch.Tensor
-    # Kernel-facing forms (filled when the caller gives num_kv_heads): segment A's
-    # compact-buffer slot per request (-1: read positions [0, a_len) in place from
-    # the pool) and its length per KV head.
     a_slot: Optional[torch.Tensor] = None
+    # Kernel-facing form (when the caller gives num_kv_heads): A's length per KV head.
     a_len_per_head: Optional[torch.Tensor] = None
+    # SFI slow steps: the compact slot whose query buffer takes this step's query
+    # (-1: nothing to save).
+    q_save_slot: Optional[torch.Tensor] = None
 
     def attended(self) -> torch.Tensor:
         return self.a_len + (self.b_end - self.b_start)
@@ -58,6 +61,15 @@ def plan_decode(
         last_token=last_token.long(),
         think_start_id=think_ids[0] if think_ids[0] is not None else -1,
         think_end_id=think_ids[1] if think_ids[1] is not None else -1,
+        seq_len=seq_lens.to(torch.int32),
+        budget=state.budget[rows],
+        t_max=state.t_max[rows],
+        triggers=state.triggers[rows],
+        since_slow=state.since_slow[rows],
+        slot=state.slot[rows],
+        sel_ready=state.sel_ready[rows],
+        sel_count=state.sel_count[rows],
+        trigger_table=state.trigger_table,
     )
     # Transitions first: step t attends according to F_t, which includes y_{t-1}.
     for module in MODULES.values():
@@ -67,18 +79,34 @@ def plan_decode(
     # and they never share a row with a real request.
     state.think[rows] = step.think
     state.latch[rows] = step.latch
+    slow, compact = sfi.decide(step)
+    _advance_sfi(state, rows, step, slow)
 
     windowed = torch.zeros_like(step.latch)
     for module in MODULES.values():
         mask = module.windowed(step)
         if mask is not None:
             windowed |= mask
-    n = seq_lens.to(torch.int32)
+    windowed |= compact
+    n = step.seq_len
     zero = torch.zeros_like(n)
     b_start = torch.where(windowed, torch.clamp(n - step.window, min=0), zero)
-    a_len = torch.where(windowed, torch.minimum(step.sink, b_start), zero)
-    plan = DecodePlan(a_len=a_len, b_start=b_start, b_end=n)
+    a_len = torch.where(compact, step.sel_count,
+                        torch.where(windowed, torch.minimum(step.sink, b_start), zero))
+    a_slot = torch.where(compact, step.slot, -1)
+    plan = DecodePlan(a_len=a_len, b_start=b_start, b_end=n, a_slot=a_slot,
+                      q_save_slot=torch.where(slow & (step.slot >= 0), step.slot, -1))
     if num_kv_heads is not None:
-        plan.a_slot = torch.full_like(n, -1)
         plan.a_len_per_head = a_len[:, None].expand(-1, num_kv_heads).contiguous()
     return plan
+
+
+def _advance_sfi(state: SparseState, rows: torch.Tensor, step: StepInputs, slow: torch.Tensor) -> None:
+    """SFI's per-row counters after this step's decision (other rows unchanged)."""
+    mine = step.policy == sfi.ID
+    state.since_slow[rows] = torch.where(slow, 0, torch.where(mine, step.since_slow + 1, step.since_slow))
+    state.saved_n[rows] = torch.where(slow, step.seq_len, state.saved_n[rows])
+    # The prompt's queries are evidence for the first slow step only.
+    fresh = state.fresh[rows]
+    state.prompt_q[rows] = torch.where(slow & ~fresh, 0, state.prompt_q[rows])
+    state.fresh[rows] = fresh & ~mine

@@ -15,8 +15,16 @@ from __future__ import annotations
 from typing import Optional
 
 _RETENTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0)
-# Reasons a request is rejected: the top-level field its metadata got wrong.
-REJECT_REASONS = ("policy", "window", "sink", "unknown_field", "type", "other")
+def _reject_reasons() -> frozenset[str]:
+    """Reasons a request is rejected: the field its metadata got wrong (a bounded set:
+    the fields of the policy models), or unknown_field / type / other."""
+    from sgl_sparse.config import _POLICY_MODELS
+
+    fields = {f for m in _POLICY_MODELS.values() for f in m.model_fields}
+    return frozenset(fields | {"unknown_field", "type", "other"})
+
+
+REJECT_REASONS = _reject_reasons()
 
 
 class SchedulerMetrics:
@@ -49,8 +57,10 @@ class SchedulerMetrics:
             multiprocess_mode="livesum")
 
     def on_step(self, per_policy: dict[str, list[int]], fallbacks: dict[tuple[str, str], int]) -> None:
-        for policy, (steps, attended, cached) in per_policy.items():
+        for policy, (steps, attended, cached, slow) in per_policy.items():
             self.decode_steps.labels(policy, self.model_name).inc(steps)
+            if slow:
+                self.slow_steps.labels(policy, self.model_name).inc(slow)
             self.attended_tokens.labels(policy, self.model_name).inc(attended)
             self.cached_tokens.labels(policy, self.model_name).inc(cached)
         for (policy, reason), n in fallbacks.items():

@@ -130,6 +130,8 @@ def server_args_resolved(_result, server_args) -> None:
         "device": device,
         "metrics": bool(getattr(server_args, "enable_metrics", False)),
         "model_name": str(model_name),
+        "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
+        "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
@@ -238,5 +240,6 @@ def report_internal_state(result, scheduler, *args, **kwargs):
         info["sgl_sparse"] = {
             "active_requests": state.active_count(),
             "active_by_policy": state.active_by_policy(),
+            "compact_slots_in_use": state.compact_slots_in_use(),
         }
     return result

@@ -69,12 +69,24 @@ def decode_attention(
     plan: DecodePlan,
     scaling: Optional[float],
     enable_gqa: bool,
+    compact_k: Optional[torch.Tensor] = None,  # [slots, Hkv, cap, D] this layer's
+    compact_v: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One query per request over segment A [0, a_len) and segment B [b_start, b_end)."""
+    """One query per request over segment A and segment B [b_start, b_end).
+
+    A is positions [0, a_len) of the pool, or (plan.a_slot >= 0) the first a_len
+    rows of the request's compact buffer."""
     qh = q.movedim(0, 1)  # [Hq, bs, D]
     a_len, b_start, b_end = (t.tolist() for t in (plan.a_len, plan.b_start, plan.b_end))
+    a_slot = plan.a_slot.tolist() if plan.a_slot is not None else [-1] * len(a_len)
     for i, rpi in enumerate(req_pool_indices.tolist()):
         row = req_to_token[rpi]
+        if a_slot[i] >= 0 and a_len[i] > 0:
+            kb, vb = _gather_kv(k_cache, v_cache, row[b_start[i]: b_end[i]], q.dtype)
+            k = torch.cat([compact_k[a_slot[i], :, : a_len[i]].to(q.dtype), kb], dim=1)
+            v = torch.cat([compact_v[a_slot[i], :, : a_len[i]].to(q.dtype), vb], dim=1)
+            _attend_one(qh, o, i, k, v, scaling, enable_gqa)
+            continue
         if a_len[i] == 0:
             slots = row[b_start[i]: b_end[i]]
         else:
@@ -83,9 +95,14 @@ def decode_attention(
             o[i].zero_()
             continue
         k, v = _gather_kv(k_cache, v_cache, slots, q.dtype)
-        out = scaled_dot_product_attention(
-            qh[:, i: i + 1, :].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            enable_gqa=enable_gqa, scale=scaling,
-        ).squeeze(0).movedim(0, 1)
-        o[i: i + 1] = out
+        _attend_one(qh, o, i, k, v, scaling, enable_gqa)
     return o
+
+
+def _attend_one(qh, o, i, k, v, scaling, enable_gqa) -> None:
+    """Request i's query (qh [Hq, bs, D]) over k/v [Hkv, n, D] -> o[i]."""
+    out = scaled_dot_product_attention(
+        qh[:, i: i + 1, :].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        enable_gqa=enable_gqa, scale=scaling,
+    ).squeeze(0).movedim(0, 1)
+    o[i: i + 1] = out

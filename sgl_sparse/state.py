@@ -11,13 +11,17 @@ until the row's next owner overwrites it, in stream order, at admission.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
+from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import SparseServerConfig
+from sgl_sparse.policies import sfi
 from sgl_sparse.policies.base import PolicyId, RowInit
 
 
@@ -36,45 +40,98 @@ class SparseState:
         self.sink = z(torch.int32)
         self.think = z(torch.bool)
         self.latch = z(torch.bool)
+        # SFI (see policies/sfi.py); `window` holds its `recent`.
+        self.budget = z(torch.int32)
+        self.t_max = z(torch.int32)
+        self.triggers = z(torch.bool)
+        self.since_slow = z(torch.int32)
+        self.fresh = z(torch.bool)  # no decode step yet: the prompt's queries are evidence
+        self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
+        self.sel_ready = z(torch.bool)
+        self.sel_count = z(torch.int32)
+        self.saved_n = z(torch.int32)  # sequence length at the last slow step
+        self.prompt_q = z(torch.int32)  # prompt queries saved for the first Selector run
+        # Bool [vocab] sentence-ending ids and the compact buffers: set by the backend
+        # once the tokenizer and the model shape are known.
+        self.trigger_table = torch.zeros(1, dtype=torch.bool, device=self.device)
+        self.trigger_table_host = np.zeros(1, dtype=bool)
+        self.compact: Optional[CompactStore] = None
+        self._free_slots: list[int] = list(range(self.config.compact.slots))[::-1]
+        self._sfi: dict[int, sfi.HostMirror] = {}
+        self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
         self._lock = threading.Lock()
         # Host mirror of each live row's policy knobs; `latched` follows SADAS's
         # latch as generated tokens reach the host (it may lag the device by a step).
         self._active: dict[int, RowInit] = {}
         self._scanned: dict[int, int] = {}
-        self._queued: tuple[list[int], list[RowInit]] = ([], [])
+        self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
         self.metrics = None  # sgl_sparse.metrics.SchedulerMetrics when --enable-metrics
 
     # ---- admission / release (host side, once per request) -------------------
-    def enqueue(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
+    def enqueue(self, rows: Sequence[int], inits: Sequence[RowInit],
+                bases: Optional[Sequence[int]] = None) -> None:
         """Scheduler side: rows of an extend batch about to run (host only)."""
         with self._lock:
             self._queued[0].extend(rows)
             self._queued[1].extend(inits)
+            self._queued[2].extend(bases if bases is not None else [0] * len(rows))
 
-    def admit_queued(self) -> None:
+    def admit_queued(self) -> tuple[list[int], list[RowInit]]:
         """Backend side, in the forward that follows: write the queued rows."""
         with self._lock:
-            rows, inits = self._queued
-            self._queued = ([], [])
-        self.admit(rows, inits)
+            rows, inits, bases = self._queued
+            self._queued = ([], [], [])
+        return self.admit(rows, inits, bases)
 
-    def admit(self, rows: Sequence[int], inits: Sequence[RowInit]) -> None:
-        """Write whole rows for requests entering a batch. No host sync."""
+    def _with_slot(self, row: int, init: RowInit) -> RowInit:
+        """An SFI row keeps its compact slot across extend chunks; a new one takes a
+        free slot, or none (then it is served dense)."""
+        if init.policy != PolicyId.SFI:
+            return init
+        with self._lock:
+            prev = self._active.get(row)
+            if prev is not None and prev.policy == PolicyId.SFI and prev.slot >= 0:
+                slot = prev.slot
+            else:
+                slot = self._free_slots.pop() if self._free_slots else -1
+        return dataclasses.replace(init, slot=slot)
+
+    def admit(self, rows: Sequence[int], inits: Sequence[RowInit],
+              bases: Optional[Sequence[int]] = None) -> tuple[list[int], list[RowInit]]:
+        """Write whole rows for requests entering a batch. No host sync.
+
+        `bases[i]`: generated ids request i already has (a retracted request
+        re-admitted), so SFI's host mirror knows which id each decode step reads.
+        Returns the rows and their initial state (with compact slots assigned)."""
         if not rows:
-            return
+            return [], []
+        bases = list(bases) if bases is not None else [0] * len(rows)
         for r in rows:
             if not 0 < r < self.num_rows:
                 raise IndexError(f"req_pool_idx {r} outside [1, {self.num_rows})")
+        inits = [self._with_slot(int(r), i) for r, i in zip(rows, inits)]
         idx = torch.tensor(rows, dtype=torch.int64)
+        col = lambda name, dt: torch.tensor([getattr(i, name) for i in inits], dtype=dt)  # noqa: E731
         host = {
             "policy": torch.tensor([int(i.policy) for i in inits], dtype=torch.int8),
-            "window": torch.tensor([i.window for i in inits], dtype=torch.int32),
-            "sink": torch.tensor([i.sink for i in inits], dtype=torch.int32),
-            "think": torch.tensor([i.think for i in inits], dtype=torch.bool),
-            "latch": torch.tensor([i.latch for i in inits], dtype=torch.bool),
+            "window": col("window", torch.int32),
+            "sink": col("sink", torch.int32),
+            "think": col("think", torch.bool),
+            "latch": col("latch", torch.bool),
+            "budget": col("budget", torch.int32),
+            "t_max": col("t_max", torch.int32),
+            "triggers": col("triggers", torch.bool),
+            # First decode step is slow: since_slow starts at t_max.
+            "since_slow": col("t_max", torch.int32),
+            "fresh": torch.ones(len(inits), dtype=torch.bool),
+            "slot": col("slot", torch.int32),
+            "sel_ready": torch.zeros(len(inits), dtype=torch.bool),
+            "sel_count": torch.zeros(len(inits), dtype=torch.int32),
+            "saved_n": torch.zeros(len(inits), dtype=torch.int32),
+            "prompt_q": torch.zeros(len(inits), dtype=torch.int32),
         }
         pin = self.device.type == "cuda"
         idx = idx.pin_memory().to(self.device, non_blocking=True) if pin else idx
@@ -83,29 +140,47 @@ class SparseState:
             getattr(self, name).index_copy_(0, idx, values)
         newly = []
         with self._lock:
-            for r, i in zip(rows, inits):
+            for r, i, base in zip(rows, inits, bases):
                 r = int(r)
                 if r not in self._active:  # not a later chunk of the same request
                     newly.append(i.policy)
                     self._stats[r] = [0, 0.0]
                 self._active[r] = i
                 self._scanned[r] = 0
+                self._refresh.pop(r, None)
+                if i.policy == PolicyId.SFI:
+                    self._sfi[r] = sfi.HostMirror(i, base)
         if self.metrics is not None:
             for p in newly:
                 self.metrics.on_admit(p.name.lower())
+        return list(rows), inits
 
     def set_step_rows(self, rows: Sequence[int], seq_lens: Sequence[int], new_tokens: Sequence) -> None:
-        """Scheduler side, per decode batch: which slots need the sparse kernel.
+        """Scheduler side, per decode batch: route each slot, account the steps.
 
-        A slot whose plan is dense this step -- `full`, a window covering the whole
-        sequence, a SADAS request the host already saw latch -- can go through the
-        stock dense kernel and give exactly its output. ``new_tokens[i]`` are the
-        generated ids of slot i (scanned incrementally for SADAS's `</think>`).
+        Routing (`take_step_kernel_rows`): 0 = the stock dense kernel serves the
+        slot and gives exactly its output -- `full`, a window covering the whole
+        sequence, a SADAS request the host already saw latch; 1 = the two-segment
+        kernel; 2 = the stock kernel attends, the two-segment launch only records
+        what SFI needs later (key norms). ``new_tokens[i]`` are the generated ids of
+        slot i (scanned incrementally for SADAS's `</think>` and SFI's triggers).
         """
         end_id = self.think_ids[1]
         mask = []
         per_policy: dict[str, list[int]] = {}
         fallbacks: Counter[tuple[str, str]] = Counter()
+
+        def count(name: str, attended: int, n: int, slow: bool = False, row: int = -1):
+            agg = per_policy.setdefault(name, [0, 0, 0, 0])
+            agg[0] += 1
+            agg[1] += attended
+            agg[2] += n
+            agg[3] += int(slow)
+            st = self._stats.get(row)
+            if st is not None:
+                st[0] += 1
+                st[1] += attended / max(n, 1)
+
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
@@ -113,14 +188,17 @@ class SparseState:
                 if row is None:
                     mask.append(0)
                     continue
+                name = row.policy.name.lower()
+                if row.policy == PolicyId.SFI:
+                    mask.append(self._sfi_step(r, n, toks, count, fallbacks))
+                    continue
                 if row.policy == PolicyId.SADAS and not row.latch and end_id is not None:
                     seen = self._scanned.get(r, 0)
                     if any(int(t) == end_id for t in toks[seen:]):
-                        row = self._active[r] = RowInit(row.policy, row.window, row.sink, row.think, True)
+                        row = self._active[r] = dataclasses.replace(row, latch=True)
                     self._scanned[r] = len(toks)
                 # The host twin of decision.plan_decode: the device plan is windowed
                 # exactly when n > window + sink (then a_len + window < n).
-                name = row.policy.name.lower()
                 windowed = False
                 if row.policy == PolicyId.SADAS and row.latch:
                     fallbacks[(name, "sadas_latched")] += 1
@@ -129,18 +207,42 @@ class SparseState:
                 elif row.policy != PolicyId.FULL:
                     windowed = True
                 mask.append(int(windowed))
-                attended = row.window + row.sink if windowed else n
-                agg = per_policy.setdefault(name, [0, 0, 0])
-                agg[0] += 1
-                agg[1] += attended
-                agg[2] += n
-                st = self._stats.get(r)
-                if st is not None:
-                    st[0] += 1
-                    st[1] += attended / max(n, 1)
+                count(name, row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
+
+    def _sfi_step(self, r: int, n: int, toks, count, fallbacks) -> int:
+        """SFI's host side of one decode step (lock held): evaluate the steps whose
+        input id arrived, queue a Selector run after a slow one, route this step."""
+        m = self._sfi[r]
+        i = m.init
+        for slow, n_j in m.advance(toks, self.trigger_table_host):
+            attended = m.attended(slow, n_j)
+            if not slow and attended == n_j:
+                reason = ("no_compact_slot" if i.slot < 0 else
+                          "budget_covers_sequence" if sfi.covers(i.sink, i.budget, i.window, n_j) else
+                          "selection_pending")
+                fallbacks[("sfi", reason)] += 1
+            count("sfi", attended, n_j, slow, r)
+        if m.refresh_n is not None:
+            # The Selector reads keys below the slow step's length (on device); the
+            # current length bounds the shapes.
+            self._refresh[r] = n
+            candidates = max(0, m.refresh_n - i.window - i.sink)
+            m.selection = min(i.sink, m.refresh_n) + min(i.budget, candidates)
+            m.refresh_n = None
+        m.launched_lens.append(n)
+        if i.slot < 0:
+            return 0
+        return 2 if sfi.covers(i.sink, i.budget, i.window, n) else 1
+
+    def take_refresh_rows(self) -> dict[int, int]:
+        """Rows whose compact buffer the Selector must refresh before the next
+        step, with a host bound on their sequence length."""
+        with self._lock:
+            out, self._refresh = self._refresh, {}
+        return {r: n for r, n in out.items() if r in self._active}
 
     def take_step_kernel_rows(self) -> list[int] | None:
         with self._lock:
@@ -153,7 +255,11 @@ class SparseState:
             for r in rows:
                 row = self._active.pop(int(r), None)
                 self._scanned.pop(int(r), None)
+                self._sfi.pop(int(r), None)
+                self._refresh.pop(int(r), None)
                 st = self._stats.pop(int(r), None)
+                if row is not None and row.slot >= 0:
+                    self._free_slots.append(row.slot)
                 if row is not None:
                     done.append((row.policy.name.lower(), st[1] / st[0] if st and st[0] else None))
         if self.metrics is not None:
@@ -165,6 +271,15 @@ class SparseState:
             rows = list(self._active)
         self.release(rows)
 
+    # ---- SFI set-up (backend, once the tokenizer and the model shape are known) --
+    def set_trigger_table(self, table: np.ndarray) -> None:
+        self.trigger_table_host = table
+        self.trigger_table = torch.from_numpy(table).to(self.device)
+
+    def row_init(self, row: int) -> RowInit:
+        with self._lock:
+            return self._active[row]
+
     # ---- introspection (metrics, leak checks) ---------------------------------
     def active_count(self) -> int:
         with self._lock:
@@ -174,3 +289,22 @@ class SparseState:
         with self._lock:
             c = Counter(i.policy.name.lower() for i in self._active.values())
         return dict(c)
+
+    def compact_slots_in_use(self) -> int:
+        with self._lock:
+            return self.config.compact.slots - len(self._free_slots)
+
+    def request_stats(self, row: int) -> Optional[dict]:
+        """Policy, slow-step ratio and mean retention of a live request so far."""
+        with self._lock:
+            init, st, m = self._active.get(row), self._stats.get(row), self._sfi.get(row)
+            if init is None:
+                return None
+            steps = st[0] if st else 0
+            return {
+                "policy": init.policy.name.lower(),
+                "decode_steps": steps,
+                # SFI only: the other policies have no slow/fast distinction.
+                "slow_step_ratio": m.slow_steps / m.evaluated if m and m.evaluated else None,
+                "mean_retention": st[1] / steps if steps else None,
+            }

@@ -46,3 +46,31 @@ def resolve_think_ids(
         )
         return cfg
     return cfg.model_copy(update={"think_start_id": start, "think_end_id": end})
+
+
+def sentence_trigger_ids(cfg: SparseServerConfig, vocab_size: int):
+    """SFI's trigger set as a bool table over the model's vocabulary.
+
+    Built once per scheduler process from the tokenizer (`cfg.tokenizer_path`).
+    Without a loadable tokenizer the table is empty: slow steps then come from
+    the refresh budget and the first decode step only (logged).
+    """
+    import numpy as np
+
+    from sgl_sparse.policies.sfi import sentence_trigger_table
+
+    empty = np.zeros(max(vocab_size, 1), dtype=bool)
+    if not cfg.tokenizer_path:
+        logger.warning("sgl_sparse: no tokenizer path; 'sfi' sentence triggers are off")
+        return empty
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path, trust_remote_code=cfg.trust_remote_code)
+        table = sentence_trigger_table(tok, cfg.trigger_suffixes, vocab_size)
+    except Exception as e:  # SFI still runs on its refresh budget
+        logger.warning("sgl_sparse: cannot build SFI's trigger set from %r (%s); sentence triggers off",
+                       cfg.tokenizer_path, e)
+        return empty
+    logger.info("sgl_sparse: SFI trigger set: %d of %d ids end a sentence", int(table.sum()), len(table))
+    return table

@@ -96,8 +96,12 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("plain_c", {"policy": "streaming", "window": 8, "sink": 4}, "differ"),
         ("plain_a", {"policy": "streaming", "window": 16, "sink": 0}, "differ"),
         ("thinking", {"policy": "sadas", "window": 8}, "differ"),
+        ("plain_a", {"policy": "sfi", "budget": 2000}, "same"),  # budget covers: dense
+        ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "differ"),
+        ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8}, "ok"),
         ("plain_b", {"policy": "streaming", "window": -1}, 400),
         ("plain_c", {"policy": "quantum"}, 400),
+        ("plain_b", {"policy": "sfi", "budget": 5000}, 400),  # over the compact capacity
     ]
     with cf.ThreadPoolExecutor(len(cases)) as ex:
         futures = [ex.submit(_generate, sparse_server.url, prompts[p], s) for p, s, _ in cases]
@@ -111,7 +115,7 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         assert len(out) == NEW_TOKENS
         if expect == "same":
             assert out == stock_outputs[prompt], (prompt, sparse)
-        else:
+        elif expect == "differ":
             assert out != stock_outputs[prompt], (prompt, sparse)
     assert sparse_server.alive()
 
@@ -197,7 +201,7 @@ def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
     deadline = time.time() + 60
     while (state := _sparse_internal_state(sparse_server.url))["active_requests"] and time.time() < deadline:
         time.sleep(0.5)  # the abort reaches the scheduler asynchronously
-    assert state == {"active_requests": 0, "active_by_policy": {}}
+    assert state == {"active_requests": 0, "active_by_policy": {}, "compact_slots_in_use": 0}
 
 
 def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -223,8 +227,13 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     _ids(_generate(sparse_server.url, ids, {"policy": "full"}))
     assert _generate(sparse_server.url, ids, {"policy": "streaming", "window": 0}).status_code == 400
     m = _scrape(sparse_server.url)
-    for policy in ("full", "streaming", "sadas"):
+    for policy in ("full", "streaming", "sadas", "sfi"):
         assert _value(m, "sglang_sparse_decode_steps_total", policy=policy) > 0, policy
+    # SFI: slow steps are a fraction of its steps; a covering budget is served dense
+    sfi_steps = _value(m, "sglang_sparse_decode_steps_total", policy="sfi")
+    assert 0 < _value(m, "sglang_sparse_slow_steps_total", policy="sfi") < sfi_steps
+    assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="sfi",
+                  reason="budget_covers_sequence") > 0
     full_ratio = _value(m, "sglang_sparse_attended_tokens_total", policy="full") / _value(
         m, "sglang_sparse_cached_tokens_total", policy="full")
     assert full_ratio == 1.0

@@ -8,8 +8,8 @@ Each policy module owns two things:
 """
 
 from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs
-from sgl_sparse.policies import full, sadas, streaming
+from sgl_sparse.policies import full, sadas, sfi, streaming
 
-MODULES = {"full": full, "streaming": streaming, "sadas": sadas}
+MODULES = {"full": full, "streaming": streaming, "sadas": sadas, "sfi": sfi}
 
 __all__ = ["MODULES", "PolicyId", "RowInit", "StepInputs"]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -13,6 +13,7 @@ class PolicyId(IntEnum):
     FULL = 0
     STREAMING = 1
     SADAS = 2
+    SFI = 3
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,13 @@ class RowInit:
     sink: int = 0
     think: bool = False  # SADAS S_t: inside a <think> block
     latch: bool = False  # SADAS F_t: a </think> was seen -> full attention for good
+    # SFI (window = recent): Top-K budget, refresh budget, sentence triggers on/off,
+    # the validated request policy (Selector knobs) and its compact-buffer slot.
+    budget: int = 0
+    t_max: int = 0
+    triggers: bool = False
+    spec: Any = None
+    slot: int = -1
 
 
 @dataclass
@@ -38,3 +46,13 @@ class StepInputs:
     last_token: torch.Tensor  # int64: y_{t-1}, this step's input id
     think_start_id: Optional[int]
     think_end_id: Optional[int]
+    seq_len: Optional[torch.Tensor] = None  # int32 n, this step's token included
+    # SFI
+    budget: Optional[torch.Tensor] = None  # int32
+    t_max: Optional[torch.Tensor] = None  # int32
+    triggers: Optional[torch.Tensor] = None  # bool
+    since_slow: Optional[torch.Tensor] = None  # int32: fast steps since the last slow one
+    slot: Optional[torch.Tensor] = None  # int32 compact slot, -1: none
+    sel_ready: Optional[torch.Tensor] = None  # bool: the slot holds a selection
+    sel_count: Optional[torch.Tensor] = None  # int32: tokens in it (sink + selected)
+    trigger_table: Optional[torch.Tensor] = None  # bool [vocab]: sentence-ending ids

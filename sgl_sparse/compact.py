@@ -1,0 +1,39 @@
+"""SFI's device storage, reserved once when the backend is built.
+
+Per compact slot (one per concurrently sparse `sfi` request), per layer:
+  * K/V of the sink + selected tokens, per KV head, packed contiguously: segment A
+    of the two-segment fast step (`[layers, slots, Hkv, capacity, D]`);
+  * the query of the last slow step (`q`) and the prompt's last queries
+    (`q_prompt`): the Selector's evidence window.
+Per KV-pool slot, per layer: the key norm of each KV head (`knorm`), computed once
+when the key is written and read by the Selector's prior; a radix-cache prefix
+hit reuses it with the KV it belongs to.
+
+The query buffers have one extra slot at the end: rows that save nothing this
+step write there, so a captured decode graph needs no data-dependent branch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CompactStore:
+    def __init__(self, *, slots: int, capacity: int, num_layers: int, num_kv_heads: int,
+                 num_q_heads: int, head_dim: int, dtype: torch.dtype, pool_size: int,
+                 prompt_queries: int, device: torch.device):
+        self.slots, self.capacity, self.num_layers = slots, capacity, num_layers
+        self.k = torch.zeros(num_layers, slots, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.q = torch.zeros(num_layers, slots + 1, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.q_prompt = torch.zeros(num_layers, slots + 1, max(prompt_queries, 1), num_q_heads, head_dim,
+                                    dtype=dtype, device=device)
+        self.knorm = torch.zeros(num_layers, pool_size, num_kv_heads, dtype=torch.float32, device=device)
+        self.scratch_slot = slots  # index of the write-only extra query slot
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.q, self.q_prompt, self.knorm))
+
+    def save_key_norms(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        """k [tokens, Hkv, D] just written at pool slots `loc`."""
+        self.knorm[layer].index_copy_(0, loc.long(), k.float().norm(dim=-1))

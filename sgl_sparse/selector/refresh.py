@@ -1,0 +1,128 @@
+"""After a slow step: run the Selector and repack the compact buffers.
+
+Called by the backend on the host while preparing a decode step, for the requests
+whose slow step (decided on device, replayed on the host by HostMirror) has
+completed or is in flight before it on the stream. Everything it enqueues is
+device work ordered after that slow step and before the next step's attention;
+no value is read back to the host. Shapes come from host-known bounds (the
+requests' current lengths, the knobs); the device state (the slow step's length,
+the saved queries) sets the masks.
+
+Per layer: the evidence window's logits over the whole prefix (the slow step's
+query and, for the first slow step, the prompt's last queries), the Selector
+(selector.core), then sink + Top-K positions gathered into the request's compact
+slot.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from sgl_sparse.selector.core import SelectorKnobs, select
+
+if TYPE_CHECKING:
+    from sgl_sparse.state import SparseState
+
+# Rows are processed in groups whose fp32 logits stay under this many elements.
+_MAX_LOGIT_ELEMS = 1 << 26  # 256 MiB
+
+
+def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor,
+                        qpos: torch.Tensor, scaling: float, chunk: int = 1 << 14) -> torch.Tensor:
+    """q [r, w, Hq, D], keys k_pool[tok] with tok [r, N] -> fp32 logits [r, Hkv, G, w, N],
+    -inf where the key is after the query (causal) -- the plain-torch path."""
+    r, w, hq, d = q.shape
+    n = tok.shape[1]
+    hkv = k_pool.shape[1]
+    qf = q.float().view(r, w, hkv, hq // hkv, d)
+    out = torch.empty(r, hkv, hq // hkv, w, n, dtype=torch.float32, device=q.device)
+    for s in range(0, n, chunk):
+        k = k_pool[tok[:, s: s + chunk]].float()  # [r, c, Hkv, D]
+        out[..., s: s + chunk] = torch.einsum("rwhgd,rchd->rhgwc", qf, k)
+    out *= scaling
+    pos = torch.arange(n, device=q.device)
+    future = pos[None, None, :] > qpos[:, :, None]  # [r, w, N]
+    return out.masked_fill(future[:, None, None], float("-inf"))
+
+
+def _pack_torch(k_pool, v_pool, tok_sel, a_k, a_v, slots) -> None:
+    """tok_sel [r, Hkv, cap] pool slots -> a_k/a_v[slots] (rows past the length are junk)."""
+    head = torch.arange(k_pool.shape[1], device=k_pool.device)[None, :, None]
+    a_k[slots] = k_pool[tok_sel, head]
+    a_v[slots] = v_pool[tok_sel, head]
+
+
+def refresh(
+    state: "SparseState",
+    rows: Sequence[int],
+    n_bound: int,
+    k_buffer: Callable[[int], torch.Tensor],
+    v_buffer: Callable[[int], torch.Tensor],
+    req_to_token: torch.Tensor,
+    scaling: float,
+    use_kernels: bool = False,
+) -> None:
+    """Refresh the compact buffers of `rows` (SFI requests after a slow step)."""
+    store = state.compact
+    if not rows or store is None:
+        return
+    specs = [state.row_init(r).spec for r in rows]
+    dev = store.k.device
+    w = max(s.w_prefill for s in specs)
+    hkv, hq = store.k.shape[2], store.q.shape[2]
+    per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
+    step = max(1, _MAX_LOGIT_ELEMS // per_row)
+    for i in range(0, len(rows), step):
+        _refresh_group(state, list(rows[i: i + step]), specs[i: i + step], n_bound, w, dev,
+                       k_buffer, v_buffer, req_to_token, scaling, use_kernels)
+
+
+def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_to_token,
+                   scaling, use_kernels) -> None:
+    store = state.compact
+    ridx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    slots = state.slot[ridx].long()
+    sink, recent, budget = state.sink[ridx], state.window[ridx], state.budget[ridx]
+    saved_n = state.saved_n[ridx]
+    n = min(n_bound, req_to_token.shape[1])
+    lo = torch.minimum(sink, saved_n)
+    hi = torch.maximum(saved_n - recent, lo)
+    # Window column 0: the slow step's query (position saved_n - 1); column i >= 1:
+    # the prompt's i-th last query (position saved_n - 1 - i), if saved.
+    cols = torch.arange(w, device=dev)
+    qmask = (cols[None, :] == 0) | (cols[None, :] <= state.prompt_q[ridx][:, None])
+    qpos = (saved_n[:, None] - 1 - cols[None, :]).long()
+    knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
+    k_max = max(s.budget for s in specs)
+    hkv, cap = store.k.shape[2], store.capacity
+    tok = req_to_token[ridx, :n].long()
+    # Compact layout: [0, sink) then the selected positions, per KV head.
+    j = torch.arange(cap, device=dev)[None, None, :]
+    sink_eff = lo.long()[:, None, None]
+    if use_kernels:
+        from sgl_sparse.kernels import pack_compact, window_logits
+    for layer in range(store.num_layers):
+        qwin = torch.cat([store.q[layer, slots, None], store.q_prompt[layer, slots, : w - 1]], dim=1)
+        k_pool = k_buffer(layer)
+        if use_kernels:
+            logits = window_logits(qwin, k_pool, req_to_token, ridx, qpos, n, scaling)
+        else:
+            logits = window_logits_torch(qwin, k_pool, tok, qpos, scaling)
+        norms = store.knorm[layer][tok].permute(0, 2, 1)  # [r, Hkv, N]
+        pos, count = select(logits, norms, lo, hi, qmask, budget, knobs, k_max)
+        sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]
+        from_sel = torch.gather(pos, 2, (j - sink_eff).clamp(0, k_max - 1).expand(len(rows), hkv, -1))
+        sel_pos = torch.where(j < sink_eff, j, torch.where(j < sel_len[:, :, None], from_sel, 0))
+        if use_kernels:
+            a_len = torch.empty(len(rows), hkv, dtype=torch.int32, device=dev)
+            pack_compact(k_pool, v_buffer(layer), req_to_token, ridx, sel_pos.int(),
+                         sel_len.expand(-1, hkv).int().contiguous(),
+                         torch.ones(len(rows), dtype=torch.bool, device=dev),
+                         store.k[layer], store.v[layer], slots.int(), a_len)
+        else:
+            tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos)
+            _pack_torch(k_pool, v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
+    state.sel_count[ridx] = sel_len[:, 0].int()
+    state.sel_ready[ridx] = True

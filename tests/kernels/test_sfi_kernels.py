@@ -1,0 +1,67 @@
+"""Kernels for SFI's slow step, against plain PyTorch (interpreted on CPU):
+window_logits (the Selector's input) and the side effects of two_segment_decode
+(key norms of the new key, saved queries, row_mask 2 = side effects only)."""
+
+import math
+
+import pytest
+import torch
+
+from sgl_sparse import kernels as K  # TRITON_INTERPRET is set in tests/conftest.py
+from sgl_sparse.kernels import testing as T
+from sgl_sparse.selector.refresh import window_logits_torch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group, w", [(1, 1), (4, 3), (8, 2)])
+def test_window_logits_matches_torch(dtype, group, w):
+    gen = torch.Generator().manual_seed(group * 10 + w)
+    hkv, d, lens = 2, 64, [70, 23, 41]
+    case = T.make_decode_case(lens, [0] * 3, [(0, n) for n in lens], num_kv_heads=hkv, group=group,
+                              head_dim=d, cap=4, dtype=dtype, seed=group + w)
+    r = len(lens)
+    q = torch.randn(r, w, hkv * group, d, generator=gen).to(dtype)
+    # Window queries end at each request's last position; request 1's last window
+    # query sits mid-sequence so the causal mask and the skipped blocks both matter.
+    last = torch.tensor([69, 10, 40])
+    qpos = last[:, None] - torch.arange(w)[None, :]
+    n = max(lens)
+    scale = 1 / math.sqrt(d)
+    out = K.window_logits(q, case.k_pool, case.req_to_token, case.req_pool_idx, qpos, n, scale, block_n=16)
+    tok = case.req_to_token[case.req_pool_idx.long(), :n].long()
+    ref = window_logits_torch(q, case.k_pool, tok, qpos, scale)
+    assert out.shape == (r, hkv, group, w, n)
+    assert not out.isnan().any()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    assert T.rel_error(out[fin], ref[fin]) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_side_effects_key_norms_and_saved_queries(splits):
+    hkv, group, d = 2, 4, 32
+    lens = [40, 17, 29, 33]
+    case = T.make_decode_case(lens, [0] * 4, [(0, n) for n in lens], num_kv_heads=hkv, group=group,
+                              head_dim=d, cap=4, dtype=torch.bfloat16, seed=splits)
+    knorm = torch.full((case.k_pool.shape[0], hkv), -1.0)
+    q_save = torch.zeros(3, hkv * group, d, dtype=torch.bfloat16)
+    q_save_slot = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
+    row_mask = torch.tensor([1, 2, 2, 0], dtype=torch.int32)
+    out = torch.full_like(case.q, float("nan"))
+    K.two_segment_decode(*case.args(), out=out, row_mask=row_mask, key_norms=knorm, q_save=q_save,
+                         q_save_slot=q_save_slot, num_splits=splits, block_n=16, min_split_len=16)
+    ref = K.two_segment_decode_ref(*case.args())
+    # Row 0 attends; rows 1-2 only record; row 3 is untouched.
+    assert T.rel_error(out[0].float(), ref[0]) < 1e-2
+    assert out[1:].isnan().all()
+    for b, n in enumerate(lens):
+        tok = int(case.req_to_token[int(case.req_pool_idx[b]), n - 1])
+        expect = case.k_pool[tok].float().norm(dim=-1)
+        if row_mask[b] == 0:
+            assert (knorm[tok] == -1).all()
+        else:
+            torch.testing.assert_close(knorm[tok], expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(q_save[1], case.q[0]) and torch.equal(q_save[0], case.q[2])
+    assert (q_save[2] == 0).all()
+    # Only the new keys got a norm.
+    assert int((knorm[:, 0] >= 0).sum()) == 3

@@ -1,0 +1,188 @@
+"""SFI's decode pipeline on CPU, without a server: the slow/fast trigger (device and
+host replay), the refresh after a slow step, and the fast step's attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sgl_sparse import reference
+from sgl_sparse.compact import CompactStore
+from sgl_sparse.config import SfiPolicy, SparseServerConfig
+from sgl_sparse.decision import plan_decode
+from sgl_sparse.policies import PolicyId, sfi
+from sgl_sparse.selector import core
+from sgl_sparse.selector.refresh import refresh, window_logits_torch
+from sgl_sparse.state import SparseState
+
+DOT = 9  # a sentence-ending id in these tests
+VOCAB = 32
+
+
+def _table():
+    t = np.zeros(VOCAB, dtype=bool)
+    t[DOT] = True
+    return t
+
+
+def _state(rows, specs, slots=4, **compact):
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": slots, **compact}})
+    st = SparseState(8, "cpu", cfg)
+    st.set_trigger_table(_table())
+    inits = [sfi.init_row(s, [], [], (None, None)) for s in specs]
+    st.admit(rows, inits)
+    return st
+
+
+def test_trigger_fires_on_exactly_the_expected_steps():
+    """Slow: first step, after a sentence end, and after t_max fast steps in a row."""
+    spec = SfiPolicy(t_max=3)
+    st = _state([1], [spec])
+    stream = [5, 6, DOT, 7, 8, 1, 2, 3, 4, DOT, DOT, 5]
+    expect = [1, 0, 1, 0, 0, 0, 1, 0, 0, 1, 1, 0]  # step t reads y_{t-1} = stream[t]
+    got = []
+    for t, tok in enumerate(stream):
+        plan = plan_decode(st, torch.tensor([1]), torch.tensor([tok]), torch.tensor([100 + t]), (None, None))
+        got.append(int(plan.q_save_slot[0] >= 0))
+    assert got == expect
+    # The host replays the same rule from the generated ids, with the overlap
+    # scheduler's lag: at step k it knows ids up to k - 1.
+    m = sfi.HostMirror(st.row_init(1), base=0)
+    host = []
+    for k in range(len(stream)):
+        host += [int(s) for s, _ in m.advance(stream[:k], _table())]
+        m.launched_lens.append(100 + k)
+    host += [int(s) for s, _ in m.advance(stream, _table())]
+    assert host == expect
+
+
+def test_triggers_off_pins_the_slow_ratio():
+    st = _state([2], [SfiPolicy(t_max=31, sentence_triggers=False)])
+    slow = 0
+    for t in range(320):
+        plan = plan_decode(st, torch.tensor([2]), torch.tensor([DOT]), torch.tensor([50 + t]), (None, None))
+        slow += int(plan.q_save_slot[0] >= 0)
+    assert slow == 10  # 1/32
+
+
+def _pool(rows_lens, hkv, d, gen):
+    total = sum(n for _, n in rows_lens) + 3
+    k = torch.randn(total, hkv, d, generator=gen)
+    v = torch.randn(total, hkv, d, generator=gen)
+    r2t = torch.zeros(8, 256, dtype=torch.int32)
+    perm = torch.randperm(total, generator=gen)
+    off = 0
+    for r, n in rows_lens:
+        r2t[r, :n] = perm[off: off + n].int()
+        off += n
+    return k, v, r2t
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_slow_step_refresh_then_fast_step_attention(group):
+    """Slow step (dense) -> Selector + pack -> the fast step attends exactly
+    sink + Top-K of the refined scores + recent, per KV head."""
+    gen = torch.Generator().manual_seed(group)
+    hkv, d, layers = 2, 16, 2
+    rows_lens = [(1, 120), (3, 77), (5, 40)]
+    specs = [SfiPolicy(budget=10, recent=8, sink=2, w_prefill=4),
+             SfiPolicy(budget=6, recent=5, sink=0, nms_radius=1, w_prefill=4),
+             SfiPolicy(budget=64, recent=8, sink=4, w_prefill=4)]  # covers: stays dense
+    st = _state([r for r, _ in rows_lens], specs, capacity=70)
+    k, v, r2t = _pool(rows_lens, hkv, d, gen)
+    st.compact = CompactStore(slots=4, capacity=70, num_layers=layers, num_kv_heads=hkv,
+                              num_q_heads=hkv * group, head_dim=d, dtype=torch.float32,
+                              pool_size=k.shape[0], prompt_queries=3, device=torch.device("cpu"))
+    for layer in range(layers):
+        st.compact.knorm[layer] = k.norm(dim=-1) * (1 + layer)
+    store = st.compact
+    rows = torch.tensor([r for r, _ in rows_lens])
+    lens = torch.tensor([n for _, n in rows_lens])
+    # Prompt queries saved at prefill for request 0 (2 of them) -> w = 3 there.
+    st.prompt_q[1] = 2
+    store.q_prompt[:, int(st.slot[1]), :2] = torch.randn(layers, 2, hkv * group, d, generator=gen)
+
+    plan = plan_decode(st, rows, torch.tensor([1, 1, 1]), lens, (None, None), num_kv_heads=hkv)
+    assert plan.q_save_slot.tolist() == st.slot[rows].tolist()  # first step: slow
+    assert plan.attended().tolist() == lens.tolist()  # slow = dense
+    q = torch.randn(layers, 3, hkv * group, d, generator=gen)
+    for layer in range(layers):
+        store.q[layer, plan.q_save_slot.long()] = q[layer]
+    refresh(st, [1, 3], int(lens.max()), lambda i: k, lambda i: v, r2t, 1 / math.sqrt(d))
+    assert st.sel_ready[[1, 3]].all() and not st.sel_ready[5]
+    # sink + min(budget, |A|)
+    assert st.sel_count[[1, 3]].tolist() == [2 + 10, 0 + 6]
+
+    # Fast step one token later.
+    lens2 = lens + 1
+    plan2 = plan_decode(st, rows, torch.tensor([1, 1, 1]), lens2, (None, None), num_kv_heads=hkv)
+    assert (plan2.q_save_slot < 0).all()
+    assert plan2.a_slot[:2].tolist() == st.slot[[1, 3]].tolist() and plan2.a_slot[2] == -1
+    assert plan2.attended().tolist() == [12 + 8, 6 + 5, 41]
+    for layer in range(layers):
+        qf = torch.randn(3, hkv * group, d, generator=gen)
+        out = torch.full_like(qf, float("nan"))
+        reference.decode_attention(qf, out, k, v, r2t, rows, plan2, 1 / math.sqrt(d), group > 1,
+                                   compact_k=store.k[layer], compact_v=store.v[layer])
+        for b, ((r, n), spec) in enumerate(zip(rows_lens, specs)):
+            n2 = n + 1
+            if b == 2:  # budget covers the sequence: dense
+                keep = [list(range(n2))] * hkv
+            else:
+                lo, hi = spec.sink, n - spec.recent
+                w = 3 if b == 0 else 1
+                qwin = torch.cat([q[layer, b, None], store.q_prompt[layer, int(st.slot[r]), : w - 1]])[None]
+                qpos = torch.tensor([[n - 1 - i for i in range(w)]])
+                logits = window_logits_torch(qwin.double(), k.double(), r2t[r, None, :n].long(), qpos,
+                                             1 / math.sqrt(d))
+                knobs = core.SelectorKnobs.from_specs([spec], "cpu", torch.float64)
+                s = core.refined_scores(logits, (k.norm(dim=-1) * (1 + layer))[r2t[r, :n].long()].T[None].double(),
+                                        torch.tensor([lo]), torch.tensor([hi]), torch.ones(1, w, dtype=torch.bool), knobs)
+                top = s[0].topk(spec.budget, dim=-1).indices
+                keep = [sorted(range(spec.sink)) + sorted(top[h].tolist()) + list(range(n2 - spec.recent, n2))
+                        for h in range(hkv)]
+            for h in range(hkv):
+                slots_ = r2t[r, keep[h]].long()
+                qh = qf[b, h * group:(h + 1) * group]
+                att = torch.softmax(qh @ k[slots_, h].T / math.sqrt(d), -1) @ v[slots_, h]
+                torch.testing.assert_close(out[b, h * group:(h + 1) * group], att, rtol=1e-4, atol=1e-5)
+
+
+def test_budget_covering_the_sequence_is_exactly_dense():
+    st = _state([1, 2], [SfiPolicy(budget=100, recent=10, sink=4), SfiPolicy()])
+    for t in range(5):
+        plan = plan_decode(st, torch.tensor([1, 2]), torch.tensor([3, 3]), torch.tensor([114, 900]),
+                           (None, None), num_kv_heads=2)
+        assert int(plan.a_len[0]) == 0 and int(plan.b_start[0]) == 0 and int(plan.b_end[0]) == 114
+
+
+def test_no_free_compact_slot_is_served_dense_and_slots_are_recycled():
+    st = _state([1, 2], [SfiPolicy(budget=4, recent=2), SfiPolicy(budget=4, recent=2)], slots=1)
+    assert st.slot[[1, 2]].tolist() == [0, -1]
+    assert st.compact_slots_in_use() == 1
+    st.release([1])
+    assert st.compact_slots_in_use() == 0
+    st.admit([3], [sfi.init_row(SfiPolicy(), [], [], (None, None))])
+    assert int(st.slot[3]) == 0
+
+
+def test_host_accounting_and_refresh_queue():
+    """set_step_rows: routing, slow-step counts, and which rows need the Selector."""
+    st = _state([1], [SfiPolicy(budget=8, recent=4, sink=2, t_max=2)])
+    toks: list[int] = []
+    routes, refreshes = [], []
+    for k in range(7):
+        st.set_step_rows([1], [100 + k], [list(toks)])
+        routes.append(st.take_step_kernel_rows()[0])
+        refreshes.append(sorted(st.take_refresh_rows()))
+        toks.append(DOT if k == 2 else 5)  # step k's input id, known after step k launched
+    assert routes == [1] * 7
+    # Slow: step 0 (first), step 2 (reads DOT), step 5 (t_max fast steps before it);
+    # the host learns each one step after launching it, in time for the next step.
+    assert refreshes == [[], [1], [], [1], [], [], [1]]
+    stats = st.request_stats(1)
+    assert stats["policy"] == "sfi" and stats["decode_steps"] == 6
+    assert stats["slow_step_ratio"] == pytest.approx(3 / 6)
