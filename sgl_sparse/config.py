@@ -119,6 +119,9 @@ class SparseServerConfig(_Strict):
     compact: CompactBufferConfig = CompactBufferConfig()
     # SFI's trigger set: vocabulary ids whose decoded text ends with one of these.
     trigger_suffixes: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！", "；")
+    # Or the ids themselves, one per line ('#' comments): for servers whose tokenizer
+    # cannot be loaded by the plugin (e.g. --skip-tokenizer-init).
+    trigger_ids_path: Optional[str] = None
     # Control tokens for SADAS. Looked up in the tokenizer at start-up; ids may be
     # given directly for tokenizers that spell them differently.
     think_start_token: str = "<think>"

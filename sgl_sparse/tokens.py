@@ -60,6 +60,8 @@ def sentence_trigger_ids(cfg: SparseServerConfig, vocab_size: int):
     from sgl_sparse.policies.sfi import sentence_trigger_table
 
     empty = np.zeros(max(vocab_size, 1), dtype=bool)
+    if cfg.trigger_ids_path:
+        return _trigger_ids_from_file(cfg.trigger_ids_path, vocab_size)
     if not cfg.tokenizer_path:
         logger.warning("sgl_sparse: no tokenizer path; 'sfi' sentence triggers are off")
         return empty
@@ -73,4 +75,21 @@ def sentence_trigger_ids(cfg: SparseServerConfig, vocab_size: int):
                        cfg.tokenizer_path, e)
         return empty
     logger.info("sgl_sparse: SFI trigger set: %d of %d ids end a sentence", int(table.sum()), len(table))
+    return table
+
+
+def _trigger_ids_from_file(path: str, vocab_size: int):
+    import numpy as np
+
+    try:
+        lines = open(path).read().splitlines()
+        ids = [int(x) for line in lines for x in line.split("#", 1)[0].split()]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--sparse-config trigger_ids_path: cannot read ids from {path!r}: {e}") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"--sparse-config trigger_ids_path: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    table = np.zeros(max(vocab_size, 1), dtype=bool)
+    table[ids] = True
+    logger.info("sgl_sparse: SFI trigger set: %d ids from %s", len(ids), path)
     return table

@@ -4,6 +4,7 @@
 # ../shared/gpu/README.md (see bench/gpu/README.md for the exact device calls).
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmark
+#   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run
 #
 # Results land in $OUT (device tool) and are committed under bench/results/.
@@ -18,6 +19,9 @@ case "$what" in
 kernels)
     python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
     python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
+    ;;
+selector)
+    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" 2>&1 | tee "$OUT/selector.log" | tail -12
     ;;
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000

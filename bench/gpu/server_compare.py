@@ -42,15 +42,52 @@ def batch_wall(url, prompts, n, sparse=None):
     return time.time() - t0
 
 
+# SFI runs (issue 4): the paper's budget with natural sentence triggers, and the
+# slow-step ratio pinned to 1/32 by the refresh budget (31 fast steps, then slow).
+SFI = {"policy": "sfi", "budget": 2048, "recent": 256, "sink": 4}
+NAMED = {"sfi": SFI, "sfi-pinned": {**SFI, "sentence_triggers": False, "t_max": 31}}
+
+
 def parse_policy(text):
+    """'name[:window]' or a NAMED run -> (label, request metadata)."""
+    if text in NAMED:
+        return text, NAMED[text]
     name, _, window = text.partition(":")
-    return {"policy": name, **({"window": int(window)} if window else {})}
+    return name, {"policy": name, **({"window": int(window)} if window else {})}
+
+
+def scrape(url):
+    """sglang_sparse_* counters by (name, policy) from the server's /metrics."""
+    out = {}
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return out
+    for line in text.splitlines():
+        if line.startswith("sglang_sparse_") and "_total{" in line:
+            name, rest = line.split("{", 1)
+            labels, value = rest.rsplit("} ", 1)
+            pol = next((kv.split("=")[1].strip('"') for kv in labels.split(",") if kv.startswith("policy=")), "")
+            key = (name, pol)
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def sparse_stats(before, after, policy):
+    d = lambda n: after.get((n, policy), 0.0) - before.get((n, policy), 0.0)  # noqa: E731
+    steps = d("sglang_sparse_decode_steps_total")
+    if not steps:
+        return {}
+    cached = d("sglang_sparse_cached_tokens_total")
+    return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
+            "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None}
 
 
 def run_backend(a, backend, log):
     url = f"http://127.0.0.1:{a.port}"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
-           "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", "0.85",
+           "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", "0.8",
+           "--enable-metrics",
            "--disable-radix-cache"] + a.extra.split() + (a.sparse_extra.split() if backend == "sgl_sparse" else [])
     res = {"backend": backend, "cmd": " ".join(cmd)}
     with open(log, "w") as lf:
@@ -61,22 +98,26 @@ def run_backend(a, backend, log):
         gen(url, [rng.randrange(1000, 100000) for _ in range(256)], 8)  # warm-up
         prompts = [[rng.randrange(1000, 100000) for _ in range(n)] for n in (300, 1500, 4000, 777)]
         res["greedy"] = [gen(url, p, a.check_len)["output_ids"] for p in prompts]
-        policies = [None] if backend != "sgl_sparse" else [parse_policy(p) for p in a.policies.split(",")]
+        policies = [("stock", None)] if backend != "sgl_sparse" else [parse_policy(p) for p in a.policies.split(",")]
         if backend == "sgl_sparse":  # a window covering every prompt must reproduce full
             res["greedy_window_covering"] = [
                 gen(url, p, a.check_len, {"policy": "streaming", "window": 1 << 20})["output_ids"] for p in prompts]
+            res["greedy_sfi_covering"] = [
+                gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
         res["cases"] = []
         for case in a.cases.split(","):
             ctx, bs = map(int, case.split("x"))
             ps = [[rng.randrange(1000, 100000) for _ in range(ctx)] for _ in range(bs)]
-            for pol in policies:
+            for label, pol in policies:
                 batch_wall(url, ps[:1], 2, pol)  # JIT / graph warm-up at this size
                 t1 = min(batch_wall(url, ps, 1, pol) for _ in range(2))
+                before = scrape(url)
                 tl = batch_wall(url, ps, a.out_len, pol)
+                stats = sparse_stats(before, scrape(url), (pol or {}).get("policy", ""))
                 tok_s = bs * (a.out_len - 1) / max(tl - t1, 1e-9)
-                res["cases"].append({"ctx": ctx, "batch": bs, "policy": (pol or {}).get("policy", "stock"),
+                res["cases"].append({"ctx": ctx, "batch": bs, "policy": label,
                                      "sparse": pol, "out_len": a.out_len, "t_prefill_s": round(t1, 3),
-                                     "t_total_s": round(tl, 3), "decode_tok_s": round(tok_s, 1)})
+                                     "t_total_s": round(tl, 3), "decode_tok_s": round(tok_s, 1), **stats})
                 print(json.dumps({"backend": backend, **res["cases"][-1]}), flush=True)
     finally:
         if proc.poll() is None:
@@ -110,16 +151,22 @@ def main():
     for r in runs[1:]:
         same = [x == y for x, y in zip(base["greedy"], r["greedy"])]
         covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_window_covering", []))]
+        sfi_covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_sfi_covering", []))]
         stock = {(c["ctx"], c["batch"]): c["decode_tok_s"] for c in base["cases"]}
         rows = [{"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": stock[(c["ctx"], c["batch"])],
-                 "tok_s": c["decode_tok_s"], "ratio": round(c["decode_tok_s"] / stock[(c["ctx"], c["batch"])], 3)}
+                 "tok_s": c["decode_tok_s"], "ratio": round(c["decode_tok_s"] / stock[(c["ctx"], c["batch"])], 3),
+                 "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention")}
                 for c in r["cases"]]
         summary["compare"].append({"backend": r["backend"], "greedy_identical_full": same,
-                                   "greedy_identical_window_covering": covering, "rows": rows})
-        print(f"\n{r['backend']} vs {base['backend']}: greedy identical (full) {same}; (window >= length) {covering}")
-        print(f"| ctx x batch | policy | {base['backend']} tok/s | {r['backend']} tok/s | ratio |\n|---|---|---|---|---|")
+                                   "greedy_identical_window_covering": covering,
+                                   "greedy_identical_sfi_covering": sfi_covering, "rows": rows})
+        print(f"\n{r['backend']} vs {base['backend']}: greedy identical (full) {same}; (window >= length) {covering}; "
+              f"(sfi, budget + recent >= length) {sfi_covering}")
+        print(f"| ctx x batch | policy | {base['backend']} tok/s | {r['backend']} tok/s | ratio | slow ratio | retention |"
+              "\n|---|---|---|---|---|---|---|")
         for row in rows:
-            print(f"| {row['ctx']} x {row['batch']} | {row['policy']} | {row['stock_tok_s']} | {row['tok_s']} | {row['ratio']} |")
+            print(f"| {row['ctx']} x {row['batch']} | {row['policy']} | {row['stock_tok_s']} | {row['tok_s']} | "
+                  f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |")
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
 

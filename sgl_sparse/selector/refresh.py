@@ -70,7 +70,8 @@ def refresh(
         return
     specs = [state.row_init(r).spec for r in rows]
     dev = store.k.device
-    w = max(s.w_prefill for s in specs)
+    # Window columns: the slow step's query + saved prompt queries (buffer-bounded).
+    w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
     hkv, hq = store.k.shape[2], store.q.shape[2]
     per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
     step = max(1, _MAX_LOGIT_ELEMS // per_row)

@@ -65,3 +65,45 @@ def test_decode_side_effects_key_norms_and_saved_queries(splits):
     assert (q_save[2] == 0).all()
     # Only the new keys got a norm.
     assert int((knorm[:, 0] >= 0).sum()) == 3
+
+
+def test_refresh_with_kernels_equals_the_torch_path():
+    """The CUDA path of selector.refresh (window_logits + pack_compact kernels)
+    packs the same tokens as the plain-torch path."""
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy, SparseServerConfig
+    from sgl_sparse.policies import sfi
+    from sgl_sparse.selector.refresh import refresh
+    from sgl_sparse.state import SparseState
+
+    hkv, hq, d, lens = 2, 8, 32, [90, 61]
+    states = []
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16)
+    r2t = torch.zeros(3, 96, dtype=torch.int32)
+    r2t[1, :90] = torch.randperm(200, generator=gen)[:90].int()
+    r2t[2, :61] = torch.randperm(200, generator=gen)[:61].int()
+    q = torch.randn(3, 2, 3, hq, d, generator=gen).to(torch.bfloat16)
+    for use_kernels in (False, True):
+        cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40},
+                                                 "policies": {"sfi": {"w_prefill": 3}}})
+        st = SparseState(3, "cpu", cfg)
+        specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3), SfiPolicy(budget=9, recent=8, sink=1)]
+        st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
+        st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
+                                  dtype=torch.bfloat16, pool_size=200, prompt_queries=2, device=torch.device("cpu"))
+        st.compact.knorm[:] = k.float().norm(dim=-1)
+        st.compact.q[:, :2] = q[:2, :, 0]
+        st.compact.q_prompt[:, :2] = q[:2, :, 1:]
+        st.saved_n[1], st.saved_n[2] = 90, 60
+        st.prompt_q[1] = 2
+        refresh(st, [1, 2], 96, lambda i: k, lambda i: v, r2t, d ** -0.5, use_kernels=use_kernels)
+        states.append(st)
+    a, b = states
+    assert torch.equal(a.sel_count, b.sel_count) and a.sel_count[1:].tolist() == [24, 10]
+    for slot, n in ((int(a.slot[1]), 24), (int(a.slot[2]), 10)):
+        # Same tokens (the selection may tie-break differently only on exactly equal scores).
+        ka = a.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
+        kb = b.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
+        torch.testing.assert_close(ka, kb)
