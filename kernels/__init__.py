@@ -8,6 +8,8 @@ Public API:
   the compact buffer.
 * :func:`window_logits` -- a few queries' logits over a whole paged prefix (SFI's
   Selector input).
+* :func:`window_evidence` -- the Selector's evidence (softmax over the candidates,
+  GQA mean, power mean over the window) fused, keys read in place.
 * :func:`choose_num_splits` -- the static split heuristic used by the above.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
@@ -16,12 +18,14 @@ Public API:
 from .pack_compact import pack_compact
 from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
 from .two_segment_decode import choose_num_splits, two_segment_decode
+from .window_evidence import window_evidence
 from .window_logits import window_logits
 
 __all__ = [
     "two_segment_decode",
     "pack_compact",
     "window_logits",
+    "window_evidence",
     "choose_num_splits",
     "two_segment_decode_ref",
     "pack_compact_ref",

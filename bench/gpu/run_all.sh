@@ -21,7 +21,7 @@ kernels)
     python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
     ;;
 selector)
-    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" 2>&1 | tee "$OUT/selector.log" | tail -12
+    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -12
     ;;
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000

@@ -37,6 +37,11 @@ class SelectorKnobs:
     eps: torch.Tensor
     nms_radius_max: int  # host copy of max(nms_radius): loop bound, no device sync
 
+    def repeat(self, times: int) -> "SelectorKnobs":
+        """The same knobs for `times` stacked copies of the batch (e.g. layers)."""
+        out = {f: getattr(self, f).repeat(times) for f in self.__dataclass_fields__ if f != "nms_radius_max"}
+        return SelectorKnobs(**out, nms_radius_max=self.nms_radius_max)
+
     @classmethod
     def from_specs(cls, specs: Sequence, device, dtype) -> "SelectorKnobs":
         def col(name, dt=dtype):
@@ -61,13 +66,13 @@ def candidate_mask(lo: torch.Tensor, hi: torch.Tensor, n: int) -> torch.Tensor:
     return ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :]
 
 
-def evidence(logits: torch.Tensor, allowed: torch.Tensor, qmask: torch.Tensor,
-             beta: torch.Tensor) -> torch.Tensor:
-    """Step 1. logits [r, H, G, w, N], allowed [r, 1, N], qmask [r, w] -> e [r, H, N].
+def evidence_power_mean(logits: torch.Tensor, allowed: torch.Tensor, qmask: torch.Tensor,
+                        beta: torch.Tensor) -> torch.Tensor:
+    """Step 1, first half: logits [r, H, G, w, N] -> u [r, H, N] (0 off A_t).
 
     p_i = softmax of query i's logits over A_t; the G query heads of a group are
     averaged (GQA aggregation [ours]); u_j = mean_i p_i(j)^beta over the valid
-    window queries; e = u^(1/beta), normalized on A_t.
+    window queries. (kernels.window_evidence computes the same u from the keys.)
     """
     lg = logits.masked_fill(~allowed[:, :, None, None, :], _NEG_INF)
     p = torch.softmax(lg, dim=-1).nan_to_num(0.0)  # a query with no allowed key: all 0
@@ -75,9 +80,19 @@ def evidence(logits: torch.Tensor, allowed: torch.Tensor, qmask: torch.Tensor,
     b = _b(beta, 4)
     qm = qmask[:, None, :, None].to(p.dtype)
     nq = qm.sum(dim=2).clamp(min=1.0)
-    u = (p.pow(b) * qm).sum(dim=2) / nq  # [r, H, N]
+    return (p.pow(b) * qm).sum(dim=2) / nq
+
+
+def normalize_evidence(u: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """Step 1, second half: e = u^(1/beta), normalized on A_t."""
     e = u.pow(1.0 / _b(beta, 3))
     return e / e.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(e.dtype).tiny)
+
+
+def evidence(logits: torch.Tensor, allowed: torch.Tensor, qmask: torch.Tensor,
+             beta: torch.Tensor) -> torch.Tensor:
+    """Step 1. logits [r, H, G, w, N], allowed [r, 1, N], qmask [r, w] -> e [r, H, N]."""
+    return normalize_evidence(evidence_power_mean(logits, allowed, qmask, beta), beta)
 
 
 def _masked_lower_median(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -146,24 +161,39 @@ def exclusivity(s: torch.Tensor, allowed: torch.Tensor, eta: torch.Tensor,
     return (finite + _b(eta, 3) * log_rho).masked_fill(~allowed, _NEG_INF)
 
 
-def refined_scores(logits, norms, lo, hi, qmask, knobs: SelectorKnobs) -> torch.Tensor:
-    """Steps 1-5: the score each candidate is ranked by, [r, H, N] (-inf off A_t)."""
-    allowed = candidate_mask(lo, hi, logits.shape[-1])
-    e = evidence(logits, allowed, qmask, knobs.beta)
-    pi = prior(norms.to(logits.dtype), allowed, lo, hi, knobs)
+def refined_scores_from_evidence(u, norms, lo, hi, knobs: SelectorKnobs) -> torch.Tensor:
+    """Steps 1 (normalization) to 5 from the power mean u [r, H, N]."""
+    allowed = candidate_mask(lo, hi, u.shape[-1])
+    e = normalize_evidence(u, knobs.beta)
+    pi = prior(norms.to(u.dtype), allowed, lo, hi, knobs)
     s = log_scores(fuse(e, pi, knobs.clip), allowed, knobs.eps)
     s = soft_nms(s, allowed, knobs.nms_gamma, knobs.nms_radius, knobs.nms_radius_max)
     return exclusivity(s, allowed, knobs.excl_eta, knobs.excl_tau)
 
 
+def refined_scores(logits, norms, lo, hi, qmask, knobs: SelectorKnobs) -> torch.Tensor:
+    """Steps 1-5: the score each candidate is ranked by, [r, H, N] (-inf off A_t)."""
+    allowed = candidate_mask(lo, hi, logits.shape[-1])
+    u = evidence_power_mean(logits, allowed, qmask, knobs.beta)
+    return refined_scores_from_evidence(u, norms, lo, hi, knobs)
+
+
 def select(logits, norms, lo, hi, qmask, budget: torch.Tensor, knobs: SelectorKnobs,
            k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-6 from the window logits; see `select_from_evidence`."""
+    allowed = candidate_mask(lo, hi, logits.shape[-1])
+    u = evidence_power_mean(logits, allowed, qmask, knobs.beta)
+    return select_from_evidence(u, norms, lo, hi, budget, knobs, k_max)
+
+
+def select_from_evidence(u, norms, lo, hi, budget: torch.Tensor, knobs: SelectorKnobs,
+                         k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 6: Top-K per KV head. Returns (positions [r, H, k_max] ascending in the
     first `count` entries, count [r]) with count = min(budget, |A_t|).
 
     `k_max` (>= every budget) is a host-known bound so no shape depends on data.
     """
-    s = refined_scores(logits, norms, lo, hi, qmask, knobs)
+    s = refined_scores_from_evidence(u, norms, lo, hi, knobs)
     n = s.shape[-1]
     k = min(k_max, n)
     idx = torch.topk(s, k, dim=-1, sorted=True).indices  # best first

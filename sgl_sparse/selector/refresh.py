@@ -20,13 +20,22 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from sgl_sparse.selector.core import SelectorKnobs, select
+from sgl_sparse.selector.core import (
+    SelectorKnobs,
+    candidate_mask,
+    evidence_power_mean,
+    select_from_evidence,
+)
 
 if TYPE_CHECKING:
     from sgl_sparse.state import SparseState
 
-# Rows are processed in groups whose fp32 logits stay under this many elements.
+# Rows are processed in groups whose fp32 logits stay under this many elements
+# (the torch path materializes them; the kernel path only its evidence), and the
+# Selector runs on as many layers at once as keep its [layers x r, H, N] tensors
+# under _MAX_SELECT_ELEMS (its temporaries are a few times that).
 _MAX_LOGIT_ELEMS = 1 << 26  # 256 MiB
+_MAX_SELECT_ELEMS = 1 << 24  # 64 MiB per fp32 tensor
 
 
 def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor,
@@ -83,6 +92,7 @@ def refresh(
 def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_to_token,
                    scaling, use_kernels) -> None:
     store = state.compact
+    r = len(rows)
     ridx = torch.tensor(rows, dtype=torch.int64, device=dev)
     slots = state.slot[ridx].long()
     sink, recent, budget = state.sink[ridx], state.window[ridx], state.budget[ridx]
@@ -93,37 +103,53 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     # Window column 0: the slow step's query (position saved_n - 1); column i >= 1:
     # the prompt's i-th last query (position saved_n - 1 - i), if saved.
     cols = torch.arange(w, device=dev)
-    qmask = (cols[None, :] == 0) | (cols[None, :] <= state.prompt_q[ridx][:, None])
+    nq = 1 + torch.clamp(state.prompt_q[ridx], max=w - 1)
+    qmask = cols[None, :] < nq[:, None]
     qpos = (saved_n[:, None] - 1 - cols[None, :]).long()
     knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
     k_max = max(s.budget for s in specs)
     hkv, cap = store.k.shape[2], store.capacity
     tok = req_to_token[ridx, :n].long()
-    # Compact layout: [0, sink) then the selected positions, per KV head.
+    # Compact layout per KV head: positions [0, sink) then the selected ones.
     j = torch.arange(cap, device=dev)[None, None, :]
     sink_eff = lo.long()[:, None, None]
     if use_kernels:
-        from sgl_sparse.kernels import pack_compact, window_logits
-    for layer in range(store.num_layers):
-        qwin = torch.cat([store.q[layer, slots, None], store.q_prompt[layer, slots, : w - 1]], dim=1)
-        k_pool = k_buffer(layer)
-        if use_kernels:
-            logits = window_logits(qwin, k_pool, req_to_token, ridx, qpos, n, scaling)
-        else:
-            logits = window_logits_torch(qwin, k_pool, tok, qpos, scaling)
-        norms = store.knorm[layer][tok].permute(0, 2, 1)  # [r, Hkv, N]
-        pos, count = select(logits, norms, lo, hi, qmask, budget, knobs, k_max)
+        from sgl_sparse.kernels import pack_compact, window_evidence
+    allowed = candidate_mask(lo, hi, n)
+    # The Selector after the evidence runs on several layers at once (a batch of
+    # layers x requests): few, large launches instead of ~40 small ones per layer.
+    per_layer = r * hkv * max(n, 1)
+    chunk = max(1, _MAX_SELECT_ELEMS // per_layer)
+    for first in range(0, store.num_layers, chunk):
+        layers = range(first, min(first + chunk, store.num_layers))
+        us = []
+        for layer in layers:
+            qwin = torch.cat([store.q[layer, slots, None], store.q_prompt[layer, slots, : w - 1]], dim=1)
+            if use_kernels:
+                us.append(window_evidence(qwin, k_buffer(layer), req_to_token, ridx, qpos, lo, hi, nq,
+                                          knobs.beta, n, scaling))
+            else:
+                logits = window_logits_torch(qwin, k_buffer(layer), tok, qpos, scaling)
+                us.append(evidence_power_mean(logits, allowed, qmask, knobs.beta))
+        nl = len(us)
+        u = torch.cat(us)  # [(layers x r), H, N], layer-major
+        norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(nl * r, hkv, n)
+        pos, count = select_from_evidence(u, norms, lo.repeat(nl), hi.repeat(nl), budget.repeat(nl),
+                                          knobs.repeat(nl), k_max)
+        count = count[:r]  # the same for every layer: min(budget, |A_t|)
         sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]
-        from_sel = torch.gather(pos, 2, (j - sink_eff).clamp(0, k_max - 1).expand(len(rows), hkv, -1))
-        sel_pos = torch.where(j < sink_eff, j, torch.where(j < sel_len[:, :, None], from_sel, 0))
-        if use_kernels:
-            a_len = torch.empty(len(rows), hkv, dtype=torch.int32, device=dev)
-            pack_compact(k_pool, v_buffer(layer), req_to_token, ridx, sel_pos.int(),
-                         sel_len.expand(-1, hkv).int().contiguous(),
-                         torch.ones(len(rows), dtype=torch.bool, device=dev),
-                         store.k[layer], store.v[layer], slots.int(), a_len)
-        else:
-            tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos)
-            _pack_torch(k_pool, v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
+        for li, layer in enumerate(layers):
+            p = pos[li * r: (li + 1) * r]
+            from_sel = torch.gather(p, 2, (j - sink_eff).clamp(0, k_max - 1).expand(r, hkv, -1))
+            sel_pos = torch.where(j < sink_eff, j, torch.where(j < sel_len[:, :, None], from_sel, 0))
+            if use_kernels:
+                a_len = torch.empty(r, hkv, dtype=torch.int32, device=dev)
+                pack_compact(k_buffer(layer), v_buffer(layer), req_to_token, ridx, sel_pos.int(),
+                             sel_len.expand(-1, hkv).int().contiguous(),
+                             torch.ones(r, dtype=torch.bool, device=dev),
+                             store.k[layer], store.v[layer], slots.int(), a_len)
+            else:
+                tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos)
+                _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
     state.sel_count[ridx] = sel_len[:, 0].int()
     state.sel_ready[ridx] = True

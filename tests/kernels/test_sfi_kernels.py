@@ -107,3 +107,30 @@ def test_refresh_with_kernels_equals_the_torch_path():
         ka = a.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
         kb = b.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
         torch.testing.assert_close(ka, kb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group, w", [(1, 1), (2, 3), (8, 4)])
+def test_window_evidence_matches_the_selector_formula(dtype, group, w):
+    from sgl_sparse.selector import core
+
+    gen = torch.Generator().manual_seed(7 * group + w)
+    hkv, d, lens = 2, 32, [70, 23, 41]
+    case = T.make_decode_case(lens, [0] * 3, [(0, n) for n in lens], num_kv_heads=hkv, group=group,
+                              head_dim=d, cap=4, dtype=dtype, seed=group * w)
+    q = torch.randn(3, w, hkv * group, d, generator=gen).to(dtype) * 2
+    last = torch.tensor([69, 22, 40])
+    qpos = last[:, None] - torch.arange(w)[None, :]
+    lo, hi = torch.tensor([4, 0, 3]), torch.tensor([60, 23, 3])  # request 2: empty range
+    nq = torch.tensor([w, 1, max(1, w - 1)])
+    beta = torch.tensor([0.5, 1.0, 2.0])
+    n, scale = 70, d ** -0.5
+    u = K.window_evidence(q, case.k_pool, case.req_to_token, case.req_pool_idx, qpos, lo, hi, nq, beta, n, scale,
+                          block_n=16)
+    tok = case.req_to_token[case.req_pool_idx.long(), :n].long()
+    logits = window_logits_torch(q, case.k_pool, tok, qpos, scale)
+    qmask = torch.arange(w)[None, :] < nq[:, None]
+    ref = core.evidence_power_mean(logits, core.candidate_mask(lo, hi, n), qmask, beta)
+    assert not u.isnan().any() and u.shape == ref.shape
+    assert (u[2] == 0).all() and (u[0, :, :4] == 0).all() and (u[0, :, 60:] == 0).all()
+    assert T.rel_error(u, ref) < 1e-4

@@ -1,0 +1,193 @@
+"""
+Window evidence: SFI's Selector step 1, fused, keys read in place
+=================================================================
+
+For each request and KV head, the evidence of candidate position ``j`` is
+
+    u_j = (1 / nq) * sum_{i < nq} ( mean_g softmax_A(l_{g,i})_j ) ** beta
+
+over the request's candidate range ``A = [lo, hi)`` (keys after a query's
+position excluded), where ``l_{g,i} = q_{g,i} . k_j * sm_scale`` for the ``G``
+query heads ``g`` of the group and the ``nq`` window queries ``i``. Writing the
+``[G, w, N]`` logits out and reducing them in PyTorch moves ``G * w`` fp32 per
+key; this computes ``u`` in two passes over the keys instead:
+
+1. per block of keys, the max and sum of ``exp`` of every (g, i) row's logits
+   restricted to ``A`` (partials ``[r, Hkv, blocks, BLOCK_M]``), merged on the
+   host side of the launch into the log-sum-exp of each row (a tiny reduction);
+2. per block of keys, the logits again, ``p = exp(l - lse)``, the mean over the
+   group, ``** beta``, the mean over the valid window queries -> ``u``.
+
+Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
+mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))`` for both passes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import needs_fp32_dot, next_pow2
+
+__all__ = ["window_evidence"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, mask_n, qpos, lo, hi, qk_scale,
+            stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
+            W, GROUP, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Base-2 scaled logits [BLOCK_M, BLOCK_N] of the window rows, -inf off A / after the query."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    g = offs_m // W_PAD
+    i = offs_m % W_PAD
+    mask_m = (g < GROUP) & (i < W)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + cur_r * stride_qr + i[:, None] * stride_qw + (cur_kvh * GROUP + g)[:, None] * stride_qh
+                + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    tok = tl.load(REQ_TO_TOKEN + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    if FP32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    ok = mask_m[:, None] & (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & (offs_n[None, :] <= qpos[:, None])
+    return tl.where(ok, s * qk_scale, float("-inf"))
+
+
+@triton.jit
+def _evidence_pass1(
+    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L,
+    qk_scale, W,
+    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
+    stride_part_r, stride_part_h, stride_part_b,
+    GROUP: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    cur_r = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    blk = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    lo = tl.load(LO + cur_r)
+    hi = tl.load(HI + cur_r)
+    n0 = blk * BLOCK_N
+    part = cur_r * stride_part_r + cur_kvh * stride_part_h + blk * stride_part_b + offs_m
+    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
+        tl.store(PART_M + part, tl.full([BLOCK_M], float("-inf"), tl.float32))
+        tl.store(PART_L + part, tl.zeros([BLOCK_M], tl.float32))
+    else:
+        req = tl.load(REQ_IDX + cur_r).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        i = offs_m % W_PAD
+        qpos = tl.load(QPOS + cur_r * stride_pr + i, mask=i < W, other=-1)
+        s = _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
+                    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
+                    W, GROUP, W_PAD, HEAD_DIM, BLOCK_M, BLOCK_D, FP32_DOT)
+        m = tl.max(s, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(PART_M + part, m)
+        tl.store(PART_L + part, tl.sum(tl.exp2(s - m_safe[:, None]), 1))
+
+
+@triton.jit
+def _evidence_pass2(
+    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, NQ, LSE, BETA, U,
+    qk_scale, W, N,
+    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
+    stride_lse_r, stride_lse_h, stride_ur, stride_uh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    cur_r = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    n0 = tl.program_id(2) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    lo = tl.load(LO + cur_r)
+    hi = tl.load(HI + cur_r)
+    u_ptr = U + cur_r * stride_ur + cur_kvh * stride_uh + offs_n
+    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
+        tl.store(u_ptr, tl.zeros([BLOCK_N], tl.float32), mask=mask_n)
+    else:
+        req = tl.load(REQ_IDX + cur_r).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        i = offs_m % W_PAD
+        qpos = tl.load(QPOS + cur_r * stride_pr + i, mask=i < W, other=-1)
+        s = _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
+                    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
+                    W, GROUP, W_PAD, HEAD_DIM, BLOCK_M, BLOCK_D, FP32_DOT)
+        lse = tl.load(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + offs_m)
+        p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 where s = -inf
+        pg = tl.sum(tl.reshape(p, [G_PAD, W_PAD, BLOCK_N]), 0) / GROUP  # [W_PAD, BLOCK_N]
+        beta = tl.load(BETA + cur_r)
+        nq = tl.load(NQ + cur_r)
+        offs_w = tl.arange(0, W_PAD)
+        pb = tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
+        pb = tl.where((offs_w < nq)[:, None], pb, 0.0)
+        tl.store(u_ptr, tl.sum(pb, 0) / nq.to(tl.float32), mask=mask_n)
+
+
+def window_evidence(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_idx: torch.Tensor,
+    qpos: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    nq: torch.Tensor,
+    beta: torch.Tensor,
+    n: int,
+    sm_scale: float,
+    *,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Unnormalized evidence ``u`` ``[r, Hkv, n]`` fp32 (0 off the candidate range).
+
+    Args:
+        q: ``[r, w, Hq, D]`` window queries; qpos ``[r, w]`` their positions.
+        lo, hi: ``[r]`` candidate range A = [lo, hi) per request.
+        nq: ``[r]`` int32 valid window queries (the first nq columns, >= 1).
+        beta: ``[r]`` fp32 power-mean exponent.
+        n: host bound on positions (``>= max(hi)``, ``<= max_ctx``).
+    """
+    r, w, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    assert hq % hkv == 0 and q.dtype == k_pool.dtype and q.stride(-1) == 1 and k_pool.stride(-1) == 1
+    assert 0 < n <= req_to_token.shape[1] and req_to_token.stride(1) == 1
+    g_pad, w_pad = next_pow2(group), next_pow2(w)
+    block_m = max(16, g_pad * w_pad)
+    if block_m > g_pad * w_pad:  # pad the group dim so rows reshape to [G_PAD, W_PAD]
+        g_pad = block_m // w_pad
+    nblocks = triton.cdiv(n, block_n)
+    dev = q.device
+    qpos = qpos.to(torch.int64).contiguous()
+    lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    part_m = torch.empty(r, hkv, nblocks, block_m, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    qk_scale = float(sm_scale) * _LOG2E
+    common = dict(GROUP=group, W_PAD=w_pad, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=next_pow2(d),
+                  BLOCK_N=block_n, FP32_DOT=needs_fp32_dot(q.dtype), num_warps=num_warps)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
+               req_to_token.stride(0), qpos.stride(0))
+    grid = (r, hkv, nblocks)
+    _evidence_pass1[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, qk_scale, w,
+                          *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2), **common)
+    # Merge the per-block partials: base-2 LSE per window row, [r, Hkv, BLOCK_M].
+    m = part_m.amax(dim=2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    total = (part_l * torch.exp2(part_m - m_safe[:, :, None])).sum(dim=2)
+    lse = torch.where(total > 0, m_safe + torch.log2(total), torch.full_like(m, float("-inf"))).contiguous()
+    u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev)
+    _evidence_pass2[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, nq.to(torch.int32).contiguous(), lse,
+                          beta.to(torch.float32).contiguous(), u, qk_scale, w, n,
+                          *strides, lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
+                          G_PAD=g_pad, **common)
+    return u
