@@ -89,7 +89,6 @@ def case(ctx: int, bs: int, w: int, reps: int):
     t_dense = time_ms(lambda: two_segment_decode(q, st.compact.k[0], st.compact.v[0], zero - 1, a_len, k, v, r2t,
                                                  idx, zero, n, scale, max_kv_len=ctx), reps)
     kv_bytes = bs * ctx * hkv * d * 2 * 2
-    del st, k, v
     return {"ctx": ctx, "batch": bs, "w": w, "refresh_ms": round(t_refresh, 3), "dense_attn_ms": round(t_dense, 3),
             "refresh_all_layers_ms": round(t_refresh * LAYERS, 2),
             "refresh_over_dense": round(t_refresh / t_dense, 2), "kv_bytes_per_layer": kv_bytes}
@@ -108,7 +107,7 @@ def profile(ctx: int, bs: int, w: int) -> None:
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         calls[0]()
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 
 
 def main():
@@ -118,8 +117,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
     a = ap.parse_args()
-    if a.profile:
-        ctx, bs = map(int, a.profile.split("x"))
+    for c in filter(None, a.profile.split(",")):
+        ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1)
     res = []
     for c in filter(None, a.cases.split(",")):
