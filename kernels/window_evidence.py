@@ -9,14 +9,15 @@ For each request and KV head, the evidence of candidate position ``j`` is
 over the request's candidate range ``A = [lo, hi)`` (keys after a query's
 position excluded), where ``l_{g,i} = q_{g,i} . k_j * sm_scale`` for the ``G``
 query heads ``g`` of the group and the ``nq`` window queries ``i``. Writing the
-``[G, w, N]`` logits out and reducing them in PyTorch moves ``G * w`` fp32 per
-key; this computes ``u`` in two passes over the keys instead:
+``[G, w, N]`` logits and reducing them with PyTorch ops costs a dozen launches
+and passes per layer; this reads the keys once, in three launches:
 
-1. per block of keys, the max and sum of ``exp`` of every (g, i) row's logits
-   restricted to ``A`` (partials ``[r, Hkv, blocks, BLOCK_M]``), merged on the
-   host side of the launch into the log-sum-exp of each row (a tiny reduction);
-2. per block of keys, the logits again, ``p = exp(l - lse)``, the mean over the
-   group, ``** beta``, the mean over the valid window queries -> ``u``.
+1. per block of keys: the logits of every (g, i) row restricted to ``A``, written
+   as fp32 (``G * w`` values per key: a few percent of the key's bytes), and the
+   block's max and sum of ``exp`` per row (partials ``[r, Hkv, blocks, BLOCK_M]``);
+2. per (request, KV head): the partials merged into each row's log-sum-exp;
+3. per block of keys: ``p = exp(l - lse)`` from the stored logits, the mean over
+   the group, ``** beta``, the mean over the valid window queries -> ``u``.
 
 Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
 mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))`` for both passes.
@@ -62,10 +63,10 @@ def _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, mask_n, qpos, 
 
 @triton.jit
 def _evidence_pass1(
-    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L,
+    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
     qk_scale, W,
     stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
-    stride_part_r, stride_part_h, stride_part_b,
+    stride_part_r, stride_part_h, stride_part_b, stride_lg_r, stride_lg_h, stride_lg_m,
     GROUP: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
@@ -92,16 +93,47 @@ def _evidence_pass1(
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(PART_M + part, m)
         tl.store(PART_L + part, tl.sum(tl.exp2(s - m_safe[:, None]), 1))
+        # Valid rows only, as row g * W + i of [G * W, N].
+        g = offs_m // W_PAD
+        row = g * W + i
+        ok = (g < GROUP) & (i < W)
+        tl.store(LOGITS + cur_r * stride_lg_r + cur_kvh * stride_lg_h + row[:, None] * stride_lg_m
+                 + offs_n[None, :], s, mask=ok[:, None] & (offs_n < hi)[None, :])
+
+
+@triton.jit
+def _evidence_lse(
+    PART_M, PART_L, LSE, NBLOCKS,
+    stride_part_r, stride_part_h, stride_part_b, stride_lse_r, stride_lse_h,
+    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Merge the per-block (max, sum) of every window row into its base-2 LSE."""
+    cur_r = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_b = tl.arange(0, BLOCK_B)
+    base = cur_r * stride_part_r + cur_kvh * stride_part_h
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    for b0 in range(0, NBLOCKS, BLOCK_B):
+        mask = (b0 + offs_b < NBLOCKS)[:, None]
+        ptr = base + (b0 + offs_b)[:, None] * stride_part_b + offs_m[None, :]
+        pm = tl.load(PART_M + ptr, mask=mask, other=float("-inf"))
+        pl = tl.load(PART_L + ptr, mask=mask, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(pl * tl.exp2(pm - m_safe[None, :]), 0)
+        m_run = m_new
+    lse = tl.where(l_run > 0, tl.where(m_run == float("-inf"), 0.0, m_run) + tl.log2(l_run), float("-inf"))
+    tl.store(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + offs_m, lse)
 
 
 @triton.jit
 def _evidence_pass2(
-    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, NQ, LSE, BETA, U,
-    qk_scale, W, N,
-    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
-    stride_lse_r, stride_lse_h, stride_ur, stride_uh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    LOGITS, QPOS, LO, HI, NQ, LSE, BETA, U, W, N,
+    stride_pr, stride_lg_r, stride_lg_h, stride_lg_m, stride_lse_r, stride_lse_h, stride_ur, stride_uh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -114,13 +146,14 @@ def _evidence_pass2(
     if (n0 >= hi) | (n0 + BLOCK_N <= lo):
         tl.store(u_ptr, tl.zeros([BLOCK_N], tl.float32), mask=mask_n)
     else:
-        req = tl.load(REQ_IDX + cur_r).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         i = offs_m % W_PAD
+        g = offs_m // W_PAD
+        ok = (g < GROUP) & (i < W)
         qpos = tl.load(QPOS + cur_r * stride_pr + i, mask=i < W, other=-1)
-        s = _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
-                    stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
-                    W, GROUP, W_PAD, HEAD_DIM, BLOCK_M, BLOCK_D, FP32_DOT)
+        live = ok[:, None] & (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & (offs_n[None, :] <= qpos[:, None])
+        s = tl.load(LOGITS + cur_r * stride_lg_r + cur_kvh * stride_lg_h + (g * W + i)[:, None] * stride_lg_m
+                    + offs_n[None, :], mask=live, other=float("-inf"))
         lse = tl.load(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + offs_m)
         p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 where s = -inf
         pg = tl.sum(tl.reshape(p, [G_PAD, W_PAD, BLOCK_N]), 0) / GROUP  # [W_PAD, BLOCK_N]
@@ -168,8 +201,12 @@ def window_evidence(
         g_pad = block_m // w_pad
     nblocks = triton.cdiv(n, block_n)
     dev = q.device
-    qpos = qpos.to(torch.int64).contiguous()
-    lo, hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    # Callers on the hot path pass these already in the right dtype (no copies).
+    qpos = qpos if qpos.dtype == torch.int64 and qpos.is_contiguous() else qpos.to(torch.int64).contiguous()
+    lo = lo if lo.dtype == torch.int32 else lo.to(torch.int32)
+    hi = hi if hi.dtype == torch.int32 else hi.to(torch.int32)
+    nq = nq if nq.dtype == torch.int32 else nq.to(torch.int32)
+    beta = beta if beta.dtype == torch.float32 else beta.to(torch.float32)
     part_m = torch.empty(r, hkv, nblocks, block_m, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     qk_scale = float(sm_scale) * _LOG2E
@@ -177,17 +214,18 @@ def window_evidence(
                   BLOCK_N=block_n, FP32_DOT=needs_fp32_dot(q.dtype), num_warps=num_warps)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
                req_to_token.stride(0), qpos.stride(0))
+    logits = torch.empty(r, hkv, group * w, n, dtype=torch.float32, device=dev)
     grid = (r, hkv, nblocks)
-    _evidence_pass1[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, qk_scale, w,
-                          *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2), **common)
-    # Merge the per-block partials: base-2 LSE per window row, [r, Hkv, BLOCK_M].
-    m = part_m.amax(dim=2)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    total = (part_l * torch.exp2(part_m - m_safe[:, :, None])).sum(dim=2)
-    lse = torch.where(total > 0, m_safe + torch.log2(total), torch.full_like(m, float("-inf"))).contiguous()
+    _evidence_pass1[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, logits, qk_scale, w,
+                          *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2),
+                          logits.stride(0), logits.stride(1), logits.stride(2), **common)
+    lse = torch.empty(r, hkv, block_m, dtype=torch.float32, device=dev)
+    _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),
+                            lse.stride(0), lse.stride(1), BLOCK_M=block_m, BLOCK_B=32)
     u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev)
-    _evidence_pass2[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, nq.to(torch.int32).contiguous(), lse,
-                          beta.to(torch.float32).contiguous(), u, qk_scale, w, n,
-                          *strides, lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
-                          G_PAD=g_pad, **common)
+    _evidence_pass2[grid](logits, qpos, lo, hi, nq, lse, beta, u, w, n,
+                          qpos.stride(0), logits.stride(0), logits.stride(1), logits.stride(2),
+                          lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
+                          GROUP=group, G_PAD=g_pad, W_PAD=w_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                          num_warps=num_warps)
     return u

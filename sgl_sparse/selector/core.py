@@ -44,15 +44,22 @@ class SelectorKnobs:
 
     @classmethod
     def from_specs(cls, specs: Sequence, device, dtype) -> "SelectorKnobs":
-        def col(name, dt=dtype):
-            return torch.tensor([getattr(s, name) for s in specs], dtype=dt, device=device)
+        # One pinned host->device copy, asynchronous: a pageable copy would make the
+        # host wait for the GPU work already queued (the decode step in flight).
+        names = ("beta", "alpha", "kappa", "zeta", "clip", "nms_gamma", "nms_radius", "excl_eta", "excl_tau", "eps")
+        host = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names], dtype=torch.float64)
+        cols = to_device(host, device).to(dtype)
+        out = dict(zip(names, cols.unbind(0)))
+        out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
+        return cls(**out, nms_radius_max=max((s.nms_radius for s in specs), default=0))
 
-        return cls(
-            beta=col("beta"), alpha=col("alpha"), kappa=col("kappa"), zeta=col("zeta"),
-            clip=col("clip"), nms_gamma=col("nms_gamma"), nms_radius=col("nms_radius", torch.int64),
-            excl_eta=col("excl_eta"), excl_tau=col("excl_tau"), eps=col("eps"),
-            nms_radius_max=max((s.nms_radius for s in specs), default=0),
-        )
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor -> device without a host/device synchronization (pinned, async)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _b(x: torch.Tensor, ndim: int) -> torch.Tensor:

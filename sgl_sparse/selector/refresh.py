@@ -25,6 +25,7 @@ from sgl_sparse.selector.core import (
     candidate_mask,
     evidence_power_mean,
     select_from_evidence,
+    to_device,
 )
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
                    scaling, use_kernels) -> None:
     store = state.compact
     r = len(rows)
-    ridx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    ridx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
     slots = state.slot[ridx].long()
     sink, recent, budget = state.sink[ridx], state.window[ridx], state.budget[ridx]
     saved_n = state.saved_n[ridx]
@@ -116,6 +117,11 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     if use_kernels:
         from sgl_sparse.kernels import pack_compact, window_evidence
     allowed = candidate_mask(lo, hi, n)
+    nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
+    ones = torch.ones(r, dtype=torch.bool, device=dev)
+    ridx32, slots32 = ridx.int(), slots.int()
+    # All layers' window queries at once: [layers, r, w, Hq, D].
+    qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
     # The Selector after the evidence runs on several layers at once (a batch of
     # layers x requests): few, large launches instead of ~40 small ones per layer.
     per_layer = r * hkv * max(n, 1)
@@ -124,12 +130,11 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
         layers = range(first, min(first + chunk, store.num_layers))
         us = []
         for layer in layers:
-            qwin = torch.cat([store.q[layer, slots, None], store.q_prompt[layer, slots, : w - 1]], dim=1)
             if use_kernels:
-                us.append(window_evidence(qwin, k_buffer(layer), req_to_token, ridx, qpos, lo, hi, nq,
-                                          knobs.beta, n, scaling))
+                us.append(window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, ridx32, qpos, lo32, hi32,
+                                          nq32, beta32, n, scaling))
             else:
-                logits = window_logits_torch(qwin, k_buffer(layer), tok, qpos, scaling)
+                logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, qpos, scaling)
                 us.append(evidence_power_mean(logits, allowed, qmask, knobs.beta))
         nl = len(us)
         u = torch.cat(us)  # [(layers x r), H, N], layer-major
@@ -138,18 +143,21 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
                                           knobs.repeat(nl), k_max)
         count = count[:r]  # the same for every layer: min(budget, |A_t|)
         sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]
+        # sink positions, then the selected ones, for every layer of the chunk
+        pos = pos.view(nl, r, hkv, k_max)
+        sink4, len4 = sink_eff[None], sel_len[None, :, :, None]
+        from_sel = torch.gather(pos, 3, (j[None] - sink4).clamp(0, k_max - 1).expand(nl, r, hkv, -1))
+        sel_pos = torch.where(j[None] < sink4, j[None], torch.where(j[None] < len4, from_sel, 0))
+        if use_kernels:
+            sel_pos = sel_pos.int()
+            sel_len_h = sel_len.expand(-1, hkv).int().contiguous()
+            a_len = torch.empty(r, hkv, dtype=torch.int32, device=dev)
         for li, layer in enumerate(layers):
-            p = pos[li * r: (li + 1) * r]
-            from_sel = torch.gather(p, 2, (j - sink_eff).clamp(0, k_max - 1).expand(r, hkv, -1))
-            sel_pos = torch.where(j < sink_eff, j, torch.where(j < sel_len[:, :, None], from_sel, 0))
             if use_kernels:
-                a_len = torch.empty(r, hkv, dtype=torch.int32, device=dev)
-                pack_compact(k_buffer(layer), v_buffer(layer), req_to_token, ridx, sel_pos.int(),
-                             sel_len.expand(-1, hkv).int().contiguous(),
-                             torch.ones(r, dtype=torch.bool, device=dev),
-                             store.k[layer], store.v[layer], slots.int(), a_len)
+                pack_compact(k_buffer(layer), v_buffer(layer), req_to_token, ridx32, sel_pos[li], sel_len_h, ones,
+                             store.k[layer], store.v[layer], slots32, a_len)
             else:
-                tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos)
+                tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos[li])
                 _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
     state.sel_count[ridx] = sel_len[:, 0].int()
     state.sel_ready[ridx] = True
