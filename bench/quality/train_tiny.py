@@ -1,0 +1,245 @@
+"""Train a small Qwen3-architecture model from scratch on the long-range recall task.
+
+    python bench/quality/train_tiny.py --out bench/quality/out/tiny-recall       # GPU, <= ~8 min on an H100
+    python bench/quality/train_tiny.py --smoke --out /tmp/tiny-smoke             # CPU, tiny, < 2 min
+
+Writes a normal Hugging Face checkpoint (config.json, model.safetensors,
+generation_config.json, word-level fast tokenizer with <think>/</think>/<eos>)
+that SGLang and transformers load, and a log (loss, exact-match per context
+length) to --log (default bench/quality/train_log.txt; --smoke: <out>/train_log.txt).
+
+The model is honest-to-goodness tiny and synthetic: it knows nothing but this task
+(tasks.py). It is evidence about attention policies, not about a pretrained LLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tasks  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class ModelShape:
+    layers: int = 4
+    hidden: int = 256
+    intermediate: int = 768
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    # Large theta: the lowest RoPE frequencies barely turn within 32K tokens, so
+    # content matching learned at <= 8K still works at 32K (eval extrapolates).
+    rope_theta: float = 1_000_000.0
+    max_positions: int = 40960
+
+
+@dataclass
+class Stage:
+    length: int  # tokens per training sequence
+    batch: int
+    steps: int
+    time_share: float  # fraction of --time-budget this stage may use at most
+
+
+GPU_STAGES = [Stage(512, 64, 3000, 0.30), Stage(2048, 16, 2000, 0.27),
+              Stage(4096, 8, 1500, 0.25), Stage(8192, 4, 800, 0.18)]
+GPU_EVAL_LENGTHS = [512, 2048, 4096, 8192, 16384, 32768]
+SMOKE_SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                         max_positions=4096)
+SMOKE_STAGES = [Stage(128, 8, 25, 0.5), Stage(256, 4, 15, 0.5)]
+SMOKE_EVAL_LENGTHS = [128, 256]
+
+COMPLETION_MAX = max(len(tasks.completion_tokens(tasks.KEY_IDS[0], [tasks.VALUE_IDS[0]] * tasks.VALUE_LEN, v))
+                     for v in ("plain", "think"))
+
+
+def make_model(shape: ModelShape, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = 64 * math.ceil(len(tasks.VOCAB) / 64)  # padded rows are never produced
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions, rope_theta=shape.rope_theta,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+        sliding_window=None, max_window_layers=shape.layers, attention_bias=False,
+        bos_token_id=tasks.ID[tasks.EOS], eos_token_id=tasks.ID[tasks.EOS],
+        pad_token_id=tasks.ID[tasks.PAD],
+    )
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"  # flash kernels under bf16 on the GPU
+    return model
+
+
+def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]).
+
+    Sequences mix both variants, random depths and ~n_facts/4 inline questions
+    (many supervised retrievals per sequence, at every distance up to L)."""
+    rows, masks = [], []
+    for b in range(stage.batch):
+        s = (seed * 1_000_003 + step) * 4096 + b
+        variant = "think" if (s * 2654435761 >> 7) % 2 else "plain"
+        plen = stage.length - COMPLETION_MAX
+        ex = tasks.make_example(plen, None, variant, s,
+                                inline_questions=max(1, tasks.n_facts_for(plen) // 4))
+        seq, m = ex.prompt + ex.completion, ex.loss_mask
+        pad = stage.length - len(seq)
+        rows.append(seq + [tasks.ID[tasks.PAD]] * pad)
+        masks.append(m + [False] * pad)
+    return torch.tensor(rows), torch.tensor(masks)
+
+
+def supervised_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits only where a token is supervised (lm_head on a few rows, not all)."""
+    h = model.model(input_ids=ids[:, :-1]).last_hidden_state
+    sel = mask[:, 1:]
+    return model.lm_head(h[sel]), ids[:, 1:][sel]
+
+
+@torch.no_grad()
+def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed: int = 12345) -> dict:
+    """Exact match of the whole completion under teacher forcing per prompt length
+    (all completion tokens argmax-correct == greedy decoding reproduces it)."""
+    model.eval()
+    out = {}
+    for length in lengths:
+        hits = 0
+        for i in range(n):
+            depth = (0.1, 0.5, 0.9)[i % 3]
+            ex = tasks.make_example(length, depth, ("plain", "think")[i % 2], seed + i)
+            ids = torch.tensor([ex.prompt + ex.completion], device=device)
+            mask = torch.tensor([[False] * len(ex.prompt) + [True] * len(ex.completion)], device=device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                logits, tgt = supervised_logits(model, ids, mask)
+            hits += bool((logits.argmax(-1) == tgt).all())
+        out[length] = hits / n
+    model.train()
+    return out
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def save_checkpoint(model, out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.dtype = torch.float32
+    model.save_pretrained(out, safe_serialization=True)
+    tasks.build_tokenizer(out, model.config.max_position_embeddings)
+    ids = {"bos_token_id": tasks.ID[tasks.EOS], "eos_token_id": tasks.ID[tasks.EOS],
+           "pad_token_id": tasks.ID[tasks.PAD]}
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    (out / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eval_lengths: list[int],
+          eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device) -> dict:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    amp = device.type == "cuda"
+    model = make_model(shape, seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    total = sum(s.steps for s in stages)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        log.flush()
+
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"# train_tiny: seed {seed}, device {device}, params {n_params / 1e6:.2f}M, shape {asdict(shape)}")
+    say(f"# stages {[asdict(s) for s in stages]}, time budget {time_budget:.0f}s")
+    t_start = time.monotonic()
+    step = 0
+    history = []
+    for si, stage in enumerate(stages):
+        t_stage, ema = time.monotonic(), None
+        end = step + stage.steps
+        while step < end:
+            if time.monotonic() - t_stage > stage.time_share * time_budget:
+                say(f"! stage {si} (len {stage.length}) cut by its time share at step {step}/{end}")
+                break
+            ids, mask = make_batch(stage, step, seed)
+            ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, peak_lr, warmup=min(200, total // 10 + 1))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                logits, tgt = supervised_logits(model, ids, mask)
+            loss = torch.nn.functional.cross_entropy(logits.float(), tgt)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % 50 == 0 or step == end:
+                lv = loss.item()
+                ema = lv if ema is None else 0.8 * ema + 0.2 * lv
+                say(f"step {step:5d} len {stage.length:5d} loss {lv:.4f} (ema {ema:.4f}) "
+                    f"lr {opt.param_groups[0]['lr']:.2e} t {time.monotonic() - t_start:.0f}s")
+        step = end  # a cut stage skips ahead so the LR schedule stays aligned
+        acc = eval_accuracy(model, [l for l in eval_lengths if l <= max(stage.length * 2, eval_lengths[0])],
+                            eval_n, device, amp)
+        say(f"eval after stage {si} (len {stage.length}): "
+            + ", ".join(f"{l}: {a:.3f}" for l, a in acc.items()))
+        history.append({"stage": si, "length": stage.length, "acc": acc})
+    final = eval_accuracy(model, eval_lengths, eval_n, device, amp)
+    wall = time.monotonic() - t_start
+    say("final exact match (teacher-forced, whole completion) by prompt length: "
+        + ", ".join(f"{l}: {a:.3f}" for l, a in final.items()))
+    say(f"# wall {wall:.0f}s")
+    meta = {"seed": seed, "shape": asdict(shape), "stages": [asdict(s) for s in stages],
+            "final_acc": final, "history": history, "wall_s": wall, "params": n_params}
+    save_checkpoint(model.cpu(), out, meta)
+    say(f"# saved {out}")
+    log.close()
+    return meta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE / "out" / "tiny-recall"))
+    ap.add_argument("--log", default=None, help="default: bench/quality/train_log.txt (--smoke: <out>/train_log.txt)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences, CPU, < 2 min")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds for all stages (default 420; smoke 60)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-n", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    a = ap.parse_args()
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
+    if a.smoke:
+        shape, stages, lengths, n, budget = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 6, 60.0
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    else:
+        shape, stages, lengths, n, budget = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(a.out)
+    log = Path(a.log) if a.log else (out / "train_log.txt" if a.smoke else HERE / "train_log.txt")
+    train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget, a.lr, device)
+
+
+if __name__ == "__main__":
+    main()
