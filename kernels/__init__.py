@@ -19,6 +19,7 @@ from .pack_compact import pack_compact
 from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
 from .two_segment_decode import choose_num_splits, two_segment_decode
 from .window_evidence import window_evidence
+from .selector_scores import selector_scores, selector_stats
 from .window_logits import window_logits
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "pack_compact",
     "window_logits",
     "window_evidence",
+    "selector_scores",
+    "selector_stats",
     "choose_num_splits",
     "two_segment_decode_ref",
     "pack_compact_ref",

@@ -180,6 +180,7 @@ def window_evidence(
     *,
     block_n: int = 64,
     num_warps: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unnormalized evidence ``u`` ``[r, Hkv, n]`` fp32 (0 off the candidate range).
 
@@ -189,6 +190,8 @@ def window_evidence(
         nq: ``[r]`` int32 valid window queries (the first nq columns, >= 1).
         beta: ``[r]`` fp32 power-mean exponent.
         n: host bound on positions (``>= max(hi)``, ``<= max_ctx``).
+        out: optional ``[r, Hkv, n]`` fp32 destination (e.g. a slice of a buffer
+            stacking several layers).
     """
     r, w, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -222,7 +225,8 @@ def window_evidence(
     lse = torch.empty(r, hkv, block_m, dtype=torch.float32, device=dev)
     _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),
                             lse.stride(0), lse.stride(1), BLOCK_M=block_m, BLOCK_B=32)
-    u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev)
+    u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev) if out is None else out
+    assert u.shape == (r, hkv, n) and u.dtype == torch.float32 and u.stride(2) == 1
     _evidence_pass2[grid](logits, qpos, lo, hi, nq, lse, beta, u, w, n,
                           qpos.stride(0), logits.stride(0), logits.stride(1), logits.stride(2),
                           lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),

@@ -176,3 +176,18 @@ def test_float32_serving_dtype_agrees_with_float64():
     fin = torch.isfinite(s64)
     assert torch.equal(fin, torch.isfinite(s32)) and not s32.isnan().any()
     assert ((s32.double() - s64)[fin].abs().max() / s64[fin].abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("budget", [5, 30, 60])
+def test_unordered_top_k_keeps_the_same_positions(budget):
+    """With every budget >= k the top-k needs no ordering: same kept positions."""
+    g = torch.Generator().manual_seed(budget)
+    n = 41
+    lo, hi = torch.tensor([4, 0, 2, 7]), torch.tensor([33, n, 9, 7])  # ragged, one empty
+    s = torch.randn(4, 3, n, generator=g).masked_fill(~core.candidate_mask(lo, hi, n), float("-inf"))
+    b = torch.full((4,), budget)
+    k_max = budget
+    sorted_pos, sorted_count = core.top_k_positions(s, lo, hi, b, k_max)
+    fast_pos, fast_count = core.top_k_positions(s, lo, hi, b, k_max, k_min=budget)
+    assert torch.equal(sorted_count, fast_count) and fast_count.tolist() == [min(budget, 29), min(budget, n), min(budget, 7), 0]
+    assert torch.equal(sorted_pos, fast_pos)

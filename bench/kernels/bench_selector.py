@@ -107,7 +107,7 @@ def profile(ctx: int, bs: int, w: int) -> None:
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         calls[0]()
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 
 
 def main():

@@ -195,21 +195,36 @@ def select(logits, norms, lo, hi, qmask, budget: torch.Tensor, knobs: SelectorKn
 
 def select_from_evidence(u, norms, lo, hi, budget: torch.Tensor, knobs: SelectorKnobs,
                          k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 6: Top-K per KV head. Returns (positions [r, H, k_max] ascending in the
-    first `count` entries, count [r]) with count = min(budget, |A_t|).
+    """Steps 1-6 from the evidence power mean u [r, H, N]; see `top_k_positions`."""
+    return top_k_positions(refined_scores_from_evidence(u, norms, lo, hi, knobs), lo, hi, budget, k_max)
 
-    `k_max` (>= every budget) is a host-known bound so no shape depends on data.
+
+def top_k_positions(s: torch.Tensor, lo, hi, budget: torch.Tensor, k_max: int,
+                    k_min: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 6: Top-K per KV head of the refined scores s [r, H, N]. Returns
+    (positions [r, H, k_max] ascending in the first `count` entries, count [r])
+    with count = min(budget, |A_t|).
+
+    `k_max` (>= every budget) is a host-known bound so no shape depends on data;
+    `k_min` (<= every budget, host-known) allows an unordered top-k.
     """
-    s = refined_scores_from_evidence(u, norms, lo, hi, knobs)
     n = s.shape[-1]
     k = min(k_max, n)
-    idx = torch.topk(s, k, dim=-1, sorted=True).indices  # best first
     count = torch.minimum(budget.to(torch.int64), (hi - lo).clamp(min=0).to(torch.int64))
-    valid = torch.arange(k, device=s.device)[None, None, :] < count[:, None, None]
+    # Scores are finite exactly on A_t, so when no row's budget is below k the
+    # unordered top-k is enough: its finite entries are the kept set. Otherwise
+    # the best `count` of each row are a prefix of the sorted top-k.
+    prefix = torch.arange(k, device=s.device)[None, None, :] < count[:, None, None]
+    if k_min >= k:
+        vals, idx = torch.topk(s, k, dim=-1, sorted=False)
+        valid = torch.isfinite(vals)
+    else:
+        idx = torch.topk(s, k, dim=-1, sorted=True).indices
+        valid = prefix
     # Ascending positions within the kept prefix (sequential reads when packing).
     big = torch.iinfo(torch.int64).max
     pos = torch.sort(torch.where(valid, idx, big), dim=-1).values
-    pos = torch.where(valid, pos, 0)
+    pos = torch.where(prefix, pos, 0)
     if k < k_max:
         pos = torch.nn.functional.pad(pos, (0, k_max - k))
     return pos, count

@@ -24,8 +24,9 @@ from sgl_sparse.selector.core import (
     SelectorKnobs,
     candidate_mask,
     evidence_power_mean,
-    select_from_evidence,
+    refined_scores_from_evidence,
     to_device,
+    top_k_positions,
 )
 
 if TYPE_CHECKING:
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 # Rows are processed in groups whose fp32 logits stay under this many elements
 # (the torch path materializes them; the kernel path only its evidence), and the
 # Selector runs on as many layers at once as keep its [layers x r, H, N] tensors
-# under _MAX_SELECT_ELEMS (its temporaries are a few times that).
+# under _MAX_SELECT_ELEMS: the torch path's temporaries are a few times that, the
+# kernels' are three such tensors (evidence, norms, scores) and top-k's.
 _MAX_LOGIT_ELEMS = 1 << 26  # 256 MiB
 _MAX_SELECT_ELEMS = 1 << 24  # 64 MiB per fp32 tensor
+_MAX_SELECT_ELEMS_KERNELS = 1 << 25
 
 
 def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor,
@@ -109,13 +112,14 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     qpos = (saved_n[:, None] - 1 - cols[None, :]).long()
     knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
     k_max = max(s.budget for s in specs)
+    k_min = min(s.budget for s in specs)
     hkv, cap = store.k.shape[2], store.capacity
     tok = req_to_token[ridx, :n].long()
     # Compact layout per KV head: positions [0, sink) then the selected ones.
     j = torch.arange(cap, device=dev)[None, None, :]
     sink_eff = lo.long()[:, None, None]
     if use_kernels:
-        from sgl_sparse.kernels import pack_compact, window_evidence
+        from sgl_sparse.kernels import pack_compact, selector_scores, window_evidence
     allowed = candidate_mask(lo, hi, n)
     nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
     ones = torch.ones(r, dtype=torch.bool, device=dev)
@@ -125,22 +129,26 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     # The Selector after the evidence runs on several layers at once (a batch of
     # layers x requests): few, large launches instead of ~40 small ones per layer.
     per_layer = r * hkv * max(n, 1)
-    chunk = max(1, _MAX_SELECT_ELEMS // per_layer)
+    chunk = max(1, (_MAX_SELECT_ELEMS_KERNELS if use_kernels else _MAX_SELECT_ELEMS) // per_layer)
     for first in range(0, store.num_layers, chunk):
         layers = range(first, min(first + chunk, store.num_layers))
-        us = []
-        for layer in layers:
+        nl = len(layers)
+        u = torch.empty(nl * r, hkv, n, dtype=torch.float32, device=dev)  # layer-major
+        for li, layer in enumerate(layers):
             if use_kernels:
-                us.append(window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, ridx32, qpos, lo32, hi32,
-                                          nq32, beta32, n, scaling))
+                window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, ridx32, qpos, lo32, hi32,
+                                nq32, beta32, n, scaling, out=u[li * r: (li + 1) * r])
             else:
                 logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, qpos, scaling)
-                us.append(evidence_power_mean(logits, allowed, qmask, knobs.beta))
-        nl = len(us)
-        u = torch.cat(us)  # [(layers x r), H, N], layer-major
+                u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs.beta)
         norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(nl * r, hkv, n)
-        pos, count = select_from_evidence(u, norms, lo.repeat(nl), hi.repeat(nl), budget.repeat(nl),
-                                          knobs.repeat(nl), k_max)
+        lo_l, hi_l, knobs_l = lo.repeat(nl), hi.repeat(nl), knobs.repeat(nl)
+        if use_kernels:
+            s = selector_scores(u, norms, lo_l, hi_l, knobs_l)
+        else:
+            s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
+        pos, count = top_k_positions(s, lo_l, hi_l, budget.repeat(nl), k_max, k_min)
+        del s
         count = count[:r]  # the same for every layer: min(budget, |A_t|)
         sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]
         # sink positions, then the selected ones, for every layer of the chunk

@@ -134,3 +134,86 @@ def test_window_evidence_matches_the_selector_formula(dtype, group, w):
     assert not u.isnan().any() and u.shape == ref.shape
     assert (u[2] == 0).all() and (u[0, :, :4] == 0).all() and (u[0, :, 60:] == 0).all()
     assert T.rel_error(u, ref) < 1e-4
+
+
+def _selector_problem(seed, r, hkv, n, radii):
+    """u as the evidence kernel leaves it (0 off A), key norms with ties and an outlier."""
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.selector import core
+
+    gen = torch.Generator().manual_seed(seed)
+    lo = torch.randint(0, 6, (r,), generator=gen)
+    hi = torch.clamp(lo + torch.randint(0, n, (r,), generator=gen), max=n)
+    hi[0] = lo[0]  # an empty candidate range
+    if r > 2:
+        hi[1] = lo[1] + 1  # |A| = 1: x = 1
+        lo[2], hi[2] = 0, n  # the whole range
+    u = torch.rand(r, hkv, n, generator=gen) ** 3
+    u = u.masked_fill(~core.candidate_mask(lo, hi, n), 0.0)
+    # Quantized norms: the medians meet ties; one outlier per row.
+    norms = (torch.rand(r, hkv, n, generator=gen) * 8).round() / 2 + 1
+    norms[:, :, n // 2] = 40.0
+    specs = [SfiPolicy(nms_radius=radii[i % len(radii)], beta=(0.5, 1.0, 2.0)[i % 3], alpha=(1.0, 0.0, 2.5)[i % 3],
+                       clip=(0.02, 1.0, 0.3)[i % 3], excl_eta=(0.35, 0.0, 1.0)[i % 3], excl_tau=(1.0, 0.5, 2.0)[i % 3])
+             for i in range(r)]
+    return u, norms, lo, hi, specs
+
+
+@pytest.mark.parametrize("r, hkv, n, radii", [(3, 2, 37, [2]), (5, 3, 300, [0, 1, 3]), (4, 8, 1100, [2, 0])])
+def test_selector_scores_match_the_float64_formulas(r, hkv, n, radii):
+    from sgl_sparse.selector import core
+
+    u, norms, lo, hi, specs = _selector_problem(11 * r + n, r, hkv, n, radii)
+    k32 = core.SelectorKnobs.from_specs(specs, "cpu", torch.float32)
+    k64 = core.SelectorKnobs.from_specs(specs, "cpu", torch.float64)
+    stats = K.selector_stats(u, norms, lo, hi, k32)
+    allowed = core.candidate_mask(lo, hi, n)
+    for b in range(r):
+        if hi[b] <= lo[b]:
+            continue
+        on = norms[b][:, allowed[b, 0]]
+        med = on.sort(dim=-1).values[:, (on.shape[-1] - 1) // 2]
+        mad = (on - med[:, None]).abs().sort(dim=-1).values[:, (on.shape[-1] - 1) // 2]
+        assert torch.equal(stats[b, :, 3], med) and torch.equal(stats[b, :, 4], mad)  # exact lower medians
+    got = K.selector_scores(u, norms, lo, hi, k32)
+    ref = core.refined_scores_from_evidence(u.double(), norms.double(), lo, hi, k64)
+    assert not got.isnan().any()
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), fin) and fin.any()
+    assert T.rel_error(got[fin], ref[fin]) < 1e-5
+    # The top-k the serving path keeps: equal unless two scores tie to float rounding.
+    for b in range(r):
+        c = int((hi[b] - lo[b]).clamp(min=0))
+        k = min(c, 7)
+        for h in range(hkv):
+            a = set(got[b, h].topk(k).indices.tolist())
+            e = set(ref[b, h].topk(k).indices.tolist())
+            kth = ref[b, h].topk(k).values[-1] if k else 0
+            assert all(abs(float(ref[b, h, j] - kth)) < 1e-5 * abs(float(kth)) + 1e-6 for j in a ^ e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [4096, 32768, 131072])
+def test_gpu_selector_scores_large(n):
+    """Serving sizes on the GPU: exact medians, scores vs the PyTorch path in fp32
+    (tight) and in float64 (looser: at 128K positions fp32 itself drifts, e.g.
+    1 - x near the tail of the position factor)."""
+    from sgl_sparse.selector import core
+
+    r, hkv = 4, 8
+    u, norms, lo, hi, specs = _selector_problem(n, r, hkv, n, [2, 0, 1])
+    u, norms, lo, hi = (x.cuda() for x in (u, norms, lo, hi))
+    k32 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float32)
+    k64 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float64)
+    stats = K.selector_stats(u, norms, lo, hi, k32)
+    on = norms[2]  # the whole range
+    med = on.sort(dim=-1).values[:, (n - 1) // 2]
+    assert torch.equal(stats[2, :, 3], med)
+    got = K.selector_scores(u, norms, lo, hi, k32)
+    ref = core.refined_scores_from_evidence(u.double(), norms.double(), lo, hi, k64)
+    ref32 = core.refined_scores_from_evidence(u, norms, lo, hi, k32)
+    fin = torch.isfinite(ref)
+    assert not got.isnan().any() and torch.equal(torch.isfinite(got), fin)
+    assert T.rel_error(got[fin], ref32[fin]) < 1e-5
+    assert T.rel_error(got[fin], ref[fin]) < 1e-3
