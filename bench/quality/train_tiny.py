@@ -62,6 +62,7 @@ SMOKE_SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_head
 SMOKE_STAGES = [Stage(128, 8, 25, 0.5), Stage(256, 4, 15, 0.5)]
 SMOKE_EVAL_LENGTHS = [128, 256]
 
+TRAIN_FACTS_EVERY = 64
 COMPLETION_MAX = max(len(tasks.completion_tokens(tasks.KEY_IDS[0], [tasks.VALUE_IDS[0]] * tasks.VALUE_LEN, v))
                      for v in ("plain", "think"))
 
@@ -90,15 +91,17 @@ def make_model(shape: ModelShape, seed: int):
 def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]).
 
-    Sequences mix both variants, random depths and ~n_facts/4 inline questions
+    Sequences mix both variants, random depths and n_facts/2 inline questions
     (many supervised retrievals per sequence, at every distance up to L)."""
     rows, masks = [], []
     for b in range(stage.batch):
         s = (seed * 1_000_003 + step) * 4096 + b
         variant = "think" if (s * 2654435761 >> 7) % 2 else "plain"
         plen = stage.length - COMPLETION_MAX
-        ex = tasks.make_example(plen, None, variant, s,
-                                inline_questions=max(1, tasks.n_facts_for(plen) // 4))
+        # Denser facts than eval (one per 64 tokens, half of them asked inline): more
+        # supervised retrievals per token gets past the induction-head plateau sooner.
+        ex = tasks.make_example(plen, None, variant, s, facts_every=TRAIN_FACTS_EVERY,
+                                inline_questions=tasks.n_facts_for(plen, TRAIN_FACTS_EVERY) // 2)
         seq, m = ex.prompt + ex.completion, ex.loss_mask
         pad = stage.length - len(seq)
         rows.append(seq + [tasks.ID[tasks.PAD]] * pad)

@@ -1,0 +1,282 @@
+"""Task accuracy per policy and context length through a real SGLang server (sgl_sparse).
+
+    # starts the server itself (GPU):
+    python bench/quality/eval.py --model bench/quality/out/tiny-recall --launch \
+        --lengths 2048,8192,16384,32768 --n 8 --out-json q.json --out-md q.md
+    # or against a running server started with --attention-backend sgl_sparse --enable-metrics:
+    python bench/quality/eval.py --model <ckpt> --url http://127.0.0.1:30000 ...
+
+Each request is a tasks.py prompt sent as token ids to /generate (greedy) with the
+policy in ``sampling_params.custom_params.sparse``; exact match = the two value
+tokens right after the prompt (plain) or after the generated ``</think>`` (think).
+Per row (policy x length) the server's sgl_sparse counters on /metrics are read
+before and after, so mean retention (attended / cached tokens, token-weighted over
+decode steps) and the slow-step ratio (slow / decode steps) are this row's alone:
+rows run one after another. A policy the server rejects with HTTP 400 (e.g. not
+implemented yet) is reported as not available, with the server's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tasks  # noqa: E402
+
+DEFAULT_POLICIES = ("full,sfi,sfi:budget=256:recent=64,sadas:window=64,streaming:window=64,"
+                    "streaming:window=1024,asyncspade,lfps,quest")
+COUNTERS = ("attended_tokens", "cached_tokens", "decode_steps", "slow_steps")
+_SAMPLE = re.compile(r"^(sglang_sparse_[a-z_]+)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """'sfi:budget=256:recent=64' -> name 'sfi', knobs {'budget': 256, 'recent': 64}."""
+
+    label: str
+    name: str
+    knobs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "PolicySpec":
+        name, *kv = text.strip().split(":")
+        knobs = []
+        for item in kv:
+            k, v = item.split("=", 1)
+            knobs.append((k, json.loads(v) if re.fullmatch(r"-?[0-9.eE+-]+|true|false", v) else v))
+        return cls(text.strip(), name, tuple(knobs))
+
+    def metadata(self) -> dict:
+        return {"policy": self.name, **dict(self.knobs)}
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+    """{counter: {policy: value}} for the sgl_sparse counters (summed over model_name)."""
+    out: dict[str, dict[str, float]] = {c: {} for c in COUNTERS}
+    text = requests.get(url + "/metrics", timeout=30).text
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        short = name[len("sglang_sparse_"):].removesuffix("_total")
+        if short not in out:
+            continue
+        pol = re.search(r'policy="([^"]*)"', labels or "")
+        key = pol.group(1) if pol else ""
+        out[short][key] = out[short].get(key, 0.0) + float(value)
+    return out
+
+
+def _diff(after: dict, before: dict, counter: str, policy: str) -> float:
+    return after[counter].get(policy, 0.0) - before[counter].get(policy, 0.0)
+
+
+def generate(url: str, ids: list[int], spec: PolicySpec, max_new_tokens: int) -> requests.Response:
+    sp = {"max_new_tokens": max_new_tokens, "temperature": 0,
+          "custom_params": {"sparse": spec.metadata()}}
+    return requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=3600)
+
+
+def examples_for(length: int, depths: Sequence[float], variants: Sequence[str], n: int,
+                 seed: int) -> list[tasks.Example]:
+    """n examples per (variant, depth) cell at prompt length `length` (deterministic)."""
+    return [tasks.make_example(length, d, v, seed + i) for v in variants for d in depths for i in range(n)]
+
+
+def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
+            concurrency: int) -> dict:
+    before = scrape(url)
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        resps = list(pool.map(lambda e: generate(url, e.prompt, spec, len(e.completion) + 4), exs))
+    wall = time.monotonic() - t0
+    bad = [r for r in resps if r.status_code != 200]
+    if bad:
+        return {"policy": spec.label, "length": length, "status": bad[0].status_code,
+                "error": bad[0].text[:500]}
+    time.sleep(1.0)  # metrics are flushed by the scheduler process shortly after the step
+    after = scrape(url)
+    hits, by_cell = [], {}
+    for ex, r in zip(exs, resps):
+        ok = tasks.answer_correct(ex, r.json()["output_ids"])
+        hits.append(ok)
+        cell = by_cell.setdefault(f"{ex.variant}@{round(ex.depth, 2)}", [])
+        cell.append(ok)
+    att, cac = (_diff(after, before, c, spec.name) for c in ("attended_tokens", "cached_tokens"))
+    steps, slow = (_diff(after, before, c, spec.name) for c in ("decode_steps", "slow_steps"))
+    return {
+        "policy": spec.label, "length": length, "status": 200, "n": len(exs),
+        "accuracy": sum(hits) / len(hits),
+        "by_variant": {v: _mean([h for e, h in zip(exs, hits) if e.variant == v])
+                       for v in sorted({e.variant for e in exs})},
+        "by_cell": {k: _mean(v) for k, v in sorted(by_cell.items())},
+        "retention": att / cac if cac else None,
+        "slow_ratio": slow / steps if steps else None,
+        "decode_steps": steps, "wall_s": wall,
+    }
+
+
+def _mean(xs: Sequence[bool]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
+             variants: Sequence[str] = ("plain", "think"), n: int = 4, seed: int = 1000,
+             concurrency: int = 8, log=print) -> dict:
+    rows, not_available = [], {}
+    specs = [PolicySpec.parse(p) for p in policies]
+    for length in lengths:
+        exs = examples_for(length, depths, variants, n, seed)
+        for spec in specs:
+            if spec.label in not_available:
+                continue
+            row = run_row(url, spec, length, exs, concurrency)
+            if row["status"] == 400:
+                not_available[spec.label] = row["error"]
+                log(f"{spec.label}: not available ({row['error'][:160]})")
+                continue
+            if row["status"] != 200:
+                raise RuntimeError(f"{spec.label} at {length}: HTTP {row['status']}: {row['error']}")
+            rows.append(row)
+            log(f"{length:6d} {spec.label:28s} acc {row['accuracy']:.3f} {row['by_variant']} "
+                f"retention {_fmt(row['retention'])} slow {_fmt(row['slow_ratio'])} ({row['wall_s']:.1f}s)")
+    return {"rows": rows, "not_available": not_available,
+            "settings": {"policies": list(policies), "lengths": list(lengths), "depths": list(depths),
+                         "variants": list(variants), "n_per_cell": n, "seed": seed}}
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def markdown(result: dict, title: str = "") -> str:
+    lengths = result["settings"]["lengths"]
+    labels = list(dict.fromkeys(r["policy"] for r in result["rows"]))
+    cell = {(r["policy"], r["length"]): r for r in result["rows"]}
+    lines = [title, ""] if title else []
+    lines += ["Exact match (plain / think) · mean retention · slow-step ratio, per context length.", "",
+              "| policy | " + " | ".join(f"{l}" for l in lengths) + " |",
+              "|---|" + "---|" * len(lengths)]
+    for p in labels:
+        parts = []
+        for l in lengths:
+            r = cell.get((p, l))
+            if r is None:
+                parts.append("-")
+                continue
+            bv = " / ".join(f"{v:.2f}" for v in r["by_variant"].values())
+            parts.append(f"**{r['accuracy']:.2f}** ({bv}) · ret {_fmt(r['retention'])} · slow {_fmt(r['slow_ratio'])}")
+        lines.append(f"| `{p}` | " + " | ".join(parts) + " |")
+    for p, why in result["not_available"].items():
+        lines.append(f"| `{p}` | not available: {why[:120].strip()} |" + " |" * (len(lengths) - 1))
+    s = result["settings"]
+    lines += ["", f"n = {s['n_per_cell']} per (variant, depth) cell; depths {s['depths']}; "
+              f"variants {s['variants']}; greedy; prompts sent as token ids."]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------- server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(model: str, context: int, extra: Sequence[str], log_path: Path, timeout: float = 900) -> tuple[subprocess.Popen, str]:
+    """Start sglang.launch_server with sgl_sparse in its own process group; wait for /health."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+           "--attention-backend", "sgl_sparse", "--enable-metrics", "--host", "127.0.0.1",
+           "--port", str(port), "--context-length", str(context), *extra]
+    log = open(log_path, "w")
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    stop(proc)
+    raise RuntimeError(f"server not healthy after {timeout}s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL to the server's own process group (pgid == its pid)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint (for --launch and the record)")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running sgl_sparse server started with --enable-metrics")
+    where.add_argument("--launch", action="store_true", help="start the server here")
+    ap.add_argument("--server-args", default="--dtype bfloat16 --disable-prefill-cuda-graph",
+                    help="extra launch_server flags (with --launch)")
+    ap.add_argument("--server-log", default="eval_server.log")
+    ap.add_argument("--policies", default=DEFAULT_POLICIES)
+    ap.add_argument("--lengths", default="2048,8192,16384,32768")
+    ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--variants", default="plain,think")
+    ap.add_argument("--n", type=int, default=8, help="examples per (variant, depth) cell")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--out-json")
+    ap.add_argument("--out-md")
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    proc = None
+    url = a.url
+    if a.launch:
+        proc, url = launch(a.model, max(lengths) + 64, a.server_args.split(), Path(a.server_log))
+    try:
+        res = evaluate(url, a.policies.split(","), lengths, [float(x) for x in a.depths.split(",")],
+                       a.variants.split(","), a.n, a.seed, a.concurrency)
+    finally:
+        if proc is not None:
+            stop(proc)
+    res["model"] = a.model
+    meta = Path(a.model) / "train_meta.json"
+    if meta.exists():
+        res["train_meta"] = json.loads(meta.read_text())
+    md = markdown(res, f"Task accuracy through SGLang `sgl_sparse` (model {a.model}; synthetic recall task, tiny model trained by train_tiny.py)")
+    print(md)
+    if a.out_json:
+        Path(a.out_json).write_text(json.dumps(res, indent=2) + "\n")
+    if a.out_md:
+        Path(a.out_md).write_text(md)
+
+
+if __name__ == "__main__":
+    main()
