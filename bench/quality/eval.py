@@ -138,7 +138,7 @@ def _mean(xs: Sequence[bool]) -> float:
 def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
              variants: Sequence[str] = ("plain", "think"), n: int = 4, seed: int = 1000,
              concurrency: int = 8, log=print) -> dict:
-    rows, not_available = [], {}
+    rows, errors, not_available = [], [], {}
     specs = [PolicySpec.parse(p) for p in policies]
     for length in lengths:
         exs = examples_for(length, depths, variants, n, seed)
@@ -150,12 +150,14 @@ def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: 
                 not_available[spec.label] = row["error"]
                 log(f"{spec.label}: not available ({row['error'][:160]})")
                 continue
-            if row["status"] != 200:
-                raise RuntimeError(f"{spec.label} at {length}: HTTP {row['status']}: {row['error']}")
+            if row["status"] != 200:  # keep going: one failing row must not lose the others
+                errors.append(row)
+                log(f"{length:6d} {spec.label}: HTTP {row['status']}: {row['error'][:300]}")
+                continue
             rows.append(row)
             log(f"{length:6d} {spec.label:28s} acc {row['accuracy']:.3f} {row['by_variant']} "
                 f"retention {_fmt(row['retention'])} slow {_fmt(row['slow_ratio'])} ({row['wall_s']:.1f}s)")
-    return {"rows": rows, "not_available": not_available,
+    return {"rows": rows, "errors": errors, "not_available": not_available,
             "settings": {"policies": list(policies), "lengths": list(lengths), "depths": list(depths),
                          "variants": list(variants), "n_per_cell": n, "seed": seed}}
 
@@ -182,6 +184,8 @@ def markdown(result: dict, title: str = "") -> str:
             bv = " / ".join(f"{v:.2f}" for v in r["by_variant"].values())
             parts.append(f"**{r['accuracy']:.2f}** ({bv}) · ret {_fmt(r['retention'])} · slow {_fmt(r['slow_ratio'])}")
         lines.append(f"| `{p}` | " + " | ".join(parts) + " |")
+    for r in result.get("errors", []):
+        lines.append(f"| `{r['policy']}` | error at {r['length']}: HTTP {r['status']} |" + " |" * (len(lengths) - 1))
     for p, why in result["not_available"].items():
         lines.append(f"| `{p}` | not available: {why[:120].strip()} |" + " |" * (len(lengths) - 1))
     s = result["settings"]
