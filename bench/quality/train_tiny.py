@@ -100,8 +100,10 @@ def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.
         plen = stage.length - COMPLETION_MAX
         # Denser facts than eval (one per 64 tokens, half of them asked inline): more
         # supervised retrievals per token gets past the induction-head plateau sooner.
+        n_facts = tasks.n_facts_for(plen, TRAIN_FACTS_EVERY)
+        inline = min(n_facts // 2, max(0, (plen - 8 * n_facts - 12) // 60))  # room: <= 30-token Q/A each
         ex = tasks.make_example(plen, None, variant, s, facts_every=TRAIN_FACTS_EVERY,
-                                inline_questions=tasks.n_facts_for(plen, TRAIN_FACTS_EVERY) // 2)
+                                inline_questions=inline)
         seq, m = ex.prompt + ex.completion, ex.loss_mask
         pad = stage.length - len(seq)
         rows.append(seq + [tasks.ID[tasks.PAD]] * pad)
@@ -230,6 +232,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-n", type=int, default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--stages", default=None,
+                    help="curriculum override, 'len:batch:steps:time_share,...' e.g. 512:64:3000:0.3,2048:16:2000:0.7")
+    ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
     a = ap.parse_args()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     if a.smoke:
@@ -239,6 +245,11 @@ def main() -> None:
         shape, stages, lengths, n, budget = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
+    if a.stages:
+        stages = [Stage(*(int(x) for x in st.split(":")[:3]), float(st.split(":")[3])) for st in a.stages.split(",")]
+    if a.layers or a.hidden:
+        shape = ModelShape(**{**asdict(shape), **({"layers": a.layers} if a.layers else {}),
+                              **({"hidden": a.hidden, "intermediate": 3 * a.hidden} if a.hidden else {})})
     out = Path(a.out)
     log = Path(a.log) if a.log else (out / "train_log.txt" if a.smoke else HERE / "train_log.txt")
     train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget, a.lr, device)
