@@ -23,7 +23,8 @@ masked medians are full sorts; here it is three launches:
    (neighbours read back from step 2's output, a halo of ``radius`` positions)
    and cross-head exclusivity (a log-softmax over the heads of the block).
 
-Powers are ``exp2(y * log2(x))`` (``x >= 0``; ``0 ** y = 0`` for ``y > 0``),
+Length-dependent integer arguments are not specialized (``do_not_specialize``):
+one compiled variant serves every sequence length. Powers are ``exp2(y * log2(x))`` (``x >= 0``; ``0 ** y = 0`` for ``y > 0``),
 so results match the fp32 PyTorch path to float rounding, not bit for bit.
 """
 
@@ -108,7 +109,7 @@ def _terms(U, NORMS, offs, ok, lo, span, inv_beta, alpha, kappa, zeta, eps, med,
     return _pow(u, inv_beta), tl.where(ok, p_hat, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_r", "stride_h"])
 def _selector_stats(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS,
     stride_r, stride_h, stride_sr, stride_sh,
@@ -179,7 +180,7 @@ def _score_at(U, NORMS, row_off, stride_h, offs_h, mask_h, pos, lo, hi, span, in
     return tl.where(ok, tl.log(q + eps), float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_r", "stride_h"])
 def _selector_fused(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, EPS, STATS, S,
     H, N,
@@ -204,7 +205,7 @@ def _selector_fused(
              mask=mask_h[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_r", "stride_h"])
 def _selector_refine(
     S, LO, HI, GAMMA, RADIUS, ETA, TAU, OUT,
     H, N,

@@ -19,6 +19,10 @@ and passes per layer; this reads the keys once, in three launches:
 3. per block of keys: ``p = exp(l - lse)`` from the stored logits, the mean over
    the group, ``** beta``, the mean over the valid window queries -> ``u``.
 
+Integer arguments that follow the sequence length are not specialized
+(``do_not_specialize``): Triton would otherwise compile a variant per
+divisibility class of the length, in the middle of serving.
+
 Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
 mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))`` for both passes.
 """
@@ -61,7 +65,7 @@ def _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, mask_n, qpos, 
     return tl.where(ok, s * qk_scale, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r", "stride_lg_h", "stride_lg_m"])
 def _evidence_pass1(
     Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
     qk_scale, W,
@@ -101,7 +105,7 @@ def _evidence_pass1(
                  + offs_n[None, :], s, mask=ok[:, None] & (offs_n < hi)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NBLOCKS", "stride_part_r", "stride_part_h", "stride_part_b"])
 def _evidence_lse(
     PART_M, PART_L, LSE, NBLOCKS,
     stride_part_r, stride_part_h, stride_part_b, stride_lse_r, stride_lse_h,
@@ -128,7 +132,7 @@ def _evidence_lse(
     tl.store(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + offs_m, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_lg_r", "stride_lg_h", "stride_lg_m", "stride_ur", "stride_uh"])
 def _evidence_pass2(
     LOGITS, QPOS, LO, HI, NQ, LSE, BETA, U, W, N,
     stride_pr, stride_lg_r, stride_lg_h, stride_lg_m, stride_lse_r, stride_lse_h, stride_ur, stride_uh,

@@ -371,6 +371,12 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
         ) from None
     logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
                 cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
+    if kv.is_cuda:
+        from sgl_sparse.selector.refresh import warm_up_kernels
+
+        layer0 = getattr(kv_pool, "start_layer", 0) or 0
+        warm_up_kernels(state.compact, kv, kv_pool.get_value_buffer(layer0),
+                        model_runner.req_to_token_pool.req_to_token, [cfg.policies.sfi])
 
 
 def _check_supported(model_runner) -> None:

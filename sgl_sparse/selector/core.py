@@ -47,8 +47,13 @@ class SelectorKnobs:
         # One pinned host->device copy, asynchronous: a pageable copy would make the
         # host wait for the GPU work already queued (the decode step in flight).
         names = ("beta", "alpha", "kappa", "zeta", "clip", "nms_gamma", "nms_radius", "excl_eta", "excl_tau", "eps")
-        host = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names], dtype=torch.float64)
-        cols = to_device(host, device).to(dtype)
+        # Rows padded to 4 entries: each knob's tensor starts 16-byte aligned, so
+        # Triton compiles one variant whatever the number of requests.
+        width = -(-len(specs) // 4) * 4
+        host = torch.zeros(len(names), width, dtype=torch.float64)
+        host[:, : len(specs)] = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names],
+                                             dtype=torch.float64).view(len(names), len(specs))
+        cols = to_device(host, device).to(dtype)[:, : len(specs)]
         out = dict(zip(names, cols.unbind(0)))
         out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
         return cls(**out, nms_radius_max=max((s.nms_radius for s in specs), default=0))

@@ -169,3 +169,32 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
                 _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
     state.sel_count[ridx] = sel_len[:, 0].int()
     state.sel_ready[ridx] = True
+
+
+def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                    specs: Sequence, scaling: float = 1.0) -> None:
+    """Compile the refresh kernels at start-up for the variants `specs` (e.g. the
+    server's default SFI policy) use: the first slow step's window and w = 1, the
+    Soft-NMS radius. Otherwise the first SFI requests would wait seconds for
+    Triton in the middle of decoding. Nothing is written: the packing is masked off.
+    """
+    from sgl_sparse.kernels import pack_compact, selector_scores, window_evidence
+
+    dev = store.k.device
+    hkv, hq, d, n = store.k.shape[2], store.q.shape[2], store.k.shape[4], 64
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    ridx, lo, hi = i32(0), i32(0), i32(n)
+    for spec in specs:
+        knobs = SelectorKnobs.from_specs([spec], dev, torch.float32)
+        for w in sorted({1, min(spec.w_prefill, 1 + store.q_prompt.shape[2])}):
+            q = torch.zeros(1, w, hq, d, dtype=store.q.dtype, device=dev)
+            qpos = torch.full((1, w), n - 1, dtype=torch.int64, device=dev)
+            u = window_evidence(q, k_pool, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
+            norms = torch.ones_like(u)
+            selector_scores(u, norms, lo.long(), hi.long(), knobs.repeat(1))
+    sel = torch.zeros(1, hkv, store.capacity, dtype=torch.int32, device=dev)
+    pack_compact(k_pool, v_pool, req_to_token, ridx, sel, torch.zeros(1, hkv, dtype=torch.int32, device=dev),
+                 torch.zeros(1, dtype=torch.bool, device=dev), store.k[0], store.v[0], i32(0),
+                 torch.empty(1, hkv, dtype=torch.int32, device=dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

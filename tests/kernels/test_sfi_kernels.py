@@ -217,3 +217,17 @@ def test_gpu_selector_scores_large(n):
     assert not got.isnan().any() and torch.equal(torch.isfinite(got), fin)
     assert T.rel_error(got[fin], ref32[fin]) < 1e-5
     assert T.rel_error(got[fin], ref[fin]) < 1e-3
+
+
+def test_start_up_warm_up_runs_every_refresh_kernel_and_writes_nothing():
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.selector.refresh import warm_up_kernels
+
+    store = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=2, num_q_heads=4, head_dim=32,
+                         dtype=torch.bfloat16, pool_size=100, prompt_queries=3, device=torch.device("cpu"))
+    store.k.fill_(7.0)
+    k = torch.randn(100, 2, 32).to(torch.bfloat16)
+    r2t = torch.zeros(3, 96, dtype=torch.int32)
+    warm_up_kernels(store, k, k.clone(), r2t, [SfiPolicy(w_prefill=4, nms_radius=3)])
+    assert (store.k == 7.0).all()
