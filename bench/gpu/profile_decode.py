@@ -1,0 +1,125 @@
+"""Where a decode step's GPU time goes: SGLang's own torch profiler on a live server.
+
+For each backend and policy, a batch of `ctx`-token prompts decodes `out_len`
+tokens; once decoding has begun, `/start_profile` records `--steps` forward passes.
+The trace's GPU kernels are summed by name: time per decode step, kernel count,
+and the GPU-idle share of the profiled span (host overhead the GPU waits on).
+
+    python bench/gpu/profile_decode.py --model /root/model --case 32768x8 \
+        --runs flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:sfi-pinned --out $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import requests
+
+sys.path.insert(0, os.path.dirname(__file__))
+from server_compare import batch_wall, parse_policy, wait_ready  # noqa: E402
+
+
+def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
+    with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {"error": "no kernel events"}
+    by_name = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_name[e["name"]][0] += e["dur"]
+        by_name[e["name"]][1] += 1
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    busy = sum(e["dur"] for e in kernels)  # kernels of one stream do not overlap
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps, "span_ms_per_step": round((t1 - t0) / 1e3 / steps, 3),
+        "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+        "gpu_idle_share": round(1 - busy / max(t1 - t0, 1e-9), 3),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "top": [{"name": n[:90], "ms_per_step": round(t / 1e3 / steps, 4), "calls_per_step": round(c / steps, 2)}
+                for n, (t, c) in rows],
+    }
+
+
+def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str) -> dict:
+    batch_wall(url, prompts[:1], 2, policy)  # JIT / graph warm-up
+    t_prefill = batch_wall(url, prompts, 1, policy)
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (batch_wall(url, prompts, out_len, policy), done.set()))
+    th.start()
+    time.sleep(t_prefill + 0.5)  # decoding has begun
+    os.makedirs(outdir, exist_ok=True)
+    r = requests.post(url + "/start_profile", json={"output_dir": outdir, "num_steps": steps,
+                                                     "activities": ["GPU"]}, timeout=600)
+    th.join()
+    for _ in range(60):  # the scheduler exports the trace after the profiled steps
+        traces = sorted(glob.glob(os.path.join(outdir, "*.trace.json*")), key=os.path.getmtime)
+        if traces:
+            break
+        time.sleep(1)
+    if not r.ok or not traces:
+        return {"error": f"profile failed: {r.status_code} {r.text[:200]}", "traces": traces}
+    res = summarize(traces[-1], steps)
+    for t in traces:
+        os.remove(t)  # hundreds of MB each; the summary is what comes back
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--case", default="32768x8")
+    ap.add_argument("--runs", default="flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:sfi-pinned")
+    ap.add_argument("--out-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--sparse-extra", default="--sparse-config bench/gpu/sparse_config.yaml")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    ctx, bs = map(int, a.case.split("x"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(ctx)] for _ in range(bs)]
+    by_backend: dict[str, list[str]] = defaultdict(list)
+    for run in a.runs.split(","):
+        backend, _, pol = run.partition(":")
+        by_backend[backend].append(pol)
+    url = f"http://127.0.0.1:{a.port}"
+    results = []
+    outdir = os.path.join(os.path.dirname(os.path.abspath(a.out)), "traces")
+    for backend, pols in by_backend.items():
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
+               "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", "0.8",
+               "--disable-radix-cache", "--disable-prefill-cuda-graph"] + \
+            (a.sparse_extra.split() if backend == "sgl_sparse" else [])
+        env = {**os.environ, "SGLANG_TORCH_PROFILER_DIR": outdir}
+        log = open(os.path.join(os.path.dirname(os.path.abspath(a.out)), f"profile-server-{backend}.log"), "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            wait_ready(url, proc, 480)
+            for pol in pols:
+                label, meta = ("stock", None) if pol == "stock" else parse_policy(pol)
+                res = {"backend": backend, "policy": label, "sparse": meta, "ctx": ctx, "batch": bs,
+                       **profile_run(url, prompts, meta, a.out_len, a.steps, outdir)}
+                results.append(res)
+                print(json.dumps(res, indent=1), flush=True)
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=60)
+    with open(a.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
