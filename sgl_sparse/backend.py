@@ -15,6 +15,7 @@ Data path, top to bottom:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import TYPE_CHECKING, Optional
@@ -134,13 +135,15 @@ class SparseAttnBackend(AttentionBackend):
         if not pending or self._scaling is None:
             return
         pool = self.token_to_kv_pool
-        refresh(
-            self.state, sorted(pending), max(pending.values()),
-            lambda layer: pool.get_key_buffer(layer + self._layer0),
-            lambda layer: pool.get_value_buffer(layer + self._layer0),
-            self.req_to_token_pool.req_to_token, self._scaling,
-            use_kernels=self.dense is not None,
-        )
+        metrics = self.state.metrics  # Selector latency: CUDA events, read once complete
+        with metrics.time_selector(self.device, len(pending)) if metrics else contextlib.nullcontext():
+            refresh(
+                self.state, sorted(pending), max(pending.values()),
+                lambda layer: pool.get_key_buffer(layer + self._layer0),
+                lambda layer: pool.get_value_buffer(layer + self._layer0),
+                self.req_to_token_pool.req_to_token, self._scaling,
+                use_kernels=self.dense is not None,
+            )
 
     def _plan_prompt_queries(self, forward_batch: ForwardBatch, admitted) -> None:
         """SFI requests of this extend keep the last w_prefill - 1 queries of the

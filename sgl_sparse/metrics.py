@@ -3,18 +3,35 @@
 SGLang runs the tokenizer manager and each scheduler in separate processes and
 serves `/metrics` with prometheus-client's multiprocess collector; collectors made
 here after SGLang set `PROMETHEUS_MULTIPROC_DIR` join that registry. Labels are
-bounded: policy, model_name, and a fixed set of reasons -- never a request id.
+bounded: policy, model_name, a decode batch's policy `mix` (3 values) and a fixed
+set of reasons -- never a request id. README "Metrics" lists every metric.
 
 Everything is counted on the host from facts the scheduler already has (each row's
-policy and knobs, the batch's sequence lengths, the generated ids): no device
-sync is added to the decode step.
+policy and knobs, the batch's sequence lengths, the generated ids, host clocks):
+no device sync is added to the decode step. The one device-side timing, the SFI
+Selector's, uses CUDA events that are read only once they have completed.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import time
+from typing import Iterator, Optional
+
+import torch
 
 _RETENTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0)
+# Seconds per output token / per decode step: GPU decode (ms) up to a loaded CPU box.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+# One Selector refresh (all layers, the rows refreshed before a step).
+_SELECTOR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0, 2.5, 5.0)
+
+# `mix` label of the decode step histogram: which policies shared the batch.
+MIX_FULL, MIX_SPARSE, MIX_MIXED = "full", "sparse", "mixed"
+
+
 def _reject_reasons() -> frozenset[str]:
     """Reasons a request is rejected: the field its metadata got wrong (a bounded set:
     the fields of the policy models), or unknown_field / type / other."""
@@ -25,6 +42,14 @@ def _reject_reasons() -> frozenset[str]:
 
 
 REJECT_REASONS = _reject_reasons()
+
+
+def batch_mix(policies) -> str:
+    """The `mix` label of a decode step from the policies of its rows."""
+    names = set(policies)
+    if names <= {"full"}:
+        return MIX_FULL
+    return MIX_MIXED if "full" in names else MIX_SPARSE
 
 
 class SchedulerMetrics:
@@ -55,7 +80,39 @@ class SchedulerMetrics:
         self.active_requests = Gauge(
             "sglang_sparse_active_requests", "Requests holding sgl_sparse state, by policy.", labels,
             multiprocess_mode="livesum")
+        self.tpot = Histogram(
+            "sglang_sparse_time_per_output_token_seconds",
+            "Per finished request: (finish - first token) / (output tokens - 1), scheduler host clock.",
+            labels, buckets=_LATENCY_BUCKETS)
+        self.step_duration = Histogram(
+            "sglang_sparse_decode_step_duration_seconds",
+            "Host time between the starts of two consecutive decode forwards with no other forward "
+            "between them, by the policy mix of the first (full / sparse / mixed).",
+            ["mix", "model_name"], buckets=_LATENCY_BUCKETS)
+        self.selector_duration = Histogram(
+            "sglang_sparse_selector_refresh_duration_seconds",
+            "One SFI Selector refresh (all layers, every row refreshed before a decode step); "
+            "CUDA: device time between events, CPU: wall clock.",
+            ["model_name"], buckets=_SELECTOR_BUCKETS)
+        self.selector_rows = Counter(
+            "sglang_sparse_selector_refreshed_rows_total",
+            "Request rows whose compact buffer the SFI Selector refreshed.", ["model_name"])
+        # Gauges of one scheduler process each; livesum adds the TP ranks' buffers.
+        self.compact_in_use = Gauge(
+            "sglang_sparse_compact_buffer_in_use_bytes",
+            "Bytes of SFI compact-buffer slots held by live sfi requests.", ["model_name"],
+            multiprocess_mode="livesum")
+        self.compact_capacity = Gauge(
+            "sglang_sparse_compact_buffer_capacity_bytes",
+            "Bytes of all SFI compact-buffer slots reserved at start-up.", ["model_name"],
+            multiprocess_mode="livesum")
+        self._slot_bytes = 0
+        self._slots_in_use = 0
+        self._last_decode_t: Optional[float] = None
+        self._last_mix: Optional[str] = None
+        self._pending_selector: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    # ---- per decode step (scheduler, host) ------------------------------------
     def on_step(self, per_policy: dict[str, list[int]], fallbacks: dict[tuple[str, str], int]) -> None:
         for policy, (steps, attended, cached, slow) in per_policy.items():
             self.decode_steps.labels(policy, self.model_name).inc(steps)
@@ -65,7 +122,27 @@ class SchedulerMetrics:
             self.cached_tokens.labels(policy, self.model_name).inc(cached)
         for (policy, reason), n in fallbacks.items():
             self.dense_fallback_steps.labels(policy, self.model_name, reason).inc(n)
+        if per_policy:
+            self._last_mix = batch_mix(per_policy)
 
+    def on_forward(self, is_decode: bool, compact=None, compact_slots_in_use: int = 0,
+                   now: Optional[float] = None) -> None:
+        """Scheduler, as each forward batch is built (before on_step of a decode).
+
+        The interval between two decode batches in a row is the previous decode
+        step's period as the scheduler lives it (its forward, sampling and the
+        scheduling around them); an extend or idle batch in between breaks the
+        chain, so prefill time is never counted as a decode step. `compact` (the
+        SFI CompactStore, or None) and its slots in use update the buffer gauges."""
+        now = time.perf_counter() if now is None else now
+        self.observe_compact(compact, compact_slots_in_use)
+        if is_decode and self._last_decode_t is not None and self._last_mix is not None:
+            self.step_duration.labels(self._last_mix, self.model_name).observe(now - self._last_decode_t)
+        self._last_decode_t = now if is_decode else None
+        if not is_decode:
+            self._last_mix = None
+
+    # ---- per request (scheduler, host) ----------------------------------------
     def on_admit(self, policy: str) -> None:
         self.active_requests.labels(policy, self.model_name).inc()
 
@@ -73,6 +150,61 @@ class SchedulerMetrics:
         self.active_requests.labels(policy, self.model_name).dec()
         if mean_retention is not None:
             self.request_retention.labels(policy, self.model_name).observe(mean_retention)
+
+    def on_request_finished(self, policy: str, tpot_seconds: Optional[float]) -> None:
+        if tpot_seconds is not None:
+            self.tpot.labels(policy, self.model_name).observe(tpot_seconds)
+
+    # ---- SFI compact buffers and Selector --------------------------------------
+    def set_compact_store(self, store) -> None:
+        """Capacity of the compact store (sgl_sparse.compact.CompactStore), once."""
+        # k, v: [layers, slots, ...]; q, q_prompt: [layers, slots + 1, ...] (a scratch slot).
+        slot = (store.k.nbytes + store.v.nbytes) // store.slots
+        slot += (store.q.nbytes + store.q_prompt.nbytes) // (store.slots + 1)
+        self._slot_bytes = slot
+        self.compact_capacity.labels(self.model_name).set(slot * store.slots)
+        self.compact_in_use.labels(self.model_name).set(0)
+
+    def observe_compact(self, compact, slots_in_use: int) -> None:
+        """Per forward and after each release: slots change at admission (in the
+        forward) and at release; the gauge is written only when the count moves."""
+        if compact is None:
+            return
+        if not self._slot_bytes:
+            self.set_compact_store(compact)
+        if slots_in_use != self._slots_in_use:
+            self._slots_in_use = slots_in_use
+            self.compact_in_use.labels(self.model_name).set(slots_in_use * self._slot_bytes)
+
+    @contextlib.contextmanager
+    def time_selector(self, device: torch.device, rows: int) -> Iterator[None]:
+        """Time one Selector refresh. CUDA: two events around the enqueued work,
+        read at a later refresh once `query()` says they completed (never a
+        synchronize); events still pending are kept (up to 64) for the next call."""
+        self.selector_rows.labels(self.model_name).inc(rows)
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            yield
+            self.selector_duration.labels(self.model_name).observe(time.perf_counter() - t0)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pending_selector.append((start, end))
+        self.drain_selector_events()
+
+    def drain_selector_events(self) -> None:
+        keep = []
+        for start, end in self._pending_selector:
+            if end.query():
+                self.selector_duration.labels(self.model_name).observe(start.elapsed_time(end) / 1e3)
+            else:
+                keep.append((start, end))
+        self._pending_selector = keep[-64:]
 
 
 _rejected = None

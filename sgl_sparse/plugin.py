@@ -56,6 +56,10 @@ def register() -> None:
         (compat.REQ_POOL_FREE_TARGET, release_rows, HookType.BEFORE),
         ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", release_all_rows, HookType.AFTER),
         ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", report_internal_state, HookType.AFTER),
+        # After release_rows: on 0.5.17 both hook free(), and the last registered runs first.
+        ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", summarize_request, HookType.BEFORE),
+        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
+         compact_request_info, HookType.BEFORE),
     ]
     if compat.SUPPORT_TRITON_TARGET:
         hooks.append((compat.SUPPORT_TRITON_TARGET, support_triton, HookType.AROUND))
@@ -203,6 +207,8 @@ def on_new_forward_batch(forward_batch, _cls, batch, model_runner, *args, **kwar
     state = getattr(model_runner.req_to_token_pool, "sgl_sparse_state", None)
     if batch is None or state is None:  # this model runner does not use sgl_sparse
         return None
+    if state.metrics is not None:  # decode step period, compact-buffer gauges (host only)
+        state.metrics.on_forward(batch.forward_mode.is_decode(), state.compact, state.compact_slots_in_use())
     if batch.forward_mode.is_decode():
         state.set_step_rows(
             [compat.req_pool_idx(r) for r in batch.reqs],
@@ -218,6 +224,27 @@ def release_rows(pool, *args, **kwargs) -> None:
     state = getattr(pool, "sgl_sparse_state", None)
     if state is not None:
         state.release(compat.freed_rows((pool, *args), kwargs))
+        if state.metrics is not None:
+            state.metrics.observe_compact(state.compact, state.compact_slots_in_use())
+    return None
+
+
+def summarize_request(pool, req=None, *args, **kwargs) -> None:
+    """A finished request's policy, slow-step ratio, retention and TPOT, taken
+    while its row is live: into meta_info (sgl_sparse/request_info.py) and metrics."""
+    state = getattr(pool, "sgl_sparse_state", None)
+    if state is not None and req is not None:
+        from sgl_sparse.request_info import on_request_freed
+
+        on_request_freed(state, req)
+    return None
+
+
+def compact_request_info(_manager, recv_obj=None, *args, **kwargs) -> None:
+    if ENV_CONFIG in os.environ and recv_obj is not None:
+        from sgl_sparse.request_info import compact_batch_output
+
+        compact_batch_output(recv_obj)
     return None
 
 

@@ -249,4 +249,4 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     assert _value(m, "sglang_sparse_rejected_requests_total", reason="policy") >= 1
     assert _value(m, "sglang_sparse_active_requests") == 0
     labels = {k for (_, ls) in m for k, _ in ls}
-    assert labels <= {"policy", "model_name", "reason", "le"}  # bounded: never a request id
+    assert labels <= {"policy", "model_name", "reason", "mix", "le"}  # bounded: never a request id
