@@ -24,7 +24,7 @@ Integer arguments that follow the sequence length are not specialized
 divisibility class of the length, in the middle of serving.
 
 Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
-mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))`` for both passes.
+mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))``; pass 2 uses larger blocks (it reads logits only).
 """
 
 from __future__ import annotations
@@ -185,6 +185,7 @@ def window_evidence(
     block_n: int = 64,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    block_n2: int | None = None,
 ) -> torch.Tensor:
     """Unnormalized evidence ``u`` ``[r, Hkv, n]`` fp32 (0 off the candidate range).
 
@@ -231,9 +232,13 @@ def window_evidence(
                             lse.stride(0), lse.stride(1), BLOCK_M=block_m, BLOCK_B=32)
     u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev) if out is None else out
     assert u.shape == (r, hkv, n) and u.dtype == torch.float32 and u.stride(2) == 1
-    _evidence_pass2[grid](logits, qpos, lo, hi, nq, lse, beta, u, w, n,
-                          qpos.stride(0), logits.stride(0), logits.stride(1), logits.stride(2),
-                          lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
-                          GROUP=group, G_PAD=g_pad, W_PAD=w_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                          num_warps=num_warps)
+    # Pass 2 reads G * w logits per key, not the key: with pass 1's 64-key blocks
+    # its programs would be too small to hide their launch (w = 1: 16 x 64 tiles,
+    # tens of thousands of programs per layer). ~8K-element tiles instead.
+    block_n2 = block_n2 or max(block_n, min(1024, 8192 // block_m))
+    _evidence_pass2[(r, hkv, triton.cdiv(n, block_n2))](
+        logits, qpos, lo, hi, nq, lse, beta, u, w, n,
+        qpos.stride(0), logits.stride(0), logits.stride(1), logits.stride(2),
+        lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
+        GROUP=group, G_PAD=g_pad, W_PAD=w_pad, BLOCK_M=block_m, BLOCK_N=block_n2, num_warps=num_warps)
     return u

@@ -56,10 +56,12 @@ def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
 def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str) -> dict:
     batch_wall(url, prompts[:1], 2, policy)  # JIT / graph warm-up
     t_prefill = batch_wall(url, prompts, 1, policy)
-    done = threading.Event()
-    th = threading.Thread(target=lambda: (batch_wall(url, prompts, out_len, policy), done.set()))
+    # Enough tokens that the profiled steps fall inside the decode even when a
+    # step takes ~2 ms (a 512x8 run once finished before the profiler started).
+    out_len = max(out_len, 8 * steps)
+    th = threading.Thread(target=batch_wall, args=(url, prompts, out_len, policy))
     th.start()
-    time.sleep(t_prefill + 0.5)  # decoding has begun
+    time.sleep(t_prefill * 1.1 + 0.05)  # decoding has begun
     os.makedirs(outdir, exist_ok=True)
     r = requests.post(url + "/start_profile", json={"output_dir": outdir, "num_steps": steps,
                                                      "activities": ["GPU"]}, timeout=600)

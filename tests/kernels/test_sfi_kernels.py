@@ -127,6 +127,10 @@ def test_window_evidence_matches_the_selector_formula(dtype, group, w):
     n, scale = 70, d ** -0.5
     u = K.window_evidence(q, case.k_pool, case.req_to_token, case.req_pool_idx, qpos, lo, hi, nq, beta, n, scale,
                           block_n=16)
+    # pass 2 in blocks of its own size (here smaller than the range: several blocks)
+    u2 = K.window_evidence(q, case.k_pool, case.req_to_token, case.req_pool_idx, qpos, lo, hi, nq, beta, n, scale,
+                           block_n=16, block_n2=32)
+    assert torch.equal(u, u2)
     tok = case.req_to_token[case.req_pool_idx.long(), :n].long()
     logits = window_logits_torch(q, case.k_pool, tok, qpos, scale)
     qmask = torch.arange(w)[None, :] < nq[:, None]
