@@ -180,6 +180,15 @@ def _score_at(U, NORMS, row_off, stride_h, offs_h, mask_h, pos, lo, hi, span, in
     return tl.where(ok, tl.log(q + eps), float("-inf"))
 
 
+@triton.jit
+def _row_block(LO, HI, H, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row, its block of positions, all heads, and the row's A = [lo, hi)."""
+    cur_r = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    return cur_r, offs_n, offs_h, offs_h < H, tl.load(LO + cur_r), tl.load(HI + cur_r)
+
+
 @triton.jit(do_not_specialize=["N", "stride_r", "stride_h"])
 def _selector_fused(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, EPS, STATS, S,
@@ -188,12 +197,7 @@ def _selector_fused(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Steps 1-5 (first line): s = log(q + eps) on A, -inf elsewhere, for all heads of a block."""
-    cur_r = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    lo = tl.load(LO + cur_r)
-    hi = tl.load(HI + cur_r)
+    cur_r, offs_n, offs_h, mask_h, lo, hi = _row_block(LO, HI, H, BLOCK_H, BLOCK_N)
     st = STATS + cur_r * stride_sr + offs_h * stride_sh
     s = _score_at(U, NORMS, cur_r * stride_r, stride_h, offs_h, mask_h, offs_n, lo, hi, hi - 1 - lo,
                   1.0 / tl.load(BETA + cur_r), tl.load(ALPHA + cur_r), tl.load(KAPPA + cur_r),
@@ -213,12 +217,7 @@ def _selector_refine(
     R_MAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Soft-NMS (neighbours read from S, -inf off A and past the ends), then cross-head exclusivity."""
-    cur_r = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    lo = tl.load(LO + cur_r)
-    hi = tl.load(HI + cur_r)
+    cur_r, offs_n, offs_h, mask_h, lo, hi = _row_block(LO, HI, H, BLOCK_H, BLOCK_N)
     row = S + cur_r * stride_r + offs_h[:, None] * stride_h
     in_a = (offs_n >= lo) & (offs_n < hi)
     ok = mask_h[:, None] & in_a[None, :]
