@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
 import tasks  # noqa: E402
 
 DEFAULT_POLICIES = ("full,sfi,sfi:budget=256:recent=64,sadas:window=64,streaming:window=64,"
@@ -275,11 +276,7 @@ def main() -> None:
     if meta.exists():
         res["train_meta"] = json.loads(meta.read_text())
     md = markdown(res, f"Task accuracy through SGLang `sgl_sparse` (model {a.model}; synthetic recall task, tiny model trained by train_tiny.py)")
-    print(md)
-    if a.out_json:
-        Path(a.out_json).write_text(json.dumps(res, indent=2) + "\n")
-    if a.out_md:
-        Path(a.out_md).write_text(md)
+    report.emit(res, md, a.out_json, a.out_md)
 
 
 if __name__ == "__main__":

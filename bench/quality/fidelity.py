@@ -28,7 +28,6 @@ eval.py's job. Policies (budget B tokens per KV head):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
 import tasks  # noqa: E402
 
 SINK = 4
@@ -297,11 +297,7 @@ def main() -> None:
                    depth=a.depth, which=a.positions)
     res["model"] = a.model
     md = markdown(res)
-    print(md)
-    if a.out_json:
-        Path(a.out_json).write_text(json.dumps(res, indent=2) + "\n")
-    if a.out_md:
-        Path(a.out_md).write_text(md)
+    report.emit(res, md, a.out_json, a.out_md)
 
 
 if __name__ == "__main__":
