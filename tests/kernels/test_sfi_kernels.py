@@ -67,8 +67,10 @@ def test_decode_side_effects_key_norms_and_saved_queries(splits):
     assert int((knorm[:, 0] >= 0).sum()) == 3
 
 
-def test_refresh_with_kernels_equals_the_torch_path():
-    """The CUDA path of selector.refresh (window_logits + pack_compact kernels)
+@pytest.mark.parametrize("budgets, counts", [((20, 9), (24, 10)),   # budgets differ: sorted top-k
+                                             ((12, 12), (16, 13))])  # every budget covers k: unordered
+def test_refresh_with_kernels_equals_the_torch_path(budgets, counts):
+    """The CUDA path of selector.refresh (evidence, Selector and packing kernels)
     packs the same tokens as the plain-torch path."""
     from sgl_sparse.compact import CompactStore
     from sgl_sparse.config import SfiPolicy, SparseServerConfig
@@ -89,7 +91,8 @@ def test_refresh_with_kernels_equals_the_torch_path():
         cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40},
                                                  "policies": {"sfi": {"w_prefill": 3}}})
         st = SparseState(3, "cpu", cfg)
-        specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3), SfiPolicy(budget=9, recent=8, sink=1)]
+        specs = [SfiPolicy(budget=budgets[0], recent=16, sink=4, w_prefill=3),
+                 SfiPolicy(budget=budgets[1], recent=8, sink=1)]
         st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
         st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
                                   dtype=torch.bfloat16, pool_size=200, prompt_queries=2, device=torch.device("cpu"))
@@ -101,8 +104,8 @@ def test_refresh_with_kernels_equals_the_torch_path():
         refresh(st, [1, 2], 96, lambda i: k, lambda i: v, r2t, d ** -0.5, use_kernels=use_kernels)
         states.append(st)
     a, b = states
-    assert torch.equal(a.sel_count, b.sel_count) and a.sel_count[1:].tolist() == [24, 10]
-    for slot, n in ((int(a.slot[1]), 24), (int(a.slot[2]), 10)):
+    assert torch.equal(a.sel_count, b.sel_count) and tuple(a.sel_count[1:].tolist()) == counts
+    for slot, n in ((int(a.slot[1]), counts[0]), (int(a.slot[2]), counts[1])):
         # Same tokens (the selection may tie-break differently only on exactly equal scores).
         ka = a.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
         kb = b.compact.k[:, slot, :, :n].float().sum(dim=-1).sort(dim=-1).values
