@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -112,7 +113,16 @@ class SparseAttnBackend(AttentionBackend):
 
     def _prepare(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool = False):
         """Host-side, once per forward: state admissions, SFI refreshes, then
-        FlashInfer's plan."""
+        FlashInfer's plan. Decode forwards time it: when a decode step's GPU work is
+        short, this host time decides whether the GPU waits."""
+        metrics = self.state.metrics
+        if metrics is None or not forward_batch.forward_mode.is_decode():
+            return self._prepare_forward(forward_batch, eager, in_capture)
+        t0 = time.perf_counter()
+        self._prepare_forward(forward_batch, eager, in_capture)
+        metrics.prepare_duration.labels(metrics.model_name).observe(time.perf_counter() - t0)
+
+    def _prepare_forward(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool):
         admitted = self.state.admit_queued()
         mode = forward_batch.forward_mode
         self._prompt_q_plan = None

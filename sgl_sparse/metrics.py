@@ -28,6 +28,10 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
 _SELECTOR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1.0, 2.5, 5.0)
 
+# Host time to prepare one decode forward (tens of microseconds to a refresh's launches).
+_PREPARE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                    0.025, 0.05, 0.1)
+
 # `mix` label of the decode step histogram: which policies shared the batch.
 MIX_FULL, MIX_SPARSE, MIX_MIXED = "full", "sparse", "mixed"
 
@@ -94,6 +98,11 @@ class SchedulerMetrics:
             "One SFI Selector refresh (all layers, every row refreshed before a decode step); "
             "CUDA: device time between events, CPU: wall clock.",
             ["model_name"], buckets=_SELECTOR_BUCKETS)
+        self.prepare_duration = Histogram(
+            "sglang_sparse_decode_prepare_duration_seconds",
+            "Host time the backend spends preparing one decode forward before it is enqueued "
+            "(state admission, SFI refresh launches, routing, the dense backend's plan).",
+            ["model_name"], buckets=_PREPARE_BUCKETS)
         self.selector_rows = Counter(
             "sglang_sparse_selector_refreshed_rows_total",
             "Request rows whose compact buffer the SFI Selector refreshed.", ["model_name"])

@@ -219,7 +219,8 @@ def test_labels_are_bounded(stack, traffic):
     names = {s["__name__"] for s in series}
     for want in ("sglang_sparse_time_per_output_token_seconds_bucket", "sglang_sparse_decode_step_duration_seconds_bucket",
                  "sglang_sparse_selector_refresh_duration_seconds_bucket", "sglang_sparse_compact_buffer_in_use_bytes",
-                 "sglang_sparse_compact_buffer_capacity_bytes"):
+                 "sglang_sparse_compact_buffer_capacity_bytes",
+                 "sglang_sparse_decode_prepare_duration_seconds_bucket"):
         assert want in names
     mixes = {s["mix"] for s in series if "mix" in s}
     assert mixes <= {"full", "sparse", "mixed"} and "mixed" in mixes

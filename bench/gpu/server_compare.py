@@ -64,7 +64,10 @@ def scrape(url):
     except requests.RequestException:
         return out
     for line in text.splitlines():
-        if line.startswith("sglang_sparse_") and "_total{" in line:
+        if line.startswith("sglang_sparse_decode_prepare_duration_seconds_") and ("_sum{" in line or "_count{" in line):
+            key = (line.split("{", 1)[0], "")  # the backend's host time per decode forward
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sglang_sparse_") and "_total{" in line:
             name, rest = line.split("{", 1)
             labels, value = rest.rsplit("} ", 1)
             pol = next((kv.split("=")[1].strip('"') for kv in labels.split(",") if kv.startswith("policy=")), "")
@@ -79,8 +82,12 @@ def sparse_stats(before, after, policy):
     if not steps:
         return {}
     cached = d("sglang_sparse_cached_tokens_total")
+    prep = "sglang_sparse_decode_prepare_duration_seconds_"
+    forwards = after.get((prep + "count", ""), 0.0) - before.get((prep + "count", ""), 0.0)
+    prep_s = after.get((prep + "sum", ""), 0.0) - before.get((prep + "sum", ""), 0.0)
     return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
-            "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None}
+            "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
+            "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None}
 
 
 def run_backend(a, backend, log):
