@@ -230,6 +230,12 @@ def policy_drilldown() -> Json:
         timeseries("Decode steps / s", "Request decode steps per second.",
                    [(f"sum by (policy) (rate(sglang_sparse_decode_steps_total{{{PSEL}}}[{RATE}]))", "{{policy}}")],
                    "ops"),
+        timeseries("Backend host time per decode forward",
+                   "Host time sgl_sparse spends preparing one decode forward (admission, SFI refresh launches, "
+                   "routing, FlashInfer's plan): when it exceeds the step's GPU work, the GPU waits.",
+                   [(quantile(q, "sglang_sparse_decode_prepare_duration_seconds", "model_name", SEL),
+                     f"p{round(q * 100)}") for q in (0.5, 0.99)],
+                   "s"),
         row("SFI Selector and compact buffers"),
         timeseries("Selector refresh latency",
                    "One refresh of the compact buffers (all layers, all rows due) before a decode step.",
