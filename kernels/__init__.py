@@ -6,10 +6,10 @@ Public API:
   compact segment (A) plus an in-place paged position range (B).
 * :func:`pack_compact` -- gather selected positions from the paged pool into
   the compact buffer.
-* :func:`window_logits` -- a few queries' logits over a whole paged prefix (SFI's
-  Selector input).
 * :func:`window_evidence` -- the Selector's evidence (softmax over the candidates,
   GQA mean, power mean over the window) fused, keys read in place.
+* :func:`selector_scores` / :func:`selector_stats` -- the Selector's steps 1-5
+  (normalizers, prior medians, fusion, Soft-NMS, exclusivity).
 * :func:`choose_num_splits` -- the static split heuristic used by the above.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
@@ -18,14 +18,12 @@ Public API:
 from .pack_compact import pack_compact
 from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
 from .two_segment_decode import choose_num_splits, two_segment_decode
-from .window_evidence import window_evidence
 from .selector_scores import selector_scores, selector_stats
-from .window_logits import window_logits
+from .window_evidence import window_evidence
 
 __all__ = [
     "two_segment_decode",
     "pack_compact",
-    "window_logits",
     "window_evidence",
     "selector_scores",
     "selector_stats",
