@@ -108,7 +108,6 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     # the prompt's i-th last query (position saved_n - 1 - i), if saved.
     cols = torch.arange(w, device=dev)
     nq = 1 + torch.clamp(state.prompt_q[ridx], max=w - 1)
-    qmask = cols[None, :] < nq[:, None]
     qpos = (saved_n[:, None] - 1 - cols[None, :]).long()
     knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
     k_max = max(s.budget for s in specs)
@@ -118,12 +117,15 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     # Compact layout per KV head: positions [0, sink) then the selected ones.
     j = torch.arange(cap, device=dev)[None, None, :]
     sink_eff = lo.long()[:, None, None]
-    if use_kernels:
+    if use_kernels:  # the kernels' int32 arguments (they derive the masks themselves)
         from sgl_sparse.kernels import pack_compact, selector_scores, window_evidence
-    allowed = candidate_mask(lo, hi, n)
-    nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
-    ones = torch.ones(r, dtype=torch.bool, device=dev)
-    ridx32, slots32 = ridx.int(), slots.int()
+
+        nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
+        ones = torch.ones(r, dtype=torch.bool, device=dev)
+        ridx32, slots32 = ridx.int(), slots.int()
+    else:  # the torch path's masks
+        allowed = candidate_mask(lo, hi, n)
+        qmask = cols[None, :] < nq[:, None]
     # All layers' window queries at once: [layers, r, w, Hq, D].
     qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
     # The Selector after the evidence runs on several layers at once (a batch of
@@ -191,7 +193,7 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
             qpos = torch.full((1, w), n - 1, dtype=torch.int64, device=dev)
             u = window_evidence(q, k_pool, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
             norms = torch.ones_like(u)
-            selector_scores(u, norms, lo.long(), hi.long(), knobs.repeat(1))
+            selector_scores(u, norms, lo.long(), hi.long(), knobs)
     sel = torch.zeros(1, hkv, store.capacity, dtype=torch.int32, device=dev)
     pack_compact(k_pool, v_pool, req_to_token, ridx, sel, torch.zeros(1, hkv, dtype=torch.int32, device=dev),
                  torch.zeros(1, dtype=torch.bool, device=dev), store.k[0], store.v[0], i32(0),
