@@ -284,12 +284,11 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
             (host int, >= every radius) sizes the Soft-NMS halo at compile time.
     """
     r, h, n = u.shape
-    norms = _f32(norms)
-    stats = selector_stats(u, norms, lo, hi, knobs)
+    norms, lo32, hi32 = _f32(norms), _i32(lo), _i32(hi)
+    stats = selector_stats(u, norms, lo32, hi32, knobs)
     out = torch.empty_like(u)
     if r == 0 or n == 0:
         return out
-    lo32, hi32 = _i32(lo), _i32(hi)
     grid = (r, triton.cdiv(n, block_n))
     fused = torch.empty_like(u)
     common = dict(BLOCK_H=next_pow2(h), BLOCK_N=block_n, num_warps=num_warps)
