@@ -270,26 +270,24 @@ class SparseAttnBackend(AttentionBackend):
         self._scaling = layer.scaling
         if self.dense is not None:
             o = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            if save_kv_cache and k is not None:
-                self._record_for_sfi(layer, forward_batch, q, k)
-            return o
-        self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+        else:
+            self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+            o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+            reference.extend_attention(
+                q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                forward_batch.extend_prefix_lens,
+                forward_batch.extend_seq_lens,
+                scaling=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            )
         if save_kv_cache and k is not None:
             self._record_for_sfi(layer, forward_batch, q, k)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        reference.extend_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            forward_batch.extend_prefix_lens,
-            forward_batch.extend_seq_lens,
-            scaling=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-        )
         return o
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
