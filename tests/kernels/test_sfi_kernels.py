@@ -179,9 +179,10 @@ def test_selector_scores_match_the_float64_formulas(r, hkv, n, radii):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [4096, 32768, 131072])
 def test_gpu_selector_scores_large(n):
-    """Serving sizes on the GPU: exact medians, scores vs the PyTorch path in fp32
-    (tight) and in float64 (looser: at 128K positions fp32 itself drifts, e.g.
-    1 - x near the tail of the position factor)."""
+    """Serving sizes on the GPU: exact medians; scores against float64 at least as
+    accurate as the PyTorch fp32 path's. Kernel and torch sum 10^5 fp32 terms in
+    different orders, so at 128K they differ from each other by ~7e-5 (run 2 on
+    the H100) while both stay near float64: the bound is on the error vs float64."""
     from sgl_sparse.selector import core
 
     r, hkv = 4, 8
@@ -198,8 +199,9 @@ def test_gpu_selector_scores_large(n):
     ref32 = core.refined_scores_from_evidence(u, norms, lo, hi, k32)
     fin = torch.isfinite(ref)
     assert not got.isnan().any() and torch.equal(torch.isfinite(got), fin)
-    assert T.rel_error(got[fin], ref32[fin]) < 1e-5
-    assert T.rel_error(got[fin], ref[fin]) < 1e-3
+    err, err_torch = T.rel_error(got[fin], ref[fin]), T.rel_error(ref32[fin], ref[fin])
+    assert err <= max(2 * err_torch, 1e-5), (err, err_torch)
+    assert err < 1e-3
 
 
 def test_start_up_warm_up_runs_every_refresh_kernel_and_writes_nothing():
