@@ -50,7 +50,22 @@ def plan_decode(
     seq_lens: torch.Tensor,
     think_ids: tuple[Optional[int], Optional[int]],
     num_kv_heads: Optional[int] = None,
+    use_kernel: Optional[bool] = None,
 ) -> DecodePlan:
+    """This step's plan for every batch slot; advances the rows' state on device.
+
+    On CUDA (with `num_kv_heads`) one Triton launch (kernels/plan_step.py) does
+    what the tensor ops below do in ~50 launches; they remain the CPU path and
+    its oracle."""
+    if use_kernel is None:
+        use_kernel = seq_lens.is_cuda and num_kv_heads is not None
+    if use_kernel:
+        from sgl_sparse.kernels.plan_step import plan_step
+
+        a_len, b_start, b_end, a_slot, q_save, a_len_h = plan_step(
+            state, req_pool_indices, last_token, seq_lens, think_ids, num_kv_heads)
+        return DecodePlan(a_len=a_len, b_start=b_start, b_end=b_end, a_slot=a_slot,
+                          a_len_per_head=a_len_h, q_save_slot=q_save)
     rows = req_pool_indices.long()
     step = StepInputs(
         policy=state.policy[rows],
