@@ -16,7 +16,7 @@ def ref_predict(qs: list, eps: float) -> np.ndarray:
     """qs: the valid queries of one head, oldest first (qs[-1] = Q_t), at most W.
 
     For k = 1..len(qs)-1: fit Q_t from Q_{t-k}..Q_{t-1} by ridge (Eq. 2 without the
-    softmax inside, lam = eps * mean |Q_{t-i}|^2), w = softmax(omega) (Eq. 3), apply
+    softmax inside, lam = eps * mean |Q|^2 over qs), w = softmax(omega) (Eq. 3), apply
     w_{t-i} to Q_{t+1-i} (Eq. 4), average the estimates (Eq. 5)."""
     if not qs:
         return None
@@ -25,7 +25,7 @@ def ref_predict(qs: list, eps: float) -> np.ndarray:
     for k in range(1, t + 1):
         R = np.stack([qs[t - i] for i in range(1, k + 1)])  # row i-1 = Q_{t-i}
         G = R @ R.T
-        lam = eps * np.mean([qs[t - i] @ qs[t - i] for i in range(1, k + 1)])
+        lam = eps * np.mean([q @ q for q in qs])
         omega = np.linalg.solve(G + lam * np.eye(k), R @ qs[t])
         w = np.exp(omega - omega.max())
         w /= w.sum()

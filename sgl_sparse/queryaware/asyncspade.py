@@ -42,9 +42,9 @@ import torch
 
 _NEG_INF = float("-inf")
 
-#: Ridge strength relative to the mean squared norm of the regressors [ours]: the
-#: paper leaves eps of Eq. (2) unspecified; a relative eps makes the fit invariant
-#: to the query scale (it is Eq. (2) with eps = RIDGE_EPS * mean_i |Q_{t-i}|^2).
+#: Ridge strength relative to the mean squared norm of the row's valid queries
+#: [ours]: the paper leaves eps of Eq. (2) unspecified; a relative eps makes the fit
+#: invariant to the query scale (Eq. (2) with eps = RIDGE_EPS * mean |Q|^2).
 RIDGE_EPS = 1e-2
 
 
@@ -92,12 +92,13 @@ def ring_window(ring: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 # ---- next-query prediction ----------------------------------------------------------
-def _window_masks(P: int, device) -> torch.Tensor:
-    """A[k-1, j] = True when regressor slot j (0 = oldest of the P history slots)
-    belongs to the size-k window, i.e. the k most recent: j >= P - k."""
-    kk = torch.arange(1, P + 1, device=device)[:, None]
-    jj = torch.arange(P, device=device)[None, :]
-    return jj >= P - kk
+def _masked_window(window: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[bs, W, Hq, D] -> [bs, Hq, W, D] in the compute dtype, left-pad slots zeroed so
+    garbage (even NaN) there cannot leak into any sum."""
+    W = window.shape[1]
+    ok = torch.arange(W, device=window.device)[None, :] >= (W - count.to(torch.int64))[:, None]
+    x = torch.where(ok[:, :, None, None], window.to(compute_dtype(window)), 0.0)
+    return x.permute(0, 2, 1, 3)
 
 
 def assembled_weights(window: torch.Tensor, count: torch.Tensor,
@@ -110,12 +111,17 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     For k = 1..W-1: regressors Q_{t-k}..Q_{t-1} (slots W-1-k..W-2), target Q_t
     (slot W-1). Closed-form ridge on the k x k Gram matrix (ALGORITHMS.md's practical
     solver: the softmax inside Eq. (2) is dropped for the fit and applied after):
-        omega = (R R^T + lam I)^-1 R Q_t,   w^(k) = softmax(omega)
-    Every k is solved in ONE batched call: the k x k system is embedded as the
-    bottom-right block of a (W-1) x (W-1) system whose other block is the identity
-    with a zero right-hand side, so those entries solve to 0 and are masked out of
-    the softmax. Entry w[..., k-1, j] weights history slot j (0 outside the window).
+        omega^(k) = (R_k R_k^T + lam I)^-1 R_k Q_t,   w^(k) = softmax(omega^(k))
+    Entry w[..., k-1, j] weights history slot j (0 outside the size-k window).
     k_valid: the window of size k needs k+1 valid queries (k <= count - 1).
+
+    All k from ONE factorization: ordered newest first, the size-k window is the
+    leading k x k block of the full (W-1) x (W-1) system M = G + lam I. With
+    M = L L^T, the leading block factors as L_k L_k^T and (L_k)^-1 is the leading
+    block of L^-1, so with y = L^-1 b:  omega^(k)_j = sum_{i<k} (L^-1)_{ij} y_i,
+    a cumulative sum over i. This needs lam to be the same for every k:
+    lam = ridge_eps * mean |Q|^2 over the row's valid queries [ours: the paper leaves
+    eps unspecified; a relative eps makes the fit invariant to the query scale].
 
     Sign [ours, follows §4.2's text]: the appendix's Algorithm 1 line 16 writes
     softmax(-G^-1 b); the text (Eqs. 2-3) and ALGORITHMS.md weight by +omega, which
@@ -125,29 +131,26 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     P = W - 1
     dev = window.device
     cnt = count.to(torch.int64)
-    # Zero the left-pad slots so garbage (even NaN) there cannot leak into a sum.
-    slot_ok = torch.arange(W, device=dev)[None, :] >= (W - cnt)[:, None]  # [bs, W]
-    x = torch.where(slot_ok[:, :, None, None], window.to(compute_dtype(window)), 0.0)
-    x = x.permute(0, 2, 1, 3)  # [bs, Hq, W, D]
-    hist, target = x[:, :, :P], x[:, :, P]
+    x = _masked_window(window, count)  # [bs, Hq, W, D]
+    hist = x[:, :, :P].flip(-2)  # newest first: row i = Q_{t-1-i}
+    target = x[:, :, P]
     gram = hist @ hist.transpose(-1, -2)  # [bs, Hq, P, P]
     rhs = (hist @ target[..., None])[..., 0]  # [bs, Hq, P]
-    A = _window_masks(P, dev)  # [P(k), P(j)]
-    pair = A[:, :, None] & A[:, None, :]  # [P, P, P]
-    diag = torch.diagonal(gram, dim1=-2, dim2=-1)  # [bs, Hq, P]
-    ksize = torch.arange(1, P + 1, device=dev, dtype=x.dtype)
-    # lam_k = eps * mean |Q_{t-i}|^2 over the window [ours: relative eps, see RIDGE_EPS];
-    # the floor keeps an all-zero (invalid) window's system non-singular.
-    lam = ridge_eps * (diag[:, :, None, :] * A).sum(-1) / ksize  # [bs, Hq, P]
+    sq = (x * x).sum(-1)  # [bs, Hq, W], 0 on the pad slots
+    lam = ridge_eps * sq.sum(-1) / cnt.clamp(min=1)[:, None].to(x.dtype)
+    # the floor keeps an all-zero (empty) row's system non-singular
     lam = lam.clamp(min=torch.finfo(x.dtype).tiny ** 0.5)
     eye = torch.eye(P, device=dev, dtype=x.dtype)
-    mat = torch.where(pair, gram[:, :, None], 0.0)  # [bs, Hq, P(k), P, P]
-    mat = mat + eye * torch.where(A, lam[..., None], 1.0)[..., None, :]
-    b = torch.where(A, rhs[:, :, None, :], 0.0)  # [bs, Hq, P(k), P]
-    # solve_ex: no error check, hence no host sync (a singular system cannot occur:
-    # every system is SPD by construction).
-    omega = torch.linalg.solve_ex(mat, b[..., None]).result[..., 0]
-    w = torch.softmax(omega.masked_fill(~A, _NEG_INF), dim=-1)
+    M = gram + lam[..., None, None] * eye  # SPD by construction
+    # *_ex variants: no error check, hence no host sync
+    L = torch.linalg.cholesky_ex(M).L
+    Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
+    y = (Linv @ rhs[..., None])[..., 0]  # [bs, Hq, P]
+    omega = torch.cumsum(Linv * y[..., :, None], dim=-2)  # [.., k-1, j] = omega^(k)_j
+    kk = torch.arange(P, device=dev)
+    in_win = kk[None, :] <= kk[:, None]  # [k-1, j]: j < k (newest-first index)
+    w = torch.softmax(omega.masked_fill(~in_win, _NEG_INF), dim=-1)
+    w = w.flip(-1)  # back to chronological history slots
     k_valid = torch.arange(1, P + 1, device=dev)[None, :] <= (cnt - 1)[:, None]
     return w, k_valid
 
@@ -161,11 +164,8 @@ def predict_next_query(window: torch.Tensor, count: torch.Tensor,
     Eq. (5): the mean over the m = min(W-1, count-1) valid k. count == 1 (m = 0):
     the last query; count == 0: zeros.
     """
-    bs, W, Hq, D = window.shape
-    dev = window.device
-    cnt = count.to(torch.int64)
-    slot_ok = torch.arange(W, device=dev)[None, :] >= (W - cnt)[:, None]
-    x = torch.where(slot_ok[:, :, None, None], window.to(compute_dtype(window)), 0.0).permute(0, 2, 1, 3)
+    W = window.shape[1]
+    x = _masked_window(window, count)
     last = x[:, :, W - 1]  # [bs, Hq, D]
     if W == 1:
         return last
