@@ -211,13 +211,13 @@ def select_topk(scores: torch.Tensor, budget: torch.Tensor, k_max: int) -> tuple
 
     scores [bs, Hkv, n_max] (finite exactly on the allowed positions), budget [bs]
     -> (positions [bs, Hkv, k_max] int32, ascending in the first `count` entries and
-    0 after, count [bs, Hkv] int32 = min(budget, finite scores in the row)).
+    0 after, count [bs, Hkv] int32 = min(budget, finite scores in the row, k_max)).
     `k_max` is a host-known bound (>= every budget) so no shape depends on data.
     """
     n_max = scores.shape[-1]
     k = min(k_max, n_max)
     finite = torch.isfinite(scores).sum(-1)
-    count = torch.minimum(budget.to(torch.int64)[:, None], finite)
+    count = torch.minimum(budget.to(torch.int64)[:, None], finite).clamp(max=k)
     idx = torch.topk(scores, k, dim=-1, sorted=True).indices
     keep = torch.arange(k, device=scores.device)[None, None, :] < count[..., None]
     # Ascending positions in the kept prefix: sequential reads when gathering KV.
