@@ -62,5 +62,8 @@ sleep 5
     >"$OUT/server_info_after.json" 2>&1
 "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print('sgl_sparse after the run:', [s.get('sgl_sparse') for s in d['internal_states']])" \
     "$OUT/server_info_after.json"
+# The device returns at most 8 files from $OUT: the locust CSVs travel as one archive,
+# so the server log and the state check come back too.
+tar -czf "$OUT/lt_csv.tar.gz" -C "$OUT" $(cd "$OUT" && ls lt_*.csv) && rm -f "$OUT"/lt_*.csv
 echo "locust exit code $rc"
 exit "$rc"
