@@ -53,13 +53,20 @@ def two_segment_decode_ref(
     *,
     return_lse: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
+    a_pos: Optional[torch.Tensor] = None,
+    row_mask: Optional[torch.Tensor] = None,
     **_tuning_kwargs,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Reference for :func:`two_segment_decode` (same positional signature).
 
     Keys of request b, KV head h are ``a_k[a_slot[b], h, :a_len[b, h]]`` (or, when
-    ``a_slot[b] < 0``, pool positions ``[0, min(a_len[b, h], b_start[b]))``)
-    followed by ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
+    ``a_slot[b] < 0``, pool positions ``[0, min(a_len[b, h], b_start[b]))``; or,
+    when ``a_slot[b] == -2`` and ``a_pos`` is given, pool positions
+    ``a_pos[b, h, :min(a_len[b, h], cap_pos, b_start[b])]`` clamped into
+    ``[0, b_start[b])``) followed by
+    ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
+    Rows with ``row_mask[b] != 1`` are left at their initial value (zeros in
+    ``out``, -inf in ``lse``): the kernel does not write them.
     Kernel tuning kwargs (num_splits, block_n, ...) are accepted and ignored.
     Returns float32 ``o [bs, Hq, D]`` (and natural-log ``lse [bs, Hq]``).
     """
@@ -72,13 +79,21 @@ def two_segment_decode_ref(
     out = torch.zeros((bs, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((bs, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(bs):
+        if row_mask is not None and int(row_mask[b].item()) != 1:
+            continue
         rp = int(req_pool_idx[b].item())
         s, e = int(b_start[b].item()), int(b_end[b].item())
         b_tokens = req_to_token[rp, s:e].long() if e > s else req_to_token.new_zeros(0).long()
         slot = int(a_slot[b].item())
+        indexed = a_pos is not None and slot == -2
         for h in range(num_kv_heads):
-            n_a = min(max(int(a_len[b, h].item()), 0), s if slot < 0 else cap)
-            if n_a > 0 and slot < 0:  # in place: positions [0, n_a) of the pool
+            lim = min(s, a_pos.shape[2]) if indexed else (s if slot < 0 else cap)
+            n_a = min(max(int(a_len[b, h].item()), 0), lim)
+            if n_a > 0 and indexed:  # in place: the listed positions
+                pos = a_pos[b, h, :n_a].long().clamp(0, s - 1)
+                a_tokens = req_to_token[rp, pos].long()
+                ka, va = k_pool[a_tokens, h], v_pool[a_tokens, h]
+            elif n_a > 0 and slot < 0:  # in place: positions [0, n_a) of the pool
                 a_tokens = req_to_token[rp, :n_a].long()
                 ka, va = k_pool[a_tokens, h], v_pool[a_tokens, h]
             elif n_a > 0:

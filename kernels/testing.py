@@ -22,6 +22,7 @@ __all__ = [
     "make_decode_case",
     "make_pack_case",
     "policy_segments",
+    "set_indexed_rows",
     "rel_error",
 ]
 
@@ -55,6 +56,11 @@ class DecodeCase:
     sm_scale: float
     seq_lens: torch.Tensor  # [bs] int32, length of each request's sequence
     meta: dict = field(default_factory=dict)
+    a_pos: Optional[torch.Tensor] = None  # [bs, Hkv, cap_pos] int32 (rows with a_slot == -2)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments describing the problem (beyond the positional ones)."""
+        return {} if self.a_pos is None else {"a_pos": self.a_pos}
 
     def args(self) -> tuple:
         """Positional arguments of two_segment_decode / two_segment_decode_ref."""
@@ -216,6 +222,44 @@ def make_decode_case(
         seq_lens=torch.tensor([int(n) for n in seq_lens], dtype=torch.int32, device=device),
         meta=dict(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, cap=cap, dtype=dtype),
     )
+
+
+def set_indexed_rows(
+    case: DecodeCase,
+    counts: dict,
+    *,
+    cap_pos: int,
+    seed: int = 0,
+) -> DecodeCase:
+    """Turn rows of ``case`` into indexed segment-A rows (``a_slot == -2``).
+
+    ``counts`` maps a row ``b`` to its per-KV-head number of listed positions
+    (an int or one int per head), each ``<= min(cap_pos, b_start[b])``. Every
+    (row, head) gets its own random set of distinct positions below
+    ``b_start[b]``, in random order. Entries past ``a_len`` -- and every entry
+    of rows that are not indexed -- hold valid-looking positions of *other*
+    rows' ranges or huge values, so reading them is a visible mismatch.
+    Sets ``case.a_pos``, ``case.a_len`` and ``case.a_slot`` of those rows.
+    """
+    gen = torch.Generator(device=case.q.device)
+    gen.manual_seed(seed)
+    bs, num_kv_heads = case.a_len.shape
+    dev = case.q.device
+    a_pos = torch.randint(0, 1 << 30, (bs, num_kv_heads, cap_pos), generator=gen, device=dev, dtype=torch.int32)
+    # Half the garbage is small (a real position of some request): clamping a
+    # huge value would hide nothing, reading a plausible one must mismatch.
+    small = torch.randint(0, 2, a_pos.shape, generator=gen, device=dev, dtype=torch.int32).bool()
+    a_pos = torch.where(small, a_pos % max(1, int(case.b_start.max().item())), a_pos)
+    for b, c in counts.items():
+        s = int(case.b_start[b].item())
+        row = _per_head(c, num_kv_heads)
+        for h, m in enumerate(row):
+            assert 0 <= m <= min(cap_pos, s), f"row {b} head {h}: {m} positions > min(cap_pos, b_start={s})"
+            a_pos[b, h, :m] = torch.randperm(s, generator=gen, device=dev)[:m].to(torch.int32)
+            case.a_len[b, h] = m
+        case.a_slot[b] = -2
+    case.a_pos = a_pos
+    return case
 
 
 def policy_segments(policy: str, seq_len: int, budget: int = 0, *, sink: int = 4, recent: int = 256):

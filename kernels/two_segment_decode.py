@@ -9,6 +9,11 @@ Every decode request attends to the concatenation of two key segments:
   ``a_slot[b]``; only the first ``a_len[b, h]`` rows are valid. Different KV
   heads may keep a different number of tokens. This is where sparse policies
   put "sink" tokens or top-k selected tokens (see ``pack_compact.py``).
+  Two in-place variants skip the packing: ``a_slot == -1`` reads the
+  positions ``[0, a_len)`` of the request straight from the pool (sink tokens
+  of window policies), and ``a_slot == -2`` reads the listed positions
+  ``a_pos[b, h, :a_len[b, h]]`` (page- or token-level selections that change
+  every step, e.g. Quest, AsyncSpade, LFPS), again per KV head.
 * **Segment B -- in-place range.** The contiguous *position* range
   ``[b_start[b], b_end[b])`` of the request, read directly from SGLang's paged
   KV pool (page_size 1) through ``req_to_token[req_pool_idx[b], pos]``. This
@@ -127,6 +132,7 @@ def _two_segment_decode_stage1(
     A_V,
     A_SLOT,
     A_LEN,
+    A_POS,  # [bs, Hkv, cap_pos] int32 positions of segment A (only if HAS_A_POS)
     K_POOL,
     V_POOL,
     REQ_TO_TOKEN,
@@ -149,6 +155,8 @@ def _two_segment_decode_stage1(
     stride_avh,
     stride_avn,
     stride_alen_b,
+    stride_apb,
+    stride_aph,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -163,6 +171,7 @@ def _two_segment_decode_stage1(
     stride_qss,
     stride_qsh,
     A_CAP,
+    A_POS_CAP,
     MIN_SPLIT_BLOCKS,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -175,6 +184,7 @@ def _two_segment_decode_stage1(
     HAS_ROW_MASK: tl.constexpr,
     STORE_KNORM: tl.constexpr,
     SAVE_Q: tl.constexpr,
+    HAS_A_POS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -193,11 +203,18 @@ def _two_segment_decode_stage1(
     a_len = tl.load(A_LEN + cur_b * stride_alen_b + cur_kvh)
     b_start = tl.load(B_START + cur_b)
     b_end = tl.load(B_END + cur_b)
-    # a_slot < 0: segment A is positions [0, a_len) read in place from the pool
-    # (sink tokens of window policies), which must end before segment B starts.
+    # a_slot < 0: segment A is read in place from the pool and must end before
+    # segment B starts: positions [0, a_len) (sink tokens of window policies),
+    # or, for a_slot == -2 with HAS_A_POS, the listed positions
+    # a_pos[b, h, :a_len] (page/token selections). Distinct positions below
+    # b_start number at most b_start, so both clamp a_len to b_start.
     slot = tl.load(A_SLOT + cur_b).to(tl.int64)
     a_in_pool = slot < 0
-    a_len = tl.minimum(tl.maximum(a_len, 0), tl.where(a_in_pool, b_start, A_CAP))
+    a_lim = tl.where(a_in_pool, b_start, A_CAP)
+    if HAS_A_POS:
+        a_indexed = slot == -2
+        a_lim = tl.where(a_indexed, tl.minimum(b_start, A_POS_CAP), a_lim)
+    a_len = tl.minimum(tl.maximum(a_len, 0), a_lim)
     b_len = tl.maximum(b_end - b_start, 0)
     kv_len = a_len + b_len  # combined key index space: [0, a_len) is A, rest is B
 
@@ -254,11 +271,19 @@ def _two_segment_decode_stage1(
     a_hi = tl.minimum(chunk_end, a_len)
     if a_in_pool:
         r2t_a = REQ_TO_TOKEN + req_row * stride_r2t
+        apos_base = A_POS + cur_b * stride_apb + cur_kvh * stride_aph
         for n0 in range(chunk_start, a_hi, BLOCK_N):
             offs = n0 + offs_n
             mask_n = offs < a_hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            tok = tl.load(r2t_a + offs, mask=mask_n, other=0).to(tl.int64)
+            pos = offs
+            if HAS_A_POS:
+                # Indexed rows read their position list; prefix rows skip the
+                # load (masked off) and keep pos = offs. The clamp only guards
+                # memory against a bad list: a valid one is already in range.
+                listed = tl.load(apos_base + offs, mask=mask_n & a_indexed, other=0)
+                pos = tl.where(a_indexed, tl.minimum(tl.maximum(listed, 0), b_start - 1), offs)
+            tok = tl.load(r2t_a + pos, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
@@ -445,6 +470,7 @@ def two_segment_decode(
     key_norms: Optional[torch.Tensor] = None,
     q_save: Optional[torch.Tensor] = None,
     q_save_slot: Optional[torch.Tensor] = None,
+    a_pos: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -456,7 +482,10 @@ def two_segment_decode(
         a_k, a_v: ``[num_slots, Hkv, cap, D]`` compact buffers (same dtype as q).
         a_slot: ``[bs]`` int32 slot of each request (ignored where a_len == 0);
             ``-1``: segment A is positions ``[0, a_len)`` read in place from the
-            pool through ``req_to_token`` (sink tokens), clamped to ``b_start``.
+            pool through ``req_to_token`` (sink tokens), clamped to ``b_start``;
+            ``-2`` (only with ``a_pos``): segment A is the positions
+            ``a_pos[b, h, :a_len[b, h]]`` read in place (see ``a_pos``). Without
+            ``a_pos`` every negative value means ``-1``.
         a_len: ``[bs, Hkv]`` int32 valid rows per request and KV head (0..cap).
         k_pool, v_pool: ``[num_tokens_total, Hkv, D]`` paged KV pool (page_size 1).
         req_to_token: ``[max_reqs, max_ctx]`` int32 (req_pool_idx, pos) -> pool slot.
@@ -481,6 +510,16 @@ def two_segment_decode(
             ``key_norms[req_to_token[req, b_end - 1], h]``.
         q_save, q_save_slot: optional ``[slots, Hq, D]`` and ``[bs]`` int32: rows with
             ``q_save_slot >= 0`` copy their query to ``q_save[q_save_slot]``.
+        a_pos: optional ``[bs, Hkv, cap_pos]`` int32 (last dim contiguous): for
+            rows with ``a_slot == -2``, KV head ``h`` attends (as segment A) to
+            the positions ``a_pos[b, h, :a_len[b, h]]`` of the request, read in
+            place through ``req_to_token`` -- so each KV head may attend a
+            different token set, without packing. The caller guarantees the
+            listed positions are distinct and in ``[0, b_start[b])`` (sink
+            positions included by the caller); ``a_len`` is clamped to
+            ``min(cap_pos, b_start)``, and out-of-range entries are clamped into
+            ``[0, b_start)`` so a bad list can never read out of bounds. Rows
+            with other ``a_slot`` values never read ``a_pos``.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -511,6 +550,9 @@ def two_segment_decode(
     if q_save is not None:
         assert q_save_slot is not None and q_save_slot.shape == (bs,) and q_save_slot.dtype == torch.int32
         assert q_save.shape[1:] == (num_q_heads, head_dim) and q_save.stride(-1) == 1
+    if a_pos is not None:
+        assert a_pos.dim() == 3 and a_pos.shape[:2] == (bs, num_kv_heads), "a_pos: [bs, Hkv, cap_pos]"
+        assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1, "a_pos: int32, last dim contiguous"
     cap = a_k.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
@@ -551,6 +593,7 @@ def two_segment_decode(
         a_v,
         a_slot,
         a_len,
+        a_pos if a_pos is not None else a_len,
         k_pool,
         v_pool,
         req_to_token,
@@ -573,6 +616,8 @@ def two_segment_decode(
         a_v.stride(1),
         a_v.stride(2),
         a_len.stride(0),
+        a_pos.stride(0) if a_pos is not None else 0,
+        a_pos.stride(1) if a_pos is not None else 0,
         k_pool.stride(0),
         k_pool.stride(1),
         v_pool.stride(0),
@@ -587,6 +632,7 @@ def two_segment_decode(
         q_save.stride(0) if q_save is not None else 0,
         q_save.stride(1) if q_save is not None else 0,
         cap,
+        a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
         HEAD_DIM=head_dim,
         GROUP=group,
@@ -599,6 +645,7 @@ def two_segment_decode(
         HAS_ROW_MASK=row_mask is not None,
         STORE_KNORM=key_norms is not None,
         SAVE_Q=q_save is not None,
+        HAS_A_POS=a_pos is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -34,7 +34,7 @@ def gpu_test(fn):
 def run_kernel(case, **kw):
     """Launch with a NaN-poisoned preallocated output; return (out, lse)."""
     out = torch.full_like(case.q, float("nan"))
-    res = K.two_segment_decode(*case.args(), out=out, return_lse=True, **kw)
+    res = K.two_segment_decode(*case.args(), out=out, return_lse=True, **case.kwargs(), **kw)
     o, lse = res
     assert o.data_ptr() == out.data_ptr()
     return o, lse
@@ -42,7 +42,7 @@ def run_kernel(case, **kw):
 
 def check(case, tol=None, **kw):
     o, lse = run_kernel(case, **kw)
-    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True)
+    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, **case.kwargs())
     assert not torch.isnan(o).any(), "NaN in output (unwritten element or bad softmax)"
     assert not torch.isnan(lse).any(), "NaN in LSE"
     tol = tol if tol is not None else TOL[case.q.dtype]
@@ -361,3 +361,82 @@ def test_row_mask_skips_rows(num_splits):
     keep = mask.bool()
     assert not torch.isnan(out).any()
     assert T.rel_error(out[keep].float(), ref[keep]) < TOL[case.q.dtype]
+
+
+# -----------------------------------------------------------------------------
+# Indexed segment A (a_slot == -2): per-head position lists read in place
+# -----------------------------------------------------------------------------
+
+INDEXED_CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("idx", range(len(INDEXED_CONFIGS)))
+def test_indexed_a_mixed_modes(idx):
+    """One launch: indexed, compact, in-place prefix and dense rows, with row_mask.
+
+    Ragged lengths (rarely a multiple of BLOCK_N = 16), per-head position counts
+    that differ and include 0, an indexed row with every count 0, and an
+    indexed row the row mask switches off (it must stay unwritten).
+    """
+    dtype, group = INDEXED_CONFIGS[idx]
+    rng = random.Random(4000 + idx)
+    num_kv_heads, cap, cap_pos = 2, 24, 45
+    n = [rng.randint(60, 110) for _ in range(6)]
+    b_ranges = [
+        (n[0] - 17, n[0]),  # 0: indexed, counts differ per head (one is 0)
+        (n[1] - 9, n[1]),  # 1: compact buffer
+        (n[2] - 30, n[2]),  # 2: in-place sink prefix
+        (0, n[3]),  # 3: dense
+        (n[4] - 5, n[4]),  # 4: indexed, all counts 0
+        (n[5] - 20, n[5]),  # 5: indexed, masked off by row_mask
+    ]
+    a_lens = [0, [rng.randint(1, cap), rng.randint(0, cap)], [4, 4], 0, 0, 0]
+    case = T.make_decode_case(
+        n, a_lens, b_ranges, num_kv_heads=num_kv_heads, group=group, head_dim=64, cap=cap,
+        dtype=dtype, device=DEVICE, seed=idx, empty_slot_value=None,
+        req_pool_idx_dtype=(torch.int64, torch.int32)[idx % 2],
+    )
+    case.a_slot[2] = -1
+    heads0 = [rng.randint(17, cap_pos), 0]
+    rng.shuffle(heads0)
+    T.set_indexed_rows(case, {0: heads0, 4: 0, 5: [rng.randint(1, 30), 3]}, cap_pos=cap_pos, seed=idx)
+    row_mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 3):
+        out = torch.full_like(case.q, float("nan"))
+        o, lse = K.two_segment_decode(*case.args(), out=out, return_lse=True, row_mask=row_mask,
+                                      num_splits=num_splits, **case.kwargs(), **SMALL)
+        ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, row_mask=row_mask, **case.kwargs())
+        assert torch.isnan(o[5]).all(), "a row_mask == 0 row was written"
+        on = row_mask.bool()
+        assert not torch.isnan(o[on]).any() and not torch.isnan(lse[on]).any()
+        err = T.rel_error(o[on].float(), ref_o[on])
+        assert err < TOL[dtype], f"num_splits={num_splits}: relative error {err:.3g}"
+        torch.testing.assert_close(lse[on], ref_lse[on], atol=2e-2, rtol=0)
+
+
+def test_indexed_a_differs_from_prefix():
+    """The same a_len read as a prefix gives a different answer: the list is used."""
+    case = _standard_case(seed=21, empty_slot_value=None)
+    T.set_indexed_rows(case, {0: [23, 5], 2: [40, 17]}, cap_pos=40, seed=3)
+    o_idx, _, _ = check(case, num_splits=2, **SMALL)
+    as_prefix = T.DecodeCase(**{**case.__dict__, "a_pos": None})
+    o_pre, _, _ = check(as_prefix, num_splits=2, **SMALL)  # a_slot -2 without a_pos == prefix
+    assert T.rel_error(o_idx[0].float(), o_pre[0].float()) > 0.05
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_indexed_a_only_and_clamps(num_splits):
+    """Indexed A with B empty (A only), long lists over many splits, b_start == 0.
+
+    Row 2 is indexed with b_start == 0 and a garbage list: a_len clamps to 0, so
+    only its segment B counts.
+    """
+    n = [130, 97, 40]
+    case = T.make_decode_case(
+        n, [0, 0, 0], [(130, 130), (60, 97), (0, 40)], num_kv_heads=2, group=4, head_dim=64, cap=8,
+        dtype=torch.float16, device=DEVICE, seed=33, empty_slot_value=None,
+    )
+    T.set_indexed_rows(case, {0: [130, 77], 1: [60, 1]}, cap_pos=130, seed=5)
+    case.a_slot[2] = -2
+    case.a_len[2] = torch.tensor([9, 3], dtype=torch.int32)
+    check(case, num_splits=num_splits, **SMALL)
