@@ -32,6 +32,10 @@ __all__ = ["plan_step"]
 _STREAMING = tl.constexpr(1)
 _SADAS = tl.constexpr(2)
 _SFI = tl.constexpr(3)
+_QUEST = tl.constexpr(4)
+_ASYNCSPADE = tl.constexpr(5)
+_LFPS = tl.constexpr(6)
+_INDEXED = tl.constexpr(-2)  # DecodePlan.a_slot of rows whose segment A is a per-head position set
 
 
 @triton.jit(do_not_specialize=["bs", "vocab", "think_start", "think_end"])
@@ -40,10 +44,11 @@ def _plan_step_kernel(
     policy_ptr, window_ptr, sink_ptr, think_ptr, latch_ptr,
     budget_ptr, t_max_ptr, triggers_ptr, since_ptr, slot_ptr, sel_ready_ptr, sel_count_ptr,
     saved_n_ptr, prompt_q_ptr, fresh_ptr, table_ptr,
+    max_ctx_ptr, qa_steps_ptr,  # query-aware policies' columns (read only when HAS_QA)
     out_ptr,  # int32 [5, bs]: a_len, b_start, b_end, a_slot, q_save_slot
     a_len_h_ptr,  # int32 [bs, HKV]
     bs, vocab, think_start, think_end,
-    HKV: tl.constexpr, HKV_P2: tl.constexpr, BLOCK: tl.constexpr,
+    HKV: tl.constexpr, HKV_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_QA: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < bs
@@ -88,11 +93,23 @@ def _plan_step_kernel(
     new_prompt_q = tl.where(slow & (~fresh), 0, prompt_q)
     new_fresh = fresh & (~sfi)
 
+    # Query-aware policies (policies/query_aware.decide): an indexed segment A, the
+    # positions chosen per layer later; dense without a store slot, past the store's
+    # context, when the budget covers n, or at asyncspade's first step (no prediction).
+    indexed = sfi & (pol < 0)  # all false, typed like the other masks
+    if HAS_QA:
+        max_ctx = tl.load(max_ctx_ptr + r, mask=valid, other=0)
+        qa_steps = tl.load(qa_steps_ptr + r, mask=valid, other=0)
+        qa = (pol == _QUEST) | (pol == _ASYNCSPADE) | (pol == _LFPS)
+        ready = (pol != _ASYNCSPADE) | (qa_steps >= 1)
+        indexed = qa & ready & (slot >= 0) & (n <= max_ctx) & (sink + budget + window < n)
+        tl.store(qa_steps_ptr + r, tl.where(pol > 0, qa_steps + 1, qa_steps), mask=valid)
+
     # The plan (decision.plan_decode).
-    windowed = (pol == _STREAMING) | (sadas & (~latch)) | compact
+    windowed = (pol == _STREAMING) | (sadas & (~latch)) | compact | indexed
     b_start = tl.where(windowed, tl.maximum(n - window, 0), 0)
-    a_len = tl.where(compact, sel_count, tl.where(windowed, tl.minimum(sink, b_start), 0))
-    a_slot = tl.where(compact, slot, -1)
+    a_len = tl.where(compact, sel_count, tl.where(windowed & (~indexed), tl.minimum(sink, b_start), 0))
+    a_slot = tl.where(compact, slot, tl.where(indexed, _INDEXED, -1))
     q_save = tl.where(slow & (slot >= 0), slot, -1)
 
     tl.store(think_ptr + r, think.to(tl.int8), mask=valid)
@@ -136,13 +153,17 @@ def plan_step(state, req_pool_indices: torch.Tensor, last_token: torch.Tensor, s
     end = think_ids[1] if think_ids[1] is not None else -1
     # One BLOCK for every batch size: one compiled variant, not one per captured size.
     s = state
+    # The query-aware policies' state columns, where this SparseState has them.
+    max_ctx, qa_steps = getattr(s, "max_context", None), getattr(s, "qa_steps", None)
+    has_qa = max_ctx is not None and qa_steps is not None
     _plan_step_kernel[(triton.cdiv(bs, block),)](
         req_pool_indices, last_token, seq_lens,
         s.policy, s.window, s.sink, _as_bytes(s.think), _as_bytes(s.latch),
         s.budget, s.t_max, _as_bytes(s.triggers), s.since_slow, s.slot, _as_bytes(s.sel_ready), s.sel_count,
         s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.trigger_table),
+        max_ctx if has_qa else s.saved_n, qa_steps if has_qa else s.saved_n,
         out, a_len_h,
         bs, s.trigger_table.shape[0], start, end,
-        HKV=num_kv_heads, HKV_P2=triton.next_power_of_2(num_kv_heads), BLOCK=block,
+        HKV=num_kv_heads, HKV_P2=triton.next_power_of_2(num_kv_heads), BLOCK=block, HAS_QA=has_qa,
     )
     return (*out.unbind(0), a_len_h)

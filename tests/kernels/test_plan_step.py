@@ -11,11 +11,12 @@ from sgl_sparse.policies.base import PolicyId
 from sgl_sparse.state import SparseState
 
 THINK, END, VOCAB = 7, 8, 50
-# The policies the fused plan implements; a new PolicyId must be added to the
-# kernel and here together.
-KERNEL_POLICIES = [PolicyId.FULL, PolicyId.STREAMING, PolicyId.SADAS, PolicyId.SFI]
-COLUMNS = ("policy", "window", "sink", "think", "latch", "budget", "t_max", "triggers", "since_slow",
-           "slot", "sel_ready", "sel_count", "saved_n", "prompt_q", "fresh")
+# Every policy: the fused plan must implement each one plan_decode knows.
+KERNEL_POLICIES = list(PolicyId)
+COLUMNS = tuple(c for c in ("policy", "window", "sink", "think", "latch", "budget", "t_max", "triggers",
+                            "since_slow", "slot", "sel_ready", "sel_count", "saved_n", "prompt_q", "fresh",
+                            "max_context", "qa_steps")
+                if hasattr(SparseState(2, "cpu"), c))
 
 
 def _random_state(g: torch.Generator, rows: int) -> SparseState:
@@ -38,6 +39,9 @@ def _random_state(g: torch.Generator, rows: int) -> SparseState:
     st.saved_n.copy_(ri(0, 200))
     st.prompt_q.copy_(ri(0, 32))
     st.fresh.copy_(rb())
+    if "max_context" in COLUMNS:  # query-aware policies' store bound and step count
+        st.max_context.copy_(ri(0, 400))
+        st.qa_steps.copy_(ri(0, 3))
     for name in COLUMNS:  # row 0: CUDA-graph padding, all zero (FULL)
         getattr(st, name)[0] = 0
     st.slot[0] = -1
