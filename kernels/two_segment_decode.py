@@ -33,7 +33,11 @@ separate programs (grid ``(bs, Hkv, num_splits)``); each writes an fp32
 partial output (already normalised by its own softmax denominator) plus its
 log-sum-exp. A second small kernel merges the partials with LSE weights.
 When ``num_splits == 1`` stage 1 writes the final output directly and the
-merge launch is skipped.
+merge launch is skipped. With ``fused_merge=True`` there is never a second
+launch: the last split program of each (request, KV head) to finish merges
+the partials itself (an arrival counter per (request, KV head), see the
+epilogue for the memory-ordering argument), and rows whose keys fit a single
+chunk are written directly by split 0.
 
 CUDA-graph friendliness
 -----------------------
@@ -69,7 +73,7 @@ import triton.language as tl
 
 from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
 
-__all__ = ["two_segment_decode", "choose_num_splits"]
+__all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
@@ -145,6 +149,9 @@ def _two_segment_decode_stage1(
     Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
     OUT,  # [bs, Hq, S, D] fp32 partials, or final [bs, Hq, D] when DIRECT
     LSE,  # [bs, Hq, S] fp32 partial LSE (base 2), or final [bs, Hq] (natural log)
+    COUNTER,  # [bs * Hkv] int32 split arrival counters, all 0 between launches (FUSED_MERGE)
+    FOUT,  # [bs, Hq, D] final output (FUSED_MERGE)
+    FLSE,  # [bs, Hq] fp32 final natural-log LSE (FUSED_MERGE and STORE_LSE)
     qk_scale,  # sm_scale * log2(e)
     stride_qb,
     stride_qh,
@@ -170,6 +177,10 @@ def _two_segment_decode_stage1(
     stride_kn,
     stride_qss,
     stride_qsh,
+    stride_fob,
+    stride_foh,
+    stride_flb,
+    stride_flh,
     A_CAP,
     A_POS_CAP,
     MIN_SPLIT_BLOCKS,
@@ -185,6 +196,7 @@ def _two_segment_decode_stage1(
     STORE_KNORM: tl.constexpr,
     SAVE_Q: tl.constexpr,
     HAS_A_POS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -259,6 +271,13 @@ def _two_segment_decode_stage1(
                          q.to(Q_SAVE.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     if row_mode != 1:
         return
+    if FUSED_MERGE:
+        # Only the splits whose chunk holds keys take part (see the epilogue):
+        # a graph sized for 128K serving a 4K request runs its empty splits as
+        # no-ops instead of writing partials that would be merged as zeros.
+        n_active = tl.maximum(tl.cdiv(n_blocks, blocks_per_split), 1)
+        if split >= n_active:
+            return
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -336,6 +355,80 @@ def _two_segment_decode_stage1(
         )
         if STORE_LSE:
             tl.store(LSE + cur_b * stride_lb + q_heads * stride_lh, lse2 * 0.6931471805599453, mask=mask_h)
+    elif FUSED_MERGE:
+        if n_active == 1:
+            # The whole range fits one chunk (short contexts): final answer now,
+            # no partial, no counter.
+            tl.store(
+                FOUT + cur_b * stride_fob + q_heads[:, None] * stride_foh + offs_d[None, :],
+                out.to(FOUT.dtype.element_ty),
+                mask=store_mask,
+            )
+            if STORE_LSE:
+                tl.store(FLSE + cur_b * stride_flb + q_heads * stride_flh, lse2 * 0.6931471805599453, mask=mask_h)
+        else:
+            # Last-arriver merge ("serial split-K" / threadFenceReduction
+            # pattern), replacing the second launch. Memory ordering on sm_70+
+            # (PTX memory model), step by step:
+            # 1. every thread stores its part of this split's partial (weak st.global);
+            # 2. tl.debug_barrier() = bar.sync: those stores happen-before what
+            #    any thread of the CTA does next (CTA-scope synchronization);
+            # 3. one thread performs atom.add.acq_rel.gpu on the (row, KV head)
+            #    counter. The release half is cumulative, so it publishes all
+            #    of the CTA's stores ordered before it by step 2; RMWs on one
+            #    location form a release sequence, so whichever program later
+            #    reads the count n_active - 1 with its acquire half
+            #    synchronizes-with *every* earlier arrival's release;
+            # 4. that program (the last to arrive) broadcasts the old value to
+            #    its threads through shared memory behind another barrier
+            #    (Triton's scalar-atomic lowering; the explicit debug_barrier
+            #    below makes it independent of that), so its loads of the
+            #    partials are ordered after the acquire and see every split's
+            #    stores. They are .cg loads (L2, not the SM's L1) as well.
+            # Exactly one program reads n_active - 1 (the RMWs are totally
+            # ordered), so exactly one merges; nobody waits for anybody, so no
+            # deadlock whatever the scheduling. It then stores 0: no other
+            # program of this launch touches the counter after the last
+            # arrival, and the next launch on the stream (the next layer, the
+            # next graph replay) is ordered after this kernel's completion, so
+            # it finds every counter at 0 again. Rows skipped by row_mask and
+            # splits past n_active never touch the counter.
+            tl.store(
+                OUT + cur_b * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+                out,
+                mask=store_mask,
+            )
+            tl.store(LSE + cur_b * stride_lb + q_heads * stride_lh + split, lse2, mask=mask_h)
+            tl.debug_barrier()
+            cnt = COUNTER + cur_b * tl.num_programs(1) + cur_kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_active - 1:
+                tl.debug_barrier()
+                m_f = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                l_f = tl.zeros([BLOCK_H], dtype=tl.float32)
+                acc_f = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                # Every active split holds >= 1 key, so its LSE is finite and
+                # the first step's alpha = exp2(-inf - finite) = 0, never NaN.
+                for s in range(0, n_active):
+                    lse_s = tl.load(LSE + cur_b * stride_lb + q_heads * stride_lh + s, mask=mask_h, other=0.0,
+                                    cache_modifier=".cg")
+                    o_s = tl.load(OUT + cur_b * stride_ob + q_heads[:, None] * stride_oh + s * stride_os + offs_d[None, :],
+                                  mask=store_mask, other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_f, lse_s)
+                    alpha = tl.exp2(m_f - m_new)
+                    w = tl.exp2(lse_s - m_new)
+                    l_f = l_f * alpha + w
+                    acc_f = acc_f * alpha[:, None] + o_s * w[:, None]
+                    m_f = m_new
+                tl.store(
+                    FOUT + cur_b * stride_fob + q_heads[:, None] * stride_foh + offs_d[None, :],
+                    (acc_f / l_f[:, None]).to(FOUT.dtype.element_ty),
+                    mask=store_mask,
+                )
+                if STORE_LSE:
+                    tl.store(FLSE + cur_b * stride_flb + q_heads * stride_flh,
+                             (m_f + tl.log2(l_f)) * 0.6931471805599453, mask=mask_h)
+                tl.store(cnt, 0)
     else:
         tl.store(
             OUT + cur_b * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
@@ -438,6 +531,16 @@ def choose_num_splits(
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def make_split_counters(max_batch_size: int, num_kv_heads: int, device) -> torch.Tensor:
+    """Zeroed arrival counters for ``two_segment_decode(..., fused_merge=True)``.
+
+    Allocate once (outside CUDA-graph capture) for the largest batch and pass
+    the same tensor to every call on the stream: each launch returns every
+    counter to zero.
+    """
+    return torch.zeros(max(1, max_batch_size * num_kv_heads), dtype=torch.int32, device=device)
+
+
 def _default_block_n(head_dim: int) -> int:
     # 128 keys x 128 dims x 2 B = 32 KiB per K (and V) tile. Measured on an
     # H100 (bf16, D=128): 128 beat 64 and 32 at every dense shape and gave
@@ -471,6 +574,8 @@ def two_segment_decode(
     q_save: Optional[torch.Tensor] = None,
     q_save_slot: Optional[torch.Tensor] = None,
     a_pos: Optional[torch.Tensor] = None,
+    fused_merge: bool = False,
+    split_counters: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -520,14 +625,27 @@ def two_segment_decode(
             ``min(cap_pos, b_start)``, and out-of-range entries are clamped into
             ``[0, b_start)`` so a bad list can never read out of bounds. Rows
             with other ``a_slot`` values never read ``a_pos``.
+        fused_merge: with ``num_splits > 1``, merge the split partials inside
+            the same launch (the last split program of each (row, KV head) to
+            finish merges, see the kernel's epilogue) instead of a second
+            kernel; only the splits whose chunk holds keys take part, and a row
+            whose keys fit one chunk is written directly. ``False`` keeps the
+            two-launch path (stage 1 + merge kernel).
+        split_counters: with ``fused_merge``, a persistent int32 tensor of at
+            least ``bs * Hkv`` elements, **all zero** before the first call (see
+            :func:`make_split_counters`); each launch leaves it all zero again.
+            Reuse one per stream across layers and CUDA-graph replays; two
+            launches running concurrently must not share one. ``None``
+            allocates a zeroed one per call (correct, but one extra memset
+            launch).
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
         ``o`` ``[bs, Hq, D]`` (dtype of q), or ``(o, lse)`` if ``return_lse``.
         A request with zero keys gets ``o == 0`` and ``lse == -inf``.
 
-    Launches 1 kernel (num_splits == 1) or 2 kernels, with no host sync; the
-    grid depends only on ``bs``, ``Hkv`` and ``num_splits``.
+    Launches 1 kernel (num_splits == 1 or fused_merge) or 2 kernels, with no
+    host sync; the grid depends only on ``bs``, ``Hkv`` and ``num_splits``.
     """
     assert q.dim() == 3 and k_pool.dim() == 3 and a_k.dim() == 4
     bs, num_q_heads, head_dim = q.shape
@@ -574,6 +692,12 @@ def two_segment_decode(
     lse = torch.empty((bs, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
 
     direct = num_splits == 1
+    fused = bool(fused_merge) and not direct
+    if fused:
+        if split_counters is None:
+            split_counters = torch.zeros(bs * num_kv_heads, dtype=torch.int32, device=q.device)
+        assert split_counters.dtype == torch.int32 and split_counters.is_contiguous()
+        assert split_counters.numel() >= bs * num_kv_heads, "split_counters: >= bs * Hkv int32"
     if direct:
         stage1_out, stage1_lse = out, (lse if return_lse else out)  # dummy LSE ptr when unused
         s_ob, s_oh, s_os = out.stride(0), out.stride(1), 0
@@ -606,6 +730,9 @@ def two_segment_decode(
         q_save_slot if q_save is not None else b_end,
         stage1_out,
         stage1_lse,
+        split_counters if fused else b_end,
+        out,
+        lse if return_lse else b_end,
         float(sm_scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -631,6 +758,10 @@ def two_segment_decode(
         key_norms.stride(0) if key_norms is not None else 0,
         q_save.stride(0) if q_save is not None else 0,
         q_save.stride(1) if q_save is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if return_lse else 0,
+        lse.stride(1) if return_lse else 0,
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
@@ -646,11 +777,12 @@ def two_segment_decode(
         STORE_KNORM=key_norms is not None,
         SAVE_Q=q_save is not None,
         HAS_A_POS=a_pos is not None,
+        FUSED_MERGE=fused,
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
-    if not direct:
+    if not direct and not fused:
         _merge_splits_kernel[(bs, num_q_heads)](
             row_mask if row_mask is not None else b_end,
             mid_o,

@@ -10,6 +10,7 @@ launch (so an unwritten element fails), and checks the relative error
 ``||out - ref|| / ||ref||`` against a per-dtype tolerance.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -440,3 +441,88 @@ def test_indexed_a_only_and_clamps(num_splits):
     case.a_slot[2] = -2
     case.a_len[2] = torch.tensor([9, 3], dtype=torch.int32)
     check(case, num_splits=num_splits, **SMALL)
+
+
+# -----------------------------------------------------------------------------
+# Fused merge (fused_merge=True): the last split program merges, one launch
+# -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def split_order(perm):
+    """Run the interpreter's grid with program_id(2) remapped through ``perm``.
+
+    The interpreter runs programs one after another, split index innermost, so
+    the last split to arrive would always be the highest one. Remapping the
+    split index lets a test choose which split arrives last (and merges).
+    """
+    from triton.runtime import interpreter as interp
+
+    builder = interp.interpreter_builder
+    orig = builder.set_grid_idx
+
+    def remapped(x, y, z):
+        orig(x, y, perm[z] if z < len(perm) else z)
+
+    builder.set_grid_idx = remapped
+    try:
+        yield
+    finally:
+        builder.set_grid_idx = orig
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="drives the interpreter's program order")
+def test_fused_merge_matches_two_launch():
+    """Same answers as the merge kernel, over repeated calls on one counter buffer.
+
+    The batch mixes rows spread over several splits, rows that fit one chunk
+    (written directly), a row with no keys, an indexed row and a row_mask-0
+    row; lengths change between calls (as between CUDA-graph replays) and the
+    splits arrive in a different order each call (reversed, then shuffled), so
+    the merging program is not always the highest split. The counters must be
+    all zero after every call.
+    """
+    rng = random.Random(77)
+    num_kv_heads, cap = 2, 30
+    counters = K.make_split_counters(8, num_kv_heads, DEVICE)
+    for call, (num_splits, dtype) in enumerate(((4, torch.bfloat16), (5, torch.float16))):
+        n = [rng.randint(70, 100), rng.randint(5, 15), 50, rng.randint(60, 80), 90, rng.randint(40, 90)]
+        b_ranges = [(0, n[0]), (0, n[1]), (20, 20), (n[3] - 21, n[3]), (0, 90), (n[5] - 33, n[5])]
+        a_lens = [0, 0, 0, 0, 0, [rng.randint(0, cap), cap]]
+        case = T.make_decode_case(
+            n, a_lens, b_ranges, num_kv_heads=num_kv_heads, group=4, head_dim=64, cap=cap,
+            dtype=dtype, device=DEVICE, seed=call, empty_slot_value=None,
+        )
+        T.set_indexed_rows(case, {3: [rng.randint(0, 40), 40]}, cap_pos=40, seed=call)
+        row_mask = torch.tensor([1, 1, 1, 1, 0, 1], dtype=torch.int32, device=DEVICE)
+        ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, row_mask=row_mask, **case.kwargs())
+        on = row_mask.bool()
+        perm = list(range(num_splits))[::-1]
+        if call:
+            rng.shuffle(perm)
+        outs = []
+        for fused in (False, True):
+            out = torch.full_like(case.q, float("nan"))
+            with split_order(perm if fused else list(range(num_splits))):
+                o, lse = K.two_segment_decode(
+                    *case.args(), out=out, return_lse=True, row_mask=row_mask, num_splits=num_splits,
+                    fused_merge=fused, split_counters=counters if fused else None, **case.kwargs(), **SMALL,
+                )
+            assert torch.isnan(o[4]).all(), "a row_mask == 0 row was written"
+            assert not torch.isnan(o[on]).any() and not torch.isnan(lse[on]).any()
+            assert T.rel_error(o[on].float(), ref_o[on]) < TOL[dtype]
+            assert torch.equal(torch.isinf(lse[on]), torch.isinf(ref_lse[on]))
+            fin = torch.isfinite(ref_lse) & on[:, None]
+            torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=0)
+            assert (o[2] == 0).all() and torch.isneginf(lse[2]).all()
+            outs.append(o)
+        assert int(counters.abs().sum()) == 0, "a split counter was left non-zero"
+        # Same partials, merged in another order: equal up to fp32 rounding.
+        assert T.rel_error(outs[1][on].float(), outs[0][on].float()) < 2e-3
+
+
+def test_fused_merge_own_counters_and_defaults():
+    """fused_merge without a counter buffer (allocated per call), default tiling."""
+    case = _standard_case(seed=9, head_dim=128, group=2)
+    check(case, num_splits=3, fused_merge=True)
+    check(case, num_splits=4, fused_merge=True, **SMALL)
