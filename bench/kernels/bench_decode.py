@@ -18,6 +18,12 @@ What it measures (Qwen3-1.7B attention shape by default: Hq=16, Hkv=8, D=128, bf
    1/64, 1/16, 1/8, 1/4, 1/2, 1 = 1.6 .. 100 %): segment A = 4 sink +
    selected tokens in the compact buffer, segment B = the most recent
    ``min(256, budget/2)`` positions read in place from the pool.
+5. **Indexed segment A** (``ours_sparse_indexed``): the same selection read in
+   place through a per-head position list (``a_slot == -2``, ``a_pos``), as
+   Quest / AsyncSpade / LFPS do, instead of from the compact buffer.
+6. **One-launch merge** (``*_fused``): wherever ``num_splits > 1``, the same
+   call with ``fused_merge=True`` (the last split merges; no merge launch),
+   for an A/B against the two-launch path at the same shape.
 
 Every configuration is first checked against the plain-PyTorch reference on
 fresh random data (relative error), then timed with ``triton.testing.do_bench``
@@ -93,6 +99,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="also sweep block_n x num_warps x num_stages x num_splits scale for our kernel "
                         "and report the best config per shape")
     p.add_argument("--with-pack", action="store_true", help="also time pack_compact for the sparse fractions")
+    p.add_argument("--no-indexed", action="store_true", help="skip the indexed segment-A (a_pos) rows")
+    p.add_argument("--no-fused", action="store_true", help="skip the fused_merge=True rows")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (e.g. not installed)")
     p.add_argument("--fi-tensor-cores", choices=["auto", "on", "off"], default="auto",
                    help="FlashInfer use_tensor_cores (auto: on when Hq/Hkv >= 4, like SGLang)")
@@ -226,11 +234,17 @@ class FlashInferDense:
             return self._run(self.q, self.kv, **self._run_kwargs)
 
 
-def bytes_two_segment(case, a_len_total: int, b_len_total: int, elem: int) -> int:
-    """Minimal HBM traffic of one decode call: K and V rows, page indices, q and o."""
+def bytes_two_segment(case, a_len_total: int, b_len_total: int, elem: int, a_indexed: bool = False) -> int:
+    """Minimal HBM traffic of one decode call: K and V rows, page indices, q and o.
+
+    With ``a_indexed`` segment A also reads, per listed (head, position), one
+    int32 of ``a_pos`` and one int32 of ``req_to_token`` (positions differ by head).
+    """
     hkv, d = case.k_pool.shape[1], case.k_pool.shape[2]
     kv = (a_len_total + b_len_total * hkv) * d * elem * 2  # a_len_total already sums heads
     idx = b_len_total * 4  # req_to_token entries of segment B (re-reads across heads hit L2)
+    if a_indexed:
+        idx += a_len_total * 8
     qo = 2 * case.q.numel() * elem
     return kv + idx + qo
 
@@ -359,6 +373,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             t = timer.eager_us(run)
             record(ctx=n, bs=bs, kernel="ours_dense", frac=1.0, keys=n, num_splits=ns, time_us=t,
                    graph_us=timer.graph_us(run), bytes=dense_bytes, rel_err=err, note="A empty, B=[0,n)")
+            counters = K.make_split_counters(bs, hkv, device)
+            if ns > 1 and not args.no_fused:
+                kw_f = dict(kw, fused_merge=True, split_counters=counters)
+                run = lambda: K.two_segment_decode(*base.args(), **kw_f)  # noqa: E731
+                out.fill_(float("nan"))
+                run()
+                err = T.rel_error(out.float(), ref)
+                t = timer.eager_us(run)
+                record(ctx=n, bs=bs, kernel="ours_dense_fused", frac=1.0, keys=n, num_splits=ns, time_us=t,
+                       graph_us=timer.graph_us(run), bytes=dense_bytes, rel_err=err,
+                       note="A empty, B=[0,n); one launch")
             if args.sweep:
                 sweep(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0, dense_bytes)
             del ref
@@ -392,6 +417,36 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t = timer.eager_us(run)
                 record(ctx=n, bs=bs, kernel="ours_sparse", frac=frac, keys=a + ben - bst, num_splits=ns, time_us=t,
                        graph_us=timer.graph_us(run), bytes=nbytes, rel_err=err, note=f"A={a} B={ben - bst}")
+                if ns > 1 and not args.no_fused:
+                    kw_f = dict(kw, fused_merge=True, split_counters=counters)
+                    run = lambda: K.two_segment_decode(*case.args(), **kw_f)  # noqa: E731
+                    out.fill_(float("nan"))
+                    run()
+                    err = T.rel_error(out.float(), ref)
+                    t = timer.eager_us(run)
+                    record(ctx=n, bs=bs, kernel="ours_sparse_fused", frac=frac, keys=a + ben - bst, num_splits=ns,
+                           time_us=t, graph_us=timer.graph_us(run), bytes=nbytes, rel_err=err,
+                           note=f"A={a} B={ben - bst}; one launch")
+                if not args.no_indexed and 0 < a <= bst:
+                    # The same budget, segment A as a per-head list of distinct
+                    # positions below b_start, read in place (Quest/AsyncSpade/LFPS).
+                    a_pos = torch.stack([
+                        torch.randperm(bst, generator=gen, device=device)[:a] for _ in range(bs * hkv)
+                    ]).view(bs, hkv, a).to(torch.int32)
+                    icase = T.DecodeCase(**{**case.__dict__, "a_slot": torch.full_like(case.a_slot, -2), "a_pos": a_pos})
+                    iref = K.two_segment_decode_ref(*icase.args(), **icase.kwargs())
+                    ibytes = bytes_two_segment(icase, bs * hkv * a, bs * (ben - bst), elem, a_indexed=True)
+                    for fused in ((False, True) if ns > 1 and not args.no_fused else (False,)):
+                        kw_i = dict(kw, a_pos=a_pos, fused_merge=fused, split_counters=counters)
+                        run = lambda: K.two_segment_decode(*icase.args(), **kw_i)  # noqa: E731
+                        out.fill_(float("nan"))
+                        run()
+                        err = T.rel_error(out.float(), iref)
+                        t = timer.eager_us(run)
+                        record(ctx=n, bs=bs, kernel="ours_sparse_indexed" + ("_fused" if fused else ""), frac=frac,
+                               keys=a + ben - bst, num_splits=ns, time_us=t, graph_us=timer.graph_us(run),
+                               bytes=ibytes, rel_err=err, note=f"A={a} listed B={ben - bst}")
+                    del icase, a_pos, iref
                 if args.sweep:
                     sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, "ours_sparse", frac, nbytes)
                 if args.with_pack and a > 0:
