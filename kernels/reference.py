@@ -14,7 +14,15 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-__all__ = ["two_segment_decode_ref", "pack_compact_ref", "dense_decode_ref"]
+__all__ = [
+    "two_segment_decode_ref",
+    "pack_compact_ref",
+    "dense_decode_ref",
+    "quest_bounds_ref",
+    "quest_page_scores_ref",
+    "token_scores_ref",
+    "token_scores_at_ref",
+]
 
 
 def _default_compute_dtype(device: torch.device) -> torch.dtype:
@@ -194,3 +202,132 @@ def pack_compact_ref(
             tokens = req_to_token[rp, sel_pos[b, h, :n].long()].long()
             a_k[slot, h, :n] = k_pool[tokens, h]
             a_v[slot, h, :n] = v_pool[tokens, h]
+
+
+# -----------------------------------------------------------------------------
+# Quest page bounds and scores; token scores (AsyncSpade / LFPS)
+# -----------------------------------------------------------------------------
+
+QUEST_PAGE = 16
+
+
+def quest_bounds_ref(
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    slot: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+) -> None:
+    """Reference for :func:`quest_bounds_update` (in place, same signature).
+
+    For each row with ``slot >= 0`` and each page ``p`` in
+    ``[lo // 16, min(ceil(hi / 16), max_pages))``: ``kmin/kmax[slot, h, p]`` =
+    element-wise min/max of the keys at positions ``[16p, min(16p + 16, hi))``.
+    """
+    max_pages = kmin.shape[2]
+    for b in range(slot.shape[0]):
+        s = int(slot[b].item())
+        if s < 0:
+            continue
+        rp = int(req_pool_idx[b].item())
+        l, h_ = max(int(lo[b].item()), 0), int(hi[b].item())
+        for p in range(l // QUEST_PAGE, min(-(-h_ // QUEST_PAGE), max_pages)):
+            toks = req_to_token[rp, p * QUEST_PAGE : min(p * QUEST_PAGE + QUEST_PAGE, h_)].long()
+            k = k_pool[toks]  # [n, Hkv, D]
+            kmin[s, :, p] = k.amin(dim=0)
+            kmax[s, :, p] = k.amax(dim=0)
+
+
+def quest_page_scores_ref(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    slot: torch.Tensor,
+    first_page: torch.Tensor,
+    last_page: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for :func:`quest_page_scores` in float64: the literal formula
+    ``max_g sum_d max(q_gd * kmin_d, q_gd * kmax_d)``; -inf outside the range."""
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads, max_pages = kmin.shape[1], kmin.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.full((bs, num_kv_heads, max_pages), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(bs):
+        s = int(slot[b].item())
+        f, l = max(int(first_page[b].item()), 0), min(int(last_page[b].item()), max_pages)
+        if s < 0 or l <= f:
+            continue
+        for h in range(num_kv_heads):
+            qg = q[b, h * group : (h + 1) * group].double()[:, None, :]  # [G, 1, D]
+            lo_, hi_ = kmin[s, h, f:l].double()[None], kmax[s, h, f:l].double()[None]  # [1, P, D]
+            bound = torch.maximum(qg * lo_, qg * hi_).sum(-1)  # [G, P]
+            out[b, h, f:l] = bound.amax(0)
+    return out.float()
+
+
+def token_scores_ref(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    n_max: int,
+) -> torch.Tensor:
+    """Reference for :func:`token_scores` in float64, returned as fp32 ``[bs, Hkv, n_max]``:
+    ``max_g (q_hat[b, g] . k[pos, h]) * sm_scale`` on ``[lo, min(hi, n_max, max_ctx))``, -inf elsewhere."""
+    bs, num_q_heads, _ = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.full((bs, num_kv_heads, n_max), float("-inf"), dtype=torch.float64, device=q_hat.device)
+    for b in range(bs):
+        l, h_ = max(int(lo[b].item()), 0), min(int(hi[b].item()), n_max, req_to_token.shape[1])
+        if h_ <= l:
+            continue
+        toks = req_to_token[int(req_pool_idx[b].item()), l:h_].long()
+        k = k_pool[toks].double()  # [n, Hkv, D]
+        qb = q_hat[b].double().view(num_kv_heads, group, -1)
+        s = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale
+        out[b, :, l:h_] = s.amax(1)
+    return out.float()
+
+
+def token_scores_at_ref(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    cand_pos: torch.Tensor,
+    sm_scale: float,
+    *,
+    cand_len: Optional[torch.Tensor] = None,
+    lo: Optional[torch.Tensor] = None,
+    hi: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Reference for :func:`token_scores_at` in float64, fp32 ``[bs, Hkv, C]``: the
+    score of each listed position (index ``< cand_len``, position in ``[lo, hi)``),
+    -inf for every other entry."""
+    bs, num_q_heads, _ = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    c = cand_pos.shape[2]
+    max_ctx = req_to_token.shape[1]
+    out = torch.full((bs, num_kv_heads, c), float("-inf"), dtype=torch.float64, device=q_hat.device)
+    for b in range(bs):
+        rp = int(req_pool_idx[b].item())
+        l = int(lo[b].item()) if lo is not None else 0
+        h_ = int(hi[b].item()) if hi is not None else max_ctx
+        l, h_ = max(l, 0), min(h_, max_ctx)
+        for h in range(num_kv_heads):
+            n = c if cand_len is None else min(max(int(cand_len[b, h].item()), 0), c)
+            qg = q_hat[b, h * group : (h + 1) * group].double()
+            for i in range(n):
+                pos = int(cand_pos[b, h, i].item())
+                if l <= pos < h_:
+                    k = k_pool[int(req_to_token[rp, pos].item()), h].double()
+                    out[b, h, i] = (qg @ k).max() * sm_scale
+    return out.float()

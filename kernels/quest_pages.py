@@ -1,0 +1,428 @@
+"""
+Quest: per-page key bounds and query-aware page scores
+======================================================
+
+Quest (the ``quest`` baseline policy) keeps, per layer, request and KV head,
+the element-wise minimum and maximum of the keys of every *page* of 16
+consecutive positions (page ``p`` = positions ``[16p, 16p + 16)`` of the
+request, independent of SGLang's own page_size 1 pool). At decode it bounds
+each page's attention logit from above without reading the page's keys::
+
+    q . k  <=  sum_d max(q_d * kmin_d, q_d * kmax_d)      for every k in the page
+
+and attends only to the top-k pages (plus sink and recent tokens).
+
+The bounds store is ``kmin/kmax [layers, slots, Hkv, max_pages, D]`` in the KV
+dtype (min/max of values of that dtype are exact); every kernel here takes one
+layer's view ``[slots, Hkv, max_pages, D]`` and a per-row ``slot`` into it.
+
+Kernels
+-------
+* :func:`quest_bounds_update` (extend): recompute the bounds of every page
+  touching positions ``[lo, hi)`` from the keys in the pool -- whole pages,
+  from their first position, so a page left half-filled by an earlier chunk or
+  by a radix-cache prefix hit (``lo = 0``: the whole prefix) is rebuilt right.
+* :func:`quest_bounds_decode` (decode): fold the one key written this step
+  (position ``n - 1``) into its page: min/max with the stored bounds, or a
+  plain copy when it is the page's first position. One program per (row, KV
+  head), CUDA-graph friendly.
+* :func:`quest_page_scores`: the bound above for every page in
+  ``[first_page, last_page)`` (the caller leaves sink and recent pages out),
+  ``-inf`` elsewhere, fp32 ``[bs, Hkv, max_pages]``. The sum splits into two
+  matrix products, ``relu(q) . kmax + min(q, 0) . kmin`` (exact: for
+  ``q_d >= 0`` the max is ``q_d * kmax_d``, otherwise ``q_d * kmin_d``), so the
+  whole GQA group is scored with tensor-core ``tl.dot``\\ s. GQA aggregate: the
+  **max over the group's query heads** -- a page is kept if any head of the
+  group may attend to it strongly, and the result is still an upper bound of
+  every head's logit.
+* :func:`quest_select_positions` (torch): top-k pages -> the per-head position
+  list ``a_pos`` / ``a_len`` that ``two_segment_decode`` reads in place
+  (``a_slot == -2``), with sink positions in front, clipped below ``b_start``.
+
+No host syncs anywhere; grids depend on static shapes only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import cdiv, needs_fp32_dot, next_pow2
+from .two_segment_decode import _dot
+
+__all__ = [
+    "QUEST_PAGE_SIZE",
+    "quest_bounds_update",
+    "quest_bounds_decode",
+    "quest_page_scores",
+    "quest_select_positions",
+]
+
+QUEST_PAGE_SIZE = 16
+
+
+# -----------------------------------------------------------------------------
+# Bounds at extend: whole pages covering [lo, hi)
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _quest_bounds_update_kernel(
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    SLOT,  # [bs] int32 slot in the bounds store; < 0: row untouched
+    LO,  # [bs] int32
+    HI,  # [bs] int32
+    KMIN,  # [slots, Hkv, max_pages, D]
+    KMAX,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_bs,  # KMIN/KMAX strides (shared layout)
+    stride_bh,
+    stride_bp,
+    MAX_PAGES,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    pid = tl.program_id(2)
+    nprog = tl.num_programs(2)
+    slot = tl.load(SLOT + cur_b).to(tl.int64)
+    lo = tl.maximum(tl.load(LO + cur_b), 0)
+    hi = tl.load(HI + cur_b)
+    if slot < 0:
+        return
+    first = lo // PAGE
+    last = tl.minimum(tl.cdiv(hi, PAGE), MAX_PAGES)  # pages [first, last)
+    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_j = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    kmin_base = KMIN + slot * stride_bs + cur_h * stride_bh
+    kmax_base = KMAX + slot * stride_bs + cur_h * stride_bh
+    # Blocks of BLOCK_P pages, strided over the programs of this (row, head).
+    for p0 in range(first + pid * BLOCK_P, last, nprog * BLOCK_P):
+        pages = p0 + offs_p  # [BLOCK_P]
+        pos = pages[:, None] * PAGE + offs_j[None, :]  # [BLOCK_P, PAGE]
+        # A page is rebuilt from its first position (positions below lo are
+        # already in the pool); positions >= hi are not written yet.
+        valid = (pages[:, None] < last) & (pos < hi)
+        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+        m3 = valid[:, :, None] & mask_d[None, None, :]
+        k = tl.load(K_POOL + tok[:, :, None] * stride_kt + cur_h * stride_kh + offs_d[None, None, :],
+                    mask=m3, other=0.0).to(tl.float32)  # exact; fp32 also dodges the interpreter's bf16 bits
+        kmin = tl.min(tl.where(m3, k, float("inf")), axis=1)  # [BLOCK_P, BLOCK_D]
+        kmax = tl.max(tl.where(m3, k, float("-inf")), axis=1)
+        smask = (pages < last)[:, None] & mask_d[None, :]
+        off = pages[:, None].to(tl.int64) * stride_bp + offs_d[None, :]
+        tl.store(kmin_base + off, kmin.to(KMIN.dtype.element_ty), mask=smask)
+        tl.store(kmax_base + off, kmax.to(KMAX.dtype.element_ty), mask=smask)
+
+
+def quest_bounds_update(
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    slot: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    *,
+    num_programs: Optional[int] = None,
+    block_p: int = 4,
+    num_warps: int = 4,
+) -> None:
+    """Recompute the bounds of every page touching positions ``[lo[b], hi[b])``.
+
+    Args:
+        k_pool: ``[pool, Hkv, D]`` key buffer of one layer (page_size 1).
+        req_to_token: ``[max_reqs, max_ctx]`` int32; req_pool_idx: ``[bs]``.
+        slot: ``[bs]`` int32 row of the bounds store; rows with ``slot < 0`` are
+            not touched.
+        lo, hi: ``[bs]`` int32. Pages ``lo // 16 .. ceil(hi / 16) - 1`` (capped
+            at ``max_pages``) are rebuilt from *all* their positions below
+            ``hi``: positions of the first page before ``lo`` must already be in
+            the pool. Pass ``lo = 0`` after a radix-cache prefix hit to cover
+            the reused prefix too. ``hi <= lo``: nothing.
+        kmin, kmax: ``[slots, Hkv, max_pages, D]`` (one layer's view), KV dtype,
+            same strides; written in place. Pages outside the range keep their
+            values.
+        num_programs: programs per (row, KV head) (default from ``max_pages``).
+    """
+    bs = slot.shape[0]
+    num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+    assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
+    assert kmin.dim() == 4 and kmin.shape[1] == num_kv_heads and kmin.shape[3] == head_dim
+    assert kmin.dtype == k_pool.dtype and kmin.stride(3) == 1 and k_pool.stride(2) == 1
+    assert req_to_token.stride(1) == 1
+    assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
+    max_pages = kmin.shape[2]
+    if num_programs is None:
+        num_programs = max(1, min(cdiv(max_pages, block_p), 32))
+    grid = (bs, num_kv_heads, int(num_programs))
+    _quest_bounds_update_kernel[grid](
+        k_pool, req_to_token, req_pool_idx, slot, lo, hi, kmin, kmax,
+        k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        max_pages,
+        HEAD_DIM=head_dim, PAGE=QUEST_PAGE_SIZE, BLOCK_P=block_p, BLOCK_D=next_pow2(head_dim),
+        num_warps=num_warps,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Bounds at decode: fold in the key at position n - 1
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _quest_bounds_decode_kernel(
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    SLOT,
+    SEQ_LENS,  # [bs] int32: the key written this step is at position seq_lens - 1
+    KMIN,
+    KMAX,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_bs,
+    stride_bh,
+    stride_bp,
+    MAX_PAGES,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    slot = tl.load(SLOT + cur_b).to(tl.int64)
+    pos = tl.load(SEQ_LENS + cur_b) - 1
+    page = pos // PAGE
+    if (slot >= 0) & (pos >= 0) & (page < MAX_PAGES):
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos).to(tl.int64)
+        k = tl.load(K_POOL + tok * stride_kt + cur_h * stride_kh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        off = slot * stride_bs + cur_h * stride_bh + page.to(tl.int64) * stride_bp + offs_d
+        # A page's first position starts it afresh: whatever the store held
+        # there belonged to an earlier request of the slot.
+        keep = (pos % PAGE) != 0
+        old_min = tl.load(KMIN + off, mask=mask_d & keep, other=float("inf")).to(tl.float32)
+        old_max = tl.load(KMAX + off, mask=mask_d & keep, other=float("-inf")).to(tl.float32)
+        tl.store(KMIN + off, tl.minimum(old_min, k).to(KMIN.dtype.element_ty), mask=mask_d)
+        tl.store(KMAX + off, tl.maximum(old_max, k).to(KMAX.dtype.element_ty), mask=mask_d)
+
+
+def quest_bounds_decode(
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    slot: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    *,
+    num_warps: int = 1,
+) -> None:
+    """Fold the key at position ``seq_lens[b] - 1`` into its page's bounds.
+
+    Call after the step's key is in the pool. Rows with ``slot < 0`` (or
+    ``seq_lens == 0``, or a page past ``max_pages``) are not touched. When the
+    position is the first of its page the bounds are set to the key; else
+    ``kmin = min(kmin, k)``, ``kmax = max(kmax, k)``. Grid ``(bs, Hkv)``.
+    """
+    bs = slot.shape[0]
+    num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+    assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride() and kmin.dtype == k_pool.dtype
+    assert kmin.stride(3) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
+    assert seq_lens.shape == (bs,) and req_pool_idx.shape == (bs,)
+    _quest_bounds_decode_kernel[(bs, num_kv_heads)](
+        k_pool, req_to_token, req_pool_idx, slot, seq_lens, kmin, kmax,
+        k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        kmin.shape[2],
+        HEAD_DIM=head_dim, PAGE=QUEST_PAGE_SIZE, BLOCK_D=next_pow2(head_dim),
+        num_warps=num_warps,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Page scores
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _quest_page_scores_kernel(
+    Q,  # [bs, Hq, D]
+    KMIN,
+    KMAX,
+    SLOT,
+    FIRST_PAGE,  # [bs] int32
+    LAST_PAGE,  # [bs] int32
+    OUT,  # [bs, Hkv, max_pages] fp32
+    stride_qb,
+    stride_qh,
+    stride_bs,
+    stride_bh,
+    stride_bp,
+    stride_ob,
+    stride_oh,
+    MAX_PAGES,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    blk = tl.program_id(2)
+    offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+    slot = tl.load(SLOT + cur_b).to(tl.int64)
+    first = tl.maximum(tl.load(FIRST_PAGE + cur_b), 0)
+    last = tl.minimum(tl.load(LAST_PAGE + cur_b), MAX_PAGES)
+    in_range = (offs_p >= first) & (offs_p < last) & (slot >= 0)
+    out_ptr = OUT + cur_b * stride_ob + cur_h * stride_oh + offs_p
+    score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    # Skip the loads (not the store) when no page of this block is in range.
+    if (blk * BLOCK_P < last) & (blk * BLOCK_P + BLOCK_P > first) & (slot >= 0):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        # max(q*kmin, q*kmax) summed over d == relu(q).kmax + min(q,0).kmin;
+        # both halves of q are exact in q's dtype, so two tensor-core dots.
+        # (Split in fp32: the interpreter compares bf16 as raw bit patterns.)
+        q32 = q.to(tl.float32)
+        q_pos = tl.maximum(q32, 0.0).to(q.dtype)
+        q_neg = tl.minimum(q32, 0.0).to(q.dtype)
+        base = slot * stride_bs + cur_h * stride_bh
+        kmask = in_range[:, None] & mask_d[None, :]
+        off = base + offs_p[:, None].to(tl.int64) * stride_bp + offs_d[None, :]
+        kmn = tl.load(KMIN + off, mask=kmask, other=0.0)
+        kmx = tl.load(KMAX + off, mask=kmask, other=0.0)
+        s = _dot(q_pos, tl.trans(kmx), FP32_DOT) + _dot(q_neg, tl.trans(kmn), FP32_DOT)  # [BLOCK_H, BLOCK_P]
+        s = tl.where(mask_h[:, None], s, float("-inf"))
+        score = tl.where(in_range, tl.max(s, 0), float("-inf"))
+    tl.store(out_ptr, score, mask=offs_p < MAX_PAGES)
+
+
+def quest_page_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    slot: torch.Tensor,
+    first_page: torch.Tensor,
+    last_page: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    block_p: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Quest upper bounds of the attention logits per page, fp32 ``[bs, Hkv, max_pages]``.
+
+    ``score[b, h, p] = max_{g in group(h)} sum_d max(q[b,g,d] * kmin[s,h,p,d],
+    q[b,g,d] * kmax[s,h,p,d])`` with ``s = slot[b]``, for ``first_page[b] <= p <
+    last_page[b]``; ``-inf`` for every other page and for rows with ``slot < 0``.
+    Unscaled (no ``sm_scale``): only the ranking matters. ``q``: ``[bs, Hq, D]``
+    in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``.
+    """
+    bs, num_q_heads, head_dim = q.shape
+    num_kv_heads, max_pages = kmin.shape[1], kmin.shape[2]
+    assert num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride() and kmin.shape[3] == head_dim
+    assert q.dtype == kmin.dtype, "q and the bounds must share a dtype"
+    assert q.stride(2) == 1 and kmin.stride(3) == 1
+    assert first_page.shape == (bs,) and last_page.shape == (bs,) and slot.shape == (bs,)
+    if out is None:
+        out = torch.empty((bs, num_kv_heads, max_pages), dtype=torch.float32, device=q.device)
+    assert out.shape == (bs, num_kv_heads, max_pages) and out.dtype == torch.float32 and out.stride(2) == 1
+    block_p = max(16, min(int(block_p), next_pow2(max_pages)))  # tl.dot needs N >= 16
+    grid = (bs, num_kv_heads, cdiv(max_pages, block_p))
+    _quest_page_scores_kernel[grid](
+        q, kmin, kmax, slot, first_page, last_page, out,
+        q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
+        max_pages,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_P=block_p,
+        BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype),
+        num_warps=num_warps,
+    )
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Top-k pages -> position list for two_segment_decode's indexed segment A
+# -----------------------------------------------------------------------------
+
+
+def quest_select_positions(
+    scores: torch.Tensor,
+    num_pages: Union[int, torch.Tensor],
+    b_start: torch.Tensor,
+    *,
+    max_select_pages: int,
+    n_sink: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top pages per (row, KV head) -> ``(a_pos, a_len)`` for ``a_slot == -2``.
+
+    Args:
+        scores: ``[bs, Hkv, max_pages]`` fp32 from :func:`quest_page_scores`
+            (``-inf`` = not selectable).
+        num_pages: pages to keep per row, an int or an int tensor ``[bs]``
+            (each ``<= max_select_pages``; larger values act as it).
+        b_start: ``[bs]`` int32; only positions ``< b_start`` are listed
+            (segment B, the recent window, starts there).
+        max_select_pages: static k of ``torch.topk`` (fixed per CUDA graph).
+        n_sink: positions ``[0, n_sink)`` (clipped at ``b_start``) are listed
+            first; page positions below ``n_sink`` are dropped so that every
+            listed position is distinct.
+
+    Returns:
+        ``a_pos`` int32 ``[bs, Hkv, n_sink + 16 * max_select_pages]`` -- the
+        listed positions in ascending order, then zeros -- and ``a_len`` int32
+        ``[bs, Hkv]``. Pages scored ``-inf`` are never listed. Device ops only.
+    """
+    bs, num_kv_heads, max_pages = scores.shape
+    dev = scores.device
+    k = max(0, min(int(max_select_pages), max_pages))
+    page = QUEST_PAGE_SIZE
+    vals, idx = torch.topk(scores, k, dim=-1)  # [bs, Hkv, k]
+    rank = torch.arange(k, device=dev)
+    if isinstance(num_pages, torch.Tensor):
+        budget = num_pages.to(dev).view(bs, 1, 1)
+    else:
+        budget = torch.full((bs, 1, 1), int(num_pages), device=dev)
+    chosen = (vals > float("-inf")) & (rank.view(1, 1, k) < budget)
+    limit = b_start.to(dev).view(bs, 1, 1, 1).to(torch.int64)
+    pos = idx.unsqueeze(-1) * page + torch.arange(page, device=dev).view(1, 1, 1, page)  # [bs, Hkv, k, 16]
+    ok = chosen.unsqueeze(-1) & (pos < limit) & (pos >= n_sink)
+    pos = pos.reshape(bs, num_kv_heads, k * page)
+    ok = ok.reshape(bs, num_kv_heads, k * page)
+    if n_sink > 0:
+        sink = torch.arange(n_sink, device=dev).view(1, 1, n_sink).expand(bs, num_kv_heads, n_sink)
+        pos = torch.cat([sink, pos], dim=-1)
+        ok = torch.cat([sink < limit.view(bs, 1, 1), ok], dim=-1)
+    big = torch.iinfo(torch.int32).max
+    key = torch.where(ok, pos, torch.full_like(pos, big))
+    a_pos = key.sort(dim=-1).values
+    a_len = ok.sum(dim=-1).to(torch.int32)
+    a_pos = torch.where(a_pos == big, torch.zeros_like(a_pos), a_pos).to(torch.int32).contiguous()
+    return a_pos, a_len

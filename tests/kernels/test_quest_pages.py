@@ -1,0 +1,174 @@
+"""Tests for kernels.quest_pages against float64 / plain-PyTorch references.
+
+Under the Triton interpreter at small shapes (pages of 16 positions, a few
+dozen pages). Bounds are min/max of values of the KV dtype, so they must match
+the reference *exactly*; page scores are sums of exact products in fp32 and
+must match the float64 formula to fp32 rounding. Every test draws fresh random
+data and pre-fills outputs with garbage that a correct kernel overwrites or
+(outside the documented range) leaves alone.
+"""
+
+import random
+
+import pytest
+import torch
+
+from sgl_sparse import kernels as K
+from sgl_sparse.kernels import testing as T
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = K.QUEST_PAGE_SIZE
+
+
+def _pool_case(seq_lens, *, num_kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16, seed=0):
+    """k_pool / req_to_token / req_pool_idx (and q) of random requests of these lengths."""
+    n = len(seq_lens)
+    return T.make_decode_case(
+        seq_lens, [0] * n, [(0, s) for s in seq_lens], num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, cap=1, dtype=dtype, device=DEVICE, seed=seed,
+    )
+
+
+def _garbage_store(slots, num_kv_heads, max_pages, head_dim, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    kmin = torch.randn(slots, num_kv_heads, max_pages, head_dim, generator=g, device=DEVICE).to(dtype)
+    kmax = torch.randn(slots, num_kv_heads, max_pages, head_dim, generator=g, device=DEVICE).to(dtype)
+    return kmin, kmax
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bounds_update_exact(dtype):
+    """Whole pages covering [lo, hi): a prefix from 0, a chunk starting mid-page
+    and ending mid-page, an empty range, a slot < 0 row, and a range running past
+    max_pages (capped)."""
+    seq_lens = [75, 130, 40, 60, 200]
+    case = _pool_case(seq_lens, dtype=dtype, seed=1)
+    max_pages = 10  # row 4 (200 positions = 13 pages) is capped at 10
+    kmin, kmax = _garbage_store(6, 2, max_pages, 64, dtype, seed=2)
+    slot = torch.tensor([3, 0, 5, -1, 1], dtype=torch.int32, device=DEVICE)
+    lo = torch.tensor([0, 37, 20, 0, 0], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([75, 101, 20, 60, 200], dtype=torch.int32, device=DEVICE)
+    args = (case.k_pool, case.req_to_token, case.req_pool_idx, slot, lo, hi)
+    ref_min, ref_max = kmin.clone(), kmax.clone()
+    K.quest_bounds_ref(*args, ref_min, ref_max)
+    K.quest_bounds_update(*args, kmin, kmax, num_programs=2, block_p=2)
+    assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max)
+    # The reference itself: page 2 of row 1 (positions 32..47, lo = 37) is the
+    # min over all 16 keys, including those before lo.
+    toks = case.req_to_token[int(case.req_pool_idx[1]), 32:48].long()
+    assert torch.equal(kmin[0, :, 2], case.k_pool[toks].amin(0))
+
+
+def test_bounds_decode_steps():
+    """Decode steps crossing page boundaries == bounds rebuilt from scratch.
+
+    The page a step opens holds garbage of an earlier request: it must be reset,
+    not min/max-ed with it. A slot < 0 row is never touched."""
+    n0, steps = 29, 22  # positions 29..50: finishes page 1, fills page 2, opens page 3
+    case = _pool_case([n0 + steps, n0 + steps + 7], dtype=torch.bfloat16, seed=3)
+    kmin, kmax = _garbage_store(3, 2, 5, 64, torch.bfloat16, seed=4)
+    slot = torch.tensor([2, -1], dtype=torch.int32, device=DEVICE)
+    untouched = (kmin[1].clone(), kmax[1].clone(), kmin[0].clone())
+    pool = (case.k_pool, case.req_to_token, case.req_pool_idx, slot)
+    zero = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    K.quest_bounds_update(*pool, zero, torch.full_like(zero, n0), kmin, kmax)
+    for n in range(n0 + 1, n0 + steps + 1):
+        K.quest_bounds_decode(*pool, torch.tensor([n, n + 7], dtype=torch.int32, device=DEVICE), kmin, kmax)
+        if n in (n0 + 3, n0 + steps):
+            ref_min, ref_max = kmin.clone(), kmax.clone()
+            ref_min[2], ref_max[2] = kmin[2].neg(), kmax[2].neg()  # the reference must rebuild every page
+            K.quest_bounds_ref(*pool, zero, torch.full_like(zero, n), ref_min, ref_max)
+            used = -(-n // PAGE)
+            assert torch.equal(kmin[2, :, :used], ref_min[2, :, :used])
+            assert torch.equal(kmax[2, :, :used], ref_max[2, :, :used])
+    assert torch.equal(kmin[1], untouched[0]) and torch.equal(kmax[1], untouched[1])
+    assert torch.equal(kmin[0], untouched[2])
+
+
+SCORE_CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("idx", range(len(SCORE_CONFIGS)))
+def test_page_scores_vs_float64(idx):
+    dtype, group = SCORE_CONFIGS[idx]
+    bs, num_kv_heads, max_pages, d = 4, 2, 70, 64  # 70: not a multiple of the 16/64 page blocks
+    g = torch.Generator(device=DEVICE).manual_seed(100 + idx)
+    q = torch.randn(bs, num_kv_heads * group, d, generator=g, device=DEVICE).to(dtype)
+    a = torch.randn(5, num_kv_heads, max_pages, d, generator=g, device=DEVICE)
+    b = torch.randn(5, num_kv_heads, max_pages, d, generator=g, device=DEVICE)
+    kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    slot = torch.tensor([4, 0, -1, 2], dtype=torch.int32, device=DEVICE)
+    first = torch.tensor([1, 0, 0, 30], dtype=torch.int32, device=DEVICE)
+    last = torch.tensor([69, 70, 50, 30], dtype=torch.int32, device=DEVICE)  # row 3: empty range
+    out = torch.full((bs, num_kv_heads, max_pages), float("nan"), device=DEVICE)
+    s = K.quest_page_scores(q, kmin, kmax, slot, first, last, out=out, block_p=16)
+    ref = K.quest_page_scores_ref(q, kmin, kmax, slot, first, last)
+    assert not torch.isnan(s).any()
+    assert torch.equal(torch.isneginf(s), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    assert fin.sum() == 2 * (68 + 70)
+    torch.testing.assert_close(s[fin], ref[fin], rtol=1e-5, atol=1e-4)
+
+
+def test_page_scores_bound_real_logits():
+    """On bounds built from real keys, every page score >= every logit of the group
+    on that page (Quest's guarantee), with the default tiling."""
+    n = 90
+    case = _pool_case([n, 57], group=4, dtype=torch.float16, seed=7)
+    kmin, kmax = _garbage_store(2, 2, 8, 64, torch.float16, seed=8)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    zero = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    K.quest_bounds_update(case.k_pool, case.req_to_token, case.req_pool_idx, slot, zero, case.seq_lens, kmin, kmax)
+    last = torch.tensor([5, 3], dtype=torch.int32, device=DEVICE)  # whole pages only (90, 57 keys)
+    s = K.quest_page_scores(case.q, kmin, kmax, slot, zero, last)
+    for b, npages in enumerate(last.tolist()):
+        toks = case.req_to_token[int(case.req_pool_idx[b]), : npages * PAGE].long()
+        k = case.k_pool[toks].double().view(npages, PAGE, 2, 64)  # [P, 16, Hkv, D]
+        qb = case.q[b].double().view(2, 4, 64)
+        logits = torch.einsum("hgd,pjhd->hpgj", qb, k).amax(dim=(2, 3))  # [Hkv, P]
+        assert (s[b, :, :npages].double() >= logits - 1e-3).all()
+        assert torch.isneginf(s[b, :, npages:]).all()
+
+
+def _select_expected(scores, budget, b_start, k, n_sink):
+    bs, hkv, _ = scores.shape
+    out = {}
+    for b in range(bs):
+        for h in range(hkv):
+            order = sorted(range(scores.shape[2]), key=lambda p: -float(scores[b, h, p]))[:k]
+            pages = [p for p in order[: budget[b]] if scores[b, h, p] != float("-inf")]
+            s = int(b_start[b])
+            pos = list(range(min(n_sink, s)))
+            pos += [p * PAGE + j for p in pages for j in range(PAGE) if n_sink <= p * PAGE + j < s]
+            out[b, h] = sorted(pos)
+    return out
+
+
+def test_select_positions_and_decode():
+    """Top-k pages -> sorted distinct positions below b_start (sinks first, per-row
+    budgets, -inf pages skipped), then two_segment_decode over them == reference."""
+    rng = random.Random(5)
+    seq_lens = [120, 77, 100]
+    case = _pool_case(seq_lens, group=4, dtype=torch.bfloat16, seed=9)
+    max_pages, k, n_sink = 8, 3, 4
+    scores = torch.randn(3, 2, max_pages, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    scores[0, 1, :] = float("-inf")  # nothing selectable for this head
+    scores[0, 1, 2] = 0.5  # ... but one page
+    scores[1, :, 4:] = float("-inf")  # row 1: b_start 77 -> pages >= 4 are recent
+    b_start = torch.tensor([100, 64, 40], dtype=torch.int32, device=DEVICE)  # row 2 clips page 2 mid-page
+    budget = torch.tensor([3, 2, 3], dtype=torch.int32, device=DEVICE)
+    a_pos, a_len = K.quest_select_positions(scores, budget, b_start, max_select_pages=k, n_sink=n_sink)
+    assert a_pos.shape == (3, 2, n_sink + PAGE * k) and a_pos.dtype == torch.int32
+    exp = _select_expected(scores.cpu(), budget.tolist(), b_start.tolist(), k, n_sink)
+    for (b, h), pos in exp.items():
+        assert int(a_len[b, h]) == len(pos)
+        assert a_pos[b, h, : len(pos)].tolist() == pos
+    # Feed it to the decode kernel: A = listed positions, B = [b_start, n).
+    case.a_slot = torch.full((3,), -2, dtype=torch.int32, device=DEVICE)
+    case.a_len, case.a_pos = a_len, a_pos
+    case.b_start = b_start
+    out = torch.full_like(case.q, float("nan"))
+    o = K.two_segment_decode(*case.args(), out=out, a_pos=a_pos, num_splits=rng.choice([1, 2]),
+                             block_n=16, min_split_len=16)
+    ref = K.two_segment_decode_ref(*case.args(), a_pos=a_pos)
+    assert T.rel_error(o.float(), ref) < 1e-2
