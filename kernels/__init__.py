@@ -11,15 +11,37 @@ Public API:
 * :func:`selector_scores` / :func:`selector_stats` -- the Selector's steps 1-5
   (normalizers, prior medians, fusion, Soft-NMS, exclusivity).
 * :func:`plan_step` -- the per-step decode plan and state updates in one launch.
-* :func:`choose_num_splits` -- the static split heuristic used by the above.
+* :func:`choose_num_splits` -- the static split heuristic used by the above;
+  :func:`make_split_counters` -- the counters of its one-launch merge.
+* Quest (:mod:`.quest_pages`): :func:`quest_bounds_update` (extend),
+  :func:`quest_bounds_decode` (one key per step), :func:`quest_page_scores`,
+  :func:`quest_select_positions` (top-k pages -> ``a_pos`` for segment A).
+* Token scores (:mod:`.token_scores`, AsyncSpade / LFPS): :func:`token_scores`
+  over a position range, :func:`token_scores_at` over per-head candidate lists.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
 
 from .pack_compact import pack_compact
+from .quest_pages import (
+    QUEST_PAGE_SIZE,
+    quest_bounds_decode,
+    quest_bounds_update,
+    quest_page_scores,
+    quest_select_positions,
+)
 from .plan_step import plan_step
-from .reference import dense_decode_ref, pack_compact_ref, two_segment_decode_ref
-from .two_segment_decode import choose_num_splits, two_segment_decode
+from .reference import (
+    dense_decode_ref,
+    pack_compact_ref,
+    quest_bounds_ref,
+    quest_page_scores_ref,
+    token_scores_at_ref,
+    token_scores_ref,
+    two_segment_decode_ref,
+)
+from .token_scores import token_scores, token_scores_at
+from .two_segment_decode import choose_num_splits, make_split_counters, two_segment_decode
 from .selector_scores import selector_scores, selector_stats
 from .window_evidence import window_evidence
 
@@ -31,7 +53,19 @@ __all__ = [
     "selector_scores",
     "selector_stats",
     "choose_num_splits",
+    "make_split_counters",
+    "QUEST_PAGE_SIZE",
+    "quest_bounds_update",
+    "quest_bounds_decode",
+    "quest_page_scores",
+    "quest_select_positions",
+    "token_scores",
+    "token_scores_at",
     "two_segment_decode_ref",
     "pack_compact_ref",
     "dense_decode_ref",
+    "quest_bounds_ref",
+    "quest_page_scores_ref",
+    "token_scores_ref",
+    "token_scores_at_ref",
 ]

@@ -1,0 +1,311 @@
+"""
+Token-level scores of a (predicted) query, keys read in place
+=============================================================
+
+AsyncSpade scores every key of the context with the *predicted* next query
+``q_hat`` and keeps the top-k tokens per KV head; LFPS scores exactly only a
+short candidate list per KV head. Both need, for request ``b``, KV head ``h``
+and position ``pos``::
+
+    s[b, h, pos] = max_{g in group(h)} (q_hat[b, g] . k[pos, h]) * sm_scale
+
+with the keys read in place from SGLang's paged pool through
+``req_to_token``. GQA aggregate: the **max over the group's query heads**
+(a token stays a candidate if any head of the group attends to it strongly),
+consistent with :func:`quest_page_scores`.
+
+* :func:`token_scores`: every position of ``[lo[b], hi[b])``; fp32
+  ``[bs, Hkv, n_max]`` with ``-inf`` elsewhere, ready for ``torch.topk``.
+* :func:`token_scores_at`: the listed positions ``cand_pos[b, h, :]`` only;
+  fp32 ``[bs, Hkv, C]``, ``-inf`` for padding / out-of-range entries.
+
+Precision: the group's queries form the rows of a ``[BLOCK_H, D]`` tile and the
+scores are tensor-core ``tl.dot``\\ s with fp32 accumulation (products of two
+16-bit values are exact in fp32). ``q_hat`` may be the KV dtype or fp32; an
+fp32 ``q_hat`` (a ridge-regression prediction) is split into a high and a low
+part in the KV dtype, ``q = hi + lo``, scored with two dots, which keeps about
+16 mantissa bits of the query instead of 8 for bf16 -- the extra dot is free,
+the kernel is bound by reading the keys.
+
+Grids depend on static shapes only, no host syncs (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from .two_segment_decode import _dot
+
+__all__ = ["token_scores", "token_scores_at"]
+
+
+@triton.jit
+def _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, KV_DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """The group's queries as KV-dtype tile(s): (hi, lo) with q == hi + lo (lo = 0 unless Q_SPLIT)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                mask=mask, other=0.0)
+    q_hi = q.to(KV_DTYPE)
+    if Q_SPLIT:
+        q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(KV_DTYPE)
+    else:
+        q_lo = q_hi
+    return q_hi, q_lo
+
+
+@triton.jit
+def _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """max over the group of q . k for a [BLOCK_N, BLOCK_D] key tile -> [BLOCK_N] fp32."""
+    s = _dot(q_hi, tl.trans(k), FP32_DOT)
+    if Q_SPLIT:
+        s += _dot(q_lo, tl.trans(k), FP32_DOT)
+    s = tl.where(mask_h[:, None], s, float("-inf"))
+    return tl.max(s, 0)
+
+
+@triton.jit
+def _token_scores_kernel(
+    Q,  # [bs, Hq, D]
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    LO,
+    HI,
+    OUT,  # [bs, Hkv, n_max] fp32
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_ob,
+    stride_oh,
+    N_MAX,
+    MAX_CTX,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    pid = tl.program_id(2)
+    nprog = tl.num_programs(2)
+    lo = tl.maximum(tl.load(LO + cur_b), 0)
+    hi = tl.minimum(tl.minimum(tl.load(HI + cur_b), N_MAX), MAX_CTX)  # never past req_to_token's row
+    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+    q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                               BLOCK_H, BLOCK_D, Q_SPLIT)
+    mask_h = tl.arange(0, BLOCK_H) < GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    out_base = OUT + cur_b * stride_ob + cur_h * stride_oh
+    # Every block of the output row is written (-inf outside [lo, hi)); blocks
+    # are strided over the programs of this (row, head) for balance.
+    for n0 in range(pid * BLOCK_N, N_MAX, nprog * BLOCK_N):
+        offs = n0 + offs_n
+        score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        if (n0 < hi) & (n0 + BLOCK_N > lo):
+            valid = (offs >= lo) & (offs < hi)
+            tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
+            k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
+            score = tl.where(valid, s, float("-inf"))
+        tl.store(out_base + offs, score, mask=offs < N_MAX)
+
+
+def _common_checks(q_hat, k_pool, req_to_token):
+    bs, num_q_heads, head_dim = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    assert num_q_heads % num_kv_heads == 0 and k_pool.shape[2] == head_dim
+    assert q_hat.dtype in (k_pool.dtype, torch.float32), "q_hat: the KV dtype or fp32"
+    assert k_pool.dtype in (torch.bfloat16, torch.float16)
+    assert q_hat.stride(2) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
+    group = num_q_heads // num_kv_heads
+    return bs, num_kv_heads, head_dim, group
+
+
+def token_scores(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    n_max: int,
+    *,
+    out: Optional[torch.Tensor] = None,
+    num_programs: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Scaled logits of ``q_hat`` over positions ``[lo[b], hi[b])``, fp32 ``[bs, Hkv, n_max]``.
+
+    ``s[b, h, pos] = max_{g in group(h)} (q_hat[b, g] . k_pool[req_to_token[req_pool_idx[b], pos], h]) * sm_scale``
+    for ``lo[b] <= pos < min(hi[b], n_max, max_ctx)``, ``-inf`` at every other ``pos < n_max``.
+
+    Args:
+        q_hat: ``[bs, Hq, D]``, the KV dtype or fp32 (see the module docstring).
+        k_pool: ``[pool, Hkv, D]`` bf16/fp16; req_to_token ``[max_reqs, max_ctx]``
+            int32; req_pool_idx ``[bs]``; lo, hi ``[bs]`` int32.
+        n_max: static output width (e.g. the graph's max context). Positions
+            ``>= max_ctx`` (the width of ``req_to_token``) are never read: -inf.
+        num_programs: programs per (row, KV head) (default: about two waves of
+            the GPU from static shapes only).
+    """
+    bs, num_kv_heads, head_dim, group = _common_checks(q_hat, k_pool, req_to_token)
+    assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
+    n_max = int(n_max)
+    assert n_max > 0
+    if out is None:
+        out = torch.empty((bs, num_kv_heads, n_max), dtype=torch.float32, device=q_hat.device)
+    assert out.shape == (bs, num_kv_heads, n_max) and out.dtype == torch.float32 and out.stride(2) == 1
+    n_blocks = cdiv(n_max, block_n)
+    if num_programs is None:
+        sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
+        num_programs = max(1, min(n_blocks, cdiv(4 * sms, max(1, bs * num_kv_heads))))
+    grid = (bs, num_kv_heads, int(num_programs))
+    _token_scores_kernel[grid](
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, float(sm_scale),
+        q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        out.stride(0), out.stride(1), n_max, req_to_token.shape[1],
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim), Q_SPLIT=q_hat.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype),
+        num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _token_scores_at_kernel(
+    Q,
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    CAND_POS,  # [bs, Hkv, C] int32
+    CAND_LEN,  # [bs, Hkv] int32 (only if HAS_LEN)
+    LO,  # [bs] int32 (only if HAS_RANGE)
+    HI,
+    OUT,  # [bs, Hkv, C] fp32
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_cb,
+    stride_ch,
+    stride_clb,
+    stride_ob,
+    stride_oh,
+    C,
+    MAX_CTX,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HAS_RANGE: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    blk = tl.program_id(2)
+    offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = C
+    if HAS_LEN:
+        n = tl.minimum(tl.maximum(tl.load(CAND_LEN + cur_b * stride_clb + cur_h), 0), C)
+    lo = 0
+    hi = MAX_CTX
+    if HAS_RANGE:
+        lo = tl.maximum(tl.load(LO + cur_b), 0)
+        hi = tl.minimum(tl.load(HI + cur_b), MAX_CTX)
+    listed = offs < n
+    pos = tl.load(CAND_POS + cur_b * stride_cb + cur_h * stride_ch + offs, mask=listed, other=-1)
+    # Out-of-range entries (padding such as -1, or positions an expansion pushed
+    # past the allowed range) score -inf and are never dereferenced.
+    valid = listed & (pos >= lo) & (pos < hi)
+    score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    if blk * BLOCK_N < n:
+        req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+        q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                                   BLOCK_H, BLOCK_D, Q_SPLIT)
+        mask_h = tl.arange(0, BLOCK_H) < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                    mask=valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
+        score = tl.where(valid, s, float("-inf"))
+    tl.store(OUT + cur_b * stride_ob + cur_h * stride_oh + offs, score, mask=offs < C)
+
+
+def token_scores_at(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    cand_pos: torch.Tensor,
+    sm_scale: float,
+    *,
+    cand_len: Optional[torch.Tensor] = None,
+    lo: Optional[torch.Tensor] = None,
+    hi: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Scaled logits of ``q_hat`` at listed positions only, fp32 ``[bs, Hkv, C]``.
+
+    ``s[b, h, i]`` is the :func:`token_scores` value at position
+    ``cand_pos[b, h, i]`` for ``i < cand_len[b, h]`` (all ``C`` without
+    ``cand_len``) whose position lies in ``[lo[b], hi[b])`` (default
+    ``[0, max_ctx)``); ``-inf`` for every other entry, which is never read from
+    the pool -- pad lists with ``-1``. Each KV head has its own list (LFPS's
+    candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``.
+    """
+    bs, num_kv_heads, head_dim, group = _common_checks(q_hat, k_pool, req_to_token)
+    assert cand_pos.dim() == 3 and cand_pos.shape[:2] == (bs, num_kv_heads), "cand_pos: [bs, Hkv, C]"
+    assert cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
+    c = cand_pos.shape[2]
+    if cand_len is not None:
+        assert cand_len.shape == (bs, num_kv_heads) and cand_len.stride(1) == 1
+    assert (lo is None) == (hi is None), "give both lo and hi, or neither"
+    if out is None:
+        out = torch.empty((bs, num_kv_heads, c), dtype=torch.float32, device=q_hat.device)
+    assert out.shape == (bs, num_kv_heads, c) and out.dtype == torch.float32 and out.stride(2) == 1
+    if c == 0:
+        return out
+    grid = (bs, num_kv_heads, cdiv(c, block_n))
+    _token_scores_at_kernel[grid](
+        q_hat, k_pool, req_to_token, req_pool_idx, cand_pos,
+        cand_len if cand_len is not None else cand_pos,
+        lo if lo is not None else cand_pos,
+        hi if hi is not None else cand_pos,
+        out, float(sm_scale),
+        q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        cand_pos.stride(0), cand_pos.stride(1), cand_len.stride(0) if cand_len is not None else 0,
+        out.stride(0), out.stride(1), c, req_to_token.shape[1],
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim), Q_SPLIT=q_hat.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype),
+        HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None,
+        num_warps=num_warps,
+    )
+    return out

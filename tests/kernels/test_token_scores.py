@@ -1,0 +1,110 @@
+"""Tests for kernels.token_scores against float64 references.
+
+Interpreter-sized: ragged ranges not aligned to the 16/64-key blocks, GQA
+ratios 1/4/8, bf16 and fp16 pools, q_hat in the KV dtype and in fp32 (the
+split-query path). Scores are dot products of 16-bit values accumulated in
+fp32, so they must match float64 to fp32 rounding; with an fp32 q_hat the
+two-part split keeps ~16 query bits, far tighter than rounding q_hat to the
+KV dtype would (checked). -inf must appear exactly outside the range; the
+output is NaN-poisoned first so an unwritten entry fails.
+"""
+
+import pytest
+import torch
+
+from sgl_sparse import kernels as K
+from sgl_sparse.kernels import testing as T
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(seq_lens, group, dtype, seed, head_dim=64):
+    n = len(seq_lens)
+    return T.make_decode_case(
+        seq_lens, [0] * n, [(0, s) for s in seq_lens], num_kv_heads=2, group=group, head_dim=head_dim,
+        cap=1, dtype=dtype, device=DEVICE, seed=seed,
+    )
+
+
+def _close(s, ref, rtol=2e-5):
+    assert not torch.isnan(s).any(), "unwritten (NaN) score"
+    assert torch.equal(torch.isneginf(s), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    scale = ref[fin].abs().max().item() if fin.any() else 1.0
+    torch.testing.assert_close(s[fin], ref[fin], rtol=rtol, atol=rtol * scale)
+    return fin
+
+
+CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("idx", range(len(CONFIGS)))
+def test_token_scores_ranges(idx):
+    dtype, group = CONFIGS[idx]
+    seq_lens = [150, 47, 90, 33]
+    case = _case(seq_lens, group, dtype, seed=idx)
+    lo = torch.tensor([4, 0, 60, 20], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([150 - 17, 47, 60, 33], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    n_max = 150
+    args = (case.q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
+    out = torch.full((4, 2, n_max), float("nan"), device=DEVICE)
+    s = K.token_scores(*args, out=out, num_programs=2, block_n=16)
+    fin = _close(s, K.token_scores_ref(*args))
+    assert fin.sum() == 2 * (129 + 47 + 0 + 13)
+
+
+def test_token_scores_fp32_query_split():
+    """fp32 q_hat: the hi+lo split matches float64 ~100x better than rounding q_hat."""
+    case = _case([120, 70], 4, torch.bfloat16, seed=11, head_dim=128)
+    g = torch.Generator(device=DEVICE).manual_seed(12)
+    q32 = torch.randn(case.q.shape, generator=g, device=DEVICE)
+    lo = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([120, 70], dtype=torch.int32, device=DEVICE)
+    pool = (case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 128)
+    s = K.token_scores(q32, *pool)  # default tiling
+    ref = K.token_scores_ref(q32, *pool)
+    fin = _close(s, ref, rtol=2e-5)
+    rounded = K.token_scores(q32.to(torch.bfloat16), *pool)
+    err_split = (s[fin] - ref[fin]).abs().max().item()
+    err_round = (rounded[fin] - ref[fin]).abs().max().item()
+    assert err_split * 30 < err_round, (err_split, err_round)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 8])
+def test_token_scores_at_candidates(dtype, group):
+    """Per-head candidate lists with per-head lengths (one 0), -1 padding and
+    out-of-range positions, over the range [lo, hi)."""
+    seq_lens = [130, 60, 80]
+    case = _case(seq_lens, group, dtype, seed=20 + group)
+    g = torch.Generator(device=DEVICE).manual_seed(21)
+    c = 40
+    cand = torch.randint(-3, 140, (3, 2, c), generator=g, device=DEVICE, dtype=torch.int32)
+    cand[0, 0, :37] = torch.randperm(130, generator=g, device=DEVICE)[:37].to(torch.int32)
+    cand_len = torch.tensor([[37, 40], [0, 25], [40, 19]], dtype=torch.int32, device=DEVICE)
+    lo = torch.tensor([4, 0, 10], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([120, 60, 80], dtype=torch.int32, device=DEVICE)
+    args = (case.q, case.k_pool, case.req_to_token, case.req_pool_idx, cand, case.sm_scale)
+    out = torch.full((3, 2, c), float("nan"), device=DEVICE)
+    s = K.token_scores_at(*args, cand_len=cand_len, lo=lo, hi=hi, out=out, block_n=16)
+    ref = K.token_scores_at_ref(*args, cand_len=cand_len, lo=lo, hi=hi)
+    fin = _close(s, ref)
+    assert fin[0, 0].sum() >= 20 and not fin[1, 0].any()
+    # Same positions scored by the dense kernel: identical values.
+    dense = K.token_scores(case.q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 130,
+                           block_n=16)
+    b, h = 0, 0
+    pos = cand[b, h, :37].long()
+    keep = fin[b, h, :37]
+    assert torch.equal(s[b, h, :37][keep], dense[b, h][pos[keep]])
+
+
+def test_token_scores_at_no_len_no_range():
+    """Without cand_len / lo / hi: every entry in [0, max_ctx) is scored, -1 is padding."""
+    case = _case([50, 64], 4, torch.float16, seed=31)
+    cand = torch.tensor([[[0, 49, -1, 10], [3, -1, -1, 2]], [[63, 1, 2, -1], [5, 6, 7, 8]]],
+                        dtype=torch.int32, device=DEVICE)
+    args = (case.q, case.k_pool, case.req_to_token, case.req_pool_idx, cand, case.sm_scale)
+    s = K.token_scores_at(*args)
+    fin = _close(s, K.token_scores_at_ref(*args))
+    assert torch.equal(fin, cand >= 0)
