@@ -402,7 +402,7 @@ def test_indexed_a_mixed_modes(idx):
     rng.shuffle(heads0)
     T.set_indexed_rows(case, {0: heads0, 4: 0, 5: [rng.randint(1, 30), 3]}, cap_pos=cap_pos, seed=idx)
     row_mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
-    for num_splits in (1, 3):
+    for num_splits in ((1, 3) if idx == 0 else ((1, 3)[idx % 2],)):
         out = torch.full_like(case.q, float("nan"))
         o, lse = K.two_segment_decode(*case.args(), out=out, return_lse=True, row_mask=row_mask,
                                       num_splits=num_splits, **case.kwargs(), **SMALL)
