@@ -66,9 +66,11 @@ def test_examples_are_deterministic_per_seed():
 def test_answer_correct_is_exact_match():
     ex = tasks.make_example(256, 0.5, "think", 1)
     end = tasks.ID[tasks.END_THINK]
+    prefix = tasks.answer_prefix(ex.prompt[ex.fact_pos])  # "the code of KEY is"
     assert not tasks.answer_correct(ex, ex.answer)  # no </think>: no answer
-    assert tasks.answer_correct(ex, [end] + ex.answer + [tasks.ID[tasks.EOS]])
-    assert not tasks.answer_correct(ex, [end] + ex.answer[:1])
+    assert tasks.answer_correct(ex, [end] + prefix + ex.answer + [tasks.ID[tasks.EOS]])
+    assert not tasks.answer_correct(ex, [end] + ex.answer + [tasks.ID[tasks.EOS]])  # key not restated
+    assert not tasks.answer_correct(ex, [end] + prefix + ex.answer[:1])
     plain = tasks.make_example(256, 0.5, "plain", 1)
     assert not tasks.answer_correct(plain, plain.answer[::-1]) or plain.answer[0] == plain.answer[1]
 

@@ -7,9 +7,10 @@ at the end a question asks for one key's code. The answer (two value tokens) is
 only recoverable by attending back to that key's fact, placed at a controlled
 depth. Two variants:
 
-* ``plain``: ``question : what is the code of k123 ? answer :`` -> ``v045 v201 <eos>``
+* ``plain``: ``question : the code of k123 is`` -> ``v045 v201 <eos>``
 * ``think``: ``question : what is the code of k123 ? <think>`` -> a fixed-form think
-  block that does *not* restate the code, ``</think>``, then ``v045 v201 <eos>``:
+  block that does *not* restate the code, ``</think>``, then
+  ``the code of k123 is v045 v201 <eos>``:
   the answer after ``</think>`` needs the fact from before the think block
   (the case SADAS latches to full attention for).
 
@@ -86,19 +87,31 @@ def fact_tokens(key: int, value: Sequence[int]) -> list[int]:
     return ids("the code of") + [key] + ids("is") + list(value) + ids(".")
 
 
+def answer_prefix(key: int) -> list[int]:
+    """What directly precedes the value tokens, in the fact and in every answer:
+    "the code of KEY is". The answer position then repeats the fact's 5-token
+    context, so recall is an induction-head copy (match the context, copy what
+    followed it), the circuit small transformers learn fastest; with the key
+    4 or 14 tokens back instead, the tiny model never left the plateau (CPU and
+    H100 runs, README)."""
+    return ids("the code of") + [key] + ids("is")
+
+
 def question_tokens(key: int, variant: str) -> list[int]:
-    q = ids("question : what is the code of") + [key] + ids("?")
-    return q + (ids("answer :") if variant == "plain" else [ID[THINK]])
+    if variant == "plain":
+        return ids("question :") + answer_prefix(key)
+    return ids("question : what is the code of") + [key] + ids("?") + [ID[THINK]]
 
 
 def completion_tokens(key: int, value: Sequence[int], variant: str) -> list[int]:
     """What the model must generate after the question (the eval's exact match
-    is on the value tokens; the think body is fixed-form and never names the code)."""
+    is on the value tokens; the think body is fixed-form and never names the code,
+    and after ``</think>`` the answer restates the key: "the code of KEY is V1 V2")."""
     tail = list(value) + [ID[EOS]]
     if variant == "plain":
         return tail
     think = ids("i need the code of") + [key] + ids(". i look back at the facts . i found it .")
-    return think + [ID[END_THINK]] + tail
+    return think + [ID[END_THINK]] + answer_prefix(key) + tail
 
 
 # --------------------------------------------------------------------- filler
@@ -144,10 +157,15 @@ def sentence_pool(seed: int = 0, size: int = 8192) -> dict[int, tuple[tuple[int,
     return {n: tuple(b) for n, b in sorted(buckets.items())}
 
 
+@lru_cache(maxsize=4)
+def _all_sentences(pool_seed: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(s for b in sentence_pool(pool_seed).values() for s in b)
+
+
 def filler(rng: random.Random, n_tokens: int, pool_seed: int = 0) -> list[list[int]]:
     """Whole sentences totalling exactly n_tokens."""
     pool = sentence_pool(pool_seed)
-    all_sentences = [s for b in pool.values() for s in b]
+    all_sentences = _all_sentences(pool_seed)
     out: list[list[int]] = []
     rem = n_tokens
     while rem > 0:
@@ -194,12 +212,13 @@ def n_facts_for(length: int, every: int = 128) -> int:
 
 def make_example(length: int, depth: Optional[float], variant: str, seed: int,
                  *, inline_questions: int = 0, facts_every: int = 128,
-                 pool_seed: int = 0) -> Example:
+                 inline_think: float = 0.5, pool_seed: int = 0) -> Example:
     """An example whose prompt is exactly ``length`` tokens.
 
     ``depth`` in [0, 1]: the queried fact starts at about depth * length (None:
-    uniform at random). ``inline_questions`` > 0 (training) adds that many earlier
-    question/answer pairs about other facts, each after its fact, all supervised.
+    uniform at random). ``inline_questions`` > 0 (training) adds up to that many earlier
+    question/answer pairs about other facts, each after its fact, all supervised
+    (``inline_think``: the fraction of them in the think variant).
     """
     if variant not in ("plain", "think"):
         raise ValueError(f"variant must be 'plain' or 'think' (got {variant!r})")
@@ -219,13 +238,14 @@ def make_example(length: int, depth: Optional[float], variant: str, seed: int,
         t = fact_tokens(k, v)
         events.append((f, t, [False] * len(t)))
     for j in rng.sample(range(1, n_facts), min(inline_questions, n_facts - 1)):
-        v = rng.choice(("plain", "think"))
+        v = "think" if rng.random() < inline_think else "plain"
         q, c = question_tokens(keys[j], v), completion_tokens(keys[j], vals[j], v)
         c = c[:-1] + ids(".")  # inline answers end a sentence, not the sequence
         f = fracs[j] + rng.random() * (1.0 - fracs[j])
         events.append((f, q + c, [False] * len(q) + [True] * len(c)))
-    event_tokens = sum(len(t) for _, t, _ in events)
-    n_fill = length - len(q_final) - event_tokens
+    n_fill = length - len(q_final) - sum(len(t) for _, t, _ in events)
+    while n_fill < 0 and len(events) > n_facts:  # inline questions that do not fit are dropped
+        n_fill += len(events.pop()[1])
     if n_fill < 0:
         raise ValueError(f"length {length} too short for {n_facts} facts and the questions")
     sentences = filler(rng, n_fill, pool_seed)
@@ -270,12 +290,16 @@ def _nearest(bounds: list[int], x: float) -> int:
 
 def answer_correct(ex: Example, output_ids: Sequence[int]) -> bool:
     """Exact match: the value tokens, right after the prompt (plain) or right after
-    the first generated ``</think>`` (think)."""
+    "the code of KEY is" following the first generated ``</think>`` (think)."""
     out = list(output_ids)
     if ex.variant == "think":
         if ID[END_THINK] not in out:
             return False
         out = out[out.index(ID[END_THINK]) + 1:]
+        prefix = answer_prefix(ex.prompt[ex.fact_pos])
+        if out[: len(prefix)] != prefix:
+            return False
+        out = out[len(prefix):]
     return out[: len(ex.answer)] == ex.answer
 
 

@@ -52,14 +52,19 @@ class Stage:
     batch: int
     steps: int
     time_share: float  # fraction of --time-budget this stage may use at most
+    facts_every: int = 32  # one fact per this many tokens (eval prompts: one per 128)
+    inline_think: float = 0.25  # fraction of the inline questions in the think variant
 
 
-GPU_STAGES = [Stage(512, 64, 3000, 0.30), Stage(2048, 16, 2000, 0.27),
-              Stage(4096, 8, 1500, 0.25), Stage(8192, 4, 800, 0.18)]
-GPU_EVAL_LENGTHS = [512, 2048, 4096, 8192, 16384, 32768]
-SMOKE_SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+# Short dense sequences first, for many optimizer steps: recall appears only after a
+# plateau whose length is counted in steps (the old 512x64 start plateaued at "all
+# but the values learned" for 6000 steps). Batches are made by DataLoader workers.
+GPU_STAGES = [Stage(256, 128, 5000, 0.36, facts_every=16), Stage(1024, 32, 2000, 0.20, facts_every=32),
+              Stage(4096, 8, 1200, 0.24, facts_every=32), Stage(8192, 4, 600, 0.20, facts_every=32)]
+GPU_EVAL_LENGTHS = [256, 1024, 4096, 8192, 16384, 32768]
+SMOKE_SHAPE = ModelShape(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32,
                          max_positions=4096)
-SMOKE_STAGES = [Stage(128, 8, 25, 0.5), Stage(256, 4, 15, 0.5)]
+SMOKE_STAGES = [Stage(128, 32, 600, 1.0, facts_every=16, inline_think=0.0)]
 SMOKE_EVAL_LENGTHS = [128, 256]
 
 TRAIN_FACTS_EVERY = 64
@@ -91,24 +96,44 @@ def make_model(shape: ModelShape, seed: int):
 def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]).
 
-    Sequences mix both variants, random depths and n_facts/2 inline questions
-    (many supervised retrievals per sequence, at every distance up to L)."""
+    Sequences mix both variants for the final question, random depths, and ask
+    every other fact inline too (as many as fit): dense supervised retrievals at all
+    distances up to L, which is what gets a tiny model off the recall plateau."""
     rows, masks = [], []
     for b in range(stage.batch):
         s = (seed * 1_000_003 + step) * 4096 + b
         variant = "think" if (s * 2654435761 >> 7) % 2 else "plain"
         plen = stage.length - COMPLETION_MAX
-        # Denser facts than eval (one per 64 tokens, half of them asked inline): more
-        # supervised retrievals per token gets past the induction-head plateau sooner.
-        n_facts = tasks.n_facts_for(plen, TRAIN_FACTS_EVERY)
-        inline = min(n_facts // 2, max(0, (plen - 8 * n_facts - 12) // 60))  # room: <= 30-token Q/A each
-        ex = tasks.make_example(plen, None, variant, s, facts_every=TRAIN_FACTS_EVERY,
-                                inline_questions=inline)
+        n_facts = tasks.n_facts_for(plen, stage.facts_every)
+        ex = tasks.make_example(plen, None, variant, s, facts_every=stage.facts_every,
+                                inline_questions=n_facts - 1, inline_think=stage.inline_think)
         seq, m = ex.prompt + ex.completion, ex.loss_mask
         pad = stage.length - len(seq)
         rows.append(seq + [tasks.ID[tasks.PAD]] * pad)
         masks.append(m + [False] * pad)
     return torch.tensor(rows), torch.tensor(masks)
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Batch i of a stage (a pure function of the step), for DataLoader workers:
+    generating the token ids in Python is slower than the tiny model's GPU step."""
+
+    def __init__(self, stage: Stage, first_step: int, seed: int):
+        self.stage, self.first, self.seed = stage, first_step, seed
+
+    def __len__(self) -> int:
+        return self.stage.steps
+
+    def __getitem__(self, i: int):
+        return make_batch(self.stage, self.first + i, self.seed)
+
+
+def batches(stage: Stage, first_step: int, seed: int, workers: int):
+    if workers <= 0:
+        return (make_batch(stage, first_step + i, seed) for i in range(stage.steps))
+    return iter(torch.utils.data.DataLoader(_Batches(stage, first_step, seed), batch_size=None, shuffle=False,
+                                            num_workers=workers, prefetch_factor=4, pin_memory=torch.cuda.is_available(),
+                                            persistent_workers=False))
 
 
 def supervised_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +183,8 @@ def save_checkpoint(model, out: Path, meta: dict) -> None:
 
 
 def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eval_lengths: list[int],
-          eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device) -> dict:
+          eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device,
+          workers: int = 0, log_every: int = 50) -> dict:
     random.seed(seed)
     torch.manual_seed(seed)
     amp = device.type == "cuda"
@@ -179,29 +205,39 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     t_start = time.monotonic()
     step = 0
     history = []
+    value_ids = torch.tensor(sorted(tasks.VALUE_IDS), device=device)
     for si, stage in enumerate(stages):
-        t_stage, ema = time.monotonic(), None
+        t_stage, ema, vema = time.monotonic(), None, None
         end = step + stage.steps
-        while step < end:
+        for ids, mask in batches(stage, step, seed, workers):
             if time.monotonic() - t_stage > stage.time_share * time_budget:
                 say(f"! stage {si} (len {stage.length}) cut by its time share at step {step}/{end}")
                 break
-            ids, mask = make_batch(stage, step, seed)
             ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, peak_lr, warmup=min(200, total // 10 + 1))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 logits, tgt = supervised_logits(model, ids, mask)
-            loss = torch.nn.functional.cross_entropy(logits.float(), tgt)
+            tok_loss = torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="none")
+            loss = tok_loss.mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            if step % 50 == 0 or step == end:
+            if step % log_every == 0 or step == end:
+                # The answer (value) tokens apart: the rest of the supervised tokens are
+                # templates learned early, so the overall loss hides whether recall works
+                # (chance on a value token: ln 256 = 5.55 nats).
+                with torch.no_grad():
+                    is_val = torch.isin(tgt, value_ids)
+                    vl = tok_loss[is_val].mean().item()
+                    va = (logits[is_val].argmax(-1) == tgt[is_val]).float().mean().item()
                 lv = loss.item()
                 ema = lv if ema is None else 0.8 * ema + 0.2 * lv
+                vema = vl if vema is None else 0.8 * vema + 0.2 * vl
                 say(f"step {step:5d} len {stage.length:5d} loss {lv:.4f} (ema {ema:.4f}) "
+                    f"answer-token loss {vl:.3f} (ema {vema:.3f}) acc {va:.3f} "
                     f"lr {opt.param_groups[0]['lr']:.2e} t {time.monotonic() - t_start:.0f}s")
         step = end  # a cut stage skips ahead so the LR schedule stays aligned
         acc = eval_accuracy(model, [l for l in eval_lengths if l <= max(stage.length * 2, eval_lengths[0])],
@@ -233,26 +269,34 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--stages", default=None,
-                    help="curriculum override, 'len:batch:steps:time_share,...' e.g. 512:64:3000:0.3,2048:16:2000:0.7")
+                    help="curriculum override, 'len:batch:steps:time_share[:facts_every],...' e.g. 512:64:3000:0.3,2048:16:2000:0.7")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="DataLoader processes generating batches (default: GPU min(12, cores - 2), CPU 0)")
     a = ap.parse_args()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     if a.smoke:
-        shape, stages, lengths, n, budget = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 6, 60.0
+        shape, stages, lengths, n, budget, log_every = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 24, 90.0, 25
         torch.set_num_threads(min(2, torch.get_num_threads()))
     else:
-        shape, stages, lengths, n, budget = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0
+        shape, stages, lengths, n, budget, log_every = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0, 100
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
     if a.stages:
-        stages = [Stage(*(int(x) for x in st.split(":")[:3]), float(st.split(":")[3])) for st in a.stages.split(",")]
+        stages = [Stage(*(int(x) for x in st.split(":")[:3]), float(st.split(":")[3]),
+                        *(int(x) for x in st.split(":")[4:5])) for st in a.stages.split(",")]
     if a.layers or a.hidden:
         shape = ModelShape(**{**asdict(shape), **({"layers": a.layers} if a.layers else {}),
                               **({"hidden": a.hidden, "intermediate": 3 * a.hidden} if a.hidden else {})})
     out = Path(a.out)
     log = Path(a.log) if a.log else (out / "train_log.txt" if a.smoke else HERE / "train_log.txt")
-    train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget, a.lr, device)
+    import os
+
+    workers = a.workers if a.workers is not None else (
+        max(0, min(12, (os.cpu_count() or 1) - 2)) if device.type == "cuda" else 0)
+    train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget, a.lr, device,
+          workers=workers, log_every=log_every)
 
 
 if __name__ == "__main__":
