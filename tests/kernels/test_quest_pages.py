@@ -172,3 +172,39 @@ def test_select_positions_and_decode():
                              block_n=16, min_split_len=16)
     ref = K.two_segment_decode_ref(*case.args(), a_pos=a_pos)
     assert T.rel_error(o.float(), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quest_pipeline_32k():
+    """Real sizes: bounds over a 32K prefix (default tiling), 40 decode steps,
+    page scores vs float64, top-k pages -> indexed decode vs the reference."""
+    seq = [32768 + 40, 20000 + 40]
+    case = _pool_case(seq, num_kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, seed=40)
+    max_pages = 32768 // PAGE + 8
+    kmin, kmax = _garbage_store(3, 8, max_pages, 128, torch.bfloat16, seed=41)
+    slot = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    pool = (case.k_pool, case.req_to_token, case.req_pool_idx, slot)
+    zero = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    n0 = torch.tensor([seq[0] - 40, seq[1] - 40], dtype=torch.int32, device=DEVICE)
+    K.quest_bounds_update(*pool, zero, n0, kmin, kmax)
+    for i in range(1, 41):
+        K.quest_bounds_decode(*pool, n0 + i, kmin, kmax)
+    ref_min, ref_max = kmin.clone(), kmax.clone()
+    K.quest_bounds_ref(*pool, zero, case.seq_lens, ref_min, ref_max)
+    assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max)
+    first = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    last = (case.seq_lens - 256) // PAGE
+    s = K.quest_page_scores(case.q, kmin, kmax, slot, first, last)
+    ref = K.quest_page_scores_ref(case.q, kmin, kmax, slot, first, last)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(s), ~fin)
+    torch.testing.assert_close(s[fin], ref[fin], rtol=1e-5, atol=1e-3)
+    b_start = last * PAGE
+    a_pos, a_len = K.quest_select_positions(s, 128, b_start, max_select_pages=128, n_sink=4)
+    case.a_slot = torch.full((2,), -2, dtype=torch.int32, device=DEVICE)
+    case.a_len, case.a_pos, case.b_start = a_len, a_pos, b_start
+    assert (a_len == 4 + 128 * PAGE).all()
+    o = K.two_segment_decode(*case.args(), a_pos=a_pos)
+    ref_o = K.two_segment_decode_ref(*case.args(), a_pos=a_pos)
+    assert T.rel_error(o.float(), ref_o) < 1e-2

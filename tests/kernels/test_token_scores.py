@@ -108,3 +108,25 @@ def test_token_scores_at_no_len_no_range():
     s = K.token_scores_at(*args)
     fin = _close(s, K.token_scores_at_ref(*args))
     assert torch.equal(fin, cand >= 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_token_scores_long(q_dtype):
+    """32K and 128K rows, default tiling and program count; candidates of 4K per head."""
+    seq = [131072 - 9, 32768]
+    case = _case(seq, 2, torch.bfloat16, seed=50, head_dim=128)
+    q = case.q.to(q_dtype)
+    lo = torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([seq[0] - 256, seq[1] - 256], dtype=torch.int32, device=DEVICE)
+    args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 131072)
+    _close(K.token_scores(*args), K.token_scores_ref(*args), rtol=1e-4)
+    g = torch.Generator(device=DEVICE).manual_seed(51)
+    cand = torch.randint(-1, 131072, (2, 2, 4096), generator=g, device=DEVICE, dtype=torch.int32)
+    cargs = (q, case.k_pool, case.req_to_token, case.req_pool_idx, cand, case.sm_scale)
+    s = K.token_scores_at(*cargs, lo=lo, hi=hi)
+    # The reference loops in Python: check 256 entries per (row, head).
+    ref = K.token_scores_at_ref(q, case.k_pool, case.req_to_token, case.req_pool_idx, cand[:, :, :256].contiguous(),
+                                case.sm_scale, lo=lo, hi=hi)
+    _close(s[:, :, :256].contiguous(), ref, rtol=1e-4)

@@ -526,3 +526,63 @@ def test_fused_merge_own_counters_and_defaults():
     case = _standard_case(seed=9, head_dim=128, group=2)
     check(case, num_splits=3, fused_merge=True)
     check(case, num_splits=4, fused_merge=True, **SMALL)
+
+
+# -----------------------------------------------------------------------------
+# GPU: indexed segment A and the fused merge at real sizes, under CUDA graphs
+# -----------------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("ctx", [32768, 131072])
+def test_gpu_indexed_long_context(ctx, fused):
+    """Rows: indexed (2K listed positions per head, different counts), dense, compact."""
+    bs, hkv = 3, 8
+    seq_lens = [ctx - 7, ctx // 2, ctx - 100]
+    b_ranges = [(seq_lens[0] - 256, seq_lens[0]), (0, seq_lens[1]), (seq_lens[2] - 256, seq_lens[2])]
+    case = T.make_decode_case(
+        seq_lens, [0, 0, 1500], b_ranges, num_kv_heads=hkv, group=2, head_dim=128, cap=2048,
+        dtype=torch.bfloat16, device="cuda", seed=ctx, empty_slot_value=None,
+    )
+    T.set_indexed_rows(case, {0: [2048 - 37 * h for h in range(hkv)]}, cap_pos=2048, seed=1)
+    check(case, fused_merge=fused, max_kv_len=ctx)
+
+
+@gpu_test
+def test_gpu_fused_merge_graph_replay():
+    """fused_merge inside a CUDA graph: 64 splits at batch 1 (many concurrent
+    arrivals per counter), lengths changed between replays, counters back at 0
+    after every replay, output equal to the two-launch path."""
+    seq_lens = [70000, 5000, 300]
+    case = T.make_decode_case(
+        seq_lens, [0, 100, 0], [(0, 70000), (3000, 5000), (0, 300)], num_kv_heads=8, group=2, head_dim=128,
+        cap=512, dtype=torch.bfloat16, device="cuda", seed=12, empty_slot_value=None, max_ctx=131072,
+    )
+    T.set_indexed_rows(case, {2: 0}, cap_pos=512, seed=2)
+    counters = K.make_split_counters(3, 8, "cuda")
+    out = torch.empty_like(case.q)
+    kw = dict(max_kv_len=131072, num_splits=64, out=out, a_pos=case.a_pos, fused_merge=True, split_counters=counters)
+    K.two_segment_decode(*case.args(), **kw)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.two_segment_decode(*case.args(), **kw)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(20):
+        n0 = 1000 + step * 3400
+        case.b_start.copy_(torch.tensor([0, 1000 + step, 290 - step], dtype=torch.int32))
+        case.b_end.copy_(torch.tensor([n0, 5000 - step, 300], dtype=torch.int32))
+        case.a_len.copy_(torch.randint(0, 513, case.a_len.shape, device="cuda", dtype=torch.int32, generator=gen))
+        case.a_len[2].clamp_(max=290 - step)
+        for h in range(8):
+            m = int(case.a_len[2, h])
+            case.a_pos[2, h, :m] = torch.randperm(290 - step, device="cuda", generator=gen)[:m].to(torch.int32)
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0
+        two = K.two_segment_decode(*case.args(), max_kv_len=131072, num_splits=64, a_pos=case.a_pos)
+        assert T.rel_error(out.float(), two.float()) < 2e-3
+        if step % 5 == 0:
+            ref = K.two_segment_decode_ref(*case.args(), a_pos=case.a_pos)
+            assert T.rel_error(out.float(), ref) < TOL[torch.bfloat16]
