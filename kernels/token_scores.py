@@ -27,7 +27,10 @@ part in the KV dtype, ``q = hi + lo``, scored with two dots, which keeps about
 16 mantissa bits of the query instead of 8 for bf16 -- the extra dot is free,
 the kernel is bound by reading the keys.
 
-Grids depend on static shapes only, no host syncs (CUDA-graph friendly).
+Grids depend on static shapes only, no host syncs (CUDA-graph friendly). The
+output width (``n_max``, ``C``) and the strides that follow from it are not
+specialized (``do_not_specialize``), so a caller whose width changes from step
+to step does not trigger a compile per divisibility class.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT: tl.constexpr, FP32_DOT: tl.cons
     return tl.max(s, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_MAX", "stride_ob", "stride_oh"])
 def _token_scores_kernel(
     Q,  # [bs, Hq, D]
     K_POOL,
@@ -191,7 +194,7 @@ def token_scores(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "stride_cb", "stride_ch", "stride_ob", "stride_oh"])
 def _token_scores_at_kernel(
     Q,
     K_POOL,
