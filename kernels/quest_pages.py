@@ -35,9 +35,10 @@ Kernels
   **max over the group's query heads** -- a page is kept if any head of the
   group may attend to it strongly, and the result is still an upper bound of
   every head's logit.
-* :func:`quest_select_positions` (torch): top-k pages -> the per-head position
-  list ``a_pos`` / ``a_len`` that ``two_segment_decode`` reads in place
-  (``a_slot == -2``), with sink positions in front, clipped below ``b_start``.
+* :func:`quest_select_positions`: ``torch.topk`` pages, then one kernel
+  expanding them into the per-head position list ``a_pos`` / ``a_len`` that
+  ``two_segment_decode`` reads in place (``a_slot == -2``), with sink
+  positions in front, clipped below ``b_start``.
 
 No host syncs anywhere; grids depend on static shapes only.
 """
@@ -373,6 +374,54 @@ def quest_page_scores(
 # -----------------------------------------------------------------------------
 
 
+@triton.jit
+def _quest_expand_kernel(
+    VALS,  # [bs, Hkv, K] fp32 top-k scores (descending)
+    IDX,  # [bs, Hkv, K] int64 their page indices
+    BUDGET,  # [bs] int32 pages to keep per row (only if HAS_BUDGET)
+    B_START,  # [bs] int32
+    A_POS,  # [bs, Hkv, n_sink + 16 K] int32 out
+    A_LEN,  # [bs, Hkv] int32 out
+    stride_vb,
+    stride_vh,
+    stride_ib,
+    stride_ih,
+    stride_pb,
+    stride_ph,
+    stride_lb,
+    budget_all,
+    K,
+    N_SINK,
+    PAGE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_BUDGET: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    b_start = tl.load(B_START + cur_b)
+    budget = budget_all
+    if HAS_BUDGET:
+        budget = tl.load(BUDGET + cur_b)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_k = offs_k < K
+    vals = tl.load(VALS + cur_b * stride_vb + cur_h * stride_vh + offs_k, mask=in_k, other=float("-inf"))
+    page = tl.load(IDX + cur_b * stride_ib + cur_h * stride_ih + offs_k, mask=in_k, other=0).to(tl.int32)
+    chosen = in_k & (vals > float("-inf")) & (offs_k < budget)
+    # Positions of page p that are listed: [max(16p, n_sink), min(16p + 16, b_start)).
+    start = tl.maximum(page * PAGE, N_SINK)
+    cnt = tl.where(chosen, tl.maximum(tl.minimum(page * PAGE + PAGE, b_start) - start, 0), 0)
+    n_sink = tl.minimum(N_SINK, tl.maximum(b_start, 0))
+    off = n_sink + tl.cumsum(cnt, 0) - cnt  # exclusive prefix sum: where each page's run goes
+    pos_base = A_POS + cur_b * stride_pb + cur_h * stride_ph
+    offs_s = tl.arange(0, BLOCK_S)
+    tl.store(pos_base + offs_s, offs_s, mask=offs_s < n_sink)
+    offs_j = tl.arange(0, PAGE)
+    tl.store(pos_base + off[:, None] + offs_j[None, :], start[:, None] + offs_j[None, :],
+             mask=offs_j[None, :] < cnt[:, None])
+    tl.store(A_LEN + cur_b * stride_lb + cur_h, n_sink + tl.sum(cnt, 0))
+
+
 def quest_select_positions(
     scores: torch.Tensor,
     num_pages: Union[int, torch.Tensor],
@@ -380,49 +429,56 @@ def quest_select_positions(
     *,
     max_select_pages: int,
     n_sink: int = 0,
+    out_pos: Optional[torch.Tensor] = None,
+    out_len: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top pages per (row, KV head) -> ``(a_pos, a_len)`` for ``a_slot == -2``.
+
+    ``torch.topk`` picks the pages, then one small kernel (grid ``(bs, Hkv)``)
+    expands them into positions -- instead of a dozen elementwise/sort launches
+    per layer, which under a CUDA graph would cost more than the attention of a
+    short request.
 
     Args:
         scores: ``[bs, Hkv, max_pages]`` fp32 from :func:`quest_page_scores`
             (``-inf`` = not selectable).
-        num_pages: pages to keep per row, an int or an int tensor ``[bs]``
-            (each ``<= max_select_pages``; larger values act as it).
+        num_pages: pages to keep per row, an int or an int32 tensor ``[bs]``
+            (values above ``max_select_pages`` act as it).
         b_start: ``[bs]`` int32; only positions ``< b_start`` are listed
             (segment B, the recent window, starts there).
         max_select_pages: static k of ``torch.topk`` (fixed per CUDA graph).
         n_sink: positions ``[0, n_sink)`` (clipped at ``b_start``) are listed
             first; page positions below ``n_sink`` are dropped so that every
             listed position is distinct.
+        out_pos, out_len: optional preallocated outputs.
 
     Returns:
-        ``a_pos`` int32 ``[bs, Hkv, n_sink + 16 * max_select_pages]`` -- the
-        listed positions in ascending order, then zeros -- and ``a_len`` int32
-        ``[bs, Hkv]``. Pages scored ``-inf`` are never listed. Device ops only.
+        ``a_pos`` int32 ``[bs, Hkv, n_sink + 16 * max_select_pages]`` and
+        ``a_len`` int32 ``[bs, Hkv]``. ``a_pos[b, h, :a_len[b, h]]`` holds the
+        sink positions, then the listed positions of each kept page in
+        descending page score (ascending within a page); entries past
+        ``a_len`` are not written. Pages scored ``-inf`` are never listed.
     """
     bs, num_kv_heads, max_pages = scores.shape
     dev = scores.device
-    k = max(0, min(int(max_select_pages), max_pages))
-    page = QUEST_PAGE_SIZE
-    vals, idx = torch.topk(scores, k, dim=-1)  # [bs, Hkv, k]
-    rank = torch.arange(k, device=dev)
-    if isinstance(num_pages, torch.Tensor):
-        budget = num_pages.to(dev).view(bs, 1, 1)
-    else:
-        budget = torch.full((bs, 1, 1), int(num_pages), device=dev)
-    chosen = (vals > float("-inf")) & (rank.view(1, 1, k) < budget)
-    limit = b_start.to(dev).view(bs, 1, 1, 1).to(torch.int64)
-    pos = idx.unsqueeze(-1) * page + torch.arange(page, device=dev).view(1, 1, 1, page)  # [bs, Hkv, k, 16]
-    ok = chosen.unsqueeze(-1) & (pos < limit) & (pos >= n_sink)
-    pos = pos.reshape(bs, num_kv_heads, k * page)
-    ok = ok.reshape(bs, num_kv_heads, k * page)
-    if n_sink > 0:
-        sink = torch.arange(n_sink, device=dev).view(1, 1, n_sink).expand(bs, num_kv_heads, n_sink)
-        pos = torch.cat([sink, pos], dim=-1)
-        ok = torch.cat([sink < limit.view(bs, 1, 1), ok], dim=-1)
-    big = torch.iinfo(torch.int32).max
-    key = torch.where(ok, pos, torch.full_like(pos, big))
-    a_pos = key.sort(dim=-1).values
-    a_len = ok.sum(dim=-1).to(torch.int32)
-    a_pos = torch.where(a_pos == big, torch.zeros_like(a_pos), a_pos).to(torch.int32).contiguous()
-    return a_pos, a_len
+    k = max(1, min(int(max_select_pages), max_pages))
+    n_sink = max(0, int(n_sink))
+    vals, idx = torch.topk(scores, k, dim=-1)  # [bs, Hkv, k], descending
+    width = n_sink + QUEST_PAGE_SIZE * k
+    if out_pos is None:
+        out_pos = torch.empty((bs, num_kv_heads, width), dtype=torch.int32, device=dev)
+    if out_len is None:
+        out_len = torch.empty((bs, num_kv_heads), dtype=torch.int32, device=dev)
+    assert out_pos.shape == (bs, num_kv_heads, width) and out_pos.dtype == torch.int32 and out_pos.stride(2) == 1
+    assert out_len.shape == (bs, num_kv_heads) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
+    has_budget = isinstance(num_pages, torch.Tensor)
+    if has_budget:
+        assert num_pages.shape == (bs,) and num_pages.dtype == torch.int32
+    _quest_expand_kernel[(bs, num_kv_heads)](
+        vals, idx, num_pages if has_budget else b_start, b_start, out_pos, out_len,
+        vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1), out_pos.stride(0), out_pos.stride(1),
+        out_len.stride(0), 0 if has_budget else int(num_pages), k, n_sink,
+        PAGE=QUEST_PAGE_SIZE, BLOCK_K=next_pow2(k), BLOCK_S=max(2, next_pow2(n_sink)), HAS_BUDGET=has_budget,
+        num_warps=1 if k <= 64 else 4,
+    )
+    return out_pos, out_len

@@ -185,8 +185,12 @@ def main(argv=None) -> int:
             b_start = last * page
             fn = lambda: K.quest_select_positions(out, k_pages, b_start, max_select_pages=k_pages, n_sink=4)  # noqa: E731
             a_pos, a_len = fn()
-            ok = bool((a_len <= 4 + k_pages * page).all())
-            record(n, bs, "quest_select", fn, bs * hkv * max_pages * 4, ok, f"top {k_pages} pages (torch)")
+            # Every page in [first, last) has a finite score and lies below
+            # b_start, so each (row, head) lists 4 sinks + k_pages whole pages.
+            want = 4 + min(k_pages, int((last - first).min())) * page
+            p0 = a_pos[0, 0, : int(a_len[0, 0])]
+            ok = bool((a_len == want).all()) and p0.unique().numel() == want and int(p0.max()) < int(b_start[0])
+            record(n, bs, "quest_select", fn, bs * hkv * max_pages * 4, ok, f"top {k_pages} pages (topk + expand)")
             del kmin, kmax, rmin, rmax, out
 
             # ---- AsyncSpade: every key scored ---------------------------------

@@ -162,7 +162,19 @@ def test_select_positions_and_decode():
     exp = _select_expected(scores.cpu(), budget.tolist(), b_start.tolist(), k, n_sink)
     for (b, h), pos in exp.items():
         assert int(a_len[b, h]) == len(pos)
-        assert a_pos[b, h, : len(pos)].tolist() == pos
+        got = a_pos[b, h, : len(pos)].tolist()
+        assert got[: min(n_sink, int(b_start[b]))] == list(range(min(n_sink, int(b_start[b]))))  # sinks first
+        assert sorted(got) == pos  # distinct, exactly the expected set
+    # An int budget == the same budget as a tensor.
+    p2, l2 = K.quest_select_positions(scores, 2, b_start, max_select_pages=k, n_sink=n_sink)
+    p3, l3 = K.quest_select_positions(scores, torch.full_like(budget, 2), b_start, max_select_pages=k, n_sink=n_sink)
+    assert torch.equal(l2, l3) and all(
+        torch.equal(p2[b, h, : l2[b, h]], p3[b, h, : l3[b, h]]) for b in range(3) for h in range(2))
+    exp2 = _select_expected(scores.cpu(), [2, 2, 2], b_start.tolist(), k, n_sink)
+    assert all(sorted(p2[b, h, : l2[b, h]].tolist()) == pos for (b, h), pos in exp2.items())
+    # b_start below n_sink: only the sinks that exist, no page position.
+    p4, l4 = K.quest_select_positions(scores, budget, torch.full_like(b_start, 2), max_select_pages=k, n_sink=n_sink)
+    assert (l4 == 2).all() and (p4[:, :, :2] == torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)).all()
     # Feed it to the decode kernel: A = listed positions, B = [b_start, n).
     case.a_slot = torch.full((3,), -2, dtype=torch.int32, device=DEVICE)
     case.a_len, case.a_pos = a_len, a_pos
