@@ -27,7 +27,8 @@ from sgl_sparse import reference
 from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
-from sgl_sparse.policies.base import PolicyId
+from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
+from sgl_sparse.query_serving import QueryAwareRuntime
 from sgl_sparse.selector.refresh import refresh
 from sgl_sparse.state import SparseState
 
@@ -73,6 +74,9 @@ class SparseAttnBackend(AttentionBackend):
         self._prompt_q_plan = None  # where this extend's SFI prompt queries go
         if self.state.compact is None and "sfi" not in self.config.unavailable:
             _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
+        if not self.state.query_stores:
+            _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
+        self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
 
         # CUDA: SGLang's own FlashInfer backend for prefill/extend and for the
         # decode rows routed to it. CPU: everything on the reference path.
@@ -131,6 +135,8 @@ class SparseAttnBackend(AttentionBackend):
                 self._refresh_selections()
             elif mode.is_extend():
                 self._plan_prompt_queries(forward_batch, admitted)
+        if self.qa is not None:
+            self._plan_query_aware(forward_batch, admitted)
         if self.dense is None:
             return
         if forward_batch.forward_mode.is_decode_or_idle():
@@ -185,6 +191,23 @@ class SparseAttnBackend(AttentionBackend):
         self.state.prompt_q[as_t(count_rows)] = torch.tensor(counts, dtype=torch.int32, device=dev)
         if src:
             self._prompt_q_plan = (as_t(src), as_t(dst_slot), as_t(dst_j))
+
+    def _plan_query_aware(self, forward_batch: ForwardBatch, admitted) -> None:
+        """Host-side groups of this forward's quest/asyncspade/lfps rows."""
+        mode = forward_batch.forward_mode
+        self.qa.groups, self.qa.extend_rows = [], []
+        if mode.is_decode():
+            rows = self.state.take_step_rows()
+            if rows is None or len(rows) != forward_batch.batch_size:
+                rows = forward_batch.req_pool_indices.tolist()
+            self.qa.plan_step(rows, _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens), self.device)
+        elif mode.is_extend() and any(i.policy in QUERY_AWARE_IDS for i in admitted[1]):
+            self.qa.plan_extend(
+                forward_batch.req_pool_indices.tolist(),
+                _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens),
+                _host_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens),
+                admitted,
+            )
 
     def _record_for_sfi(self, layer, forward_batch, q, k) -> None:
         """Extend: key norms of the new keys and the SFI prompt queries."""
@@ -288,6 +311,13 @@ class SparseAttnBackend(AttentionBackend):
             )
         if save_kv_cache and k is not None:
             self._record_for_sfi(layer, forward_batch, q, k)
+        if self.qa is not None and self.qa.extend_rows:
+            self.qa.on_extend(
+                layer.layer_id - self._layer0, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token, layer.scaling,
+            )
         return o
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -306,20 +336,64 @@ class SparseAttnBackend(AttentionBackend):
             dest = self.plan.q_save_slot
             dest = torch.where(dest >= 0, dest, store.scratch_slot).long()
             store.q[li].index_copy_(0, dest, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim))
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o3 = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        plan = self._layer_plan(layer, forward_batch, q3)
         reference.decode_attention(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            q3, o3,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
-            self.plan,
+            plan,
             scaling=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
             compact_k=store.k[li] if store is not None else None,
             compact_v=store.v[li] if store is not None else None,
         )
+        self._finish_query_aware(layer, forward_batch, plan, q3, o3)
         return o
+
+    # ---- quest / asyncspade / lfps (sgl_sparse/query_serving.py) --------------------
+    def _layer_plan(self, layer, forward_batch, q3) -> DecodePlan:
+        """The step's plan, with this layer's indexed segment A when the batch has
+        query-aware rows."""
+        if self.qa is None or not self.qa.groups:
+            return self.plan
+        return self.qa.select(
+            layer.layer_id - self._layer0, self.plan, q3,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
+        )
+
+    def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
+        if self.qa is None or not self.qa.groups:
+            return
+        self.qa.finish(
+            layer.layer_id - self._layer0, plan, q3, o3,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
+        )
+
+    def _attend_indexed_rows(self, layer, forward_batch, plan, q3, o3) -> None:
+        """CUDA: the rows with an indexed segment A, through the torch gather
+        attention of the reference path (their rows were routed to FlashInfer, whose
+        dense output is replaced here). THE call site to switch to the two-segment
+        kernel's indexed mode (`a_pos`) once it is on main: pass plan.a_pos /
+        plan.a_len_per_head to it and route these rows to it (state routing 1)."""
+        rows = plan.indexed().nonzero().flatten()
+        if rows.numel() == 0:  # host sync: query-aware rows run eagerly (no CUDA graphs)
+            return
+        sub = DecodePlan(a_len=plan.a_len[rows], b_start=plan.b_start[rows], b_end=plan.b_end[rows],
+                         a_slot=plan.a_slot[rows], a_pos=plan.a_pos[rows],
+                         a_len_per_head=plan.a_len_per_head[rows])
+        out = o3[rows].clone()
+        reference.decode_attention(
+            q3[rows], out, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[rows], sub, scaling=layer.scaling, enable_gqa=True,
+        )
+        o3[rows] = out
 
     def _forward_decode_cuda(self, q, k, v, layer, forward_batch, save_kv_cache):
         from sgl_sparse.kernels import two_segment_decode
@@ -350,6 +424,11 @@ class SparseAttnBackend(AttentionBackend):
             row_mask=self._row_mask[:bs],
             **sfi_args,
         )
+        if self.qa is not None and self.qa.groups:
+            o3 = o.view(bs, layer.tp_q_head_num, layer.v_head_dim)
+            lplan = self._layer_plan(layer, forward_batch, q3)
+            self._attend_indexed_rows(layer, forward_batch, lplan, q3, o3)
+            self._finish_query_aware(layer, forward_batch, lplan, q3, o3)
         return o
 
     def support_triton(self):
@@ -388,6 +467,45 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
         layer0 = getattr(kv_pool, "start_layer", 0) or 0
         warm_up_kernels(state.compact, kv, kv_pool.get_value_buffer(layer0),
                         model_runner.req_to_token_pool.req_to_token, [cfg.policies.sfi])
+
+
+def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
+    """Stores of the query-aware policies with slots, once per request pool."""
+    from sgl_sparse import query_store
+
+    cfg = state.config
+    kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
+    tp = getattr(model_runner, "tp_size", 1) or 1
+    shape = dict(num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], head_dim=kv.shape[2], device=kv.device)
+    hq = model_runner.model_config.num_attention_heads // tp
+    for pid in QUERY_AWARE_IDS:
+        name = pid.name.lower()
+        scfg = getattr(cfg.query_aware, name)
+        if scfg.slots == 0 or name in cfg.unavailable:
+            continue
+        try:
+            if pid == PolicyId.QUEST:
+                store = query_store.QuestStore(scfg, dtype=kv.dtype, **shape)
+            elif pid == PolicyId.ASYNCSPADE:
+                store = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
+                                                    num_q_heads=hq, dtype=kv.dtype, **shape)
+            else:
+                store = query_store.LfpsStore(scfg, num_q_heads=hq, **shape)
+        except torch.OutOfMemoryError:
+            raise ValueError(
+                f"sgl_sparse: no memory left for {name}'s store ({scfg.slots} slots x max_context "
+                f"{scfg.max_context}): lower --mem-fraction-static, or query_aware.{name}.slots / "
+                f".max_context in --sparse-config (slots: 0 serves '{name}' dense)"
+            ) from None
+        state.query_stores[pid] = store
+        logger.info("sgl_sparse: %s store: %d slots x %d tokens, %.3f GiB", name, scfg.slots,
+                    scfg.max_context, query_store.nbytes(store) / 2**30)
+
+
+def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:
+    """A batch field on the host: SGLang's CPU copy when it has one."""
+    src = cpu if cpu is not None else dev
+    return [int(x) for x in (src.tolist() if hasattr(src, "tolist") else src)]
 
 
 def _check_supported(model_runner) -> None:

@@ -15,7 +15,10 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-POLICY_NAMES = ("full", "streaming", "sadas", "sfi")
+POLICY_NAMES = ("full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfps")
+# Policies whose selection depends on the current (or a predicted) query: served
+# through per-request query stores (sgl_sparse/query_store.py).
+QUERY_AWARE = ("quest", "asyncspade", "lfps")
 
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also
@@ -81,14 +84,63 @@ class SfiPolicy(_Strict):
     eps: float = Field(1e-12, gt=0, le=1e-3, description="log-score / tail-brake epsilon")
 
 
+QUEST_PAGE = 16  # tokens per page, as in the Quest paper
+
+
+class QuestPolicy(_Strict):
+    """Quest (baseline): per-page min/max key bounds; each step, every KV head keeps
+    the budget/16 pages whose upper bound of q.k is largest (plus sink and recent)."""
+
+    policy: Literal["quest"] = "quest"
+    budget: int = Field(2048, ge=QUEST_PAGE, le=1 << 20, multiple_of=QUEST_PAGE,
+                        description="selected tokens per KV head: budget/16 pages of 16")
+    sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended [ours]")
+    recent: int = Field(64, ge=1, le=1 << 20, description="last tokens always attended [ours]")
+
+
+class AsyncSpadePolicy(_Strict):
+    """AsyncSpade (ALGORITHMS.md §4): the next query is predicted from the last
+    `window` queries; the Top-`budget` keys it scores highest are attended at the
+    next step (plus sink and recent). The first decode step is dense."""
+
+    policy: Literal["asyncspade"] = "asyncspade"
+    window: int = Field(4, ge=1, le=32,
+                        description="W: past queries the next query is regressed from [ours; the paper's figure uses 4]")
+    budget: int = Field(2048, ge=1, le=1 << 20, description="K: selected tokens per KV head (paper's 2k setting)")
+    ridge: float = Field(1e-2, gt=0, le=100,
+                         description="ridge eps, relative to the mean squared query norm [ours]")
+    sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended [ours]")
+    recent: int = Field(64, ge=1, le=1 << 20, description="last tokens always attended [ours]")
+
+
+class LfpsPolicy(_Strict):
+    """LFPS (ALGORITHMS.md §3): candidates from vertical/slash score tables learned
+    from past attention, exact q.k on the candidates, Top-`budget`; a head whose
+    attention is estimated to sit on the sink outputs the mean prefill value."""
+
+    policy: Literal["lfps"] = "lfps"
+    s: int = Field(32, ge=1, le=256, description="prefill queries that initialize the tables (paper)")
+    a: float = Field(0.2, gt=0, le=10, description="threshold scale; the paper uses 0.2 or 0.3")
+    r: float = Field(0.95, gt=0, lt=1, description="table decay (paper)")
+    eps: float = Field(0.85, gt=0, le=1, description="sink-bypass threshold on the head sparsity (paper)")
+    budget: int = Field(2048, ge=1, le=1 << 20, description="k: Top-k of the candidates per KV head [ours]")
+    sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended (paper: 4)")
+    local: int = Field(6, ge=1, le=1 << 16,
+                       description="keys before the current one in w_local, also always attended (paper: 6)")
+
+
 RequestPolicy = Annotated[
-    Union[FullPolicy, StreamingPolicy, SadasPolicy, SfiPolicy], Field(discriminator="policy")
+    Union[FullPolicy, StreamingPolicy, SadasPolicy, SfiPolicy, QuestPolicy, AsyncSpadePolicy, LfpsPolicy],
+    Field(discriminator="policy"),
 ]
 _POLICY_MODELS: dict[str, type[_Strict]] = {
     "full": FullPolicy,
     "streaming": StreamingPolicy,
     "sadas": SadasPolicy,
     "sfi": SfiPolicy,
+    "quest": QuestPolicy,
+    "asyncspade": AsyncSpadePolicy,
+    "lfps": LfpsPolicy,
 }
 
 
@@ -98,6 +150,9 @@ class PolicyDefaults(_Strict):
     streaming: StreamingPolicy = StreamingPolicy()
     sadas: SadasPolicy = SadasPolicy()
     sfi: SfiPolicy = SfiPolicy()
+    quest: QuestPolicy = QuestPolicy()
+    asyncspade: AsyncSpadePolicy = AsyncSpadePolicy()
+    lfps: LfpsPolicy = LfpsPolicy()
 
 
 class CompactBufferConfig(_Strict):
@@ -113,10 +168,31 @@ class CompactBufferConfig(_Strict):
     capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
 
 
+class QueryStoreConfig(_Strict):
+    """Per-request storage of one query-aware policy, reserved once at start-up
+    (sgl_sparse/query_store.py; README "Query-aware policies" gives the bytes).
+    A request that finds no free slot (reason `no_store_slot`), or whose sequence
+    grows past `max_context` (reason `context_exceeds_store`), is served dense."""
+
+    slots: int = Field(8, ge=0, le=4096, description="concurrent requests of this policy served sparse")
+    max_context: int = Field(32768, ge=QUEST_PAGE, le=1 << 22, description="longest sequence served sparse")
+    capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
+    # LFPS only: candidates scored exactly per KV head and step (a fixed buffer, so
+    # that no shape depends on data); the paper's |C1| is a few % of the context.
+    candidates: int = Field(8192, ge=1, le=1 << 22, description="LFPS: max |C1| scored per KV head")
+
+
+class QueryAwareConfig(_Strict):
+    quest: QueryStoreConfig = QueryStoreConfig()
+    asyncspade: QueryStoreConfig = QueryStoreConfig()
+    lfps: QueryStoreConfig = QueryStoreConfig()
+
+
 class SparseServerConfig(_Strict):
-    default_policy: Literal["full", "streaming", "sadas", "sfi"] = "full"
+    default_policy: Literal["full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfps"] = "full"
     policies: PolicyDefaults = PolicyDefaults()
     compact: CompactBufferConfig = CompactBufferConfig()
+    query_aware: QueryAwareConfig = QueryAwareConfig()
     # SFI's trigger set: vocabulary ids whose decoded text ends with one of these.
     trigger_suffixes: tuple[str, ...] = (".", "?", "!", ";", "\n", "。", "？", "！", "；")
     # Or the ids themselves, one per line ('#' comments): for servers whose tokenizer
@@ -223,7 +299,24 @@ def parse_request_policy(
             f"compact buffer capacity {server.compact.capacity} (compact.capacity in --sparse-config)",
             "budget",
         )
+    if spec.policy in QUERY_AWARE:
+        _check_query_store(spec, server, prefix)
     return spec
+
+
+def _check_query_store(spec, server: SparseServerConfig, prefix: str) -> None:
+    """Knobs bounded by the storage the server reserved for the policy."""
+    store: QueryStoreConfig = getattr(server.query_aware, spec.policy)
+    if spec.sink + spec.budget > store.capacity:
+        raise SparseConfigError(
+            f"{prefix}.budget: sink + budget = {spec.sink + spec.budget} exceeds this server's "
+            f"query_aware.{spec.policy}.capacity {store.capacity} (in --sparse-config)", "budget",
+        )
+    if isinstance(spec, AsyncSpadePolicy) and spec.window > server.policies.asyncspade.window:
+        raise SparseConfigError(
+            f"{prefix}.window: {spec.window} exceeds this server's policies.asyncspade.window "
+            f"{server.policies.asyncspade.window} (the query windows are sized by it)", "window",
+        )
 
 
 def load_server_config(

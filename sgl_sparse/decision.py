@@ -7,12 +7,13 @@ policies the batch holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from sgl_sparse.policies import MODULES, sfi
+from sgl_sparse.policies import MODULES, query_aware, sfi
 from sgl_sparse.policies.base import StepInputs
 from sgl_sparse.state import SparseState
 
@@ -22,9 +23,15 @@ class DecodePlan:
     """Which keys each request of the batch attends at this step (all [bs] int32).
 
     Two segments per request, the shape the two-segment decode kernel consumes:
-        A: a_slot < 0: positions [0, a_len) in place  -- sink tokens
+        A: a_slot == -1: positions [0, a_len) in place  -- sink tokens
          a_slot >= 0: the first a_len rows of the request's compact buffer
                       (SFI: sink + selected tokens, all before b_start)
+         a_slot == -2 (INDEXED; quest, asyncspade, lfps): per KV head h the
+                      positions a_pos[b, h, :a_len_per_head[b, h]] read in place
+                      through req_to_token (ascending, all < b_start, the sink
+                      positions included). Chosen per layer: the step's plan has
+                      a_pos None and a_len 0 for these rows; the backend fills
+                      both in a per-layer copy (`with_indexed`).
       B: positions [b_start, b_end)    -- recent window, or the whole sequence
     `full` is A empty and B = [0, n). A and B never overlap.
     """
@@ -38,9 +45,23 @@ class DecodePlan:
     # SFI slow steps: the compact slot whose query buffer takes this step's query
     # (-1: nothing to save).
     q_save_slot: Optional[torch.Tensor] = None
+    # INDEXED rows: [bs, Hkv, K] int32 positions (per layer, see above).
+    a_pos: Optional[torch.Tensor] = None
 
     def attended(self) -> torch.Tensor:
+        """Tokens per row (INDEXED rows: segment B only until a layer fills A)."""
         return self.a_len + (self.b_end - self.b_start)
+
+    def indexed(self) -> torch.Tensor:
+        """[bs] bool: rows whose segment A is a per-head position set."""
+        if self.a_slot is None:
+            return torch.zeros_like(self.b_end, dtype=torch.bool)
+        return self.a_slot == query_aware.INDEXED
+
+    def with_indexed(self, a_pos: torch.Tensor, a_len_per_head: torch.Tensor) -> "DecodePlan":
+        """This layer's plan: INDEXED rows read a_pos / a_len_per_head (other rows'
+        entries of both are ignored)."""
+        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len_per_head)
 
 
 def plan_decode(
@@ -96,19 +117,23 @@ def plan_decode(
     state.latch[rows] = step.latch
     slow, compact = sfi.decide(step)
     _advance_sfi(state, rows, step, slow)
+    n = step.seq_len
+    indexed = query_aware.decide(step.policy, step.slot, step.sink, step.budget, step.window, n,
+                                 state.max_context[rows], state.qa_steps[rows])
+    qa_steps = state.qa_steps[rows]
+    state.qa_steps[rows] = torch.where(step.policy > 0, qa_steps + 1, qa_steps)  # padding row 0 stays 0
 
     windowed = torch.zeros_like(step.latch)
     for module in MODULES.values():
         mask = module.windowed(step)
         if mask is not None:
             windowed |= mask
-    windowed |= compact
-    n = step.seq_len
+    windowed |= compact | indexed
     zero = torch.zeros_like(n)
     b_start = torch.where(windowed, torch.clamp(n - step.window, min=0), zero)
     a_len = torch.where(compact, step.sel_count,
-                        torch.where(windowed, torch.minimum(step.sink, b_start), zero))
-    a_slot = torch.where(compact, step.slot, -1)
+                        torch.where(windowed & ~indexed, torch.minimum(step.sink, b_start), zero))
+    a_slot = torch.where(compact, step.slot, torch.where(indexed, query_aware.INDEXED, -1))
     plan = DecodePlan(a_len=a_len, b_start=b_start, b_end=n, a_slot=a_slot,
                       q_save_slot=torch.where(slow & (step.slot >= 0), step.slot, -1))
     if num_kv_heads is not None:

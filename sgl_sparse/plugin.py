@@ -18,6 +18,7 @@ from sgl_sparse import BACKEND_NAME, compat
 from sgl_sparse.config import (
     ENV_CONFIG,
     POLICY_NAMES,
+    QUERY_AWARE,
     REQUEST_KEY,
     SparseConfigError,
     SparseServerConfig,
@@ -137,6 +138,12 @@ def server_args_resolved(_result, server_args) -> None:
         "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
+    if device != "cpu" and not getattr(server_args, "disable_cuda_graph", False):
+        # Their per-layer selection is host-grouped torch code for now (see
+        # backend._attend_indexed_rows): it cannot be replayed from a CUDA graph.
+        why = ("on CUDA it needs --disable-cuda-graph until the two-segment kernel's "
+               "indexed segment A is wired in")
+        cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **{p: why for p in QUERY_AWARE}}})
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
@@ -268,5 +275,6 @@ def report_internal_state(result, scheduler, *args, **kwargs):
             "active_requests": state.active_count(),
             "active_by_policy": state.active_by_policy(),
             "compact_slots_in_use": state.compact_slots_in_use(),
+            "query_slots_in_use": state.query_slots_in_use(),
         }
     return result

@@ -14,6 +14,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparse.decision import DecodePlan
+from sgl_sparse.policies.query_aware import INDEXED
 
 
 def _gather_kv(k_cache, v_cache, slots, dtype):
@@ -75,12 +76,18 @@ def decode_attention(
     """One query per request over segment A and segment B [b_start, b_end).
 
     A is positions [0, a_len) of the pool, or (plan.a_slot >= 0) the first a_len
-    rows of the request's compact buffer."""
+    rows of the request's compact buffer, or (plan.a_slot == -2) per KV head h the
+    positions plan.a_pos[i, h, :plan.a_len_per_head[i, h]]."""
     qh = q.movedim(0, 1)  # [Hq, bs, D]
     a_len, b_start, b_end = (t.tolist() for t in (plan.a_len, plan.b_start, plan.b_end))
     a_slot = plan.a_slot.tolist() if plan.a_slot is not None else [-1] * len(a_len)
+    per_head = plan.a_len_per_head.tolist() if INDEXED in a_slot else None
     for i, rpi in enumerate(req_pool_indices.tolist()):
         row = req_to_token[rpi]
+        if a_slot[i] == INDEXED:
+            _attend_indexed(qh, o, i, k_cache, v_cache, row, plan.a_pos[i], per_head[i],
+                            b_start[i], b_end[i], scaling)
+            continue
         if a_slot[i] >= 0 and a_len[i] > 0:
             kb, vb = _gather_kv(k_cache, v_cache, row[b_start[i]: b_end[i]], q.dtype)
             k = torch.cat([compact_k[a_slot[i], :, : a_len[i]].to(q.dtype), kb], dim=1)
@@ -106,3 +113,20 @@ def _attend_one(qh, o, i, k, v, scaling, enable_gqa) -> None:
         enable_gqa=enable_gqa, scale=scaling,
     ).squeeze(0).movedim(0, 1)
     o[i: i + 1] = out
+
+
+def _attend_indexed(qh, o, i, k_cache, v_cache, row, a_pos, a_lens, b_start, b_end, scaling) -> None:
+    """Request i, KV head by KV head: its query heads over the head's own positions
+    a_pos[h, :a_lens[h]] then segment B [b_start, b_end)."""
+    hkv = k_cache.shape[1]
+    g = qh.shape[0] // hkv
+    seg_b = row[b_start:b_end]
+    for h in range(hkv):
+        slots = torch.cat([row[a_pos[h, : a_lens[h]].long()], seg_b])
+        if slots.numel() == 0:
+            o[i, h * g:(h + 1) * g] = 0
+            continue
+        k = k_cache[slots, h].to(qh.dtype)[None]  # [1, m, D]
+        v = v_cache[slots, h].to(qh.dtype)[None]
+        out = scaled_dot_product_attention(qh[h * g:(h + 1) * g, i: i + 1, :], k, v, scale=scaling)
+        o[i, h * g:(h + 1) * g] = out[:, 0]

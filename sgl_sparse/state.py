@@ -21,8 +21,8 @@ import torch
 
 from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import SparseServerConfig
-from sgl_sparse.policies import sfi
-from sgl_sparse.policies.base import PolicyId, RowInit
+from sgl_sparse.policies import query_aware, sfi
+from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId, RowInit
 
 
 class SparseState:
@@ -51,12 +51,23 @@ class SparseState:
         self.sel_count = z(torch.int32)
         self.saved_n = z(torch.int32)  # sequence length at the last slow step
         self.prompt_q = z(torch.int32)  # prompt queries saved for the first Selector run
+        # Query-aware policies (policies/query_aware.py): the longest sequence the
+        # row's store slot serves sparse, and decode steps since admission
+        # (asyncspade's first step has no predicted selection yet).
+        self.max_context = z(torch.int32)
+        self.qa_steps = z(torch.int32)
         # Bool [vocab] sentence-ending ids and the compact buffers: set by the backend
         # once the tokenizer and the model shape are known.
         self.trigger_table = torch.zeros(1, dtype=torch.bool, device=self.device)
         self.trigger_table_host = np.zeros(1, dtype=bool)
         self.compact: Optional[CompactStore] = None
         self._free_slots: list[int] = list(range(self.config.compact.slots))[::-1]
+        # Query stores (sgl_sparse/query_store.py), set by the backend, and their
+        # free slots per policy.
+        self.query_stores: dict[PolicyId, object] = {}
+        self._qa_free: dict[PolicyId, list[int]] = {
+            p: list(range(self._qa_config(p).slots))[::-1] for p in QUERY_AWARE_IDS
+        }
         self._sfi: dict[int, sfi.HostMirror] = {}
         self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
         self._lock = threading.Lock()
@@ -66,6 +77,7 @@ class SparseState:
         self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
+        self._step_rows: list[int] | None = None  # rows of the decode batch, in order
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
         self.metrics = None  # sgl_sparse.metrics.SchedulerMetrics when --enable-metrics
@@ -86,17 +98,28 @@ class SparseState:
             self._queued = ([], [], [])
         return self.admit(rows, inits, bases)
 
+    def _qa_config(self, policy: PolicyId):
+        return getattr(self.config.query_aware, policy.name.lower())
+
+    def _free_list(self, policy: PolicyId) -> Optional[list[int]]:
+        if policy == PolicyId.SFI:
+            return self._free_slots
+        return self._qa_free.get(policy)
+
     def _with_slot(self, row: int, init: RowInit) -> RowInit:
-        """An SFI row keeps its compact slot across extend chunks; a new one takes a
-        free slot, or none (then it is served dense)."""
-        if init.policy != PolicyId.SFI:
+        """An SFI / query-aware row keeps its slot across extend chunks; a new one
+        takes a free slot of its policy's store, or none (then it is served dense)."""
+        free = self._free_list(init.policy)
+        if free is None:
             return init
         with self._lock:
             prev = self._active.get(row)
-            if prev is not None and prev.policy == PolicyId.SFI and prev.slot >= 0:
+            if prev is not None and prev.policy == init.policy and prev.slot >= 0:
                 slot = prev.slot
             else:
-                slot = self._free_slots.pop() if self._free_slots else -1
+                slot = free.pop() if free else -1
+        if init.policy in QUERY_AWARE_IDS:
+            return dataclasses.replace(init, slot=slot, max_context=self._qa_config(init.policy).max_context)
         return dataclasses.replace(init, slot=slot)
 
     def admit(self, rows: Sequence[int], inits: Sequence[RowInit],
@@ -132,6 +155,8 @@ class SparseState:
             "sel_count": torch.zeros(len(inits), dtype=torch.int32),
             "saved_n": torch.zeros(len(inits), dtype=torch.int32),
             "prompt_q": torch.zeros(len(inits), dtype=torch.int32),
+            "max_context": col("max_context", torch.int32),
+            "qa_steps": torch.zeros(len(inits), dtype=torch.int32),
         }
         pin = self.device.type == "cuda"
         idx = idx.pin_memory().to(self.device, non_blocking=True) if pin else idx
@@ -192,6 +217,9 @@ class SparseState:
                 if row.policy == PolicyId.SFI:
                     mask.append(self._sfi_step(r, n, toks, count, fallbacks))
                     continue
+                if row.policy in QUERY_AWARE_IDS:
+                    mask.append(self._query_aware_step(r, row, n, count, fallbacks))
+                    continue
                 if row.policy == PolicyId.SADAS and not row.latch and end_id is not None:
                     seen = self._scanned.get(r, 0)
                     if any(int(t) == end_id for t in toks[seen:]):
@@ -209,6 +237,7 @@ class SparseState:
                 mask.append(int(windowed))
                 count(name, row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
+            self._step_rows = [int(r) for r in rows]
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
 
@@ -237,6 +266,37 @@ class SparseState:
             return 0
         return 2 if sfi.covers(i.sink, i.budget, i.window, n) else 1
 
+    def _query_aware_step(self, r: int, i: RowInit, n: int, count, fallbacks) -> int:
+        """Host twin of policies.query_aware.decide (lock held): why a row is dense,
+        or the tokens its indexed plan may attend. The exact count of an indexed step
+        is known on the device only (quest's clipped boundary pages, lfps's |C2| and
+        sink bypass): the host counts the plan's bound, sink + budget + recent.
+        Routing: 0 (the dense path serves the row; an indexed row's output is then
+        replaced by the indexed attention, see backend._attend_indexed_rows)."""
+        name = i.policy.name.lower()
+        st = self._stats.get(r)
+        reason = None
+        if i.slot < 0:
+            reason = "no_store_slot"
+        elif n > i.max_context:
+            reason = "context_exceeds_store"
+        elif query_aware.covers(i.sink, i.budget, i.window, n):
+            reason = "budget_covers_sequence"
+        elif i.policy == PolicyId.ASYNCSPADE and st is not None and st[0] == 0:
+            reason = "prediction_pending"
+        if reason is not None:
+            fallbacks[(name, reason)] += 1
+            count(name, n, n, row=r)
+        else:
+            count(name, min(i.sink, n - i.window) + i.budget + i.window, n, row=r)
+        return 0
+
+    def take_step_rows(self) -> list[int] | None:
+        """Rows of the decode batch whose forward comes next, in batch order."""
+        with self._lock:
+            rows, self._step_rows = self._step_rows, None
+        return rows
+
     def take_refresh_rows(self) -> dict[int, int]:
         """Rows whose compact buffer the Selector must refresh before the next
         step, with a host bound on their sequence length."""
@@ -258,8 +318,9 @@ class SparseState:
                 self._sfi.pop(int(r), None)
                 self._refresh.pop(int(r), None)
                 st = self._stats.pop(int(r), None)
-                if row is not None and row.slot >= 0:
-                    self._free_slots.append(row.slot)
+                free = self._free_list(row.policy) if row is not None else None
+                if free is not None and row.slot >= 0:
+                    free.append(row.slot)
                 if row is not None:
                     done.append((row.policy.name.lower(), st[1] / st[0] if st and st[0] else None))
         if self.metrics is not None:
@@ -293,6 +354,11 @@ class SparseState:
     def compact_slots_in_use(self) -> int:
         with self._lock:
             return self.config.compact.slots - len(self._free_slots)
+
+    def query_slots_in_use(self) -> dict[str, int]:
+        """Store slots held by live requests, per query-aware policy."""
+        with self._lock:
+            return {p.name.lower(): self._qa_config(p).slots - len(self._qa_free[p]) for p in QUERY_AWARE_IDS}
 
     def request_stats(self, row: int) -> Optional[dict]:
         """Policy, slow-step ratio and mean retention of a live request so far."""

@@ -8,8 +8,9 @@ Each policy module owns two things:
 """
 
 from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs
-from sgl_sparse.policies import full, sadas, sfi, streaming
+from sgl_sparse.policies import asyncspade, full, lfps, quest, sadas, sfi, streaming
 
-MODULES = {"full": full, "streaming": streaming, "sadas": sadas, "sfi": sfi}
+MODULES = {"full": full, "streaming": streaming, "sadas": sadas, "sfi": sfi,
+           "quest": quest, "asyncspade": asyncspade, "lfps": lfps}
 
 __all__ = ["MODULES", "PolicyId", "RowInit", "StepInputs"]

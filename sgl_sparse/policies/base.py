@@ -14,6 +14,14 @@ class PolicyId(IntEnum):
     STREAMING = 1
     SADAS = 2
     SFI = 3
+    # Query-aware policies: segment A is a per-(row, KV head) position set chosen
+    # each layer from the query (DecodePlan.a_slot == INDEXED).
+    QUEST = 4
+    ASYNCSPADE = 5
+    LFPS = 6
+
+
+QUERY_AWARE_IDS = (PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS)
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,10 @@ class RowInit:
     t_max: int = 0
     triggers: bool = False
     spec: Any = None
-    slot: int = -1
+    slot: int = -1  # SFI: compact slot; quest/asyncspade/lfps: slot of the policy's query store
+    # Query-aware policies (window = the recent positions of segment B): the longest
+    # sequence their store can serve sparse (0: none).
+    max_context: int = 0
 
 
 @dataclass

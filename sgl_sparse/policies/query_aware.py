@@ -1,0 +1,42 @@
+"""What quest, asyncspade and lfps share in the per-step decision.
+
+Each of them attends sink + a per-(row, KV head) position set chosen in the layer
+(segment A, `DecodePlan.a_slot == INDEXED`) + the last `window` positions in place
+(segment B). The step-level decision (here, device ops) only says whether a row is
+indexed this step; the positions are chosen per layer in the backend
+(sgl_sparse/query_aware.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_sparse.policies.base import PolicyId, RowInit
+
+INDEXED = -2  # DecodePlan.a_slot of an indexed row
+
+
+def init_row(policy: PolicyId, spec, window: int) -> RowInit:
+    return RowInit(policy=policy, window=window, sink=spec.sink, budget=spec.budget, spec=spec)
+
+
+def windowed(step):
+    return None  # indexed rows are decided in `decide`
+
+
+def covers(sink: int, budget: int, window: int, n: int) -> bool:
+    """Sink + budget + recent reach every token: the row is dense (exactly `full`)."""
+    return sink + budget + window >= n
+
+
+def decide(policy: torch.Tensor, slot: torch.Tensor, sink: torch.Tensor, budget: torch.Tensor,
+           window: torch.Tensor, n: torch.Tensor, max_context: torch.Tensor,
+           qa_steps: torch.Tensor) -> torch.Tensor:
+    """[bs] bool: the row attends an indexed segment A this step. Device ops only.
+
+    Dense instead when the row has no store slot, outgrew its store, its budget
+    covers the sequence, or (asyncspade) no prediction exists yet: its first decode
+    step after admission attends everything and predicts the next query."""
+    mine = (policy == PolicyId.QUEST) | (policy == PolicyId.ASYNCSPADE) | (policy == PolicyId.LFPS)
+    ready = (policy != PolicyId.ASYNCSPADE) | (qa_steps >= 1)
+    return mine & ready & (slot >= 0) & (n <= max_context) & (sink + budget + window < n)

@@ -1,0 +1,235 @@
+"""Serving glue of the query-aware policies (quest, asyncspade, lfps): keeps their
+per-request stores current as keys are written, and chooses each layer's indexed
+segment A (DecodePlan.a_slot == INDEXED) for the rows of a decode batch.
+
+Host side, once per forward: which batch rows belong to which policy group (rows
+of one group share the request knobs, so the math of sgl_sparse/queryaware/ runs
+once per group with scalar knobs). Device side, per layer: tensor ops only.
+
+  extend (after the chunk's KV is written), per row of the chunk:
+    quest       bounds of every page of [0, n) recomputed from the pool (a radix
+                prefix hit's pages included)
+    asyncspade  query window <- the chunk's last W + 1 queries
+    lfps        tables, K̄, V̄, σ̂² from the chunk's last s queries (Eq. 4, §4.2)
+  decode, layer by layer:
+    select      quest: bounds of the current page, then pages by this query;
+                asyncspade: the selection predicted at the previous step;
+                lfps: candidates from the tables, exact q.k, Top-k
+    (attention over segment A and B)
+    finish      lfps: sink bypass (heads output V̄) and the table update (Eq. 10);
+                asyncspade: push this query, predict the next one, select for the
+                next step (positions < its b_start = n + 1 - recent)
+A row outside every group (no slot, longer than its store) is dense in the plan.
+The ring, tables and selections are written only by their own slot's request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sgl_sparse.decision import DecodePlan
+from sgl_sparse.policies import quest, query_aware
+from sgl_sparse.policies.base import PolicyId, RowInit
+from sgl_sparse.queryaware import asyncspade as aspd
+from sgl_sparse.queryaware import lfps as lfps_math
+
+
+@dataclass
+class Group:
+    """Batch rows of one policy with identical knobs (host-built, once per forward)."""
+
+    policy: PolicyId
+    spec: Any
+    batch_idx: torch.Tensor  # [g] int64: positions in the batch
+    slots: torch.Tensor  # [g] int64: store slots
+    n_max: int  # longest sequence of the group (host)
+
+
+@dataclass
+class ExtendRow:
+    policy: PolicyId
+    spec: Any
+    req_row: int
+    slot: int
+    n: int  # sequence length after this chunk
+    q_start: int  # the chunk's queries in the forward's q
+    q_end: int
+
+
+def lfps_knobs(spec) -> lfps_math.LfpsKnobs:
+    return lfps_math.LfpsKnobs(s=spec.s, r=spec.r, eps=spec.eps, a=spec.a, n_local=spec.local, n_sink=spec.sink)
+
+
+def prepend_sink(pos: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
+                 k_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment A from a selection of non-sink positions: [0, min(sink, b_start))
+    then the selected positions below b_start. pos [g, Hkv, K] ascending in the
+    first count [g, Hkv]; sink, b_start [g] -> ([g, Hkv, k_out] int32, [g, Hkv] int32)."""
+    g, hkv, k = pos.shape
+    dev = pos.device
+    b = b_start.long()[:, None, None]
+    keep = (torch.arange(k, device=dev)[None, None, :] < count[..., None]) & (pos.long() < b)
+    kept = keep.sum(-1)  # ascending: the kept entries are a prefix
+    s = torch.minimum(sink.long(), b_start.long())[:, None, None]
+    j = torch.arange(k_out, device=dev)[None, None, :]
+    src = (j - s).clamp(0, max(k - 1, 0))
+    moved = torch.gather(pos.long(), -1, src.expand(g, hkv, -1)) if k else torch.zeros_like(j.expand(g, hkv, -1))
+    out = torch.where(j < s, j, moved)
+    total = (s[..., 0] + kept).clamp(max=k_out)
+    out = torch.where(j < total[..., None], out, 0)
+    return out.to(torch.int32), total.to(torch.int32)
+
+
+class QueryAwareRuntime:
+    def __init__(self, state):
+        self.state = state
+        self.stores = state.query_stores
+        self.cap = max((s.cfg.capacity for s in self.stores.values()), default=1)
+        self.groups: list[Group] = []
+        self.extend_rows: list[ExtendRow] = []
+        self._lfps_out: dict[int, lfps_math.LfpsStep] = {}
+
+    # ---- host, once per forward ----------------------------------------------------
+    def plan_step(self, rows: list[int], seq_lens: list[int], device: torch.device) -> None:
+        """Decode: group the batch's query-aware rows that may be indexed this step
+        (quest, lfps) or that predict for the next one (asyncspade)."""
+        buckets: dict[tuple, list[tuple[int, int, int]]] = {}
+        for b, (r, n) in enumerate(zip(rows, seq_lens)):
+            init = self._init(r)
+            if init is None or init.policy not in self.stores or init.slot < 0 or n > init.max_context:
+                continue
+            if init.policy != PolicyId.ASYNCSPADE and query_aware.covers(init.sink, init.budget, init.window, n):
+                continue
+            buckets.setdefault((init.policy, init.spec), []).append((b, init.slot, n))
+        self.groups = [
+            Group(p, spec, torch.tensor([b for b, _, _ in m], dtype=torch.int64, device=device),
+                  torch.tensor([s for _, s, _ in m], dtype=torch.int64, device=device), max(n for _, _, n in m))
+            for (p, spec), m in buckets.items()
+        ]
+
+    def plan_extend(self, order: list[int], seq_lens: list[int], ext_lens: list[int],
+                    admitted: tuple[list[int], list[RowInit]]) -> None:
+        want = {int(r): i for r, i in zip(*admitted)
+                if i.policy in self.stores and i.slot >= 0}
+        self.extend_rows = []
+        start = 0
+        for r, n, ext in zip(order, seq_lens, ext_lens):
+            i = want.get(int(r))
+            if i is not None and n <= i.max_context:
+                self.extend_rows.append(ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext))
+            start += ext
+
+    def _init(self, row: int) -> Optional[RowInit]:
+        with self.state._lock:
+            return self.state._active.get(row)
+
+    # ---- extend, per layer ---------------------------------------------------------
+    def on_extend(self, li: int, q3: torch.Tensor, k_cache, v_cache, req_to_token, scale: float) -> None:
+        for e in self.extend_rows:
+            store = self.stores[e.policy]
+            locs = req_to_token[e.req_row, : e.n].long()
+            if e.policy == PolicyId.QUEST:
+                pages = -(-e.n // quest.PAGE)
+                lo, hi = quest.page_bounds(k_cache[locs], e.n, pages)
+                store.kmin[li, e.slot, :, :pages] = lo.to(store.kmin.dtype)
+                store.kmax[li, e.slot, :, :pages] = hi.to(store.kmax.dtype)
+            elif e.policy == PolicyId.ASYNCSPADE:
+                w = store.ring.shape[2]
+                c = min(w, e.q_end - e.q_start)
+                win = q3.new_zeros((1, w, *q3.shape[1:]))
+                win[0, w - c:] = q3[e.q_end - c: e.q_end]
+                slot = torch.tensor([e.slot], device=q3.device)
+                aspd.ring_load(store.ring[li], store.total[li], slot, win, torch.tensor([c], device=q3.device))
+            else:
+                knobs = lfps_knobs(e.spec)
+                s = min(knobs.s, e.q_end - e.q_start)
+                lfps_math.init_tables(
+                    q3[e.q_end - s: e.q_end][None], k_cache[locs][None], v_cache[locs][None],
+                    torch.tensor([e.n], device=q3.device), scale, store.cfg.max_context, knobs,
+                    out=store.layer(li), rows=torch.tensor([e.slot], device=q3.device))
+
+    # ---- decode, per layer ---------------------------------------------------------
+    def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,
+               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> DecodePlan:
+        """This layer's plan: a_pos / a_len_per_head of the INDEXED rows."""
+        bs, hkv = q3.shape[0], k_cache.shape[1]
+        a_pos = torch.zeros(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)
+        a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
+        self._lfps_out = {}
+        for gi, g in enumerate(self.groups):
+            store = self.stores[g.policy]
+            cap = store.cfg.capacity
+            rpi = req_pool_indices[g.batch_idx].long()
+            n = seq_lens[g.batch_idx].long()
+            b_start = plan.b_start[g.batch_idx]
+            sink = torch.full_like(n, g.spec.sink)
+            if g.policy == PolicyId.QUEST:
+                self._quest_current_page(li, store, g, k_cache, req_to_token, rpi, n)
+                pages = -(-g.n_max // quest.PAGE)
+                scores = quest.page_scores(q3[g.batch_idx], store.kmin[li, g.slots, :, :pages],
+                                           store.kmax[li, g.slots, :, :pages])
+                pos, cnt = quest.select_positions(scores, sink, b_start, torch.full_like(n, g.spec.budget), cap)
+            elif g.policy == PolicyId.ASYNCSPADE:
+                pos, cnt = store.sel_pos[li, g.slots], store.sel_count[li, g.slots]
+            else:
+                keys = k_cache[req_to_token[rpi, : g.n_max].long()]  # [g, n_max, Hkv, D]
+                res = lfps_math.step(store.layer(li), q3[g.batch_idx], keys, n, torch.full_like(n, g.spec.budget),
+                                     g.spec.budget, store.cfg.candidates, scale, lfps_knobs(g.spec), rows=g.slots)
+                self._lfps_out[gi] = res
+                pos, cnt = prepend_sink(res.positions, res.counts, sink, b_start, cap)
+                cnt = torch.where(res.bypass, 0, cnt)  # replaced by V̄ after the attention
+            a_pos[g.batch_idx, :, : pos.shape[-1]] = pos
+            a_len[g.batch_idx] = cnt
+        return plan.with_indexed(a_pos, a_len)
+
+    def _quest_current_page(self, li, store, g: Group, k_cache, req_to_token, rpi, n) -> None:
+        """Bounds of the page holding the key just written (position n - 1), from
+        its keys in the pool: a page is rebuilt from its own keys as it fills."""
+        page = (n - 1) // quest.PAGE
+        pos = page[:, None] * quest.PAGE + torch.arange(quest.PAGE, device=n.device)[None, :]
+        ok = (pos < n[:, None])[:, :, None, None]
+        keys = k_cache[torch.gather(req_to_token[rpi], 1, pos.clamp(max=req_to_token.shape[1] - 1)).long()]
+        lo = torch.where(ok, keys, float("inf")).amin(1)
+        hi = torch.where(ok, keys, float("-inf")).amax(1)
+        store.kmin[li, g.slots, :, page] = lo.to(store.kmin.dtype)
+        store.kmax[li, g.slots, :, page] = hi.to(store.kmax.dtype)
+
+    def finish(self, li: int, plan: DecodePlan, q3: torch.Tensor, o3: torch.Tensor, k_cache, req_to_token,
+               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
+        indexed = plan.indexed()
+        hkv = k_cache.shape[1]
+        for gi, g in enumerate(self.groups):
+            store = self.stores[g.policy]
+            n = seq_lens[g.batch_idx].long()
+            if g.policy == PolicyId.LFPS:
+                res = self._lfps_out[gi]
+                mine = indexed[g.batch_idx]
+                bypass = res.bypass & mine[:, None]  # [g, Hkv]
+                grp = o3.shape[1] // hkv
+                vbar = store.vbar[li, g.slots].to(o3.dtype).repeat_interleave(grp, dim=1)  # [g, Hq, Dv]
+                rows_o = o3[g.batch_idx]
+                o3[g.batch_idx] = torch.where(bypass.repeat_interleave(grp, dim=1)[..., None], vbar, rows_o)
+                # Tables learn from the steps that used them [ours]: dense steps leave them.
+                res = res._replace(counts=torch.where(mine[:, None], res.counts, 0))
+                lfps_math.update_tables(store.layer(li), res, n, lfps_knobs(g.spec), rows=g.slots)
+            elif g.policy == PolicyId.ASYNCSPADE:
+                self._predict(li, store, g, q3, k_cache, req_to_token, req_pool_indices, n, scale)
+
+    def _predict(self, li, store, g: Group, q3, k_cache, req_to_token, req_pool_indices, n, scale) -> None:
+        w = g.spec.window + 1  # W regressors + the target (queryaware.asyncspade's ring)
+        aspd.ring_push(store.ring[li], store.total[li], q3[g.batch_idx], rows=g.slots)
+        window, count = aspd.ring_window(store.ring[li][g.slots], store.total[li][g.slots])
+        q_hat = aspd.predict_next_query(window[:, -w:], count.clamp(max=w), g.spec.ridge)
+        rpi = req_pool_indices[g.batch_idx].long()
+        keys = k_cache[req_to_token[rpi, : g.n_max].long()]
+        sink = torch.full_like(n, g.spec.sink)
+        next_b = (n + 1 - g.spec.recent).clamp(min=0)  # b_start of the next step
+        scores = aspd.score_positions(q_hat, keys, n, sink, next_b, scale)
+        pos, cnt = aspd.select_topk(scores, torch.full_like(n, g.spec.budget), g.spec.budget)
+        cap = store.cfg.capacity
+        pos, cnt = prepend_sink(pos, cnt, sink, next_b, cap)
+        store.sel_pos[li, g.slots] = pos
+        store.sel_count[li, g.slots] = cnt

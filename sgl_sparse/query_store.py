@@ -1,0 +1,86 @@
+"""Per-request device storage of the query-aware policies, reserved once when the
+backend is built (one store per policy, sized by `query_aware.<policy>` in the
+server config; README "Query-aware policies" gives the byte formulas).
+
+Layouts (slot = one live request of the policy; layers of this rank):
+  quest       kmin, kmax   [layers, slots, Hkv, max_pages, D]  KV dtype
+                           elementwise min / max of the keys of each page of 16
+                           consecutive positions of the request
+  asyncspade  ring         [layers, slots, W + 1, Hq, D]       KV dtype
+                           the last W + 1 queries (W regressors + the target Q_t;
+                           queryaware.asyncspade's ring convention)
+              total        [layers, slots] int64               queries pushed
+              sel_pos      [layers, slots, Hkv, capacity] int32
+              sel_count    [layers, slots, Hkv] int32
+                           the selection for the next step (sink positions first,
+                           then the Top-K, ascending, all < that step's b_start)
+  lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
+              kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
+              sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
+A slot is owned by one request from admission to release (SparseState); its
+contents are rewritten at the request's extend chunks before any decode step reads
+them, so a reused slot never leaks its previous owner's data into a selection.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sgl_sparse.config import QUEST_PAGE, QueryStoreConfig
+
+
+class QuestStore:
+    def __init__(self, cfg: QueryStoreConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.max_pages = -(-cfg.max_context // QUEST_PAGE)
+        shape = (num_layers, cfg.slots, num_kv_heads, self.max_pages, head_dim)
+        self.kmin = torch.zeros(shape, dtype=dtype, device=device)
+        self.kmax = torch.zeros(shape, dtype=dtype, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.kmin, self.kmax
+
+
+class AsyncSpadeStore:
+    def __init__(self, cfg: QueryStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
+                 num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.ring = torch.zeros(num_layers, cfg.slots, window + 1, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.total = torch.zeros(num_layers, cfg.slots, dtype=torch.int64, device=device)
+        self.sel_pos = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
+        self.sel_count = torch.zeros(num_layers, cfg.slots, num_kv_heads, dtype=torch.int32, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ring, self.total, self.sel_pos, self.sel_count
+
+
+class LfpsStore:
+    def __init__(self, cfg: QueryStoreConfig, *, num_layers: int, num_kv_heads: int, num_q_heads: int,
+                 head_dim: int, device: torch.device):
+        self.cfg = cfg
+        f32 = dict(dtype=torch.float32, device=device)
+        self.ver = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, **f32)
+        self.sla = torch.zeros_like(self.ver)
+        self.kbar = torch.zeros(num_layers, cfg.slots, num_kv_heads, head_dim, **f32)
+        self.vbar = torch.zeros_like(self.kbar)
+        self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2
+
+    def layer(self, li: int):
+        from sgl_sparse.queryaware.lfps import LfpsState
+
+        return LfpsState(ver=self.ver[li], sla=self.sla[li], kbar=self.kbar[li], vbar=self.vbar[li],
+                         sigma_hat2=self.sigma_hat2[li])
+
+
+def nbytes(store) -> int:
+    return sum(t.numel() * t.element_size() for t in store.tensors())
+
+
+def slot_nbytes(store: Optional[object]) -> int:
+    return nbytes(store) // max(store.cfg.slots, 1) if store is not None else 0
