@@ -58,12 +58,13 @@ class Sim:
         self.r2t[row, :n] = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int32)
         self.next_slot += n
 
-    def admit(self, rows, specs, lens, ext=None):
+    def admit(self, rows, specs, lens, ext=None, q=None):
         inits = [MODULES[s.policy].init_row(s, [], [], (None, None)) if s is not None
                  else MODULES["full"].init_row(None, [], [], (None, None)) for s in specs]
         admitted = self.st.admit(rows, inits)
         ext = ext or lens
-        q = torch.randn(sum(ext), HKV * self.group, D, generator=self.gen)
+        if q is None:
+            q = torch.randn(sum(ext), HKV * self.group, D, generator=self.gen)
         self.rt.plan_extend(rows, lens, ext, admitted)
         self.rt.on_extend(0, q, self.k, self.v, self.r2t, SCALE)
         return q
@@ -199,7 +200,14 @@ def test_lfps_step_uses_the_tables_and_updates_them():
     spec = LfpsPolicy(budget=12, local=6, sink=4, s=8, a=0.2, eps=0.999)
     n0 = 120
     sim.alloc(1, n0 + 10)
-    qp = sim.admit([1], [spec], [n0])
+    # Attention with a pattern (random keys give flat tables, where Eq. 8 passes no
+    # candidate): keys at a few positions align with every query.
+    u = torch.randn(D, generator=sim.gen)
+    u = 3 * u / u.norm()
+    hot = [20, 21, 57, 90]
+    sim.k[sim.r2t[1, hot].long()] = u
+    qdir = lambda m: torch.randn(m, HKV * group, D, generator=sim.gen) * 0.3 + u  # noqa: E731
+    qp = sim.admit([1], [spec], [n0], q=qdir(n0))
     knobs = lfps_knobs(spec)
     twin = lfps_math.init_tables(qp[-spec.s:][None], sim.keys(1, n0)[None], sim.v[sim.r2t[1, :n0].long()][None],
                                  torch.tensor([n0]), SCALE, MAXCTX, knobs)
@@ -208,7 +216,7 @@ def test_lfps_step_uses_the_tables_and_updates_them():
     torch.testing.assert_close(store.ver[0, slot], twin.ver[0].float())
     for t in range(4):
         n = n0 + 1 + t
-        q = torch.randn(1, HKV * group, D, generator=sim.gen)
+        q = qdir(1)
         keys = sim.keys(1, n)[None]
         res = lfps_math.step(twin, q, keys, torch.tensor([n]), torch.tensor([spec.budget]), spec.budget,
                              MAXCTX, SCALE, knobs)

@@ -99,6 +99,14 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("plain_a", {"policy": "sfi", "budget": 2000}, "same"),  # budget covers: dense
         ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "differ"),
         ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8}, "ok"),
+        # query-aware: a budget covering the sequence is dense, i.e. exactly full
+        ("plain_c", {"policy": "quest", "budget": 2048}, "same"),
+        ("plain_a", {"policy": "asyncspade", "budget": 2000}, "same"),
+        ("plain_b", {"policy": "lfps", "budget": 2000}, "same"),
+        ("plain_c", {"policy": "quest", "budget": 32, "recent": 8}, "differ"),
+        ("plain_a", {"policy": "asyncspade", "budget": 24, "recent": 8, "window": 3}, "ok"),
+        ("plain_c", {"policy": "lfps", "budget": 24, "local": 6, "s": 16}, "ok"),
+        ("plain_b", {"policy": "quest", "budget": 40}, 400),  # not whole pages of 16
         ("plain_b", {"policy": "streaming", "window": -1}, 400),
         ("plain_c", {"policy": "quantum"}, 400),
         ("plain_b", {"policy": "sfi", "budget": 5000}, 400),  # over the compact capacity
@@ -201,7 +209,8 @@ def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
     deadline = time.time() + 60
     while (state := _sparse_internal_state(sparse_server.url))["active_requests"] and time.time() < deadline:
         time.sleep(0.5)  # the abort reaches the scheduler asynchronously
-    assert state == {"active_requests": 0, "active_by_policy": {}, "compact_slots_in_use": 0}
+    assert state == {"active_requests": 0, "active_by_policy": {}, "compact_slots_in_use": 0,
+                     "query_slots_in_use": {"quest": 0, "asyncspade": 0, "lfps": 0}}
 
 
 def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -227,8 +236,17 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     _ids(_generate(sparse_server.url, ids, {"policy": "full"}))
     assert _generate(sparse_server.url, ids, {"policy": "streaming", "window": 0}).status_code == 400
     m = _scrape(sparse_server.url)
-    for policy in ("full", "streaming", "sadas", "sfi"):
+    for policy in ("full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfps"):
         assert _value(m, "sglang_sparse_decode_steps_total", policy=policy) > 0, policy
+    # query-aware: sparse steps attend less than the cache; covering budgets fall back
+    for policy in ("quest", "asyncspade", "lfps"):
+        ratio = _value(m, "sglang_sparse_attended_tokens_total", policy=policy) / _value(
+            m, "sglang_sparse_cached_tokens_total", policy=policy)
+        assert 0 < ratio < 1, policy
+        assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy=policy,
+                      reason="budget_covers_sequence") > 0, policy
+    assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="asyncspade",
+                  reason="prediction_pending") > 0
     # SFI: slow steps are a fraction of its steps; a covering budget is served dense
     sfi_steps = _value(m, "sglang_sparse_decode_steps_total", policy="sfi")
     assert 0 < _value(m, "sglang_sparse_slow_steps_total", policy="sfi") < sfi_steps
