@@ -375,35 +375,16 @@ class SparseAttnBackend(AttentionBackend):
             forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
         )
 
-    def _attend_indexed_rows(self, layer, forward_batch, plan, q3, o3) -> None:
-        """CUDA: the rows with an indexed segment A, through the torch gather
-        attention of the reference path (their rows were routed to FlashInfer, whose
-        dense output is replaced here). THE call site to switch to the two-segment
-        kernel's indexed mode (`a_pos`) once it is on main: pass plan.a_pos /
-        plan.a_len_per_head to it and route these rows to it (state routing 1)."""
-        rows = plan.indexed().nonzero().flatten()
-        if rows.numel() == 0:  # host sync: query-aware rows run eagerly (no CUDA graphs)
-            return
-        sub = DecodePlan(a_len=plan.a_len[rows], b_start=plan.b_start[rows], b_end=plan.b_end[rows],
-                         a_slot=plan.a_slot[rows], a_pos=plan.a_pos[rows],
-                         a_len_per_head=plan.a_len_per_head[rows])
-        out = o3[rows].clone()
-        reference.decode_attention(
-            q3[rows], out, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices[rows], sub, scaling=layer.scaling, enable_gqa=True,
-        )
-        o3[rows] = out
-
     def _forward_decode_cuda(self, q, k, v, layer, forward_batch, save_kv_cache):
         from sgl_sparse.kernels import two_segment_decode
 
         # FlashInfer writes the KV and the rows routed to it; then the kernel
         # overwrites the rows routed to it.
         o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        plan = self.plan
-        bs = plan.b_end.shape[0]
+        bs = self.plan.b_end.shape[0]
         q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
+        # quest/asyncspade/lfps rows: this layer's indexed segment A (a_pos).
+        plan = self._layer_plan(layer, forward_batch, q3)
         store, li = self.state.compact, layer.layer_id - self._layer0
         sfi_args = {}
         if store is not None:
@@ -422,13 +403,10 @@ class SparseAttnBackend(AttentionBackend):
             max_kv_len=self._max_kv_len,
             out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
             row_mask=self._row_mask[:bs],
+            a_pos=plan.a_pos,
             **sfi_args,
         )
-        if self.qa is not None and self.qa.groups:
-            o3 = o.view(bs, layer.tp_q_head_num, layer.v_head_dim)
-            lplan = self._layer_plan(layer, forward_batch, q3)
-            self._attend_indexed_rows(layer, forward_batch, lplan, q3, o3)
-            self._finish_query_aware(layer, forward_batch, lplan, q3, o3)
+        self._finish_query_aware(layer, forward_batch, plan, q3, o.view(bs, layer.tp_q_head_num, layer.v_head_dim))
         return o
 
     def support_triton(self):

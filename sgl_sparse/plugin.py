@@ -139,10 +139,10 @@ def server_args_resolved(_result, server_args) -> None:
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
     if device != "cpu" and not getattr(server_args, "disable_cuda_graph", False):
-        # Their per-layer selection is host-grouped torch code for now (see
-        # backend._attend_indexed_rows): it cannot be replayed from a CUDA graph.
-        why = ("on CUDA it needs --disable-cuda-graph until the two-segment kernel's "
-               "indexed segment A is wired in")
+        # Their per-layer selection is torch code grouped on the host by request
+        # knobs (query_serving.py): it cannot be replayed from a CUDA graph.
+        why = ("on CUDA it needs --disable-cuda-graph until its per-layer selection "
+               "runs without host-side grouping")
         cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **{p: why for p in QUERY_AWARE}}})
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:

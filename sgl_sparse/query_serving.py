@@ -154,10 +154,15 @@ class QueryAwareRuntime:
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> DecodePlan:
-        """This layer's plan: a_pos / a_len_per_head of the INDEXED rows."""
+        """This layer's plan: a_pos / a_len_per_head of the INDEXED rows (the other
+        rows keep the step plan's a_len_per_head: the kernel reads it for every row)."""
         bs, hkv = q3.shape[0], k_cache.shape[1]
         a_pos = torch.zeros(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)
-        a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
+        if plan.a_len_per_head is not None:
+            a_len = plan.a_len_per_head.clone()
+        else:
+            a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
+        indexed = plan.indexed()
         self._lfps_out = {}
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
@@ -182,7 +187,7 @@ class QueryAwareRuntime:
                 pos, cnt = prepend_sink(res.positions, res.counts, sink, b_start, cap)
                 cnt = torch.where(res.bypass, 0, cnt)  # replaced by V̄ after the attention
             a_pos[g.batch_idx, :, : pos.shape[-1]] = pos
-            a_len[g.batch_idx] = cnt
+            a_len[g.batch_idx] = torch.where(indexed[g.batch_idx, None], cnt, a_len[g.batch_idx])
         return plan.with_indexed(a_pos, a_len)
 
     def _quest_current_page(self, li, store, g: Group, k_cache, req_to_token, rpi, n) -> None:

@@ -271,8 +271,8 @@ class SparseState:
         or the tokens its indexed plan may attend. The exact count of an indexed step
         is known on the device only (quest's clipped boundary pages, lfps's |C2| and
         sink bypass): the host counts the plan's bound, sink + budget + recent.
-        Routing: 0 (the dense path serves the row; an indexed row's output is then
-        replaced by the indexed attention, see backend._attend_indexed_rows)."""
+        Routing: 1 (the two-segment kernel, its indexed segment A) when indexed,
+        else 0 (the stock dense kernel: exactly `full`)."""
         name = i.policy.name.lower()
         st = self._stats.get(r)
         reason = None
@@ -287,9 +287,9 @@ class SparseState:
         if reason is not None:
             fallbacks[(name, reason)] += 1
             count(name, n, n, row=r)
-        else:
-            count(name, min(i.sink, n - i.window) + i.budget + i.window, n, row=r)
-        return 0
+            return 0
+        count(name, min(i.sink, n - i.window) + i.budget + i.window, n, row=r)
+        return 1
 
     def take_step_rows(self) -> list[int] | None:
         """Rows of the decode batch whose forward comes next, in batch order."""

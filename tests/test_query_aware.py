@@ -289,9 +289,12 @@ def test_host_fallback_reasons():
     q = MODULES["quest"].init_row(QuestPolicy(budget=16, recent=4), [], [], (None, None))
     a = MODULES["asyncspade"].init_row(AsyncSpadePolicy(budget=16, recent=4), [], [], (None, None))
     st.admit([1, 2, 3], [q, q, a])
-    st.set_step_rows([1, 2, 3], [30, 30, 30], [[], [], []])
-    st.set_step_rows([1, 3], [70, 31], [[], []])
-    st.set_step_rows([1, 3], [20, 32], [[], []])
+    routes = []
+    for rows, lens in (([1, 2, 3], [30, 30, 30]), ([1, 3], [70, 31]), ([1, 3], [20, 32])):
+        st.set_step_rows(rows, lens, [[]] * len(rows))
+        routes.append(st.take_step_kernel_rows())
+    # 1: the two-segment kernel (indexed); 0: the stock dense kernel
+    assert routes == [[1, 0, 0], [0, 1], [0, 1]]
     assert seen == [{("quest", "no_store_slot"): 1, ("asyncspade", "prediction_pending"): 1},
                     {("quest", "context_exceeds_store"): 1},
                     {("quest", "budget_covers_sequence"): 1}]
@@ -317,3 +320,40 @@ def test_request_validation_names_the_field():
             parse_request_policy(raw, server)
         assert f"custom_params.sparse.{field}" in str(e.value), (raw, str(e.value))
         assert e.value.reason == field
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_plan_through_the_two_segment_kernel_equals_reference(dtype):
+    """The CUDA path's data flow on CPU: a mixed batch's layer plan (indexed quest and
+    lfps rows, a streaming row, a full row, a covering quest row) through the Triton
+    kernel (interpreted, `a_pos`) equals the reference attention."""
+    from sgl_sparse.kernels import two_segment_decode
+    from sgl_sparse.policies import RowInit
+
+    group = 4
+    sim = Sim(group, seed=21)
+    lens = {1: 150, 2: 131, 3: 90, 4: 64, 5: 70}
+    for r, n in lens.items():
+        sim.alloc(r, n + 5)
+    sim.admit([1, 2, 4, 5], [QuestPolicy(budget=32, recent=8), LfpsPolicy(budget=16, local=6, eps=0.999, s=8),
+                             None, QuestPolicy(budget=64, recent=16)], [150, 131, 64, 70])
+    sim.st.admit([3], [RowInit(PolicyId.STREAMING, window=16, sink=4)])
+    rows = [1, 2, 3, 4, 5]
+    rows_t = torch.tensor(rows)
+    cur = [lens[r] + 1 for r in rows]
+    lens_t = torch.tensor(cur)
+    plan = plan_decode(sim.st, rows_t, torch.ones(5, dtype=torch.long), lens_t, (None, None), num_kv_heads=HKV)
+    assert plan.a_slot.tolist() == [-2, -2, -1, -1, -1]
+    sim.rt.plan_step(rows, cur, torch.device("cpu"))
+    q = torch.randn(5, HKV * group, D, generator=sim.gen)
+    lplan = sim.rt.select(0, plan, q, sim.k, sim.r2t, rows_t, lens_t, SCALE)
+    assert lplan.a_len_per_head[2].tolist() == [4, 4]  # the streaming row's sink, kept
+    k, v, qd = sim.k.to(dtype), sim.v.to(dtype), q.to(dtype)
+    ref = torch.full_like(qd, float("nan"))
+    reference.decode_attention(qd, ref, k, v, sim.r2t, rows_t, lplan, SCALE, True)
+    no_compact = k.new_zeros((1, HKV, 1, D))
+    out = two_segment_decode(qd, no_compact, no_compact, lplan.a_slot, lplan.a_len_per_head, k, v, sim.r2t,
+                             rows_t, lplan.b_start, lplan.b_end, SCALE, a_pos=lplan.a_pos, num_splits=2,
+                             block_n=16, min_split_len=16)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 5e-3), err
