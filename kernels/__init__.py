@@ -17,7 +17,8 @@ Public API:
   :func:`quest_bounds_decode` (one key per step), :func:`quest_page_scores`,
   :func:`quest_select_positions` (top-k pages -> ``a_pos`` for segment A).
 * Token scores (:mod:`.token_scores`, AsyncSpade / LFPS): :func:`token_scores`
-  over a position range, :func:`token_scores_at` over per-head candidate lists.
+  over a position range, :func:`token_scores_at` over per-head candidate lists,
+  :func:`token_select_positions` (top-k -> ``a_pos`` for segment A).
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
@@ -40,7 +41,7 @@ from .reference import (
     token_scores_ref,
     two_segment_decode_ref,
 )
-from .token_scores import token_scores, token_scores_at
+from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import choose_num_splits, make_split_counters, two_segment_decode
 from .selector_scores import selector_scores, selector_stats
 from .window_evidence import window_evidence
@@ -61,6 +62,7 @@ __all__ = [
     "quest_select_positions",
     "token_scores",
     "token_scores_at",
+    "token_select_positions",
     "two_segment_decode_ref",
     "pack_compact_ref",
     "dense_decode_ref",

@@ -374,11 +374,12 @@ def quest_page_scores(
 # -----------------------------------------------------------------------------
 
 
-@triton.jit
-def _quest_expand_kernel(
+@triton.jit(do_not_specialize=["budget_all"])
+def _expand_selection_kernel(
     VALS,  # [bs, Hkv, K] fp32 top-k scores (descending)
-    IDX,  # [bs, Hkv, K] int64 their page indices
-    BUDGET,  # [bs] int32 pages to keep per row (only if HAS_BUDGET)
+    IDX,  # [bs, Hkv, K] int64 their indices: pages (PAGE > 1), positions, or candidate slots (HAS_CAND)
+    CAND,  # [bs, Hkv, C] int32 candidate positions (only if HAS_CAND)
+    BUDGET,  # [bs] int32 entries to keep per row (only if HAS_BUDGET)
     B_START,  # [bs] int32
     A_POS,  # [bs, Hkv, n_sink + 16 K] int32 out
     A_LEN,  # [bs, Hkv] int32 out
@@ -386,6 +387,8 @@ def _quest_expand_kernel(
     stride_vh,
     stride_ib,
     stride_ih,
+    stride_cb,
+    stride_ch,
     stride_pb,
     stride_ph,
     stride_lb,
@@ -396,7 +399,14 @@ def _quest_expand_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_BUDGET: tl.constexpr,
+    HAS_CAND: tl.constexpr,
 ):
+    """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
+
+    Entry i (i < budget, finite score) stands for positions [PAGE*p, PAGE*p + PAGE)
+    with p = IDX[i] (or CAND[IDX[i]]); those in [n_sink, b_start) are listed, in
+    entry order, each entry's run placed by an exclusive prefix sum of the counts.
+    """
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
     b_start = tl.load(B_START + cur_b)
@@ -407,6 +417,8 @@ def _quest_expand_kernel(
     in_k = offs_k < K
     vals = tl.load(VALS + cur_b * stride_vb + cur_h * stride_vh + offs_k, mask=in_k, other=float("-inf"))
     page = tl.load(IDX + cur_b * stride_ib + cur_h * stride_ih + offs_k, mask=in_k, other=0).to(tl.int32)
+    if HAS_CAND:
+        page = tl.load(CAND + cur_b * stride_cb + cur_h * stride_ch + page, mask=in_k, other=0)
     chosen = in_k & (vals > float("-inf")) & (offs_k < budget)
     # Positions of page p that are listed: [max(16p, n_sink), min(16p + 16, b_start)).
     start = tl.maximum(page * PAGE, N_SINK)
@@ -416,9 +428,12 @@ def _quest_expand_kernel(
     pos_base = A_POS + cur_b * stride_pb + cur_h * stride_ph
     offs_s = tl.arange(0, BLOCK_S)
     tl.store(pos_base + offs_s, offs_s, mask=offs_s < n_sink)
-    offs_j = tl.arange(0, PAGE)
-    tl.store(pos_base + off[:, None] + offs_j[None, :], start[:, None] + offs_j[None, :],
-             mask=offs_j[None, :] < cnt[:, None])
+    if PAGE == 1:
+        tl.store(pos_base + off, start, mask=cnt > 0)
+    else:
+        offs_j = tl.arange(0, PAGE)
+        tl.store(pos_base + off[:, None] + offs_j[None, :], start[:, None] + offs_j[None, :],
+                 mask=offs_j[None, :] < cnt[:, None])
     tl.store(A_LEN + cur_b * stride_lb + cur_h, n_sink + tl.sum(cnt, 0))
 
 
@@ -471,14 +486,38 @@ def quest_select_positions(
         out_len = torch.empty((bs, num_kv_heads), dtype=torch.int32, device=dev)
     assert out_pos.shape == (bs, num_kv_heads, width) and out_pos.dtype == torch.int32 and out_pos.stride(2) == 1
     assert out_len.shape == (bs, num_kv_heads) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
-    has_budget = isinstance(num_pages, torch.Tensor)
+    expand_selection(vals, idx, num_pages, b_start, out_pos, out_len, page=QUEST_PAGE_SIZE, n_sink=n_sink)
+    return out_pos, out_len
+
+
+def expand_selection(
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    budget: Union[int, torch.Tensor],
+    b_start: torch.Tensor,
+    out_pos: torch.Tensor,
+    out_len: torch.Tensor,
+    *,
+    page: int,
+    n_sink: int,
+    cand_pos: Optional[torch.Tensor] = None,
+) -> None:
+    """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections)."""
+    bs, num_kv_heads, k = vals.shape
+    assert idx.shape == vals.shape and vals.stride(2) == 1 and idx.stride(2) == 1
+    has_budget = isinstance(budget, torch.Tensor)
     if has_budget:
-        assert num_pages.shape == (bs,) and num_pages.dtype == torch.int32
-    _quest_expand_kernel[(bs, num_kv_heads)](
-        vals, idx, num_pages if has_budget else b_start, b_start, out_pos, out_len,
-        vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1), out_pos.stride(0), out_pos.stride(1),
-        out_len.stride(0), 0 if has_budget else int(num_pages), k, n_sink,
-        PAGE=QUEST_PAGE_SIZE, BLOCK_K=next_pow2(k), BLOCK_S=max(2, next_pow2(n_sink)), HAS_BUDGET=has_budget,
+        assert budget.shape == (bs,) and budget.dtype == torch.int32
+    if cand_pos is not None:
+        assert cand_pos.shape[:2] == (bs, num_kv_heads) and cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
+    _expand_selection_kernel[(bs, num_kv_heads)](
+        vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start, b_start,
+        out_pos, out_len,
+        vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1),
+        cand_pos.stride(0) if cand_pos is not None else 0, cand_pos.stride(1) if cand_pos is not None else 0,
+        out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
+        0 if has_budget else int(budget), k, n_sink,
+        PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=max(2, next_pow2(n_sink)), HAS_BUDGET=has_budget,
+        HAS_CAND=cand_pos is not None,
         num_warps=1 if k <= 64 else 4,
     )
-    return out_pos, out_len

@@ -18,6 +18,9 @@ consistent with :func:`quest_page_scores`.
   ``[bs, Hkv, n_max]`` with ``-inf`` elsewhere, ready for ``torch.topk``.
 * :func:`token_scores_at`: the listed positions ``cand_pos[b, h, :]`` only;
   fp32 ``[bs, Hkv, C]``, ``-inf`` for padding / out-of-range entries.
+* :func:`token_select_positions`: ``torch.topk`` of either, expanded by one
+  small kernel into the ``a_pos`` / ``a_len`` (sinks first) that
+  ``two_segment_decode`` reads in place for rows with ``a_slot == -2``.
 
 Precision: the group's queries form the rows of a ``[BLOCK_H, D]`` tile and the
 scores are tensor-core ``tl.dot``\\ s with fp32 accumulation (products of two
@@ -35,16 +38,17 @@ to step does not trigger a compile per divisibility class.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from .quest_pages import expand_selection
 from .two_segment_decode import _dot
 
-__all__ = ["token_scores", "token_scores_at"]
+__all__ = ["token_scores", "token_scores_at", "token_select_positions"]
 
 
 @triton.jit
@@ -312,3 +316,58 @@ def token_scores_at(
         num_warps=num_warps,
     )
     return out
+
+
+def token_select_positions(
+    scores: torch.Tensor,
+    num_tokens: Union[int, torch.Tensor],
+    b_start: torch.Tensor,
+    *,
+    max_select: int,
+    n_sink: int = 0,
+    cand_pos: Optional[torch.Tensor] = None,
+    out_pos: Optional[torch.Tensor] = None,
+    out_len: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-level top-k -> ``(a_pos, a_len)`` for ``two_segment_decode``'s ``a_slot == -2``.
+
+    ``torch.topk`` over the scores, then one small kernel (grid ``(bs, Hkv)``)
+    writes the sink positions followed by the kept positions.
+
+    Args:
+        scores: ``[bs, Hkv, N]`` fp32, ``-inf`` = not selectable. Index ``i``
+            is position ``i`` (from :func:`token_scores`), or, with
+            ``cand_pos``, position ``cand_pos[b, h, i]`` (from
+            :func:`token_scores_at`, LFPS).
+        num_tokens: top entries kept per row, an int or an int32 tensor ``[bs]``
+            (values above ``max_select`` act as it); a kept entry whose
+            position falls outside ``[n_sink, b_start)`` is dropped, not replaced.
+        b_start: ``[bs]`` int32; only positions in ``[n_sink, b_start)`` are
+            listed (a sink or recent position scored by mistake is dropped, so
+            the list stays distinct and below segment B).
+        max_select: static k of ``torch.topk`` (fixed per CUDA graph).
+        n_sink: positions ``[0, min(n_sink, b_start))`` are listed first.
+        cand_pos: ``[bs, Hkv, N]`` int32 candidate positions (distinct per
+            (row, head) among the finite-scored entries).
+
+    Returns:
+        ``a_pos`` int32 ``[bs, Hkv, n_sink + max_select]`` (sinks, then kept
+        positions by descending score; entries past ``a_len`` not written) and
+        ``a_len`` int32 ``[bs, Hkv]``.
+    """
+    bs, num_kv_heads, n = scores.shape
+    k = max(1, min(int(max_select), n))
+    n_sink = max(0, int(n_sink))
+    vals, idx = torch.topk(scores, k, dim=-1)
+    width = n_sink + k
+    dev = scores.device
+    if out_pos is None:
+        out_pos = torch.empty((bs, num_kv_heads, width), dtype=torch.int32, device=dev)
+    if out_len is None:
+        out_len = torch.empty((bs, num_kv_heads), dtype=torch.int32, device=dev)
+    assert out_pos.shape == (bs, num_kv_heads, width) and out_pos.dtype == torch.int32 and out_pos.stride(2) == 1
+    assert out_len.shape == (bs, num_kv_heads) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
+    if cand_pos is not None:
+        assert cand_pos.shape == scores.shape, "cand_pos: the shape of scores"
+    expand_selection(vals, idx, num_tokens, b_start, out_pos, out_len, page=1, n_sink=n_sink, cand_pos=cand_pos)
+    return out_pos, out_len

@@ -16,6 +16,8 @@ D=128, bf16), one layer:
 * ``quest_select``: ``torch.topk`` + expansion into ``a_pos`` (budget pages).
 * ``token_scores``: every key of the context scored with a predicted query
   (AsyncSpade), for a bf16 and an fp32 ``q_hat``.
+* ``token_select``: ``torch.topk`` of the token scores + the expansion into
+  ``a_pos`` (``--budget`` tokens per KV head).
 * ``token_scores_at``: ``--candidates`` listed positions per KV head (LFPS).
 
 Every kernel is first checked against its reference on the same data (the
@@ -206,7 +208,15 @@ def main(argv=None) -> int:
                     torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
                 nbytes = bs * n * (hkv * d * elem + 4) + bs * hkv * n * 4
                 record(n, bs, f"token_scores_{tag}", fn, nbytes, ok, "keys + r2t read, scores written")
-            del ts_out
+            keep = min(args.budget, n)
+            b_start = seq - args.recent
+            fn = lambda: K.token_select_positions(ts_out, keep, b_start, max_select=keep, n_sink=4)  # noqa: E731
+            a_pos, a_len = fn()
+            want = 4 + min(keep, int((hi - lo).min()))
+            p0 = a_pos[0, 0, : int(a_len[0, 0])]
+            ok = bool((a_len == want).all()) and p0.unique().numel() == want and int(p0.max()) < int(b_start[0])
+            record(n, bs, "token_select", fn, bs * hkv * n * 4, ok, f"top {keep} tokens (topk + expand)")
+            del ts_out, a_pos, a_len
 
             # ---- LFPS: listed candidates --------------------------------------
             c = min(args.candidates, n)

@@ -110,6 +110,49 @@ def test_token_scores_at_no_len_no_range():
     assert torch.equal(fin, cand >= 0)
 
 
+def _token_expected(scores, budget, b_start, k, n_sink, cand=None):
+    bs, hkv, n = scores.shape
+    out = {}
+    for b in range(bs):
+        s = int(b_start[b])
+        for h in range(hkv):
+            order = sorted(range(n), key=lambda i: -float(scores[b, h, i]))[:k][: budget[b]]
+            keep = [i for i in order if scores[b, h, i] != float("-inf")]
+            pos = [int(cand[b, h, i]) if cand is not None else i for i in keep]
+            out[b, h] = list(range(min(n_sink, s))) + [p for p in pos if n_sink <= p < s]
+    return out
+
+
+def test_token_select_positions():
+    """Top-k of token scores (positions = indices) and of candidate scores
+    (positions = cand_pos[index]) -> sinks, then kept positions by descending
+    score; per-row budgets, -inf entries, positions outside [n_sink, b_start) dropped."""
+    g = torch.Generator().manual_seed(60)
+    scores = torch.randn(3, 2, 90, generator=g)
+    scores[:, :, :4] = float("-inf")  # sinks are not scored ...
+    scores[1, 0, 4] = 50.0  # ... but position 4 of row 1 (n_sink = 6) is: dropped
+    scores[0, 1, 30:] = float("-inf")  # head with fewer finite scores than k
+    scores = scores.to(DEVICE)
+    b_start = torch.tensor([80, 60, 3], dtype=torch.int32, device=DEVICE)  # row 2: b_start < n_sink
+    budget = torch.tensor([40, 12, 40], dtype=torch.int32, device=DEVICE)
+    k, n_sink = 40, 6
+    a_pos, a_len = K.token_select_positions(scores, budget, b_start, max_select=k, n_sink=n_sink)
+    assert a_pos.shape == (3, 2, n_sink + k)
+    exp = _token_expected(scores.cpu(), budget.tolist(), b_start.tolist(), k, n_sink)
+    for (b, h), pos in exp.items():
+        assert int(a_len[b, h]) == len(pos), (b, h)
+        assert a_pos[b, h, : len(pos)].tolist() == pos, (b, h)
+    assert int(a_len[2, 0]) == 3
+    # Candidate lists: index i means position cand[b, h, i].
+    cand = torch.stack([torch.randperm(200, generator=g)[:90] for _ in range(6)]).view(3, 2, 90).to(torch.int32)
+    cand = cand.to(DEVICE)
+    b_start2 = torch.tensor([150, 120, 199], dtype=torch.int32, device=DEVICE)
+    a_pos, a_len = K.token_select_positions(scores, 25, b_start2, max_select=k, n_sink=n_sink, cand_pos=cand)
+    exp = _token_expected(scores.cpu(), [25] * 3, b_start2.tolist(), k, n_sink, cand=cand.cpu())
+    for (b, h), pos in exp.items():
+        assert a_pos[b, h, : int(a_len[b, h])].tolist() == pos, (b, h)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
