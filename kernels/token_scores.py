@@ -109,7 +109,7 @@ def _token_scores_kernel(
     cur_h = tl.program_id(1)
     pid = tl.program_id(2)
     nprog = tl.num_programs(2)
-    lo = tl.maximum(tl.load(LO + cur_b), 0)
+    lo = tl.minimum(tl.maximum(tl.load(LO + cur_b), 0), N_MAX)
     hi = tl.minimum(tl.minimum(tl.load(HI + cur_b), N_MAX), MAX_CTX)  # never past req_to_token's row
     req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
     q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
@@ -119,19 +119,26 @@ def _token_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     out_base = OUT + cur_b * stride_ob + cur_h * stride_oh
-    # Every block of the output row is written (-inf outside [lo, hi)); blocks
-    # are strided over the programs of this (row, head) for balance.
-    for n0 in range(pid * BLOCK_N, N_MAX, nprog * BLOCK_N):
-        offs = n0 + offs_n
-        score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-        if (n0 < hi) & (n0 + BLOCK_N > lo):
-            valid = (offs >= lo) & (offs < hi)
-            tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
-            k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                        mask=valid[:, None] & mask_d[None, :], other=0.0)
-            s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
-            score = tl.where(valid, s, float("-inf"))
-        tl.store(out_base + offs, score, mask=offs < N_MAX)
+    # Blocks are strided over the programs of this (row, head) for balance.
+    # The blocks overlapping [lo, hi) are scored in a loop free of branches (so
+    # Triton can software-pipeline its gathers); the rest of the row is filled
+    # with -inf by two store-only loops.
+    blk_lo = lo // BLOCK_N
+    blk_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), blk_lo)
+    for blk in range(blk_lo + pid, blk_hi, nprog):
+        offs = blk * BLOCK_N + offs_n
+        valid = (offs >= lo) & (offs < hi)
+        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)
+        s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
+        tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
+    neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for blk in range(pid, blk_lo, nprog):
+        tl.store(out_base + blk * BLOCK_N + offs_n, neg_inf)  # blk < blk_lo: entirely below lo <= N_MAX
+    for blk in range(blk_hi + pid, tl.cdiv(N_MAX, BLOCK_N), nprog):
+        offs = blk * BLOCK_N + offs_n
+        tl.store(out_base + offs, neg_inf, mask=offs < N_MAX)
 
 
 def _common_checks(q_hat, k_pool, req_to_token):

@@ -45,12 +45,15 @@ def test_token_scores_ranges(idx):
     case = _case(seq_lens, group, dtype, seed=idx)
     lo = torch.tensor([4, 0, 60, 20], dtype=torch.int32, device=DEVICE)
     hi = torch.tensor([150 - 17, 47, 60, 33], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    if idx == 1:  # row 2 empty past the output width, row 3 a range past it (clipped)
+        lo[2], hi[2] = 170, 180
+        lo[3], hi[3] = 140, 190
     n_max = 150
     args = (case.q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
     out = torch.full((4, 2, n_max), float("nan"), device=DEVICE)
     s = K.token_scores(*args, out=out, num_programs=2, block_n=16)
     fin = _close(s, K.token_scores_ref(*args))
-    assert fin.sum() == 2 * (129 + 47 + 0 + 13)
+    assert fin.sum() == 2 * (129 + 47 + 0 + (10 if idx == 1 else 13))
 
 
 def test_token_scores_fp32_query_split():
