@@ -13,6 +13,10 @@ import os
 
 import torch
 
+# Quest pages: positions [16p, 16p + 16) of a request (quest_pages.py; also
+# used by two_segment_decode's fused bounds update).
+QUEST_PAGE_SIZE = 16
+
 # Number of "SMs" we pretend to have when running on the CPU interpreter. Only
 # used by the split heuristic; kept small so interpreter runs stay cheap.
 CPU_FAKE_NUM_SMS = 4

@@ -25,7 +25,8 @@ Kernels
 * :func:`quest_bounds_decode` (decode): fold the one key written this step
   (position ``n - 1``) into its page: min/max with the stored bounds, or a
   plain copy when it is the page's first position. One program per (row, KV
-  head), CUDA-graph friendly.
+  head), CUDA-graph friendly. ``two_segment_decode(..., quest_bounds=(kmin,
+  kmax, slot))`` does the same inside the decode launch, saving this one.
 * :func:`quest_page_scores`: the bound above for every page in
   ``[first_page, last_page)`` (the caller leaves sink and recent pages out),
   ``-inf`` elsewhere, fp32 ``[bs, Hkv, max_pages]``. The sum splits into two
@@ -51,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, needs_fp32_dot, next_pow2
+from ._utils import QUEST_PAGE_SIZE, cdiv, needs_fp32_dot, next_pow2
 from .two_segment_decode import _dot
 
 __all__ = [
@@ -62,7 +63,6 @@ __all__ = [
     "quest_select_positions",
 ]
 
-QUEST_PAGE_SIZE = 16
 
 
 # -----------------------------------------------------------------------------

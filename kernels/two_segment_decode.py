@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, needs_fp32_dot, next_pow2
 
 __all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters"]
 
@@ -147,6 +147,9 @@ def _two_segment_decode_stage1(
     KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
     Q_SAVE,  # [slots, Hq, D] saved queries (only if SAVE_Q)
     Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
+    QB_MIN,  # [slots, Hkv, max_pages, D] Quest page bounds of this layer (only if QUEST_BOUNDS)
+    QB_MAX,
+    QB_SLOT,  # [bs] int32 row of the bounds store, < 0: none
     OUT,  # [bs, Hq, S, D] fp32 partials, or final [bs, Hq, D] when DIRECT
     LSE,  # [bs, Hq, S] fp32 partial LSE (base 2), or final [bs, Hq] (natural log)
     COUNTER,  # [bs * Hkv] int32 split arrival counters, all 0 between launches (FUSED_MERGE)
@@ -177,6 +180,10 @@ def _two_segment_decode_stage1(
     stride_kn,
     stride_qss,
     stride_qsh,
+    stride_qbs,
+    stride_qbh,
+    stride_qbp,
+    QB_MAX_PAGES,
     stride_fob,
     stride_foh,
     stride_flb,
@@ -195,6 +202,8 @@ def _two_segment_decode_stage1(
     HAS_ROW_MASK: tl.constexpr,
     STORE_KNORM: tl.constexpr,
     SAVE_Q: tl.constexpr,
+    QUEST_BOUNDS: tl.constexpr,
+    QB_PAGE: tl.constexpr,
     HAS_A_POS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
 ):
@@ -269,6 +278,24 @@ def _two_segment_decode_stage1(
             if q_slot >= 0:
                 tl.store(Q_SAVE + q_slot * stride_qss + q_heads[:, None] * stride_qsh + offs_d[None, :],
                          q.to(Q_SAVE.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        if QUEST_BOUNDS:
+            # Quest: fold this step's key into its page's bounds, exactly as
+            # quest_pages.quest_bounds_decode does, without its launch. The page
+            # is in the recent window, which this layer's page scores (computed
+            # before this kernel) leave out.
+            qb_slot = tl.load(QB_SLOT + cur_b).to(tl.int64)
+            pos_last = b_end - 1
+            if (qb_slot >= 0) & (pos_last >= 0) & (pos_last // QB_PAGE < QB_MAX_PAGES):
+                tok_q = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos_last).to(tl.int64)
+                k_new = tl.load(K_POOL + tok_q * stride_kt + cur_kvh * stride_kh + offs_d,
+                                mask=mask_d, other=0.0).to(tl.float32)
+                qb_off = (qb_slot * stride_qbs + cur_kvh * stride_qbh
+                          + (pos_last // QB_PAGE).to(tl.int64) * stride_qbp + offs_d)
+                keep = (pos_last % QB_PAGE) != 0  # a page's first position starts it afresh
+                old_min = tl.load(QB_MIN + qb_off, mask=mask_d & keep, other=float("inf")).to(tl.float32)
+                old_max = tl.load(QB_MAX + qb_off, mask=mask_d & keep, other=float("-inf")).to(tl.float32)
+                tl.store(QB_MIN + qb_off, tl.minimum(old_min, k_new).to(QB_MIN.dtype.element_ty), mask=mask_d)
+                tl.store(QB_MAX + qb_off, tl.maximum(old_max, k_new).to(QB_MAX.dtype.element_ty), mask=mask_d)
     if row_mode != 1:
         return
     if FUSED_MERGE:
@@ -576,6 +603,7 @@ def two_segment_decode(
     a_pos: Optional[torch.Tensor] = None,
     fused_merge: bool = False,
     split_counters: Optional[torch.Tensor] = None,
+    quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -638,6 +666,14 @@ def two_segment_decode(
             launches running concurrently must not share one. ``None``
             allocates a zeroed one per call (correct, but one extra memset
             launch).
+        quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
+            this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
+            ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
+            ``slot >= 0`` that this call serves (``row_mask`` 1 or 2) folds its
+            key at position ``b_end - 1`` into page ``(b_end - 1) // 16``
+            (``row_mask`` 0 rows do not), with
+            the same result as ``quest_pages.quest_bounds_decode`` (saving its
+            launch). Call page scores for this step before this kernel.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -668,6 +704,11 @@ def two_segment_decode(
     if q_save is not None:
         assert q_save_slot is not None and q_save_slot.shape == (bs,) and q_save_slot.dtype == torch.int32
         assert q_save.shape[1:] == (num_q_heads, head_dim) and q_save.stride(-1) == 1
+    if quest_bounds is not None:
+        qb_min, qb_max, qb_slot = quest_bounds
+        assert qb_min.shape == qb_max.shape and qb_min.stride() == qb_max.stride() and qb_min.dim() == 4
+        assert qb_min.shape[1] == num_kv_heads and qb_min.shape[3] == head_dim and qb_min.stride(3) == 1
+        assert qb_min.dtype == k_pool.dtype and qb_slot.shape == (bs,) and qb_slot.dtype == torch.int32
     if a_pos is not None:
         assert a_pos.dim() == 3 and a_pos.shape[:2] == (bs, num_kv_heads), "a_pos: [bs, Hkv, cap_pos]"
         assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1, "a_pos: int32, last dim contiguous"
@@ -728,6 +769,9 @@ def two_segment_decode(
         key_norms if key_norms is not None else b_end,
         q_save if q_save is not None else q,
         q_save_slot if q_save is not None else b_end,
+        qb_min if quest_bounds is not None else q,
+        qb_max if quest_bounds is not None else q,
+        qb_slot if quest_bounds is not None else b_end,
         stage1_out,
         stage1_lse,
         split_counters if fused else b_end,
@@ -758,6 +802,10 @@ def two_segment_decode(
         key_norms.stride(0) if key_norms is not None else 0,
         q_save.stride(0) if q_save is not None else 0,
         q_save.stride(1) if q_save is not None else 0,
+        qb_min.stride(0) if quest_bounds is not None else 0,
+        qb_min.stride(1) if quest_bounds is not None else 0,
+        qb_min.stride(2) if quest_bounds is not None else 0,
+        qb_min.shape[2] if quest_bounds is not None else 0,
         out.stride(0),
         out.stride(1),
         lse.stride(0) if return_lse else 0,
@@ -776,6 +824,8 @@ def two_segment_decode(
         HAS_ROW_MASK=row_mask is not None,
         STORE_KNORM=key_norms is not None,
         SAVE_Q=q_save is not None,
+        QUEST_BOUNDS=quest_bounds is not None,
+        QB_PAGE=QUEST_PAGE_SIZE,
         HAS_A_POS=a_pos is not None,
         FUSED_MERGE=fused,
         num_warps=num_warps,

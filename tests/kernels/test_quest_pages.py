@@ -220,3 +220,28 @@ def test_gpu_quest_pipeline_32k():
     o = K.two_segment_decode(*case.args(), a_pos=a_pos)
     ref_o = K.two_segment_decode_ref(*case.args(), a_pos=a_pos)
     assert T.rel_error(o.float(), ref_o) < 1e-2
+
+
+def test_decode_kernel_folds_bounds():
+    """two_segment_decode(quest_bounds=...) == quest_bounds_decode, step after step
+    across a page boundary, for rows served (row_mask 1 and 2), not for row_mask 0
+    rows or slot < 0 rows; the attention output is unaffected."""
+    n0, steps = 30, 4  # positions 30..33: position 32 opens page 2
+    seq_lens = [n0 + steps, n0 + steps + 5, n0 + steps + 9, n0 + steps + 2]
+    case = _pool_case(seq_lens, group=4, dtype=torch.bfloat16, seed=70)
+    kmin, kmax = _garbage_store(5, 2, 4, 64, torch.bfloat16, seed=71)
+    slot = torch.tensor([4, 1, -1, 2], dtype=torch.int32, device=DEVICE)
+    row_mask = torch.tensor([1, 2, 1, 0], dtype=torch.int32, device=DEVICE)
+    ref_min, ref_max = kmin.clone(), kmax.clone()
+    served_slot = torch.where(row_mask > 0, slot, torch.full_like(slot, -1))
+    for i in range(1, steps + 1):
+        n = torch.tensor([n0 + i, n0 + i + 5, n0 + i + 9, n0 + i + 2], dtype=torch.int32, device=DEVICE)
+        case.b_start, case.b_end = n - 20, n
+        out = torch.full_like(case.q, float("nan"))
+        K.two_segment_decode(*case.args(), out=out, row_mask=row_mask, quest_bounds=(kmin, kmax, slot),
+                             num_splits=2, block_n=16, min_split_len=16)
+        K.quest_bounds_decode(case.k_pool, case.req_to_token, case.req_pool_idx, served_slot, n, ref_min, ref_max)
+        assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max), f"step {i}"
+    ref = K.two_segment_decode_ref(*case.args(), row_mask=row_mask)
+    on = row_mask == 1
+    assert T.rel_error(out[on].float(), ref[on]) < 1e-2
