@@ -39,7 +39,8 @@ def test_help_lists_backend_and_flags(tmp_path):
     "text, words",
     [
         ("policies:\n  streaming:\n    window: 0\n", "policies.streaming.window: Input should be greater than or equal to 1"),
-        ("default_policy: turbo\n", "default_policy: Input should be 'full', 'streaming', 'sadas' or 'sfi'"),
+        ("default_policy: turbo\n", "default_policy: Input should be 'full', 'streaming', 'sadas', 'sfi', 'quest', "
+         "'asyncspade' or 'lfps'"),
     ],
 )
 def test_bad_config_file_stops_startup_naming_the_field(tmp_path, model_dir, text, words):
