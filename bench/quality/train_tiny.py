@@ -281,7 +281,7 @@ def main() -> None:
     a = ap.parse_args()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     if a.smoke:
-        shape, stages, lengths, n, budget, log_every = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 24, 100.0, 100
+        shape, stages, lengths, n, budget, log_every = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 24, 100.0, 20
         torch.set_num_threads(min(2, torch.get_num_threads()))
     else:
         shape, stages, lengths, n, budget, log_every = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0, 100
