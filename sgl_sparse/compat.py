@@ -75,3 +75,20 @@ def freed_rows(args: tuple, kwargs: dict) -> list[int]:
 def token_ids(req: Any) -> tuple[Any, Any]:
     """(prompt ids, generated ids) of a Req; lists in 0.5.17, array('q') in 0.5.23."""
     return req.origin_input_ids, req.output_ids
+
+
+def decode_cuda_graphs_enabled(server_args: Any) -> bool:
+    """Whether decode forwards replay CUDA graphs. 0.5.17 resolves every spelling
+    (--disable-cuda-graph, --cuda-graph-backend-decode disabled, ...) into
+    ``cuda_graph_config.decode.backend``; 0.5.23 may leave the record with the
+    raw fields, so they are read in its precedence order (an explicit config, then
+    the per-phase backend flag, then the legacy booleans)."""
+    cfg = getattr(server_args, "cuda_graph_config", None)
+    decode = cfg.get("decode") if isinstance(cfg, dict) else getattr(cfg, "decode", None)
+    backend = decode.get("backend") if isinstance(decode, dict) else getattr(decode, "backend", None)
+    if backend is None:
+        backend = getattr(server_args, "cuda_graph_backend_decode", None)
+    if backend is not None:
+        return str(getattr(backend, "value", backend)) != "disabled"
+    return not (getattr(server_args, "disable_cuda_graph", False)
+                or getattr(server_args, "disable_decode_cuda_graph", False))

@@ -138,7 +138,7 @@ def server_args_resolved(_result, server_args) -> None:
         "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
-    if device != "cpu" and not getattr(server_args, "disable_cuda_graph", False):
+    if device != "cpu" and compat.decode_cuda_graphs_enabled(server_args):
         # Their per-layer selection is torch code grouped on the host by request
         # knobs (query_serving.py): it cannot be replayed from a CUDA graph.
         why = ("on CUDA it needs --disable-cuda-graph until its per-layer selection "

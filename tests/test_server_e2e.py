@@ -125,6 +125,10 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
             assert out == stock_outputs[prompt], (prompt, sparse)
         elif expect == "differ":
             assert out != stock_outputs[prompt], (prompt, sparse)
+        if isinstance(sparse, dict) and sparse["policy"] in ("quest", "asyncspade", "lfps"):
+            summary = resp.json()["meta_info"]["sgl_sparse"][0]  # per-request result
+            assert summary["policy"] == sparse["policy"] and summary["decode_steps"] > 0
+            assert (summary["mean_retention"] == 1.0) == (expect == "same"), (sparse, summary)
     assert sparse_server.alive()
 
 
