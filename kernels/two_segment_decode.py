@@ -82,6 +82,13 @@ _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 MAX_SPLITS = 64
 DEFAULT_MIN_SPLIT_LEN = 128
 CTAS_PER_SM_TARGET = 2
+# fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
+# D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
+# (batch >= 8) it is 0.76-0.80x the two launches when segments are short and
+# within +-1% otherwise (one outlier +6%); with 32-33 splits (batch 1) the last
+# arriving program's serial merge of every partial costs up to 1.55x once
+# the chunks hold more than ~1K keys, so batch 1 keeps the merge kernel.
+FUSED_MERGE_MAX_SPLITS = 8
 
 
 # -----------------------------------------------------------------------------
@@ -601,7 +608,7 @@ def two_segment_decode(
     q_save: Optional[torch.Tensor] = None,
     q_save_slot: Optional[torch.Tensor] = None,
     a_pos: Optional[torch.Tensor] = None,
-    fused_merge: bool = False,
+    fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     block_n: Optional[int] = None,
@@ -658,7 +665,9 @@ def two_segment_decode(
             finish merges, see the kernel's epilogue) instead of a second
             kernel; only the splits whose chunk holds keys take part, and a row
             whose keys fit one chunk is written directly. ``False`` keeps the
-            two-launch path (stage 1 + merge kernel).
+            two-launch path (stage 1 + merge kernel). ``None`` (default): fused
+            when ``split_counters`` is given and ``num_splits <=
+            FUSED_MERGE_MAX_SPLITS``, where it measured no slower.
         split_counters: with ``fused_merge``, a persistent int32 tensor of at
             least ``bs * Hkv`` elements, **all zero** before the first call (see
             :func:`make_split_counters`); each launch leaves it all zero again.
@@ -733,6 +742,8 @@ def two_segment_decode(
     lse = torch.empty((bs, num_q_heads), dtype=torch.float32, device=q.device) if return_lse else None
 
     direct = num_splits == 1
+    if fused_merge is None:
+        fused_merge = split_counters is not None and num_splits <= FUSED_MERGE_MAX_SPLITS
     fused = bool(fused_merge) and not direct
     if fused:
         if split_counters is None:

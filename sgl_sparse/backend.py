@@ -101,6 +101,14 @@ class SparseAttnBackend(AttentionBackend):
             self._row_mask = torch.zeros(
                 self.req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device
             )
+            self._row_mask_host: Optional[list[int]] = None  # what _row_mask holds now
+            # The decode kernel's one-launch merge: arrival counters, zero between
+            # launches, shared by the layers (one stream) and by graph replays.
+            from sgl_sparse.kernels import make_split_counters
+
+            self._split_counters = make_split_counters(
+                self.req_to_token_pool.req_to_token.shape[0], self._num_kv_heads, self.device
+            )
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -198,6 +206,8 @@ class SparseAttnBackend(AttentionBackend):
         self.qa.groups, self.qa.extend_rows = [], []
         if mode.is_decode():
             rows = self.state.take_step_rows()
+            if not self.state.has_active(QUERY_AWARE_IDS):
+                return  # the common case: no per-step host work, no device reads
             if rows is None or len(rows) != forward_batch.batch_size:
                 rows = forward_batch.req_pool_indices.tolist()
             self.qa.plan_step(rows, _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens), self.device)
@@ -238,8 +248,10 @@ class SparseAttnBackend(AttentionBackend):
         if mask is None:  # no routing known for this batch: the kernel serves all
             mask = [1] * bs
         mask = (mask + [0] * bs)[:bs]  # CUDA-graph padding rows: FlashInfer
-        host = torch.tensor(mask, dtype=torch.int32, pin_memory=True)
-        self._row_mask[:bs].copy_(host, non_blocking=True)
+        host = torch.tensor(mask, dtype=torch.int32)
+        if mask != self._row_mask_host:  # steady decode repeats the routing: no copy
+            self._row_mask[:bs].copy_(host.pin_memory(), non_blocking=True)
+            self._row_mask_host = mask
         if 1 not in mask:  # 2 = FlashInfer attends, the kernel only records
             return forward_batch
         routed = copy.copy(forward_batch)
@@ -403,6 +415,7 @@ class SparseAttnBackend(AttentionBackend):
             max_kv_len=self._max_kv_len,
             out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
             row_mask=self._row_mask[:bs],
+            split_counters=self._split_counters,
             a_pos=plan.a_pos,
             **sfi_args,
         )

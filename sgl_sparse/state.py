@@ -346,6 +346,11 @@ class SparseState:
         with self._lock:
             return len(self._active)
 
+    def has_active(self, policies) -> bool:
+        """Whether any live request uses one of ``policies`` (per-step fast path)."""
+        with self._lock:
+            return any(i.policy in policies for i in self._active.values())
+
     def active_by_policy(self) -> dict[str, int]:
         with self._lock:
             c = Counter(i.policy.name.lower() for i in self._active.values())

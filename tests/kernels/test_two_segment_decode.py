@@ -523,6 +523,33 @@ def test_fused_merge_own_counters_and_defaults():
     check(case, num_splits=4, fused_merge=True, **SMALL)
 
 
+def test_fused_merge_default_follows_split_count(monkeypatch):
+    """fused_merge=None: one launch up to FUSED_MERGE_MAX_SPLITS splits when
+    counters are given, the merge kernel beyond (and without counters)."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    merges = []
+    orig = tsd._merge_splits_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(tsd, "_merge_splits_kernel", Counting())
+    case = _standard_case(seed=10, head_dim=64, group=2)
+    counters = K.make_split_counters(case.q.shape[0], case.a_k.shape[1], DEVICE)
+    few, many = 3, tsd.FUSED_MERGE_MAX_SPLITS + 1
+    for num_splits, kw, launches in ((few, dict(split_counters=counters), 0),
+                                     (many, dict(split_counters=counters), 1),
+                                     (few, {}, 1)):
+        merges.clear()
+        check(case, num_splits=num_splits, **kw, **SMALL)
+        assert len(merges) == launches, (num_splits, kw.keys(), merges)
+    assert int(counters.abs().sum()) == 0
+
+
 # -----------------------------------------------------------------------------
 # GPU: indexed segment A and the fused merge at real sizes, under CUDA graphs
 # -----------------------------------------------------------------------------
