@@ -84,10 +84,11 @@ DEFAULT_MIN_SPLIT_LEN = 128
 CTAS_PER_SM_TARGET = 2
 # fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
 # D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
-# (batch >= 8) it is 0.76-0.80x the two launches when segments are short and
-# within +-1% otherwise (one outlier +6%); with 32-33 splits (batch 1) the last
-# arriving program's serial merge of every partial costs up to 1.55x once
-# the chunks hold more than ~1K keys, so batch 1 keeps the merge kernel.
+# (batch >= 8) it is 0.76-0.80x the two launches for rows of <= 256 keys (and
+# saves a launch for rows another kernel serves), 1.00-1.06x at 512-2K keys and
+# within 1% above; with 32-33 splits (batch 1) the last arriving program's serial
+# merge of every partial costs up to 1.6x once rows hold more than ~2K keys, so
+# batch 1 keeps the merge kernel.
 FUSED_MERGE_MAX_SPLITS = 8
 
 
@@ -667,7 +668,7 @@ def two_segment_decode(
             whose keys fit one chunk is written directly. ``False`` keeps the
             two-launch path (stage 1 + merge kernel). ``None`` (default): fused
             when ``split_counters`` is given and ``num_splits <=
-            FUSED_MERGE_MAX_SPLITS``, where it measured no slower.
+            FUSED_MERGE_MAX_SPLITS`` (see that constant for the measurement).
         split_counters: with ``fused_merge``, a persistent int32 tensor of at
             least ``bs * Hkv`` elements, **all zero** before the first call (see
             :func:`make_split_counters`); each launch leaves it all zero again.

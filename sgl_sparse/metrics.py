@@ -120,15 +120,23 @@ class SchedulerMetrics:
         self._last_decode_t: Optional[float] = None
         self._last_mix: Optional[str] = None
         self._pending_selector: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # labels() locks and hashes per call: the per-step series, resolved once.
+        self._step_children: dict[str, tuple] = {}  # policy -> on_step's counters
+        self._mix_children: dict[str, object] = {}  # mix -> step_duration
 
     # ---- per decode step (scheduler, host) ------------------------------------
     def on_step(self, per_policy: dict[str, list[int]], fallbacks: dict[tuple[str, str], int]) -> None:
         for policy, (steps, attended, cached, slow) in per_policy.items():
-            self.decode_steps.labels(policy, self.model_name).inc(steps)
+            c = self._step_children.get(policy)
+            if c is None:
+                c = self._step_children[policy] = tuple(
+                    m.labels(policy, self.model_name)
+                    for m in (self.decode_steps, self.slow_steps, self.attended_tokens, self.cached_tokens))
+            c[0].inc(steps)
             if slow:
-                self.slow_steps.labels(policy, self.model_name).inc(slow)
-            self.attended_tokens.labels(policy, self.model_name).inc(attended)
-            self.cached_tokens.labels(policy, self.model_name).inc(cached)
+                c[1].inc(slow)
+            c[2].inc(attended)
+            c[3].inc(cached)
         for (policy, reason), n in fallbacks.items():
             self.dense_fallback_steps.labels(policy, self.model_name, reason).inc(n)
         if per_policy:
@@ -146,7 +154,10 @@ class SchedulerMetrics:
         now = time.perf_counter() if now is None else now
         self.observe_compact(compact, compact_slots_in_use)
         if is_decode and self._last_decode_t is not None and self._last_mix is not None:
-            self.step_duration.labels(self._last_mix, self.model_name).observe(now - self._last_decode_t)
+            h = self._mix_children.get(self._last_mix)
+            if h is None:
+                h = self._mix_children[self._last_mix] = self.step_duration.labels(self._last_mix, self.model_name)
+            h.observe(now - self._last_decode_t)
         self._last_decode_t = now if is_decode else None
         if not is_decode:
             self._last_mix = None

@@ -24,6 +24,8 @@ from sgl_sparse.config import SparseServerConfig
 from sgl_sparse.policies import query_aware, sfi
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId, RowInit
 
+_POLICY_NAMES = {p: p.name.lower() for p in PolicyId}  # metric labels; Enum.name is a slow property
+
 
 class SparseState:
     def __init__(self, num_rows: int, device: torch.device | str,
@@ -206,14 +208,28 @@ class SparseState:
                 st[0] += 1
                 st[1] += attended / max(n, 1)
 
+        active, stats = self._active, self._stats
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
-                row = self._active.get(r)
+                row = active.get(r)
                 if row is None:
                     mask.append(0)
                     continue
-                name = row.policy.name.lower()
+                if row.policy == PolicyId.FULL:  # the common row, inline: this runs per step
+                    agg = per_policy.get("full")
+                    if agg is None:
+                        agg = per_policy["full"] = [0, 0, 0, 0]
+                    agg[0] += 1
+                    agg[1] += n
+                    agg[2] += n
+                    st = stats.get(r)
+                    if st is not None:
+                        st[0] += 1
+                        st[1] += 1.0 if n else 0.0
+                    mask.append(0)
+                    continue
+                name = _POLICY_NAMES[row.policy]
                 if row.policy == PolicyId.SFI:
                     mask.append(self._sfi_step(r, n, toks, count, fallbacks))
                     continue
@@ -237,7 +253,7 @@ class SparseState:
                 mask.append(int(windowed))
                 count(name, row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
-            self._step_rows = [int(r) for r in rows]
+            self._step_rows = list(map(int, rows))
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
 
