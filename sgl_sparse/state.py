@@ -24,7 +24,11 @@ from sgl_sparse.config import SparseServerConfig
 from sgl_sparse.policies import query_aware, sfi
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId, RowInit
 
-_POLICY_NAMES = {p: p.name.lower() for p in PolicyId}  # metric labels; Enum.name is a slow property
+# set_step_rows runs per decode step and row: Enum attribute lookups and
+# Enum.name are slow properties there, members are singletons (compare with `is`).
+_POLICY_NAMES = {p: p.name.lower() for p in PolicyId}
+_FULL, _SADAS, _SFI = PolicyId.FULL, PolicyId.SADAS, PolicyId.SFI
+_QUERY_AWARE = frozenset(QUERY_AWARE_IDS)
 
 
 class SparseState:
@@ -216,42 +220,42 @@ class SparseState:
                 if row is None:
                     mask.append(0)
                     continue
-                if row.policy == PolicyId.FULL:  # the common row, inline: this runs per step
-                    agg = per_policy.get("full")
-                    if agg is None:
-                        agg = per_policy["full"] = [0, 0, 0, 0]
-                    agg[0] += 1
-                    agg[1] += n
-                    agg[2] += n
-                    st = stats.get(r)
-                    if st is not None:
-                        st[0] += 1
-                        st[1] += 1.0 if n else 0.0
-                    mask.append(0)
-                    continue
-                name = _POLICY_NAMES[row.policy]
-                if row.policy == PolicyId.SFI:
+                pol = row.policy
+                if pol is _SFI:
                     mask.append(self._sfi_step(r, n, toks, count, fallbacks))
                     continue
-                if row.policy in QUERY_AWARE_IDS:
+                if pol in _QUERY_AWARE:
                     mask.append(self._query_aware_step(r, row, n, count, fallbacks))
                     continue
-                if row.policy == PolicyId.SADAS and not row.latch and end_id is not None:
-                    seen = self._scanned.get(r, 0)
-                    if any(int(t) == end_id for t in toks[seen:]):
-                        row = self._active[r] = dataclasses.replace(row, latch=True)
-                    self._scanned[r] = len(toks)
-                # The host twin of decision.plan_decode: the device plan is windowed
-                # exactly when n > window + sink (then a_len + window < n).
-                windowed = False
-                if row.policy == PolicyId.SADAS and row.latch:
-                    fallbacks[(name, "sadas_latched")] += 1
-                elif row.policy != PolicyId.FULL and row.window + row.sink >= n:
-                    fallbacks[(name, "window_covers_sequence")] += 1
-                elif row.policy != PolicyId.FULL:
-                    windowed = True
-                mask.append(int(windowed))
-                count(name, row.window + row.sink if windowed else n, n, row=r)
+                # full / streaming / sadas: inline, this loop runs per step and row.
+                windowed = 0
+                if pol is not _FULL:
+                    if pol is _SADAS and not row.latch and end_id is not None:
+                        seen = self._scanned.get(r, 0)
+                        if any(int(t) == end_id for t in toks[seen:]):
+                            row = active[r] = dataclasses.replace(row, latch=True)
+                        self._scanned[r] = len(toks)
+                    # The host twin of decision.plan_decode: the device plan is
+                    # windowed exactly when n > window + sink (then a_len + window < n).
+                    if pol is _SADAS and row.latch:
+                        fallbacks[(_POLICY_NAMES[pol], "sadas_latched")] += 1
+                    elif row.window + row.sink >= n:
+                        fallbacks[(_POLICY_NAMES[pol], "window_covers_sequence")] += 1
+                    else:
+                        windowed = 1
+                mask.append(windowed)
+                attended = row.window + row.sink if windowed else n
+                name = _POLICY_NAMES[pol]
+                agg = per_policy.get(name)
+                if agg is None:
+                    agg = per_policy[name] = [0, 0, 0, 0]
+                agg[0] += 1
+                agg[1] += attended
+                agg[2] += n
+                st = stats.get(r)
+                if st is not None:
+                    st[0] += 1
+                    st[1] += attended / max(n, 1)
             self._step_kernel_rows = mask
             self._step_rows = list(map(int, rows))
         if self.metrics is not None:

@@ -44,6 +44,10 @@ class RowInit:
     # sequence their store can serve sparse (0: none).
     max_context: int = 0
 
+    def __post_init__(self):
+        # The host's per-step loop compares members by identity (state.set_step_rows).
+        object.__setattr__(self, "policy", PolicyId(self.policy))
+
 
 @dataclass
 class StepInputs:
