@@ -5,7 +5,7 @@
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
-#   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run
+#   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE)
 #   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler)
 #
 # Results land in $OUT (device tool) and are committed under bench/results/.
@@ -28,7 +28,7 @@ selector)
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000
     python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" \
-        --repeats "${REPEATS:-3}" --sparse-extra "--sparse-config bench/gpu/sparse_config.yaml" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
+        --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config bench/gpu/sparse_config.yaml" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
         --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
     ;;
 profile)
