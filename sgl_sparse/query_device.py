@@ -1,0 +1,141 @@
+"""Decode selection of quest and asyncspade that SGLang's decode CUDA graphs can
+capture: every batch row at once, the request knobs read by row from SparseState's
+device columns, the keys read in place by the Triton kernels.
+
+query_serving.QueryAwareRuntime's host groups (one per policy and knob set, sizes
+from the batch's longest sequence) would be frozen into a captured graph; here
+nothing depends on the host but the batch size (fixed per graph) and static
+config (store shapes, capacity, max_context). Rows that are not the policy's, have
+no slot, outgrew the store, or are padding are masked: the kernels skip them
+(slot < 0, an empty range) and their store writes go to a scratch slot.
+
+Per layer, decode:
+  select   quest       fold the key at n - 1 into its page's bounds, page scores of
+                       this query (group max), Top pages -> a_pos (sinks first)
+           asyncspade  the selection its previous step stored for this one
+  finish   asyncspade  push this query, predict the next one, score [sink, next
+                       b_start) with it, Top-K -> the store, for the next step
+Same selections as the torch path (the CPU path and this one's oracle,
+tests/test_query_device.py), listed in a different order: by descending score.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_sparse.config import QUEST_PAGE
+from sgl_sparse.decision import DecodePlan
+from sgl_sparse.policies.base import PolicyId
+from sgl_sparse.queryaware import asyncspade as aspd
+
+#: The policies this module serves; lfps stays on the host-grouped torch path.
+POLICIES = (PolicyId.QUEST, PolicyId.ASYNCSPADE)
+
+
+class RowKnobs:
+    """The batch rows' knobs, gathered once per layer call from SparseState."""
+
+    def __init__(self, state, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor):
+        rows = req_pool_indices.long()
+        self.rows = rows
+        self.policy = state.policy[rows]
+        self.slot = state.slot[rows]
+        self.sink = state.sink[rows]
+        self.budget = state.budget[rows]
+        self.recent = state.window[rows]
+        self.n = seq_lens.to(torch.int32)
+        # the store serves the row: a slot, and a sequence that fits it
+        self.live = (self.slot >= 0) & (self.n <= state.max_context[rows])
+        self.aspd_window = state.qa_window[rows]
+        self.aspd_ridge = state.qa_ridge[rows]
+
+    def mine(self, policy: PolicyId) -> torch.Tensor:
+        return (self.policy == int(policy)) & self.live
+
+
+class QueryAwareDevice:
+    def __init__(self, state, cap: int):
+        self.state = state
+        self.cap = cap
+        self.quest = state.query_stores.get(PolicyId.QUEST)
+        self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
+
+    def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               a_pos: torch.Tensor, a_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a_pos [bs, Hkv, cap] / a_len [bs, Hkv] with this layer's quest and
+        asyncspade INDEXED rows filled in (other rows as given)."""
+        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
+        indexed = plan.indexed()
+        if self.quest is not None:
+            a_pos, a_len = self._quest(li, plan, knobs, indexed, q3, k_cache, req_to_token, req_pool_indices,
+                                       a_pos, a_len)
+        if self.aspd is not None:
+            sel = knobs.mine(PolicyId.ASYNCSPADE) & indexed
+            slot = torch.where(sel, knobs.slot, self.aspd.scratch_slot).long()
+            width = self.aspd.sel_pos.shape[-1]
+            pos = self.aspd.sel_pos[li][slot]
+            a_pos[..., :width] = torch.where(sel[:, None, None], pos, a_pos[..., :width])
+            a_len = torch.where(sel[:, None], self.aspd.sel_count[li][slot], a_len)
+        return a_pos, a_len
+
+    def _quest(self, li, plan, knobs: RowKnobs, indexed, q3, k_cache, req_to_token, req_pool_indices,
+               a_pos, a_len):
+        from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
+
+        store = self.quest
+        kmin, kmax = store.kmin[li], store.kmax[li]
+        mine = knobs.mine(PolicyId.QUEST)
+        # Every step of a live row folds its new key in, covered steps included: a
+        # row whose budget covered it at first must find all its pages current later.
+        quest_bounds_decode(k_cache, req_to_token, req_pool_indices, torch.where(mine, knobs.slot, -1),
+                            knobs.n, kmin, kmax)
+        sel = mine & indexed
+        b_start = plan.b_start.to(torch.int32)
+        # candidate pages hold a position in [sink, b_start)
+        first = torch.div(knobs.sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        last = torch.div(b_start + QUEST_PAGE - 1, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, torch.where(sel, knobs.slot, -1), first, last)
+        # static k: enough pages for any budget the store's capacity admits (+1: a
+        # page clipped by the sink leaves room for one more)
+        k = max(1, min(store.max_pages, self.cap // QUEST_PAGE + 1))
+        vals, idx = torch.topk(scores, k, dim=-1)
+        pos = torch.empty_like(a_pos)
+        cnt = torch.empty_like(a_len)
+        pages = torch.div(knobs.budget, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        expand_selection(vals, idx, pages, b_start, pos, cnt, page=QUEST_PAGE, n_sink=knobs.sink.to(torch.int32))
+        a_pos = torch.where(sel[:, None, None], pos, a_pos)
+        a_len = torch.where(sel[:, None], cnt, a_len)
+        return a_pos, a_len
+
+    def finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
+        """asyncspade, after the attention: the selection of the next step."""
+        if self.aspd is None:
+            return
+        from sgl_sparse.kernels.quest_pages import expand_selection
+        from sgl_sparse.kernels.token_scores import token_scores
+
+        store = self.aspd
+        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
+        mine = knobs.mine(PolicyId.ASYNCSPADE)
+        slot = torch.where(mine, knobs.slot, store.scratch_slot).long()
+        ring, total = store.ring[li], store.total[li]
+        aspd.ring_push(ring, total, q3, rows=slot)
+        window, count = aspd.ring_window(ring[slot], total[slot])
+        # the request's W (<= the ring's): the newest W + 1 queries of the ring
+        count = torch.minimum(count, knobs.aspd_window.long() + 1)
+        q_hat = aspd.predict_next_query(window, count, knobs.aspd_ridge[:, None])
+        next_b = torch.clamp(knobs.n + 1 - knobs.recent, min=0)  # b_start of the next step
+        hi = torch.where(mine, next_b, 0).to(torch.int32)  # others: nothing scored
+        n_max = store.cfg.max_context
+        scores = token_scores(q_hat.float(), k_cache, req_to_token, req_pool_indices,
+                              knobs.sink.to(torch.int32), hi, scale, n_max)
+        cap = store.sel_pos.shape[-1]
+        vals, idx = torch.topk(scores, max(1, min(cap, n_max)), dim=-1)
+        pos = torch.empty(q3.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
+        cnt = torch.empty(q3.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
+        expand_selection(vals, idx, knobs.budget.to(torch.int32), next_b.to(torch.int32), pos, cnt, page=1,
+                         n_sink=knobs.sink.to(torch.int32))
+        store.sel_pos[li][slot] = pos
+        store.sel_count[li][slot] = cnt
