@@ -19,6 +19,9 @@ POLICY_NAMES = ("full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfp
 # Policies whose selection depends on the current (or a predicted) query: served
 # through per-request query stores (sgl_sparse/query_store.py).
 QUERY_AWARE = ("quest", "asyncspade", "lfps")
+# Those whose decode selection runs inside SGLang's decode CUDA graphs
+# (sgl_sparse/query_device.py); lfps's is still grouped on the host.
+GRAPH_CAPTURABLE = ("quest", "asyncspade")
 
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also

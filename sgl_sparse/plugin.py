@@ -17,6 +17,7 @@ from typing import Optional
 from sgl_sparse import BACKEND_NAME, compat
 from sgl_sparse.config import (
     ENV_CONFIG,
+    GRAPH_CAPTURABLE,
     POLICY_NAMES,
     QUERY_AWARE,
     REQUEST_KEY,
@@ -139,11 +140,13 @@ def server_args_resolved(_result, server_args) -> None:
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
     if device != "cpu" and compat.decode_cuda_graphs_enabled(server_args):
-        # Their per-layer selection is torch code grouped on the host by request
-        # knobs (query_serving.py): it cannot be replayed from a CUDA graph.
+        # lfps's per-layer selection is torch code grouped on the host by request
+        # knobs (query_serving.py): it cannot be replayed from a CUDA graph. quest's
+        # and asyncspade's run on the device path (query_device.py), captured.
         why = ("on CUDA it needs --disable-cuda-graph until its per-layer selection "
                "runs without host-side grouping")
-        cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **{p: why for p in QUERY_AWARE}}})
+        off = {p: why for p in QUERY_AWARE if p not in GRAPH_CAPTURABLE}
+        cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off}})
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from sgl_sparse.config import QUEST_PAGE
+from sgl_sparse.config import GRAPH_CAPTURABLE, QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse.policies.base import PolicyId
 from sgl_sparse.queryaware import asyncspade as aspd
 
-#: The policies this module serves; lfps stays on the host-grouped torch path.
-POLICIES = (PolicyId.QUEST, PolicyId.ASYNCSPADE)
+#: The policies this module serves (the plugin offers them with decode CUDA graphs
+#: on); lfps stays on the host-grouped torch path.
+POLICIES = tuple(PolicyId[name.upper()] for name in GRAPH_CAPTURABLE)
 
 
 class RowKnobs:
