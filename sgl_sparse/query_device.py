@@ -54,6 +54,33 @@ class RowKnobs:
         return (self.policy == int(policy)) & self.live
 
 
+class SlotRows:
+    """Store slot -> the batch row that holds it this step, on the device. The
+    policy's work runs over its store's slots, not over the batch: its cost is
+    bounded by the slots the operator reserved, whatever the batch size or mix."""
+
+    def __init__(self, knobs: RowKnobs, policy: PolicyId, num_slots: int):
+        bs = knobs.n.shape[0]
+        dev = knobs.n.device
+        self.mine = knobs.mine(policy)  # [bs]
+        # A slot belongs to one request, so the real writes never collide; the rows
+        # that are not the policy's all land on the extra entry, dropped.
+        b = torch.full((num_slots + 1,), bs, dtype=torch.int64, device=dev)
+        b[torch.where(self.mine, knobs.slot.long(), num_slots)] = torch.arange(bs, device=dev)
+        self.b = b[:num_slots]  # [S]; bs: no row this step
+        self.valid = self.b < bs
+        self.ids = torch.arange(num_slots, device=dev, dtype=torch.int32)
+
+    def take(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """x [bs, ...] -> [S, ...]: each slot's row (fill where none)."""
+        return torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])[self.b]
+
+    def slot_or(self, other: int, where: torch.Tensor | None = None) -> torch.Tensor:
+        """[S] int32: the slot index where it has a row (and `where`), else `other`."""
+        ok = self.valid if where is None else self.valid & where
+        return torch.where(ok, self.ids, other)
+
+
 class QueryAwareDevice:
     def __init__(self, state, cap: int):
         self.state = state
@@ -86,27 +113,30 @@ class QueryAwareDevice:
 
         store = self.quest
         kmin, kmax = store.kmin[li], store.kmax[li]
-        mine = knobs.mine(PolicyId.QUEST)
+        sr = SlotRows(knobs, PolicyId.QUEST, store.cfg.slots)
+        rpi, n = sr.take(req_pool_indices), sr.take(knobs.n)
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
-        quest_bounds_decode(k_cache, req_to_token, req_pool_indices, torch.where(mine, knobs.slot, -1),
-                            knobs.n, kmin, kmax)
-        sel = mine & indexed
-        b_start = plan.b_start.to(torch.int32)
+        quest_bounds_decode(k_cache, req_to_token, rpi, sr.slot_or(-1), n, kmin, kmax)
+        sel = sr.mine & indexed
+        sink = sr.take(knobs.sink).to(torch.int32)
+        b_start = sr.take(plan.b_start).to(torch.int32)
         # candidate pages hold a position in [sink, b_start)
-        first = torch.div(knobs.sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        first = torch.div(sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
         last = torch.div(b_start + QUEST_PAGE - 1, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, torch.where(sel, knobs.slot, -1), first, last)
+        scores = quest_page_scores(sr.take(q3).to(kmin.dtype), kmin, kmax, sr.slot_or(-1, sr.take(sel, False)),
+                                   first, last)
         # static k: enough pages for any budget the store's capacity admits (+1: a
         # page clipped by the sink leaves room for one more)
         k = max(1, min(store.max_pages, self.cap // QUEST_PAGE + 1))
         vals, idx = torch.topk(scores, k, dim=-1)
-        pos = torch.empty_like(a_pos)
-        cnt = torch.empty_like(a_len)
-        pages = torch.div(knobs.budget, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        expand_selection(vals, idx, pages, b_start, pos, cnt, page=QUEST_PAGE, n_sink=knobs.sink.to(torch.int32))
-        a_pos = torch.where(sel[:, None, None], pos, a_pos)
-        a_len = torch.where(sel[:, None], cnt, a_len)
+        pos = a_pos.new_empty((sr.b.shape[0], *a_pos.shape[1:]))
+        cnt = a_len.new_empty((sr.b.shape[0], a_len.shape[1]))
+        pages = torch.div(sr.take(knobs.budget), QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        expand_selection(vals, idx, pages, b_start, pos, cnt, page=QUEST_PAGE, n_sink=sink)
+        j = torch.where(sel, knobs.slot, 0).long()  # back to the batch rows
+        a_pos = torch.where(sel[:, None, None], pos[j], a_pos)
+        a_len = torch.where(sel[:, None], cnt[j], a_len)
         return a_pos, a_len
 
     def finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
@@ -119,24 +149,24 @@ class QueryAwareDevice:
 
         store = self.aspd
         knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
-        mine = knobs.mine(PolicyId.ASYNCSPADE)
-        slot = torch.where(mine, knobs.slot, store.scratch_slot).long()
+        sr = SlotRows(knobs, PolicyId.ASYNCSPADE, store.cfg.slots)
+        slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
         ring, total = store.ring[li], store.total[li]
-        aspd.ring_push(ring, total, q3, rows=slot)
+        aspd.ring_push(ring, total, sr.take(q3), rows=slot)
         window, count = aspd.ring_window(ring[slot], total[slot])
         # the request's W (<= the ring's): the newest W + 1 queries of the ring
-        count = torch.minimum(count, knobs.aspd_window.long() + 1)
-        q_hat = aspd.predict_next_query(window, count, knobs.aspd_ridge[:, None])
-        next_b = torch.clamp(knobs.n + 1 - knobs.recent, min=0)  # b_start of the next step
-        hi = torch.where(mine, next_b, 0).to(torch.int32)  # others: nothing scored
+        count = torch.minimum(count, sr.take(knobs.aspd_window).long() + 1)
+        q_hat = aspd.predict_next_query(window, count, sr.take(knobs.aspd_ridge)[:, None])
+        sink = sr.take(knobs.sink).to(torch.int32)
+        next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)  # next b_start
+        hi = torch.where(sr.valid, next_b, 0).to(torch.int32)  # slots without a row: nothing scored
         n_max = store.cfg.max_context
-        scores = token_scores(q_hat.float(), k_cache, req_to_token, req_pool_indices,
-                              knobs.sink.to(torch.int32), hi, scale, n_max)
+        scores = token_scores(q_hat.float(), k_cache, req_to_token, sr.take(req_pool_indices), sink, hi, scale,
+                              n_max)
         cap = store.sel_pos.shape[-1]
         vals, idx = torch.topk(scores, max(1, min(cap, n_max)), dim=-1)
-        pos = torch.empty(q3.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
-        cnt = torch.empty(q3.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
-        expand_selection(vals, idx, knobs.budget.to(torch.int32), next_b.to(torch.int32), pos, cnt, page=1,
-                         n_sink=knobs.sink.to(torch.int32))
+        pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
+        cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
+        expand_selection(vals, idx, sr.take(knobs.budget).to(torch.int32), next_b, pos, cnt, page=1, n_sink=sink)
         store.sel_pos[li][slot] = pos
         store.sel_count[li][slot] = cnt
