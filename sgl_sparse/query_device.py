@@ -1,13 +1,16 @@
 """Decode selection of quest and asyncspade that SGLang's decode CUDA graphs can
-capture: every batch row at once, the request knobs read by row from SparseState's
-device columns, the keys read in place by the Triton kernels.
+capture: the request knobs read by row from SparseState's device columns, the
+keys read in place by the Triton kernels.
 
 query_serving.QueryAwareRuntime's host groups (one per policy and knob set, sizes
 from the batch's longest sequence) would be frozen into a captured graph; here
 nothing depends on the host but the batch size (fixed per graph) and static
-config (store shapes, capacity, max_context). Rows that are not the policy's, have
-no slot, outgrew the store, or are padding are masked: the kernels skip them
-(slot < 0, an empty range) and their store writes go to a scratch slot.
+config (store slots, capacity, max_context). The work runs over the policy's
+store slots (SlotRows: slot -> the batch row holding it, built on the device), so
+its cost is bounded by the slots reserved, not by the batch. Slots without a row
+this step (their request not in the batch, padding, other policies, no slot, a
+sequence past the store) are masked: the kernels skip them (slot < 0, an empty
+range) and their store writes go to a scratch slot.
 
 Per layer, decode:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of

@@ -1,4 +1,4 @@
-"""query_device (quest / asyncspade on the Triton kernels, all rows at once, knobs
+"""query_device (quest / asyncspade on the Triton kernels, over their store slots, knobs
 read by row on the device) against the host-grouped torch path, its oracle.
 
 Twin simulations over the same pool, requests and queries: one runtime on the
