@@ -200,3 +200,20 @@ def test_device_path_replays_without_host_planning():
                 assert torch.equal(p_ref.a_len_per_head[b], lplan.a_len_per_head[b])
         _same_stores(ref, dev)
     assert len(shapes[0]) > 10 and all(s == shapes[0] for s in shapes[1:])
+
+
+def test_when_the_device_path_runs():
+    """Eager forwards run it only for batches holding quest / asyncspade rows (lfps
+    rows stay host groups); a forward that may be a CUDA-graph capture or replay
+    always runs it, whatever the batch."""
+    twin = Twin(2, use_kernels=True)
+    twin.admit(torch.randn(sum(LENS.values()), HKV * 2, D).to(KV))
+    rt = twin.rt
+    rt.plan_step([7, 0], [LENS[7] + 1, 1], torch.device("cpu"))
+    assert not rt.active()
+    rt.plan_step([7, 6], [LENS[7] + 1, LENS[6] + 1], torch.device("cpu"))
+    assert not rt.device_active and [g.policy for g in rt.groups] == [PolicyId.LFPS]
+    rt.plan_step([7, 4], [LENS[7] + 1, LENS[4] + 1], torch.device("cpu"))
+    assert rt.device_active and not rt.groups
+    rt.plan_step([7, 0], [LENS[7] + 1, 1], torch.device("cpu"), graphed=True)
+    assert rt.device_active and rt.active()
