@@ -380,8 +380,9 @@ def _expand_selection_kernel(
     IDX,  # [bs, Hkv, K] int64 their indices: pages (PAGE > 1), positions, or candidate slots (HAS_CAND)
     CAND,  # [bs, Hkv, C] int32 candidate positions (only if HAS_CAND)
     BUDGET,  # [bs] int32 entries to keep per row (only if HAS_BUDGET)
+    SINK,  # [bs] int32 sink positions per row (only if HAS_SINK; else N_SINK for all)
     B_START,  # [bs] int32
-    A_POS,  # [bs, Hkv, n_sink + 16 K] int32 out
+    A_POS,  # [bs, Hkv, WIDTH] int32 out (WIDTH >= n_sink + PAGE K unless HAS_SINK)
     A_LEN,  # [bs, Hkv] int32 out
     stride_vb,
     stride_vh,
@@ -395,17 +396,23 @@ def _expand_selection_kernel(
     budget_all,
     K,
     N_SINK,
+    WIDTH,
     PAGE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_BUDGET: tl.constexpr,
     HAS_CAND: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
 
     Entry i (i < budget, finite score) stands for positions [PAGE*p, PAGE*p + PAGE)
     with p = IDX[i] (or CAND[IDX[i]]); those in [n_sink, b_start) are listed, in
     entry order, each entry's run placed by an exclusive prefix sum of the counts.
+    HAS_SINK (per-row sinks, the query-aware serving path inside CUDA graphs): the
+    sink runs are written in a loop of BLOCK_S and nothing is written at or past
+    WIDTH (a_len is capped there too), so a row's knobs can never overrun the
+    fixed-width buffer.
     """
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -419,22 +426,30 @@ def _expand_selection_kernel(
     page = tl.load(IDX + cur_b * stride_ib + cur_h * stride_ih + offs_k, mask=in_k, other=0).to(tl.int32)
     if HAS_CAND:
         page = tl.load(CAND + cur_b * stride_cb + cur_h * stride_ch + page, mask=in_k, other=0)
+    sink_all = N_SINK
+    if HAS_SINK:
+        sink_all = tl.maximum(tl.load(SINK + cur_b), 0)
     chosen = in_k & (vals > float("-inf")) & (offs_k < budget)
     # Positions of page p that are listed: [max(16p, n_sink), min(16p + 16, b_start)).
-    start = tl.maximum(page * PAGE, N_SINK)
+    start = tl.maximum(page * PAGE, sink_all)
     cnt = tl.where(chosen, tl.maximum(tl.minimum(page * PAGE + PAGE, b_start) - start, 0), 0)
-    n_sink = tl.minimum(N_SINK, tl.maximum(b_start, 0))
+    n_sink = tl.minimum(sink_all, tl.maximum(b_start, 0))
     off = n_sink + tl.cumsum(cnt, 0) - cnt  # exclusive prefix sum: where each page's run goes
     pos_base = A_POS + cur_b * stride_pb + cur_h * stride_ph
     offs_s = tl.arange(0, BLOCK_S)
-    tl.store(pos_base + offs_s, offs_s, mask=offs_s < n_sink)
+    if HAS_SINK:
+        for s0 in range(0, n_sink, BLOCK_S):
+            tl.store(pos_base + s0 + offs_s, s0 + offs_s, mask=(s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH))
+    else:
+        tl.store(pos_base + offs_s, offs_s, mask=offs_s < n_sink)
     if PAGE == 1:
-        tl.store(pos_base + off, start, mask=cnt > 0)
+        tl.store(pos_base + off, start, mask=(cnt > 0) & (off < WIDTH))
     else:
         offs_j = tl.arange(0, PAGE)
-        tl.store(pos_base + off[:, None] + offs_j[None, :], start[:, None] + offs_j[None, :],
-                 mask=offs_j[None, :] < cnt[:, None])
-    tl.store(A_LEN + cur_b * stride_lb + cur_h, n_sink + tl.sum(cnt, 0))
+        dst = off[:, None] + offs_j[None, :]
+        tl.store(pos_base + dst, start[:, None] + offs_j[None, :],
+                 mask=(offs_j[None, :] < cnt[:, None]) & (dst < WIDTH))
+    tl.store(A_LEN + cur_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
 
 
 def quest_select_positions(
@@ -499,11 +514,18 @@ def expand_selection(
     out_len: torch.Tensor,
     *,
     page: int,
-    n_sink: int,
+    n_sink: Union[int, torch.Tensor],
     cand_pos: Optional[torch.Tensor] = None,
 ) -> None:
-    """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections)."""
+    """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections).
+
+    ``n_sink`` an int32 tensor ``[bs]``: per-row sinks (the serving path, whose
+    rows mix request knobs); entries are then written below ``out_pos``'s width
+    only, and ``a_len`` is capped at it."""
     bs, num_kv_heads, k = vals.shape
+    has_sink = isinstance(n_sink, torch.Tensor)
+    if has_sink:
+        assert n_sink.shape == (bs,) and n_sink.dtype == torch.int32
     assert idx.shape == vals.shape and vals.stride(2) == 1 and idx.stride(2) == 1
     has_budget = isinstance(budget, torch.Tensor)
     if has_budget:
@@ -511,13 +533,14 @@ def expand_selection(
     if cand_pos is not None:
         assert cand_pos.shape[:2] == (bs, num_kv_heads) and cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
     _expand_selection_kernel[(bs, num_kv_heads)](
-        vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start, b_start,
+        vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start,
+        n_sink if has_sink else b_start, b_start,
         out_pos, out_len,
         vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1),
         cand_pos.stride(0) if cand_pos is not None else 0, cand_pos.stride(1) if cand_pos is not None else 0,
         out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
-        0 if has_budget else int(budget), k, n_sink,
-        PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=max(2, next_pow2(n_sink)), HAS_BUDGET=has_budget,
-        HAS_CAND=cand_pos is not None,
+        0 if has_budget else int(budget), k, 0 if has_sink else int(n_sink), out_pos.shape[2],
+        PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=16 if has_sink else max(2, next_pow2(n_sink)),
+        HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink,
         num_warps=1 if k <= 64 else 4,
     )

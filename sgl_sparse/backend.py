@@ -144,7 +144,7 @@ class SparseAttnBackend(AttentionBackend):
             elif mode.is_extend():
                 self._plan_prompt_queries(forward_batch, admitted)
         if self.qa is not None:
-            self._plan_query_aware(forward_batch, admitted)
+            self._plan_query_aware(forward_batch, admitted, graphed=not eager)
         if self.dense is None:
             return
         if forward_batch.forward_mode.is_decode_or_idle():
@@ -200,17 +200,22 @@ class SparseAttnBackend(AttentionBackend):
         if src:
             self._prompt_q_plan = (as_t(src), as_t(dst_slot), as_t(dst_j))
 
-    def _plan_query_aware(self, forward_batch: ForwardBatch, admitted) -> None:
-        """Host-side groups of this forward's quest/asyncspade/lfps rows."""
+    def _plan_query_aware(self, forward_batch: ForwardBatch, admitted, graphed: bool = False) -> None:
+        """Host-side groups of this forward's quest/asyncspade/lfps rows (on CUDA,
+        quest and asyncspade run on the device path: whenever the batch has such
+        rows, and in every forward that may be a decode CUDA-graph capture or
+        replay, `graphed`)."""
         mode = forward_batch.forward_mode
         self.qa.groups, self.qa.extend_rows = [], []
+        self.qa.device_active = False
         if mode.is_decode():
             rows = self.state.take_step_rows()
             if not self.state.has_active(QUERY_AWARE_IDS):
                 return  # the common case: no per-step host work, no device reads
             if rows is None or len(rows) != forward_batch.batch_size:
                 rows = forward_batch.req_pool_indices.tolist()
-            self.qa.plan_step(rows, _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens), self.device)
+            self.qa.plan_step(rows, _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens), self.device,
+                              graphed=graphed)
         elif mode.is_extend() and any(i.policy in QUERY_AWARE_IDS for i in admitted[1]):
             self.qa.plan_extend(
                 forward_batch.req_pool_indices.tolist(),
@@ -370,7 +375,7 @@ class SparseAttnBackend(AttentionBackend):
     def _layer_plan(self, layer, forward_batch, q3) -> DecodePlan:
         """The step's plan, with this layer's indexed segment A when the batch has
         query-aware rows."""
-        if self.qa is None or not self.qa.groups:
+        if self.qa is None or not self.qa.active():
             return self.plan
         return self.qa.select(
             layer.layer_id - self._layer0, self.plan, q3,
@@ -379,7 +384,7 @@ class SparseAttnBackend(AttentionBackend):
         )
 
     def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
-        if self.qa is None or not self.qa.groups:
+        if self.qa is None or not self.qa.active():
             return
         self.qa.finish(
             layer.layer_id - self._layer0, plan, q3, o3,

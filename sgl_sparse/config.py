@@ -19,6 +19,9 @@ POLICY_NAMES = ("full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfp
 # Policies whose selection depends on the current (or a predicted) query: served
 # through per-request query stores (sgl_sparse/query_store.py).
 QUERY_AWARE = ("quest", "asyncspade", "lfps")
+# Those whose decode selection runs inside SGLang's decode CUDA graphs
+# (sgl_sparse/query_device.py); lfps's is still grouped on the host.
+GRAPH_CAPTURABLE = ("quest", "asyncspade")
 
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also
@@ -180,6 +183,13 @@ class QueryStoreConfig(_Strict):
     # LFPS only: candidates scored exactly per KV head and step (a fixed buffer, so
     # that no shape depends on data); the paper's |C1| is a few % of the context.
     candidates: int = Field(8192, ge=1, le=1 << 22, description="LFPS: max |C1| scored per KV head")
+    # With decode CUDA graphs on, a captured selection runs at every decode step of
+    # every layer, whether the batch holds such requests or not (its cost grows with
+    # slots, max_context and capacity): opt-in, so that a server configured for other
+    # policies keeps its decode step as it was.
+    cuda_graphs: bool = Field(False, description="quest/asyncspade: offer the policy with decode CUDA graphs "
+                                                 "on (its selection captured, run at every decode step); "
+                                                 "lfps: not yet")
 
 
 class QueryAwareConfig(_Strict):

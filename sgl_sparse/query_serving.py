@@ -21,6 +21,11 @@ once per group with scalar knobs). Device side, per layer: tensor ops only.
                 next step (positions < its b_start = n + 1 - recent)
 A row outside every group (no slot, longer than its store) is dense in the plan.
 The ring, tables and selections are written only by their own slot's request.
+
+With kernels (CUDA; tests: the Triton interpreter) quest and asyncspade run on
+query_device.QueryAwareDevice instead: all rows at once, knobs read by row on the
+device, so SGLang's decode CUDA graphs can capture them. Groups are then built
+for lfps only; the torch groups stay the CPU path and that path's oracle.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse.policies import quest, query_aware
 from sgl_sparse.policies.base import PolicyId, RowInit
+from sgl_sparse.query_device import POLICIES as DEVICE_POLICIES
+from sgl_sparse.query_device import QueryAwareDevice
 from sgl_sparse.queryaware import asyncspade as aspd
 from sgl_sparse.queryaware import lfps as lfps_math
 
@@ -84,24 +91,43 @@ def prepend_sink(pos: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, b_s
 
 
 class QueryAwareRuntime:
-    def __init__(self, state):
+    def __init__(self, state, use_kernels: Optional[bool] = None):
         self.state = state
         self.stores = state.query_stores
         self.cap = max((s.cfg.capacity for s in self.stores.values()), default=1)
         self.groups: list[Group] = []
         self.extend_rows: list[ExtendRow] = []
         self._lfps_out: dict[int, lfps_math.LfpsStep] = {}
+        if use_kernels is None:
+            use_kernels = state.device.type == "cuda"
+        on_device = use_kernels and any(p in self.stores for p in DEVICE_POLICIES)
+        self.device = QueryAwareDevice(state, self.cap) if on_device else None
+        # The device path runs this forward: the batch has its rows, or the forward
+        # may be a CUDA-graph capture / replay (whose work cannot depend on the batch).
+        self.device_active = False
+
+    def active(self) -> bool:
+        """Per-layer selection to do this decode forward."""
+        return bool(self.groups) or self.device_active
 
     # ---- host, once per forward ----------------------------------------------------
-    def plan_step(self, rows: list[int], seq_lens: list[int], device: torch.device) -> None:
+    def plan_step(self, rows: list[int], seq_lens: list[int], device: torch.device,
+                  graphed: bool = False) -> None:
         """Decode: group the batch's query-aware rows that may be indexed this step
-        (quest, lfps) or that predict for the next one (asyncspade)."""
+        (lfps), keep their stores current (quest: every step, covered or not) or
+        predict for the next one (asyncspade). `graphed`: the forward may be a
+        CUDA-graph capture or replay, so the device path runs whatever the batch."""
         buckets: dict[tuple, list[tuple[int, int, int]]] = {}
+        self.device_active = self.device is not None and graphed
         for b, (r, n) in enumerate(zip(rows, seq_lens)):
             init = self._init(r)
             if init is None or init.policy not in self.stores or init.slot < 0 or n > init.max_context:
                 continue
-            if init.policy != PolicyId.ASYNCSPADE and query_aware.covers(init.sink, init.budget, init.window, n):
+            if self.device is not None and init.policy in DEVICE_POLICIES:
+                self.device_active = True
+                continue
+            # quest's bounds follow every key (a covered row is indexed later)
+            if init.policy == PolicyId.LFPS and query_aware.covers(init.sink, init.budget, init.window, n):
                 continue
             buckets.setdefault((init.policy, init.spec), []).append((b, init.slot, n))
         self.groups = [
@@ -164,6 +190,9 @@ class QueryAwareRuntime:
             a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
         indexed = plan.indexed()
         self._lfps_out = {}
+        if self.device_active:
+            a_pos, a_len = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices, seq_lens,
+                                              a_pos, a_len)
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
             cap = store.cfg.capacity
@@ -206,6 +235,8 @@ class QueryAwareRuntime:
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
         indexed = plan.indexed()
         hkv = k_cache.shape[1]
+        if self.device_active:
+            self.device.finish(li, q3, k_cache, req_to_token, req_pool_indices, seq_lens, scale)
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
             n = seq_lens[g.batch_idx].long()

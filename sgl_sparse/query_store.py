@@ -13,7 +13,11 @@ Layouts (slot = one live request of the policy; layers of this rank):
               sel_pos      [layers, slots, Hkv, capacity] int32
               sel_count    [layers, slots, Hkv] int32
                            the selection for the next step (sink positions first,
-                           then the Top-K, ascending, all < that step's b_start)
+                           then the Top-K, all < that step's b_start; ascending
+                           on the torch path, by descending score from the kernels)
+              one extra slot (`scratch_slot`, the last) takes the writes of the
+              batch rows that are not asyncspade's: the CUDA-graph path
+              (query_device.py) writes every row, masked by where it writes
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
@@ -48,10 +52,12 @@ class AsyncSpadeStore:
     def __init__(self, cfg: QueryStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
                  num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.cfg = cfg
-        self.ring = torch.zeros(num_layers, cfg.slots, window + 1, num_q_heads, head_dim, dtype=dtype, device=device)
-        self.total = torch.zeros(num_layers, cfg.slots, dtype=torch.int64, device=device)
-        self.sel_pos = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
-        self.sel_count = torch.zeros(num_layers, cfg.slots, num_kv_heads, dtype=torch.int32, device=device)
+        self.scratch_slot = cfg.slots
+        self.rows = cfg.slots + 1
+        self.ring = torch.zeros(num_layers, self.rows, window + 1, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.total = torch.zeros(num_layers, self.rows, dtype=torch.int64, device=device)
+        self.sel_pos = torch.zeros(num_layers, self.rows, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
+        self.sel_count = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.int32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.ring, self.total, self.sel_pos, self.sel_count
@@ -83,4 +89,6 @@ def nbytes(store) -> int:
 
 
 def slot_nbytes(store: Optional[object]) -> int:
-    return nbytes(store) // max(store.cfg.slots, 1) if store is not None else 0
+    if store is None:
+        return 0
+    return nbytes(store) // max(getattr(store, "rows", store.cfg.slots), 1)

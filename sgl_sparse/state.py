@@ -31,6 +31,13 @@ _FULL, _SADAS, _SFI = PolicyId.FULL, PolicyId.SADAS, PolicyId.SFI
 _QUERY_AWARE = frozenset(QUERY_AWARE_IDS)
 
 
+def _aspd_knob(init: RowInit, name: str, default):
+    """An asyncspade request knob (SparseState.qa_window / qa_ridge); default elsewhere."""
+    if init.policy != PolicyId.ASYNCSPADE or init.spec is None:
+        return default
+    return getattr(init.spec, name)
+
+
 class SparseState:
     def __init__(self, num_rows: int, device: torch.device | str,
                  config: SparseServerConfig | None = None):
@@ -62,6 +69,11 @@ class SparseState:
         # (asyncspade's first step has no predicted selection yet).
         self.max_context = z(torch.int32)
         self.qa_steps = z(torch.int32)
+        # asyncspade's request knobs the decode step reads per row on the device
+        # (query_device.py; inside CUDA graphs no host-built group can carry them):
+        # W, the past queries regressed from, and the relative ridge strength.
+        self.qa_window = z(torch.int32)
+        self.qa_ridge = z(torch.float32)
         # Bool [vocab] sentence-ending ids and the compact buffers: set by the backend
         # once the tokenizer and the model shape are known.
         self.trigger_table = torch.zeros(1, dtype=torch.bool, device=self.device)
@@ -163,6 +175,8 @@ class SparseState:
             "prompt_q": torch.zeros(len(inits), dtype=torch.int32),
             "max_context": col("max_context", torch.int32),
             "qa_steps": torch.zeros(len(inits), dtype=torch.int32),
+            "qa_window": torch.tensor([_aspd_knob(i, "window", 0) for i in inits], dtype=torch.int32),
+            "qa_ridge": torch.tensor([_aspd_knob(i, "ridge", 0.0) for i in inits], dtype=torch.float32),
         }
         pin = self.device.type == "cuda"
         idx = idx.pin_memory().to(self.device, non_blocking=True) if pin else idx

@@ -102,7 +102,7 @@ def _masked_window(window: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def assembled_weights(window: torch.Tensor, count: torch.Tensor,
-                      ridge_eps: float = RIDGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+                      ridge_eps: float | torch.Tensor = RIDGE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-window-size softmax weights of Eqs. (2)-(3).
 
     window [bs, W, Hq, D] (chronological, newest at W-1, valid at the right), count [bs]
@@ -113,6 +113,8 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     solver: the softmax inside Eq. (2) is dropped for the fit and applied after):
         omega^(k) = (R_k R_k^T + lam I)^-1 R_k Q_t,   w^(k) = softmax(omega^(k))
     Entry w[..., k-1, j] weights history slot j (0 outside the size-k window).
+    ridge_eps: a float, or a [bs, 1] tensor (per-row request knobs, read on the
+    device by the CUDA-graph serving path).
     k_valid: the window of size k needs k+1 valid queries (k <= count - 1).
 
     All k from ONE factorization: ordered newest first, the size-k window is the
@@ -156,7 +158,7 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
 
 
 def predict_next_query(window: torch.Tensor, count: torch.Tensor,
-                       ridge_eps: float = RIDGE_EPS) -> torch.Tensor:
+                       ridge_eps: float | torch.Tensor = RIDGE_EPS) -> torch.Tensor:
     """Q_hat_{t+1} [bs, Hq, D] (float32, or float64 for float64 input) from window [bs, W, Hq, D] / count [bs].
 
     Eq. (4) per window size, Q_hat^(k) = sum_{i=1..k} w^(k)_{t-i} Q_{t+1-i} (the

@@ -1,0 +1,219 @@
+"""query_device (quest / asyncspade on the Triton kernels, over their store slots, knobs
+read by row on the device) against the host-grouped torch path, its oracle.
+
+Twin simulations over the same pool, requests and queries: one runtime on the
+torch path, one on the device path (the Triton interpreter here). Random mixed
+batches: quest and asyncspade rows with different knobs, an lfps row (torch path
+in both), a full row, a quest row covered by its budget at first, a padding row
+(request row 0); GQA; ragged lengths, not multiples of 16. Each step: the same
+per-head position sets and a_len, the same attention output, the same stores.
+Then the device path replayed the way a CUDA graph replays it: no host planning
+between steps, inputs changed in place, no host sync and the same tensor shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sgl_sparse import reference
+from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
+from sgl_sparse.decision import plan_decode
+from sgl_sparse.policies import MODULES, PolicyId
+from sgl_sparse.query_serving import QueryAwareRuntime
+from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
+from sgl_sparse.state import SparseState
+
+HKV, D, MAXCTX, CAP = 2, 16, 160, 80
+SCALE = 1 / math.sqrt(D)
+KV = torch.float16
+
+SPECS = {
+    1: QuestPolicy(budget=32, recent=9, sink=4),
+    2: QuestPolicy(budget=16, recent=20, sink=0),
+    3: QuestPolicy(budget=32, recent=16, sink=4),  # covers its first steps
+    4: AsyncSpadePolicy(window=3, budget=24, recent=8, sink=2),
+    5: AsyncSpadePolicy(window=4, budget=40, recent=5, sink=3, ridge=0.05),
+    6: LfpsPolicy(budget=12, local=6, sink=4, s=8),
+    7: None,  # full
+}
+LENS = {1: 75, 2: 103, 3: 45, 4: 90, 5: 61, 6: 70, 7: 50}
+
+
+class Twin:
+    """One layer of a decode loop over fp16 KV, driven as SparseAttnBackend drives it."""
+
+    def __init__(self, group: int, use_kernels: bool, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.group = group
+        store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": MAXCTX}
+        cfg = SparseServerConfig.model_validate({
+            "query_aware": {p: store for p in ("quest", "asyncspade", "lfps")},
+            "policies": {"asyncspade": {"window": 4}},
+        })
+        self.st = SparseState(12, "cpu", cfg)
+        qs = cfg.query_aware
+        shape = dict(num_layers=1, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"))
+        hq = HKV * group
+        self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
+        self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=hq,
+                                                                    dtype=KV, **shape)
+        self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=hq, **shape)
+        self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
+        self.k = torch.randn(2000, HKV, D, generator=gen).to(KV)
+        self.v = torch.randn(2000, HKV, D, generator=gen).to(KV)
+        # unused entries point at real keys: reading them is a wrong answer
+        self.r2t = torch.randint(0, 2000, (12, MAXCTX + 40), generator=gen, dtype=torch.int32)
+        perm = torch.randperm(1999, generator=gen).to(torch.int32) + 1
+        off = 0
+        for r, n in LENS.items():
+            self.r2t[r, : n + 40] = perm[off: off + n + 40]
+            off += n + 40
+
+    def admit(self, q_ext: torch.Tensor) -> None:
+        rows = list(SPECS)
+        inits = [MODULES[s.policy if s is not None else "full"].init_row(s, [], [], (None, None))
+                 for s in SPECS.values()]
+        admitted = self.st.admit(rows, inits)
+        self.rt.plan_extend(rows, [LENS[r] for r in rows], [LENS[r] for r in rows], admitted)
+        self.rt.on_extend(0, q_ext, self.k, self.v, self.r2t, SCALE)
+
+    def step(self, rows: list[int], lens: list[int], q: torch.Tensor, graphed: bool = False):
+        rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
+        plan = plan_decode(self.st, rows_t, torch.ones(len(rows), dtype=torch.long), lens_t, (None, None),
+                           num_kv_heads=HKV)
+        self.rt.plan_step(rows, lens, torch.device("cpu"), graphed=graphed)
+        lplan = self.rt.select(0, plan, q, self.k, self.r2t, rows_t, lens_t, SCALE) if self.rt.active() else plan
+        o = torch.zeros(q.shape[0], q.shape[1], D, dtype=torch.float32)
+        reference.decode_attention(q, o, self.k, self.v, self.r2t, rows_t, lplan, SCALE, self.group > 1)
+        if self.rt.active():
+            self.rt.finish(0, lplan, q, o, self.k, self.r2t, rows_t, lens_t, SCALE)
+        return o, lplan
+
+
+def _sets(plan, b: int) -> list[list[int]]:
+    if plan.a_pos is None:
+        return []
+    return [sorted(plan.a_pos[b, h, : int(plan.a_len_per_head[b, h])].tolist()) for h in range(HKV)]
+
+
+def _same_stores(a: Twin, b: Twin) -> None:
+    qa, qb = a.st.query_stores[PolicyId.QUEST], b.st.query_stores[PolicyId.QUEST]
+    for r in (1, 2, 3):
+        s = a.st.row_init(r).slot
+        assert s == b.st.row_init(r).slot
+        assert torch.equal(qa.kmin[0, s], qb.kmin[0, s]) and torch.equal(qa.kmax[0, s], qb.kmax[0, s])
+    sa, sb = a.st.query_stores[PolicyId.ASYNCSPADE], b.st.query_stores[PolicyId.ASYNCSPADE]
+    for r in (4, 5):
+        s = a.st.row_init(r).slot
+        assert torch.equal(sa.ring[0, s], sb.ring[0, s]) and torch.equal(sa.total[0, s], sb.total[0, s])
+        assert torch.equal(sa.sel_count[0, s], sb.sel_count[0, s])
+        for h in range(HKV):
+            c = int(sa.sel_count[0, s, h])
+            assert sorted(sa.sel_pos[0, s, h, :c].tolist()) == sorted(sb.sel_pos[0, s, h, :c].tolist())
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_device_path_matches_the_torch_path(group):
+    gen = torch.Generator().manual_seed(100 + group)
+    ref, dev = Twin(group, use_kernels=False), Twin(group, use_kernels=True)
+    assert ref.rt.device is None and dev.rt.device is not None
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
+    ref.admit(q_ext)
+    dev.admit(q_ext)
+    # batch order shuffled, a padding row (request row 0, length 1) in the middle
+    rows = [5, 1, 7, 3, 0, 4, 2, 6]
+    indexed_seen = set()
+    for t in range(12):  # crosses page boundaries; row 3 turns indexed at n = 53
+        lens = [LENS[r] + 1 + t if r else 1 for r in rows]
+        q = torch.randn(len(rows), HKV * group, D, generator=gen).to(KV)
+        o_ref, p_ref = ref.step(rows, lens, q)
+        o_dev, p_dev = dev.step(rows, lens, q)
+        assert torch.equal(p_ref.a_slot, p_dev.a_slot)
+        for b, r in enumerate(rows):
+            if int(p_ref.a_slot[b]) == -2:
+                indexed_seen.add(r)
+                assert _sets(p_ref, b) == _sets(p_dev, b), (t, r)
+                assert torch.equal(p_ref.a_len_per_head[b], p_dev.a_len_per_head[b])
+        # fp16 attention, same sets summed in another order: fp16 rounding apart
+        torch.testing.assert_close(o_dev, o_ref, rtol=2e-3, atol=2e-3)
+        _same_stores(ref, dev)
+    assert indexed_seen == {1, 2, 3, 4, 5, 6}
+
+
+class _Watch(TorchDispatchMode):
+    """Every aten op's output shapes, and any host read of device data."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple] = []
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t)
+            self.syncs += 1
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.shapes.append((str(func), tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))))
+        return out
+
+
+def test_device_path_replays_without_host_planning():
+    """Steps 2.. reuse step 1's host planning (as a CUDA-graph replay does), with
+    other lengths and queries written into the same input buffers: the selections
+    still equal the torch path's, the device path reads nothing back to the host,
+    and it issues the same ops with the same shapes every step."""
+    group = 2
+    gen = torch.Generator().manual_seed(7)
+    ref, dev = Twin(group, use_kernels=True), Twin(group, use_kernels=True)
+    ref.rt = QueryAwareRuntime(ref.st, use_kernels=False)
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
+    ref.admit(q_ext)
+    dev.admit(q_ext)
+    rows = [1, 4, 0, 5, 2, 7, 0, 0]  # padded to a captured size of 8
+    bs = len(rows)
+    rows_t = torch.tensor(rows)
+    lens_t = torch.ones(bs, dtype=torch.int32)
+    q = torch.zeros(bs, HKV * group, D, dtype=KV)
+    dev.rt.plan_step(rows, [1] * bs, torch.device("cpu"), graphed=True)  # "capture" time: once
+    assert dev.rt.device_active and not dev.rt.groups
+    rt = dev.rt
+    shapes = []
+    for t in range(4):
+        lens = [LENS[r] + 1 + t if r else 1 for r in rows]  # one key per step, as decode writes
+        lens_t.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(bs, HKV * group, D, generator=gen).to(KV))
+        o_ref, p_ref = ref.step(rows, lens, q.clone())
+        plan = plan_decode(dev.st, rows_t, torch.ones(bs, dtype=torch.long), lens_t, (None, None), num_kv_heads=HKV)
+        with _Watch() as w:
+            lplan = rt.select(0, plan, q, dev.k, dev.r2t, rows_t, lens_t, SCALE)
+            o = torch.zeros(bs, HKV * group, D, dtype=torch.float32)
+            rt.finish(0, lplan, q, o, dev.k, dev.r2t, rows_t, lens_t, SCALE)
+        assert w.syncs == 0
+        shapes.append(w.shapes)
+        for b, r in enumerate(rows):
+            if r and int(p_ref.a_slot[b]) == -2:
+                assert _sets(p_ref, b) == _sets(lplan, b), (t, r)
+                assert torch.equal(p_ref.a_len_per_head[b], lplan.a_len_per_head[b])
+        _same_stores(ref, dev)
+    assert len(shapes[0]) > 10 and all(s == shapes[0] for s in shapes[1:])
+
+
+def test_when_the_device_path_runs():
+    """Eager forwards run it only for batches holding quest / asyncspade rows (lfps
+    rows stay host groups); a forward that may be a CUDA-graph capture or replay
+    always runs it, whatever the batch."""
+    twin = Twin(2, use_kernels=True)
+    twin.admit(torch.randn(sum(LENS.values()), HKV * 2, D).to(KV))
+    rt = twin.rt
+    rt.plan_step([7, 0], [LENS[7] + 1, 1], torch.device("cpu"))
+    assert not rt.active()
+    rt.plan_step([7, 6], [LENS[7] + 1, LENS[6] + 1], torch.device("cpu"))
+    assert not rt.device_active and [g.policy for g in rt.groups] == [PolicyId.LFPS]
+    rt.plan_step([7, 4], [LENS[7] + 1, LENS[4] + 1], torch.device("cpu"))
+    assert rt.device_active and not rt.groups
+    rt.plan_step([7, 0], [LENS[7] + 1, 1], torch.device("cpu"), graphed=True)
+    assert rt.device_active and rt.active()
