@@ -211,7 +211,8 @@ class SparseAttnBackend(AttentionBackend):
         if mode.is_decode():
             rows = self.state.take_step_rows()
             if not self.state.has_active(QUERY_AWARE_IDS):
-                return  # the common case: no per-step host work, no device reads
+                self.qa.plan_idle_step(graphed)  # the common case: no host work
+                return
             if rows is None or len(rows) != forward_batch.batch_size:
                 rows = forward_batch.req_pool_indices.tolist()
             self.qa.plan_step(rows, _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens), self.device,

@@ -136,6 +136,13 @@ class QueryAwareRuntime:
             for (p, spec), m in buckets.items()
         ]
 
+    def plan_idle_step(self, graphed: bool) -> None:
+        """Decode with no live quest/asyncspade/lfps request: no groups, and the
+        device path only where the forward may be captured: a graph captured now
+        is replayed when such requests arrive."""
+        self.groups = []
+        self.device_active = self.device is not None and graphed
+
     def plan_extend(self, order: list[int], seq_lens: list[int], ext_lens: list[int],
                     admitted: tuple[list[int], list[RowInit]]) -> None:
         want = {int(r): i for r, i in zip(*admitted)

@@ -23,6 +23,7 @@ from sgl_sparse import reference
 from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
+from sgl_sparse.policies.base import QUERY_AWARE_IDS
 from sgl_sparse.query_serving import QueryAwareRuntime
 from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
 from sgl_sparse.state import SparseState
@@ -217,3 +218,17 @@ def test_when_the_device_path_runs():
     assert rt.device_active and not rt.groups
     rt.plan_step([7, 0], [LENS[7] + 1, 1], torch.device("cpu"), graphed=True)
     assert rt.device_active and rt.active()
+
+
+
+def test_idle_steps_keep_the_device_path_in_captured_graphs():
+    """With no live query-aware request the backend skips the host planning
+    (SparseState.has_active), yet a forward that may be captured must still carry
+    the device path: a graph captured then is replayed when such requests come."""
+    twin = Twin(2, use_kernels=True)  # nothing admitted
+    assert not twin.st.has_active(QUERY_AWARE_IDS)
+    for graphed in (False, True):
+        twin.rt.plan_idle_step(graphed)
+        assert twin.rt.active() == graphed and not twin.rt.groups
+    twin.admit(torch.randn(sum(LENS.values()), HKV * 2, D).to(KV))
+    assert twin.st.has_active(QUERY_AWARE_IDS)
