@@ -13,7 +13,8 @@ masked medians are full sorts; here it is three launches:
    key norms on ``A = [lo, hi)`` and their lower median absolute deviation, both
    by a radix select on the fp32 bit pattern (4 histogram passes of 8 bits each:
    the values are >= 0, so their bits order like the values; exact, the same
-   element ``torch.nanmedian`` returns), then the evidence and prior
+   element ``torch.nanmedian`` returns; each 256-bin histogram is one tensor-core
+   product of the digits' one-hot high and low nibbles), then the evidence and prior
    normalizers and the fusion weight ``lam`` (two passes, the reference's order
    of operations: sums of ``d = e - pi`` products, no cancellation-prone
    expansion).
@@ -49,20 +50,26 @@ def _pow(x, y):
 
 
 @triton.jit
-def _lower_median(X, lo, hi, center, ABS_DEV: tl.constexpr, BLOCK_N: tl.constexpr):
+def _lower_median(X, lo, hi, center, ABS_DEV: tl.constexpr, BLOCK_N: tl.constexpr, HIST_MMA: tl.constexpr):
     """Lower median of v_j, j in [lo, hi) (hi > lo), v = X[j] or |X[j] - center|.
 
     Radix select, 8 bits per pass from the top: a 256-bin histogram of the digit
     among the values that share the prefix found so far, then the bin holding
-    the k-th smallest. (Triton's histogram costs ~bins/32 * log2(bins) integer
-    ops per value, which makes this the stats kernel's main cost: hence 256
-    bins and not a sentinel bin past them.)
+    the k-th smallest. The histogram is a [16, 16] matrix product: one-hot of the
+    digit's high nibble (rows masked off outside the prefix) times one-hot of its
+    low nibble, on tensor cores -- ~32 compares per value, where tl.histogram
+    costs ~bins/32 * log2(bins) integer ops per value and made the medians the
+    stats kernel's main cost. 0/1 in fp16 with fp32 accumulation: exact counts
+    up to 2^24 per bin (the contexts allowed are <= 2^22). HIST_MMA False keeps
+    tl.histogram (the previous kernel; bench_selector.py --stats-ab times both).
     """
     k = (hi - lo - 1) // 2
     prefix = 0
     bins = tl.arange(0, 256)
+    nib = tl.arange(0, 16)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
+        acc = tl.zeros([16, 16], dtype=tl.float32)
         hist = tl.zeros([256], dtype=tl.int32)
         outside = tl.zeros([BLOCK_N], dtype=tl.int32)
         for n0 in range(lo, hi, BLOCK_N):
@@ -74,10 +81,19 @@ def _lower_median(X, lo, hi, center, ABS_DEV: tl.constexpr, BLOCK_N: tl.constexp
             bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             if p > 0:
                 ok = ok & ((bits >> (shift + 8)) == prefix)
-            # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
-            hist += tl.histogram(tl.where(ok, (bits >> shift) & 255, 0), 256)
-            outside += (~ok).to(tl.int32)
-        h = tl.where(bins == 0, hist - tl.sum(outside, 0), hist)
+            dig = (bits >> shift) & 255
+            if HIST_MMA:
+                one_hi = ((dig >> 4)[:, None] == nib[None, :]) & ok[:, None]
+                one_lo = (dig & 15)[:, None] == nib[None, :]
+                acc = tl.dot(tl.trans(one_hi.to(tl.float16)), one_lo.to(tl.float16), acc)
+            else:
+                # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
+                hist += tl.histogram(tl.where(ok, dig, 0), 256)
+                outside += (~ok).to(tl.int32)
+        if HIST_MMA:
+            h = tl.reshape(acc, [256]).to(tl.int32)  # bin hi * 16 + lo = the digit
+        else:
+            h = tl.where(bins == 0, hist - tl.sum(outside, 0), hist)
         c = tl.cumsum(h, 0)
         digit = tl.sum((c <= k).to(tl.int32), 0)
         k -= tl.sum(tl.where(bins < digit, h, 0), 0)
@@ -115,7 +131,7 @@ def _terms(U, NORMS, offs, ok, lo, span, inv_beta, alpha, kappa, zeta, eps, med,
 def _selector_stats(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS,
     stride_r, stride_h, stride_sr, stride_sh,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HIST_BLOCK: tl.constexpr, HIST_MMA: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -128,8 +144,8 @@ def _selector_stats(
     hi = tl.maximum(hi, lo)
     u_row = U + cur_r * stride_r + cur_h * stride_h
     n_row = NORMS + cur_r * stride_r + cur_h * stride_h
-    med = _lower_median(n_row, lo, hi, 0.0, False, BLOCK_N)
-    mad = _lower_median(n_row, lo, hi, med, True, BLOCK_N)
+    med = _lower_median(n_row, lo, hi, 0.0, False, HIST_BLOCK, HIST_MMA)
+    mad = _lower_median(n_row, lo, hi, med, True, HIST_BLOCK, HIST_MMA)
     inv_beta = 1.0 / tl.load(BETA + cur_r)
     alpha = tl.load(ALPHA + cur_r)
     kappa = tl.load(KAPPA + cur_r)
@@ -253,7 +269,8 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                   *, block_n: int = 1024, num_warps: int = 4) -> torch.Tensor:
+                   *, block_n: int = 1024, hist_block: int | None = None, hist_mma: bool = True,
+                   num_warps: int = 4) -> torch.Tensor:
     """Per (row, KV head): [evidence sum, prior sum, lam, norm median, norm MAD] as ``[R, H, 5]`` fp32.
 
     ``knobs``: a ``sgl_sparse.selector.core.SelectorKnobs`` with ``[R]`` tensors.
@@ -268,7 +285,8 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
         u, norms, _i32(lo), _i32(hi), _f32(knobs.beta), _f32(knobs.alpha), _f32(knobs.kappa), _f32(knobs.zeta),
         _f32(knobs.clip), _f32(knobs.eps), stats,
         u.stride(0), u.stride(1), stats.stride(0), stats.stride(1),
-        BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_N=block_n, HIST_BLOCK=hist_block or (256 if hist_mma else block_n), HIST_MMA=hist_mma,
+        num_warps=num_warps,
     )
     return stats
 

@@ -751,7 +751,8 @@ def two_segment_decode(
         assert qb_min.dtype == k_pool.dtype and qb_slot.shape == (bs,) and qb_slot.dtype == torch.int32
     if logits_out is not None:
         assert q_save is not None, "logits_out: rows are chosen by q_save_slot"
-        assert logits_out.dim() == 4 and logits_out.shape[1:3] == (num_kv_heads, group), "logits_out: [slots, Hkv, G, L]"
+        assert logits_out.dim() == 4 and logits_out.shape[1:3] == (num_kv_heads, group), \
+            "logits_out: [slots, Hkv, G, L]"
         assert logits_out.dtype == torch.float32 and logits_out.stride(3) == 1
     if a_pos is not None:
         assert a_pos.dim() == 3 and a_pos.shape[:2] == (bs, num_kv_heads), "a_pos: [bs, Hkv, cap_pos]"

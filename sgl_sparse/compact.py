@@ -44,7 +44,9 @@ class CompactStore:
         return 0 if self.logits is None else self.logits.shape[-1]
 
     def nbytes(self) -> int:
-        parts = (self.k, self.v, self.q, self.q_prompt, self.knorm) + ((self.logits,) if self.logits is not None else ())
+        parts = [self.k, self.v, self.q, self.q_prompt, self.knorm]
+        if self.logits is not None:
+            parts.append(self.logits)
         return sum(t.numel() * t.element_size() for t in parts)
 
     def save_key_norms(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:

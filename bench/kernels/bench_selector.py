@@ -153,19 +153,48 @@ def profile(ctx: int, bs: int, w: int) -> None:
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 
 
+def stats_ab(ctx: int, bs: int, reps: int) -> dict:
+    """The Selector's stats kernel (medians of the key norms, then the sums) on one
+    layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
+    tensor-core histogram (the default) and with tl.histogram (the previous one)."""
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.kernels import selector_stats
+    from sgl_sparse.selector.core import SelectorKnobs
+
+    dev = torch.device("cuda")
+    hkv = 8
+    rows = max(1, min(LAYERS * bs, (1 << 25) // (hkv * ctx)))  # refresh._MAX_SELECT_ELEMS_KERNELS
+    norms = torch.exp(torch.randn(rows, hkv, ctx, device=dev) * 0.3) * 20
+    u = torch.rand(rows, hkv, ctx, device=dev)
+    lo = torch.full((rows,), 4, device=dev)
+    hi = torch.full((rows,), ctx - 256, device=dev)
+    knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
+    out = {"ctx": ctx, "batch": bs, "rows": rows}
+    for name, mma in (("stats_mma_ms", True), ("stats_histogram_ms", False)):
+        out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, hist_mma=mma), reps), 3)
+    a = selector_stats(u, norms, lo, hi, knobs, hist_mma=True)
+    b = selector_stats(u, norms, lo, hi, knobs, hist_mma=False)
+    out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="131072x4,32768x8,8192x32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
+    ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1)
-    res = []
+    res, ab = [], []
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
+        if a.stats_ab:
+            ab.append(stats_ab(ctx, bs, a.reps))
+            print(json.dumps(ab[-1]), flush=True)
         for w in (1, 32):
             r = case(ctx, bs, w, a.reps)
             print(json.dumps(r), flush=True)
@@ -174,11 +203,14 @@ def main():
     print("\n| context x batch | window w | refresh ms/layer | dense attention ms/layer | ratio "
           "| dense + logits ms | refresh from logits ms | ratio (logits kept) |\n|---|---|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['ctx']} x {r['batch']} | {r['w']} | {r['refresh_ms']} | {r['dense_attn_ms']} | {r['refresh_over_dense']} "
-              f"| {r.get('dense_logits_ms', '-')} | {r.get('refresh_stored_ms', '-')} | {r.get('stored_over_dense', '-')} |")
-    json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_selector.py "
-               + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "rows": res},
-              open(a.out, "w"), indent=1)
+        print(f"| {r['ctx']} x {r['batch']} | {r['w']} | {r['refresh_ms']} | {r['dense_attn_ms']} "
+              f"| {r['refresh_over_dense']} | {r.get('dense_logits_ms', '-')} | {r.get('refresh_stored_ms', '-')} "
+              f"| {r.get('stored_over_dense', '-')} |")
+    doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_selector.py "
+           + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "rows": res}
+    if ab:
+        doc["stats_ab"] = ab
+    json.dump(doc, open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

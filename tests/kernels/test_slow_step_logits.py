@@ -139,11 +139,11 @@ def _sfi_setup(logit_len, hkv=2, hq=8, d=32, lens=(90, 61, 33), seed=0):
     st.saved_n[idx] = torch.tensor(lens, dtype=torch.int32)
     slots = st.slot[idx].int()
     # The slow step: each layer's dense attention saves the query (and the logits).
-    zero = torch.zeros(3, dtype=torch.int32)
+    zero, a_len = torch.zeros(3, dtype=torch.int32), torch.zeros(3, hkv, dtype=torch.int32)
     for layer in range(2):
         ql = q.roll(layer, dims=1)  # a different query per layer
         kw = dict(logits_out=st.compact.logits[layer]) if logit_len else {}
-        K.two_segment_decode(ql, st.compact.k[layer], st.compact.v[layer], zero - 1, torch.zeros(3, hkv, dtype=torch.int32),
+        K.two_segment_decode(ql, st.compact.k[layer], st.compact.v[layer], zero - 1, a_len,
                              k, v, r2t, idx, zero, torch.tensor(lens, dtype=torch.int32), d ** -0.5,
                              q_save=st.compact.q[layer], q_save_slot=slots, num_splits=2, block_n=16,
                              min_split_len=16, **kw)
