@@ -251,3 +251,19 @@ def test_gpu_stored_evidence_large(n, group):
         k = 2048
         a, b = u.topk(k, dim=-1).indices.sort(-1).values, old.topk(k, dim=-1).indices.sort(-1).values
         assert (a == b).float().mean() > 0.999
+
+
+def test_warm_up_with_stored_logits_writes_nothing():
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.selector.refresh import warm_up_kernels
+
+    store = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=2, num_q_heads=4, head_dim=32,
+                         dtype=torch.bfloat16, pool_size=100, prompt_queries=3, device=torch.device("cpu"),
+                         logit_len=96)
+    assert store.logits.shape == (2, 2, 2, 2, 96) and store.logit_len == 96
+    store.k.fill_(7.0)
+    store.logits.fill_(1.5)
+    k = torch.randn(100, 2, 32).to(torch.bfloat16)
+    warm_up_kernels(store, k, k.clone(), torch.zeros(3, 96, dtype=torch.int32), [SfiPolicy(w_prefill=4)])
+    assert (store.k == 7.0).all() and (store.logits == 1.5).all()
