@@ -156,7 +156,8 @@ def profile(ctx: int, bs: int, w: int) -> None:
 def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     """The Selector's stats kernel (medians of the key norms, then the sums) on one
     layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
-    tensor-core histogram (the default) and with tl.histogram (the previous one)."""
+    medians' last two radix passes over the gathered survivors (the default) and
+    over all of A (the previous kernel)."""
     from sgl_sparse.config import SfiPolicy
     from sgl_sparse.kernels import selector_stats
     from sgl_sparse.selector.core import SelectorKnobs
@@ -170,10 +171,10 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     hi = torch.full((rows,), ctx - 256, device=dev)
     knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
     out = {"ctx": ctx, "batch": bs, "rows": rows}
-    for name, mma in (("stats_mma_ms", True), ("stats_histogram_ms", False)):
-        out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, hist_mma=mma), reps), 3)
-    a = selector_stats(u, norms, lo, hi, knobs, hist_mma=True)
-    b = selector_stats(u, norms, lo, hi, knobs, hist_mma=False)
+    for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
+        out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
+    a = selector_stats(u, norms, lo, hi, knobs, gather=True)
+    b = selector_stats(u, norms, lo, hi, knobs, gather=False)
     out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
     return out
 
