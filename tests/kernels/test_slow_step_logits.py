@@ -267,3 +267,34 @@ def test_warm_up_with_stored_logits_writes_nothing():
     k = torch.randn(100, 2, 32).to(torch.bfloat16)
     warm_up_kernels(store, k, k.clone(), torch.zeros(3, 96, dtype=torch.int32), [SfiPolicy(w_prefill=4)])
     assert (store.k == 7.0).all() and (store.logits == 1.5).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_logits_under_cuda_graph_replay():
+    """One captured launch: each replay stores the logits of the rows whose slot is
+    set at that replay (the slow ones), at the slot given then, and nothing else."""
+    lens = [5000, 3000, 7000]
+    case = T.make_decode_case(lens, [0] * 3, [(0, n) for n in lens], num_kv_heads=8, group=2, head_dim=128,
+                              cap=4, dtype=torch.bfloat16, device="cuda", seed=13)
+    logits = torch.zeros(3, 8, 2, 8192, device="cuda")
+    q_save = torch.zeros(3, 16, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.full((3,), -1, dtype=torch.int32, device="cuda")
+    counters = K.make_split_counters(3, 8, "cuda")
+    kw = dict(max_kv_len=8192, q_save=q_save, q_save_slot=slots, logits_out=logits, fused_merge=True,
+              split_counters=counters, row_mask=torch.ones(3, dtype=torch.int32, device="cuda"))
+    K.two_segment_decode(*case.args(), **kw)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.two_segment_decode(*case.args(), **kw)
+    for step, (b, slot) in enumerate(((0, 2), (2, 0), (1, 1))):
+        logits.zero_()
+        slots.fill_(-1)
+        slots[b] = slot
+        g.replay()
+        torch.cuda.synchronize()
+        n = lens[b]
+        ref = _ref_logits(case, b)
+        assert T.rel_error(logits[slot, :, :, :n], ref) < 1e-3, step
+        assert int((logits != 0).sum()) == int((ref != 0).sum())
