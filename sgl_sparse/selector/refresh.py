@@ -113,7 +113,8 @@ def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scalin
         w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
     hkv, hq = store.k.shape[2], store.q.shape[2]
     per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
-    step = len(rows) if stored else max(1, _MAX_LOGIT_ELEMS // per_row)  # stored: no logits materialized
+    # Stored logits: none materialized, the Selector's [r, H, N] tensors bound the group.
+    step = max(1, (_MAX_SELECT_ELEMS_KERNELS // (hkv * max(n_bound, 1))) if stored else (_MAX_LOGIT_ELEMS // per_row))
     for i in range(0, len(rows), step):
         _refresh_group(state, list(rows[i: i + step]), specs[i: i + step], n_bound, w, dev,
                        k_buffer, v_buffer, req_to_token, scaling, use_kernels, stored)
