@@ -44,13 +44,14 @@ from .reference import (
 from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import choose_num_splits, make_split_counters, two_segment_decode
 from .selector_scores import selector_scores, selector_stats
-from .window_evidence import window_evidence
+from .window_evidence import stored_evidence, window_evidence
 
 __all__ = [
     "two_segment_decode",
     "pack_compact",
     "plan_step",
     "window_evidence",
+    "stored_evidence",
     "selector_scores",
     "selector_stats",
     "choose_num_splits",

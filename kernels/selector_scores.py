@@ -13,7 +13,8 @@ masked medians are full sorts; here it is three launches:
    key norms on ``A = [lo, hi)`` and their lower median absolute deviation, both
    by a radix select on the fp32 bit pattern (4 histogram passes of 8 bits each:
    the values are >= 0, so their bits order like the values; exact, the same
-   element ``torch.nanmedian`` returns), then the evidence and prior
+   element ``torch.nanmedian`` returns; after the top 16 bits the few values left
+   are gathered, so the last two passes read those only), then the evidence and prior
    normalizers and the fusion weight ``lam`` (two passes, the reference's order
    of operations: sums of ``d = e - pi`` products, no cancellation-prone
    expansion).
@@ -49,22 +50,62 @@ def _pow(x, y):
 
 
 @triton.jit
-def _lower_median(X, lo, hi, center, ABS_DEV: tl.constexpr, BLOCK_N: tl.constexpr):
+def _digit_histogram(X, lo, hi, center, prefix, shift, ABS_DEV: tl.constexpr, FILTER: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """256-bin histogram of the digit (bits >> shift) & 255 of v_j, j in [lo, hi), among
+    the values whose bits above the digit equal `prefix` (all of them unless FILTER);
+    v = X[j] or |X[j] - center|. (Triton's histogram costs a ballot per digit bit
+    per value: with 8-bit digits, each pass is the stats kernel's main cost.)"""
+    bins = tl.arange(0, 256)
+    hist = tl.zeros([256], dtype=tl.int32)
+    outside = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < hi
+        v = tl.load(X + offs, mask=ok, other=0.0)
+        if ABS_DEV:
+            v = tl.abs(v - center)
+        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        if FILTER:
+            ok = ok & ((bits >> (shift + 8)) == prefix)
+        # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
+        hist += tl.histogram(tl.where(ok, (bits >> shift) & 255, 0), 256)
+        outside += (~ok).to(tl.int32)
+    return tl.where(bins == 0, hist - tl.sum(outside, 0), hist)
+
+
+@triton.jit
+def _pick_digit(h, k, prefix):
+    """The bin of h holding the k-th smallest (0-based): (k within it, prefix with its digit)."""
+    bins = tl.arange(0, 256)
+    c = tl.cumsum(h, 0)
+    digit = tl.sum((c <= k).to(tl.int32), 0)
+    k -= tl.sum(tl.where(bins < digit, h, 0), 0)
+    return k, (prefix << 8) | digit
+
+
+@triton.jit
+def _lower_median(X, lo, hi, center, SCR, ABS_DEV: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Lower median of v_j, j in [lo, hi) (hi > lo), v = X[j] or |X[j] - center|.
 
     Radix select, 8 bits per pass from the top: a 256-bin histogram of the digit
     among the values that share the prefix found so far, then the bin holding
-    the k-th smallest. (Triton's histogram costs ~bins/32 * log2(bins) integer
-    ops per value, which makes this the stats kernel's main cost: hence 256
-    bins and not a sentinel bin past them.)
+    the k-th smallest. With GATHER, once the top 16 bits are known the values
+    sharing them -- a narrow value range (1/128 of an octave), typically ~1% of
+    A -- are copied to SCR (this program's scratch row), and the last two passes
+    read those alone instead of all of A. Exact whatever the data: if they are
+    many, the passes read many.
     """
     k = (hi - lo - 1) // 2
     prefix = 0
-    bins = tl.arange(0, 256)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        outside = tl.zeros([BLOCK_N], dtype=tl.int32)
+    h = _digit_histogram(X, lo, hi, center, prefix, 24, ABS_DEV, False, BLOCK_N)
+    k, prefix = _pick_digit(h, k, prefix)
+    h = _digit_histogram(X, lo, hi, center, prefix, 16, ABS_DEV, True, BLOCK_N)
+    k, prefix = _pick_digit(h, k, prefix)
+    if GATHER:
+        # Every thread is done reading SCR (the previous select) before it is rewritten.
+        tl.debug_barrier()
+        cnt = 0
         for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             ok = offs < hi
@@ -72,16 +113,20 @@ def _lower_median(X, lo, hi, center, ABS_DEV: tl.constexpr, BLOCK_N: tl.constexp
             if ABS_DEV:
                 v = tl.abs(v - center)
             bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            if p > 0:
-                ok = ok & ((bits >> (shift + 8)) == prefix)
-            # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
-            hist += tl.histogram(tl.where(ok, (bits >> shift) & 255, 0), 256)
-            outside += (~ok).to(tl.int32)
-        h = tl.where(bins == 0, hist - tl.sum(outside, 0), hist)
-        c = tl.cumsum(h, 0)
-        digit = tl.sum((c <= k).to(tl.int32), 0)
-        k -= tl.sum(tl.where(bins < digit, h, 0), 0)
-        prefix = (prefix << 8) | digit
+            keep = (ok & ((bits >> 16) == prefix)).to(tl.int32)
+            tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
+            cnt += tl.sum(keep, 0)
+        # bar.sync: the CTA's global stores above are visible to all its threads.
+        tl.debug_barrier()
+        h = _digit_histogram(SCR, 0, cnt, 0.0, prefix, 8, False, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
+        h = _digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, False, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
+    else:
+        h = _digit_histogram(X, lo, hi, center, prefix, 8, ABS_DEV, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
+        h = _digit_histogram(X, lo, hi, center, prefix, 0, ABS_DEV, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
     return prefix.to(tl.float32, bitcast=True)
 
 
@@ -113,9 +158,9 @@ def _terms(U, NORMS, offs, ok, lo, span, inv_beta, alpha, kappa, zeta, eps, med,
 
 @triton.jit(do_not_specialize=["stride_r", "stride_h"])
 def _selector_stats(
-    U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS,
+    U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS, SCRATCH,
     stride_r, stride_h, stride_sr, stride_sh,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -128,8 +173,9 @@ def _selector_stats(
     hi = tl.maximum(hi, lo)
     u_row = U + cur_r * stride_r + cur_h * stride_h
     n_row = NORMS + cur_r * stride_r + cur_h * stride_h
-    med = _lower_median(n_row, lo, hi, 0.0, False, BLOCK_N)
-    mad = _lower_median(n_row, lo, hi, med, True, BLOCK_N)
+    scr = SCRATCH + cur_r * stride_r + cur_h * stride_h  # a row as long as U's
+    med = _lower_median(n_row, lo, hi, 0.0, scr, False, GATHER, BLOCK_N)
+    mad = _lower_median(n_row, lo, hi, med, scr, True, GATHER, BLOCK_N)
     inv_beta = 1.0 / tl.load(BETA + cur_r)
     alpha = tl.load(ALPHA + cur_r)
     kappa = tl.load(KAPPA + cur_r)
@@ -253,10 +299,13 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                   *, block_n: int = 1024, num_warps: int = 4) -> torch.Tensor:
+                   *, block_n: int = 1024, gather: bool = True, num_warps: int = 4) -> torch.Tensor:
     """Per (row, KV head): [evidence sum, prior sum, lam, norm median, norm MAD] as ``[R, H, 5]`` fp32.
 
     ``knobs``: a ``sgl_sparse.selector.core.SelectorKnobs`` with ``[R]`` tensors.
+    ``gather``: the medians' last two radix passes read the values left after the
+    top 16 bits only (a scratch the size of ``u``); ``False``: every pass reads
+    all of A (the previous kernel; ``bench_selector.py --stats-ab`` times both).
     """
     r, h, n = u.shape
     assert u.is_contiguous() and u.dtype == torch.float32 and norms.shape == u.shape
@@ -264,11 +313,12 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
     stats = torch.empty(r, h, _NSTATS, dtype=torch.float32, device=u.device)
     if r == 0 or n == 0:
         return stats
+    scratch = torch.empty_like(u) if gather else u
     _selector_stats[(r, h)](
         u, norms, _i32(lo), _i32(hi), _f32(knobs.beta), _f32(knobs.alpha), _f32(knobs.kappa), _f32(knobs.zeta),
-        _f32(knobs.clip), _f32(knobs.eps), stats,
+        _f32(knobs.clip), _f32(knobs.eps), stats, scratch,
         u.stride(0), u.stride(1), stats.stride(0), stats.stride(1),
-        BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_N=block_n, GATHER=gather, num_warps=num_warps,
     )
     return stats
 

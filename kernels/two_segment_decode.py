@@ -117,9 +117,21 @@ def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.
     Callers only pass blocks with at least one valid key, so the running max
     is finite after the first step and no (-inf) - (-inf) = NaN can occur.
     """
-    qk = _dot(q, tl.trans(k), FP32_DOT)  # [BLOCK_H, BLOCK_N] fp32
+    qk = _scores(q, k, mask_n, qk_scale, FP32_DOT)
+    return _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT)
+
+
+@triton.jit
+def _scores(q, k, mask_n, qk_scale, FP32_DOT: tl.constexpr):
+    """Base-2 scaled scores [BLOCK_H, BLOCK_N] fp32, -inf where the key is masked."""
+    qk = _dot(q, tl.trans(k), FP32_DOT)
     qk = qk * qk_scale
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    return tl.where(mask_n[None, :], qk, float("-inf"))
+
+
+@triton.jit
+def _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
+    """The online-softmax update of _online_softmax_step from its scores."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # Rescale what we accumulated so far to the new max (alpha == 0 on the
     # very first block, where m_i == -inf).
@@ -163,6 +175,7 @@ def _two_segment_decode_stage1(
     COUNTER,  # [bs * Hkv] int32 split arrival counters, all 0 between launches (FUSED_MERGE)
     FOUT,  # [bs, Hq, D] final output (FUSED_MERGE)
     FLSE,  # [bs, Hq] fp32 final natural-log LSE (FUSED_MERGE and STORE_LSE)
+    LOGITS,  # [slots, Hkv, G, LG_LEN] fp32 slow-step logits by position (only if SAVE_LOGITS)
     qk_scale,  # sm_scale * log2(e)
     stride_qb,
     stride_qh,
@@ -196,6 +209,11 @@ def _two_segment_decode_stage1(
     stride_foh,
     stride_flb,
     stride_flh,
+    stride_lgs,
+    stride_lgh,
+    stride_lgg,
+    LG_LEN,
+    LG_SLOTS,
     A_CAP,
     A_POS_CAP,
     MIN_SPLIT_BLOCKS,
@@ -214,6 +232,7 @@ def _two_segment_decode_stage1(
     QB_PAGE: tl.constexpr,
     HAS_A_POS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    SAVE_LOGITS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -357,6 +376,14 @@ def _two_segment_decode_stage1(
     # pool slot comes from the req_to_token row of this request.
     b_lo = tl.maximum(chunk_start, a_len)
     r2t_base = REQ_TO_TOKEN + req_row * stride_r2t + (b_start - a_len)
+    if SAVE_LOGITS:
+        # SFI's slow step: a dense row (B = [0, n)) with a compact slot keeps its
+        # scores by position, so the Selector's evidence needs no second read of
+        # the keys (window_evidence.stored_evidence). Only the G real query heads.
+        lg_slot = tl.load(Q_SAVE_SLOT + cur_b)
+        lg_on = (lg_slot >= 0) & (lg_slot < LG_SLOTS) & (b_start == 0)
+        lg_base = (LOGITS + tl.maximum(lg_slot, 0).to(tl.int64) * stride_lgs + cur_kvh * stride_lgh
+                   + offs_h[:, None] * stride_lgg - a_len)
     for n0 in range(b_lo, chunk_end, BLOCK_N):
         offs = n0 + offs_n
         mask_n = offs < chunk_end
@@ -372,7 +399,11 @@ def _two_segment_decode_stage1(
             mask=kv_mask,
             other=0.0,
         )
-        m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+        qk = _scores(q, k, mask_n, qk_scale, FP32_DOT)
+        if SAVE_LOGITS:
+            lg_ok = mask_h[:, None] & (mask_n & (offs < LG_LEN + a_len) & lg_on)[None, :]
+            tl.store(lg_base + offs[None, :], qk, mask=lg_ok)
+        m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT)
 
     # ---- Epilogue. Empty chunk (l_i == 0): output 0 and LSE -inf, no NaN. ----
     has_keys = l_i > 0.0
@@ -612,6 +643,7 @@ def two_segment_decode(
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    logits_out: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -684,6 +716,14 @@ def two_segment_decode(
             (``row_mask`` 0 rows do not), with
             the same result as ``quest_pages.quest_bounds_decode`` (saving its
             launch). Call page scores for this step before this kernel.
+        logits_out: optional ``[slots, Hkv, G, L]`` fp32 (last dim contiguous), with
+            ``q_save``/``q_save_slot``: every row served (``row_mask`` 1) with
+            ``0 <= q_save_slot < slots`` and ``b_start == 0`` (SFI's dense slow
+            step) stores ``q . k * sm_scale * log2(e)`` of each query head ``g`` of
+            KV head ``h`` and each position ``p < L`` of segment B at
+            ``logits_out[q_save_slot, h, g, p]`` (base-2 logits; the Selector's
+            evidence, ``window_evidence.stored_evidence``). Other entries are
+            left untouched.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -719,6 +759,11 @@ def two_segment_decode(
         assert qb_min.shape == qb_max.shape and qb_min.stride() == qb_max.stride() and qb_min.dim() == 4
         assert qb_min.shape[1] == num_kv_heads and qb_min.shape[3] == head_dim and qb_min.stride(3) == 1
         assert qb_min.dtype == k_pool.dtype and qb_slot.shape == (bs,) and qb_slot.dtype == torch.int32
+    if logits_out is not None:
+        assert q_save is not None, "logits_out: rows are chosen by q_save_slot"
+        assert logits_out.dim() == 4 and logits_out.shape[1:3] == (num_kv_heads, group), \
+            "logits_out: [slots, Hkv, G, L]"
+        assert logits_out.dtype == torch.float32 and logits_out.stride(3) == 1
     if a_pos is not None:
         assert a_pos.dim() == 3 and a_pos.shape[:2] == (bs, num_kv_heads), "a_pos: [bs, Hkv, cap_pos]"
         assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1, "a_pos: int32, last dim contiguous"
@@ -789,6 +834,7 @@ def two_segment_decode(
         split_counters if fused else b_end,
         out,
         lse if return_lse else b_end,
+        logits_out if logits_out is not None else b_end,
         float(sm_scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -822,6 +868,11 @@ def two_segment_decode(
         out.stride(1),
         lse.stride(0) if return_lse else 0,
         lse.stride(1) if return_lse else 0,
+        logits_out.stride(0) if logits_out is not None else 0,
+        logits_out.stride(1) if logits_out is not None else 0,
+        logits_out.stride(2) if logits_out is not None else 0,
+        logits_out.shape[3] if logits_out is not None else 0,
+        logits_out.shape[0] if logits_out is not None else 0,
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
@@ -840,6 +891,7 @@ def two_segment_decode(
         QB_PAGE=QUEST_PAGE_SIZE,
         HAS_A_POS=a_pos is not None,
         FUSED_MERGE=fused,
+        SAVE_LOGITS=logits_out is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

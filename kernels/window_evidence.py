@@ -23,6 +23,12 @@ Integer arguments that follow the sequence length are not specialized
 (``do_not_specialize``): Triton would otherwise compile a variant per
 divisibility class of the length, in the middle of serving.
 
+``stored_evidence`` is the same ``u`` for a one-query window (``w = 1``: a slow
+decode step after the first) from the logits the slow step's dense attention
+already stored (``two_segment_decode(..., logits_out=)``): pass 1 reads those
+``G`` fp32 values per key instead of the key (a sixteenth of its bytes at
+``D = 128``, ``G = 2``), pass 2 is the same formula.
+
 Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
 mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))``; pass 2 uses larger blocks (it reads logits only).
 """
@@ -35,7 +41,7 @@ import triton.language as tl
 
 from ._utils import needs_fp32_dot, next_pow2
 
-__all__ = ["window_evidence"]
+__all__ = ["window_evidence", "stored_evidence"]
 
 _LOG2E = 1.4426950408889634
 
@@ -241,4 +247,114 @@ def window_evidence(
         qpos.stride(0), logits.stride(0), logits.stride(1), logits.stride(2),
         lse.stride(0), lse.stride(1), u.stride(0), u.stride(1),
         GROUP=group, G_PAD=g_pad, W_PAD=w_pad, BLOCK_M=block_m, BLOCK_N=block_n2, num_warps=num_warps)
+    return u
+
+
+# -----------------------------------------------------------------------------
+# From the slow step's stored logits (w = 1)
+# -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _stored_tile(LOGITS, SLOT, LO, HI, cur_r, cur_kvh, offs_n, stride_ls, stride_lh, stride_lg,
+                 GROUP: tl.constexpr, G_PAD: tl.constexpr):
+    """The stored base-2 logits [G_PAD, BLOCK_N] of the row's slot, -inf off A = [lo, hi)."""
+    lo = tl.load(LO + cur_r)
+    hi = tl.load(HI + cur_r)
+    slot = tl.load(SLOT + cur_r).to(tl.int64)
+    offs_g = tl.arange(0, G_PAD)
+    live = (offs_g < GROUP)[:, None] & ((offs_n >= lo) & (offs_n < hi))[None, :]
+    return tl.load(LOGITS + slot * stride_ls + cur_kvh * stride_lh + offs_g[:, None] * stride_lg + offs_n[None, :],
+                   mask=live, other=float("-inf"))
+
+
+@triton.jit(do_not_specialize=["stride_part_r", "stride_part_h", "stride_part_b"])
+def _stored_partials(
+    LOGITS, SLOT, LO, HI, PART_M, PART_L,
+    stride_ls, stride_lh, stride_lg, stride_part_r, stride_part_h, stride_part_b,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per block of positions: each query head's max and sum of exp2 over A (pass 1's partials)."""
+    cur_r = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    blk = tl.program_id(2)
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = _stored_tile(LOGITS, SLOT, LO, HI, cur_r, cur_kvh, offs_n, stride_ls, stride_lh, stride_lg, GROUP, G_PAD)
+    m = tl.max(s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    part = cur_r * stride_part_r + cur_kvh * stride_part_h + blk * stride_part_b + tl.arange(0, G_PAD)
+    tl.store(PART_M + part, m)
+    tl.store(PART_L + part, tl.sum(tl.exp2(s - m_safe[:, None]), 1))
+
+
+@triton.jit(do_not_specialize=["N", "stride_ur", "stride_uh"])
+def _stored_pass2(
+    LOGITS, SLOT, LO, HI, LSE, BETA, U, N,
+    stride_ls, stride_lh, stride_lg, stride_lse_r, stride_lse_h, stride_ur, stride_uh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """u = (mean_g p_g)^beta, 0 off A: _evidence_pass2's formula with one window query."""
+    cur_r = tl.program_id(0)
+    cur_kvh = tl.program_id(1)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = _stored_tile(LOGITS, SLOT, LO, HI, cur_r, cur_kvh, offs_n, stride_ls, stride_lh, stride_lg, GROUP, G_PAD)
+    lse = tl.load(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + tl.arange(0, G_PAD))
+    p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 off A and for padded heads
+    pg = tl.sum(p, 0) / GROUP
+    beta = tl.load(BETA + cur_r)
+    pb = tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
+    tl.store(U + cur_r * stride_ur + cur_kvh * stride_uh + offs_n, pb, mask=offs_n < N)
+
+
+def stored_evidence(
+    logits: torch.Tensor,
+    slot: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    beta: torch.Tensor,
+    n: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``u`` ``[r, Hkv, n]`` fp32 of a one-query window from stored logits, as
+    ``window_evidence`` with ``w = 1`` computes it from the keys.
+
+    Args:
+        logits: ``[slots, Hkv, G, L]`` fp32 base-2 logits by position of this
+            layer (``two_segment_decode(..., logits_out=)``), ``L >= n``; only
+            positions in each row's ``A`` are read.
+        slot: ``[r]`` int32 row of ``logits`` holding request ``i``'s slow step.
+        lo, hi: ``[r]`` int32 candidate range ``A = [lo, hi)``, ``hi <=`` the slow
+            step's length (every position of ``A`` was stored).
+        beta: ``[r]`` fp32 power-mean exponent.
+        n: host bound on positions (``>= max(hi)``, ``<= L``).
+        out: optional ``[r, Hkv, n]`` fp32 destination (last dim contiguous).
+    """
+    _, hkv, group, length = logits.shape
+    r = slot.shape[0]
+    assert logits.dtype == torch.float32 and logits.stride(3) == 1 and 0 < n <= length
+    g_pad = max(2, next_pow2(group))
+    # ~8K logits per program: the reads are a few bytes per key, the launch is not.
+    block_n = block_n or max(64, min(2048, 8192 // g_pad))
+    nblocks = triton.cdiv(n, block_n)
+    dev = logits.device
+    slot = slot if slot.dtype == torch.int32 else slot.to(torch.int32)
+    lo = lo if lo.dtype == torch.int32 else lo.to(torch.int32)
+    hi = hi if hi.dtype == torch.int32 else hi.to(torch.int32)
+    beta = beta if beta.dtype == torch.float32 else beta.to(torch.float32)
+    part_m = torch.empty(r, hkv, nblocks, g_pad, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    strides = (logits.stride(0), logits.stride(1), logits.stride(2))
+    common = dict(GROUP=group, G_PAD=g_pad, BLOCK_N=block_n, num_warps=num_warps)
+    _stored_partials[(r, hkv, nblocks)](logits, slot, lo, hi, part_m, part_l, *strides,
+                                        part_m.stride(0), part_m.stride(1), part_m.stride(2), **common)
+    lse = torch.empty(r, hkv, g_pad, dtype=torch.float32, device=dev)
+    _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),
+                            lse.stride(0), lse.stride(1), BLOCK_M=g_pad, BLOCK_B=32)
+    u = torch.empty(r, hkv, n, dtype=torch.float32, device=dev) if out is None else out
+    assert u.shape == (r, hkv, n) and u.dtype == torch.float32 and u.stride(2) == 1
+    _stored_pass2[(r, hkv, nblocks)](logits, slot, lo, hi, lse, beta, u, n, *strides,
+                                     lse.stride(0), lse.stride(1), u.stride(0), u.stride(1), **common)
     return u

@@ -155,7 +155,7 @@ class SparseAttnBackend(AttentionBackend):
             self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
     def _refresh_selections(self) -> None:
-        pending = self.state.take_refresh_rows()
+        pending, later = self.state.take_refresh()
         if not pending or self._scaling is None:
             return
         pool = self.token_to_kv_pool
@@ -166,7 +166,7 @@ class SparseAttnBackend(AttentionBackend):
                 lambda layer: pool.get_key_buffer(layer + self._layer0),
                 lambda layer: pool.get_value_buffer(layer + self._layer0),
                 self.req_to_token_pool.req_to_token, self._scaling,
-                use_kernels=self.dense is not None,
+                use_kernels=self.dense is not None, later=later,
             )
 
     def _plan_prompt_queries(self, forward_batch: ForwardBatch, admitted) -> None:
@@ -407,6 +407,10 @@ class SparseAttnBackend(AttentionBackend):
         sfi_args = {}
         if store is not None:
             sfi_args = dict(key_norms=store.knorm[li], q_save=store.q[li], q_save_slot=plan.q_save_slot)
+            if store.logits is not None:
+                # Slow rows (dense, q_save_slot >= 0) keep their logits for the
+                # Selector: the keys this step reads anyway are not read again.
+                sfi_args["logits_out"] = store.logits[li]
         two_segment_decode(
             q3,
             store.k[li] if store is not None else self._no_compact,
@@ -449,6 +453,7 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
             num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1],
             num_q_heads=mc.num_attention_heads // tp, head_dim=kv.shape[2], dtype=kv.dtype,
             pool_size=kv.shape[0], prompt_queries=cfg.policies.sfi.w_prefill - 1, device=kv.device,
+            logit_len=min(cfg.compact.slow_logits_context, model_runner.req_to_token_pool.req_to_token.shape[1]),
         )
     except torch.OutOfMemoryError:
         raise ValueError(

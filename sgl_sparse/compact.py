@@ -5,6 +5,10 @@ Per compact slot (one per concurrently sparse `sfi` request), per layer:
     of the two-segment fast step (`[layers, slots, Hkv, capacity, D]`);
   * the query of the last slow step (`q`) and the prompt's last queries
     (`q_prompt`): the Selector's evidence window.
+Optionally (`logit_len` > 0), per compact slot and layer: the base-2 logits of the
+last slow step's query heads over positions [0, logit_len) (`logits`,
+`[layers, slots, Hkv, G, logit_len]` fp32), written by the slow step's dense
+attention and read by the Selector's evidence (kernels.stored_evidence).
 Per KV-pool slot, per layer: the key norm of each KV head (`knorm`), computed once
 when the key is written and read by the Selector's prior; a radix-cache prefix
 hit reuses it with the KV it belongs to.
@@ -21,7 +25,7 @@ import torch
 class CompactStore:
     def __init__(self, *, slots: int, capacity: int, num_layers: int, num_kv_heads: int,
                  num_q_heads: int, head_dim: int, dtype: torch.dtype, pool_size: int,
-                 prompt_queries: int, device: torch.device):
+                 prompt_queries: int, device: torch.device, logit_len: int = 0):
         self.slots, self.capacity, self.num_layers = slots, capacity, num_layers
         self.k = torch.zeros(num_layers, slots, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -30,9 +34,20 @@ class CompactStore:
                                     dtype=dtype, device=device)
         self.knorm = torch.zeros(num_layers, pool_size, num_kv_heads, dtype=torch.float32, device=device)
         self.scratch_slot = slots  # index of the write-only extra query slot
+        # Uninitialized: a refresh reads only positions its slow step wrote.
+        self.logits = (torch.empty(num_layers, slots, num_kv_heads, num_q_heads // num_kv_heads, logit_len,
+                                   dtype=torch.float32, device=device) if logit_len > 0 and slots > 0 else None)
+
+    @property
+    def logit_len(self) -> int:
+        """Positions covered by the stored slow-step logits (0: none kept)."""
+        return 0 if self.logits is None else self.logits.shape[-1]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.q, self.q_prompt, self.knorm))
+        parts = [self.k, self.v, self.q, self.q_prompt, self.knorm]
+        if self.logits is not None:
+            parts.append(self.logits)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def save_key_norms(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         """k [tokens, Hkv, D] just written at pool slots `loc`."""

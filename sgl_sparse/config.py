@@ -165,10 +165,20 @@ class CompactBufferConfig(_Strict):
     Bytes = slots x layers x KV heads x capacity x head_dim x 2 (K and V) x dtype
     size; e.g. Qwen3-1.7B, 16 slots, capacity 2052: 3.8 GB. An `sfi` request that
     finds no free slot is served dense (metric reason `no_compact_slot`).
+
+    `slow_logits_context` > 0 also reserves, per slot and layer, the fp32 logits of
+    the slow step's query for the first `slow_logits_context` positions: the slow
+    step's dense attention stores them while it reads the keys, and the Selector's
+    evidence (after the first slow step) reads those instead of every key again.
+    Bytes = slots x layers x query heads x slow_logits_context x 4; e.g.
+    Qwen3-1.7B, 16 slots, 32768: 0.94 GB. Longer requests, and a request's first
+    slow step (its window holds prompt queries), re-read the keys.
     """
 
     slots: int = Field(16, ge=0, le=4096, description="concurrent sfi requests served sparse")
     capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
+    slow_logits_context: int = Field(
+        0, ge=0, le=1 << 22, description="longest slow step whose logits are kept for the Selector (0: off)")
 
 
 class QueryStoreConfig(_Strict):

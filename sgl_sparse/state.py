@@ -88,6 +88,7 @@ class SparseState:
         }
         self._sfi: dict[int, sfi.HostMirror] = {}
         self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
+        self._refresh_later: set[int] = set()  # ... whose slow step was not the first (window: 1 query)
         self._lock = threading.Lock()
         # Host mirror of each live row's policy knobs; `latched` follows SADAS's
         # latch as generated tokens reach the host (it may lag the device by a step).
@@ -193,6 +194,7 @@ class SparseState:
                 self._active[r] = i
                 self._scanned[r] = 0
                 self._refresh.pop(r, None)
+                self._refresh_later.discard(r)
                 if i.policy == PolicyId.SFI:
                     self._sfi[r] = sfi.HostMirror(i, base)
         if self.metrics is not None:
@@ -292,6 +294,10 @@ class SparseState:
             # The Selector reads keys below the slow step's length (on device); the
             # current length bounds the shapes.
             self._refresh[r] = n
+            if m.refresh_later:
+                self._refresh_later.add(r)
+            else:
+                self._refresh_later.discard(r)
             candidates = max(0, m.refresh_n - i.window - i.sink)
             m.selection = min(i.sink, m.refresh_n) + min(i.budget, candidates)
             m.refresh_n = None
@@ -334,9 +340,16 @@ class SparseState:
     def take_refresh_rows(self) -> dict[int, int]:
         """Rows whose compact buffer the Selector must refresh before the next
         step, with a host bound on their sequence length."""
+        return self.take_refresh()[0]
+
+    def take_refresh(self) -> tuple[dict[int, int], set[int]]:
+        """`take_refresh_rows`, and those of its rows whose slow step was not their
+        first decode step (their evidence window is that step's query alone)."""
         with self._lock:
             out, self._refresh = self._refresh, {}
-        return {r: n for r, n in out.items() if r in self._active}
+            later, self._refresh_later = self._refresh_later, set()
+            pending = {r: n for r, n in out.items() if r in self._active}
+        return pending, later & pending.keys()
 
     def take_step_kernel_rows(self) -> list[int] | None:
         with self._lock:
@@ -351,6 +364,7 @@ class SparseState:
                 self._scanned.pop(int(r), None)
                 self._sfi.pop(int(r), None)
                 self._refresh.pop(int(r), None)
+                self._refresh_later.discard(int(r))
                 st = self._stats.pop(int(r), None)
                 free = self._free_list(row.policy) if row is not None else None
                 if free is not None and row.slot >= 0:

@@ -23,7 +23,7 @@ kernels)
     python3 bench/kernels/bench_query_aware.py --out "$OUT/query_aware_kernels.json" 2>&1 | tee "$OUT/query_aware_kernels.log" | tail -40
     ;;
 selector)
-    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -12
+    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16
     ;;
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000

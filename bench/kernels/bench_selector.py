@@ -16,9 +16,17 @@ work):
   layers, Top-K, the pack kernel per layer -- with the evidence window of a
   later slow step (w = 1) and of the first one (w = 32), reported per layer;
 * `dense`: the same batch's dense decode attention for one layer (our kernel,
-  B = [0, n)), the work a slow step does anyway.
+  B = [0, n)), the work a slow step does anyway;
+* w = 1 only (a slow step after the first): `dense_logits`, the same attention
+  also storing the slow query's logits (compact.slow_logits_context > 0), and
+  `refresh_stored`, the refresh whose evidence reads those logits instead of the
+  keys (kernels.stored_evidence: no window_evidence pass 1).
 
-The ratio refresh/dense is the slow step's extra attention-side cost per layer.
+The ratio refresh/dense is the slow step's extra attention-side cost per layer;
+`stored_over_dense` = (refresh_stored + dense_logits - dense) / dense is the same
+with the logits kept. `--profile CTXxBATCH` prints the per-kernel breakdown of
+both refreshes (w = 1): `_evidence_pass1` disappears from the stored one,
+`_stored_partials` / `_stored_pass2` read G fp32 logits per key instead.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ def time_ms(fn, reps: int) -> float:
 LAYERS = 28
 
 
-def case(ctx: int, bs: int, w: int, reps: int):
+def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
     dev = torch.device("cuda")
     hkv, hq, d, cap = 8, 16, 128, 2052
     spec = SfiPolicy(w_prefill=max(w, 1))
@@ -70,9 +78,10 @@ def case(ctx: int, bs: int, w: int, reps: int):
     v = torch.randn_like(k)
     r2t = torch.zeros(bs + 1, ctx + 8, dtype=torch.int32, device=dev)
     r2t[1:, :ctx] = torch.randperm(bs * ctx, device=dev).view(bs, ctx).int()
+    stored = w == 1
     st.compact = CompactStore(slots=bs, capacity=cap, num_layers=LAYERS, num_kv_heads=hkv, num_q_heads=hq,
                               head_dim=d, dtype=torch.bfloat16, pool_size=pool, prompt_queries=max(w - 1, 0),
-                              device=dev)
+                              device=dev, logit_len=ctx if stored else 0)
     st.compact.knorm[:] = k.float().norm(dim=-1)
     st.compact.q.normal_()
     st.compact.q_prompt.normal_()
@@ -80,34 +89,94 @@ def case(ctx: int, bs: int, w: int, reps: int):
     st.saved_n[idx] = ctx
     st.prompt_q[idx] = w - 1
     scale = 1 / math.sqrt(d)
-    t_refresh = time_ms(lambda: refresh(st, rows, ctx, lambda i: k, lambda i: v, r2t, scale, use_kernels=True),
-                        reps) / LAYERS
+    # w = 1: a later slow step (its window is its own query); the first slow step's
+    # window is w_prefill queries. The key-reading path, whatever the store keeps:
+    later = set(rows) if stored else set()
+    logit_len, st.compact.logits = st.compact.logits, None
+
+    def run_refresh():
+        refresh(st, rows, ctx, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=later)
+
+    t_refresh = time_ms(run_refresh, reps) / LAYERS
+    st.compact.logits = logit_len
     q = torch.randn(bs, hq, d, device=dev, dtype=torch.bfloat16)
     zero = torch.zeros(bs, dtype=torch.int32, device=dev)
     n = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=dev)
-    t_dense = time_ms(lambda: two_segment_decode(q, st.compact.k[0], st.compact.v[0], zero - 1, a_len, k, v, r2t,
-                                                 idx, zero, n, scale, max_kv_len=ctx), reps)
+    slots = st.slot[idx].int()
+
+    def dense(layer: int = 0, **kw):
+        return two_segment_decode(q, st.compact.k[layer], st.compact.v[layer], zero - 1, a_len, k, v, r2t, idx,
+                                  zero, n, scale, max_kv_len=ctx, **kw)
+
+    t_dense = time_ms(dense, reps)
     kv_bytes = bs * ctx * hkv * d * 2 * 2
-    return {"ctx": ctx, "batch": bs, "w": w, "refresh_ms": round(t_refresh, 3), "dense_attn_ms": round(t_dense, 3),
-            "refresh_all_layers_ms": round(t_refresh * LAYERS, 2),
-            "refresh_over_dense": round(t_refresh / t_dense, 2), "kv_bytes_per_layer": kv_bytes}
+    out = {"ctx": ctx, "batch": bs, "w": w, "refresh_ms": round(t_refresh, 3), "dense_attn_ms": round(t_dense, 3),
+           "refresh_all_layers_ms": round(t_refresh * LAYERS, 2),
+           "refresh_over_dense": round(t_refresh / t_dense, 2), "kv_bytes_per_layer": kv_bytes}
+    if fns is not None:
+        fns["refresh"] = run_refresh
+    if not stored:
+        return out
+    # The slow step storing its logits (every layer, as serving does), then the
+    # refresh reading them.
+    save = dict(q_save=st.compact.q[0], q_save_slot=slots)
+    for layer in range(LAYERS):
+        dense(layer, q_save=st.compact.q[layer], q_save_slot=slots, logits_out=st.compact.logits[layer])
+    t_dense_lg = time_ms(lambda: dense(0, logits_out=st.compact.logits[0], **save), reps)
+
+    def run_stored():
+        refresh(st, rows, ctx, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=later)
+
+    t_stored = time_ms(run_stored, reps) / LAYERS
+    if fns is not None:
+        fns["refresh_stored"] = run_stored
+    out.update({"dense_logits_ms": round(t_dense_lg, 3), "refresh_stored_ms": round(t_stored, 3),
+                "refresh_stored_all_layers_ms": round(t_stored * LAYERS, 2),
+                "stored_over_dense": round((t_stored + t_dense_lg - t_dense) / t_dense, 2),
+                "logits_bytes": st.compact.logits.numel() * 4})
+    return out
 
 
 def profile(ctx: int, bs: int, w: int) -> None:
-    """Where a refresh's time goes: CUDA time per op (torch.profiler), one layer."""
+    """Where a refresh's time goes: CUDA time per op (torch.profiler), all layers;
+    for w = 1 both the key-reading refresh and the one from stored logits."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    global time_ms
-    timed = time_ms
-    calls = []
-    time_ms = lambda fn, reps: (calls.append(fn), timed(fn, 2))[1]  # noqa: E731
-    case(ctx, bs, w, 2)
-    time_ms = timed
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        calls[0]()
-        torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    fns: dict = {}
+    case(ctx, bs, w, 2, fns)
+    for name, fn in fns.items():
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        print(f"--- {name} ({ctx} x {bs}, w = {w}, {LAYERS} layers)")
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+
+
+def stats_ab(ctx: int, bs: int, reps: int) -> dict:
+    """The Selector's stats kernel (medians of the key norms, then the sums) on one
+    layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
+    medians' last two radix passes over the gathered survivors (the default) and
+    over all of A (the previous kernel)."""
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.kernels import selector_stats
+    from sgl_sparse.selector.core import SelectorKnobs
+
+    dev = torch.device("cuda")
+    hkv = 8
+    rows = max(1, min(LAYERS * bs, (1 << 25) // (hkv * ctx)))  # refresh._MAX_SELECT_ELEMS_KERNELS
+    norms = torch.exp(torch.randn(rows, hkv, ctx, device=dev) * 0.3) * 20
+    u = torch.rand(rows, hkv, ctx, device=dev)
+    lo = torch.full((rows,), 4, device=dev)
+    hi = torch.full((rows,), ctx - 256, device=dev)
+    knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
+    out = {"ctx": ctx, "batch": bs, "rows": rows}
+    for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
+        out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
+    a = selector_stats(u, norms, lo, hi, knobs, gather=True)
+    b = selector_stats(u, norms, lo, hi, knobs, gather=False)
+    out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
+    return out
 
 
 def main():
@@ -116,24 +185,33 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
+    ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1)
-    res = []
+    res, ab = [], []
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
+        if a.stats_ab:
+            ab.append(stats_ab(ctx, bs, a.reps))
+            print(json.dumps(ab[-1]), flush=True)
         for w in (1, 32):
             r = case(ctx, bs, w, a.reps)
             print(json.dumps(r), flush=True)
             res.append(r)
             torch.cuda.empty_cache()
-    print("\n| context x batch | window w | refresh ms/layer | dense attention ms/layer | ratio |\n|---|---|---|---|---|")
+    print("\n| context x batch | window w | refresh ms/layer | dense attention ms/layer | ratio "
+          "| dense + logits ms | refresh from logits ms | ratio (logits kept) |\n|---|---|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['ctx']} x {r['batch']} | {r['w']} | {r['refresh_ms']} | {r['dense_attn_ms']} | {r['refresh_over_dense']} |")
-    json.dump({"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_selector.py "
-               + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "rows": res},
-              open(a.out, "w"), indent=1)
+        print(f"| {r['ctx']} x {r['batch']} | {r['w']} | {r['refresh_ms']} | {r['dense_attn_ms']} "
+              f"| {r['refresh_over_dense']} | {r.get('dense_logits_ms', '-')} | {r.get('refresh_stored_ms', '-')} "
+              f"| {r.get('stored_over_dense', '-')} |")
+    doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_selector.py "
+           + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "rows": res}
+    if ab:
+        doc["stats_ab"] = ab
+    json.dump(doc, open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

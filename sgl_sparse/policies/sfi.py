@@ -71,6 +71,9 @@ class HostMirror:
     evaluated: int = 0
     launched_lens: list = field(default_factory=list)  # seq_len of launched, unevaluated steps
     refresh_n: Optional[int] = None  # a slow step at this length wants a Selector run
+    # That slow step is not the request's first decode step: the device has dropped
+    # the prompt's queries, so the Selector's window is the step's query alone.
+    refresh_later: bool = False
     selection: int = 0  # tokens in the compact buffer after the last Selector run (0: none)
     slow_steps: int = 0
     steps: int = 0
@@ -95,6 +98,7 @@ class HostMirror:
                 i = self.init
                 if not covers(i.sink, i.budget, i.window, n) and i.slot >= 0:
                     self.refresh_n = n
+                    self.refresh_later = self.evaluated > 1
             out.append((slow, n))
         return out
 

@@ -12,11 +12,18 @@ Per layer: the evidence window's logits over the whole prefix (the slow step's
 query and, for the first slow step, the prompt's last queries), the Selector
 (selector.core), then sink + Top-K positions gathered into the request's compact
 slot.
+
+Rows whose slow step was not their first (`later`, known on the host) have a
+one-query window: they are refreshed apart with w = 1 (the first slow step's
+window of up to w_prefill queries would cost them w times the logits). On the
+kernel path, when the store keeps the slow step's logits (CompactStore.logits,
+written by the slow step's dense attention) and the rows fit them, their evidence
+comes from those logits (kernels.stored_evidence): the keys are not read again.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
@@ -76,25 +83,45 @@ def refresh(
     req_to_token: torch.Tensor,
     scaling: float,
     use_kernels: bool = False,
+    later: Collection[int] = (),
 ) -> None:
-    """Refresh the compact buffers of `rows` (SFI requests after a slow step)."""
+    """Refresh the compact buffers of `rows` (SFI requests after a slow step).
+
+    `later`: rows whose slow step was not their first decode step (the device
+    has dropped their prompt queries); the others may have a longer window.
+    """
     store = state.compact
     if not rows or store is None:
+        return
+    stored = use_kernels and 0 < min(n_bound, req_to_token.shape[1]) <= store.logit_len
+    one = [r for r in rows if r in later]
+    _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, use_kernels, 1, stored)
+    _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
+                  scaling, use_kernels, None, False)
+
+
+def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scaling, use_kernels,
+                  w: int | None, stored: bool) -> None:
+    """`rows` in groups whose fp32 logits fit _MAX_LOGIT_ELEMS; w None: the specs' window."""
+    store = state.compact
+    if not rows:
         return
     specs = [state.row_init(r).spec for r in rows]
     dev = store.k.device
     # Window columns: the slow step's query + saved prompt queries (buffer-bounded).
-    w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
+    if w is None:
+        w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
     hkv, hq = store.k.shape[2], store.q.shape[2]
     per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
-    step = max(1, _MAX_LOGIT_ELEMS // per_row)
+    # Stored logits: none materialized, the Selector's [r, H, N] tensors bound the group.
+    step = max(1, (_MAX_SELECT_ELEMS_KERNELS // (hkv * max(n_bound, 1))) if stored else (_MAX_LOGIT_ELEMS // per_row))
     for i in range(0, len(rows), step):
         _refresh_group(state, list(rows[i: i + step]), specs[i: i + step], n_bound, w, dev,
-                       k_buffer, v_buffer, req_to_token, scaling, use_kernels)
+                       k_buffer, v_buffer, req_to_token, scaling, use_kernels, stored)
 
 
 def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_to_token,
-                   scaling, use_kernels) -> None:
+                   scaling, use_kernels, stored=False) -> None:
     store = state.compact
     r = len(rows)
     ridx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
@@ -118,7 +145,7 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     j = torch.arange(cap, device=dev)[None, None, :]
     sink_eff = lo.long()[:, None, None]
     if use_kernels:  # the kernels' int32 arguments (they derive the masks themselves)
-        from sgl_sparse.kernels import pack_compact, selector_scores, window_evidence
+        from sgl_sparse.kernels import pack_compact, selector_scores, stored_evidence, window_evidence
 
         nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
         ones = torch.ones(r, dtype=torch.bool, device=dev)
@@ -127,7 +154,8 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
         allowed = candidate_mask(lo, hi, n)
         qmask = cols[None, :] < nq[:, None]
     # All layers' window queries at once: [layers, r, w, Hq, D].
-    qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
+    if not stored:
+        qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
     # The Selector after the evidence runs on several layers at once (a batch of
     # layers x requests): few, large launches instead of ~40 small ones per layer.
     per_layer = r * hkv * max(n, 1)
@@ -137,7 +165,9 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
         nl = len(layers)
         u = torch.empty(nl * r, hkv, n, dtype=torch.float32, device=dev)  # layer-major
         for li, layer in enumerate(layers):
-            if use_kernels:
+            if stored:  # w = 1 from the slow step's logits: no key read
+                stored_evidence(store.logits[layer], slots32, lo32, hi32, beta32, n, out=u[li * r: (li + 1) * r])
+            elif use_kernels:
                 window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, ridx32, qpos, lo32, hi32,
                                 nq32, beta32, n, scaling, out=u[li * r: (li + 1) * r])
             else:
@@ -180,7 +210,7 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     Soft-NMS radius. Otherwise the first SFI requests would wait seconds for
     Triton in the middle of decoding. Nothing is written: the packing is masked off.
     """
-    from sgl_sparse.kernels import pack_compact, selector_scores, window_evidence
+    from sgl_sparse.kernels import pack_compact, selector_scores, stored_evidence, window_evidence
 
     dev = store.k.device
     hkv, hq, d, n = store.k.shape[2], store.q.shape[2], store.k.shape[4], 64
@@ -194,6 +224,8 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
             u = window_evidence(q, k_pool, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
             norms = torch.ones_like(u)
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
+        if store.logits is not None and store.logit_len >= n:
+            stored_evidence(store.logits[0], i32(0), lo, hi, knobs.beta.float(), n)
     sel = torch.zeros(1, hkv, store.capacity, dtype=torch.int32, device=dev)
     pack_compact(k_pool, v_pool, req_to_token, ridx, sel, torch.zeros(1, hkv, dtype=torch.int32, device=dev),
                  torch.zeros(1, dtype=torch.bool, device=dev), store.k[0], store.v[0], i32(0),
