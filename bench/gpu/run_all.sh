@@ -28,7 +28,7 @@ selector)
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000
     python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" \
-        --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config bench/gpu/sparse_config.yaml" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
+        --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config ${SPARSE_CONFIG:-bench/gpu/sparse_config.yaml}" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
         --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
     ;;
 profile)
