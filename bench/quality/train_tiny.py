@@ -67,9 +67,9 @@ class Stage:
 # optimizer steps (the induction circuit forms after a plateau counted in steps),
 # then long ones: recall at 32K needs attention sharp enough for 32K candidates,
 # which only long training sequences ask for. Batches come from DataLoader workers.
-GPU_STAGES = [Stage(256, 64, 4000, 0.24, 8, 32), Stage(1024, 16, 1500, 0.14, 16, 64),
-              Stage(4096, 4, 1000, 0.16, 16, 128), Stage(16384, 1, 600, 0.17, 32, 128),
-              Stage(32768, 1, 250, 0.14, 64, 128)]
+GPU_STAGES = [Stage(256, 64, 8000, 0.34, 8, 32), Stage(1024, 16, 2000, 0.12, 16, 64),
+              Stage(4096, 4, 1200, 0.13, 16, 128), Stage(16384, 1, 800, 0.14, 32, 128),
+              Stage(32768, 1, 300, 0.12, 64, 128)]
 GPU_EVAL_LENGTHS = [256, 1024, 2048, 8192, 16384, 32768]
 GPU_LR = 2e-3
 # CPU smoke: the recipe at toy scale (2 layers, hidden 64; all of it fits in ~2 min on
@@ -196,7 +196,8 @@ def save_checkpoint(model, out: Path, meta: dict) -> None:
 
 def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eval_lengths: list[int],
           eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device,
-          workers: int = 0, log_every: int = 50, eval_every: int = 0, qk_norm_lr_mult: float = 1.0) -> dict:
+          workers: int = 0, log_every: int = 50, eval_every: int = 0, qk_norm_lr_mult: float = 1.0,
+          lm_weight: float = 0.0) -> dict:
     random.seed(seed)
     torch.manual_seed(seed)
     amp = device.type == "cuda"
@@ -230,6 +231,7 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     step = 0
     history = []
     value_ids = torch.tensor(sorted(tasks.VALUE_IDS), device=device)
+    kv_ids = torch.tensor(sorted(tasks.VALUE_IDS + tasks.KEY_IDS), device=device)
 
     def qk_scale() -> float:
         """Mean over layers of mean|q_norm.weight| * mean|k_norm.weight| (1 at init)."""
@@ -251,9 +253,19 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
             for g in opt.param_groups:
                 g["lr"] = g["mult"] * lr_at(step, total, peak_lr, warmup=min(200, total // 10 + 1))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits, tgt = supervised_logits(model, ids, mask)
+                if lm_weight > 0:
+                    # plus next-token loss on the filler and templates (not on keys and
+                    # values, which are random): predicting the next word of a sentence
+                    # wants a previous-token head, half of the induction circuit
+                    lm = ~mask & ~torch.isin(ids, kv_ids)
+                    all_logits, all_tgt = supervised_logits(model, ids, mask | lm)
+                    is_sup = mask[:, 1:][(mask | lm)[:, 1:]]
+                    logits, tgt = all_logits[is_sup], all_tgt[is_sup]
+                    lm_loss = torch.nn.functional.cross_entropy(all_logits[~is_sup].float(), all_tgt[~is_sup])
+                else:
+                    logits, tgt = supervised_logits(model, ids, mask)
             tok_loss = torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="none")
-            loss = tok_loss.mean()
+            loss = tok_loss.mean() + (lm_weight * lm_loss if lm_weight > 0 else 0.0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -281,7 +293,8 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
         say(f"eval after stage {si} (len {stage.length}, step {step}, t {time.monotonic() - t_start:.0f}s): "
             f"exact match {fmt_acc(acc)}")
         history.append({"stage": si, "length": stage.length, "acc": acc})
-    final = eval_accuracy(model, eval_lengths, eval_n, device, amp)
+    # the last stage's eval already covers every length (same prompts): not run twice
+    final = acc if history and list(acc) == list(eval_lengths) else eval_accuracy(model, eval_lengths, eval_n, device, amp)
     wall = time.monotonic() - t_start
     say("final exact match (teacher-forced, whole completion) by prompt length: " + fmt_acc(final))
     say(f"# wall {wall:.0f}s")
@@ -312,6 +325,8 @@ def main() -> None:
     ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the evals")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--lm-weight", type=float, default=0.0,
+                    help="weight of a next-token loss on filler/template tokens (keys and values excluded)")
     ap.add_argument("--qk-norm-lr-mult", type=float, default=1.0, help="LR multiplier for the q/k RMSNorm weights")
     ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
     ap.add_argument("--workers", type=int, default=None,
@@ -348,7 +363,7 @@ def main() -> None:
     train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget,
           a.lr or (SMOKE_LR if a.smoke else GPU_LR), device,
           workers=workers, log_every=a.log_every or log_every, eval_every=a.eval_every,
-          qk_norm_lr_mult=a.qk_norm_lr_mult)
+          qk_norm_lr_mult=a.qk_norm_lr_mult, lm_weight=a.lm_weight)
 
 
 if __name__ == "__main__":
