@@ -325,8 +325,9 @@ def main() -> None:
     ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the evals")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--lm-weight", type=float, default=0.0,
-                    help="weight of a next-token loss on filler/template tokens (keys and values excluded)")
+    ap.add_argument("--lm-weight", type=float, default=0.3,
+                    help="weight of a next-token loss on filler/template tokens (keys and values excluded; "
+                         "0 = loss on the questions' completions only)")
     ap.add_argument("--qk-norm-lr-mult", type=float, default=1.0, help="LR multiplier for the q/k RMSNorm weights")
     ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
     ap.add_argument("--workers", type=int, default=None,
