@@ -32,10 +32,10 @@ def test_examples_have_exact_length_and_one_recoverable_fact(length, variant):
         # The queried key occurs exactly twice: in its fact and in the final question.
         where = [i for i, t in enumerate(ex.prompt) if t == key]
         assert where[0] == ex.fact_pos and len(where) == 2 and where[1] > length - 12
-        # The fact reads "the code of KEY is V1 V2 ." and V1 V2 is the answer.
+        # The fact reads "the code of KEY V ." and V is the answer (a pure induction copy).
         assert ex.prompt[ex.fact_pos - 3: ex.fact_pos] == tasks.ids("the code of")
-        assert ex.prompt[ex.fact_pos + 1] == tasks.ID["is"]
-        assert ex.prompt[ex.fact_pos + 2: ex.fact_pos + 2 + tasks.VALUE_LEN] == ex.answer
+        assert ex.prompt[ex.fact_pos + 1: ex.fact_pos + 1 + tasks.VALUE_LEN] == ex.answer
+        assert ex.prompt[ex.fact_pos + 1 + tasks.VALUE_LEN] == tasks.ID["."]
         assert tasks.answer_correct(ex, ex.completion)
         assert len(ex.loss_mask) == len(ex.prompt) + len(ex.completion)
         if variant == "think":
@@ -66,13 +66,39 @@ def test_examples_are_deterministic_per_seed():
 def test_answer_correct_is_exact_match():
     ex = tasks.make_example(256, 0.5, "think", 1)
     end = tasks.ID[tasks.END_THINK]
-    prefix = tasks.answer_prefix(ex.prompt[ex.fact_pos])  # "the code of KEY is"
+    prefix = tasks.answer_prefix(ex.prompt[ex.fact_pos])  # "the code of KEY"
     assert not tasks.answer_correct(ex, ex.answer)  # no </think>: no answer
     assert tasks.answer_correct(ex, [end] + prefix + ex.answer + [tasks.ID[tasks.EOS]])
     assert not tasks.answer_correct(ex, [end] + ex.answer + [tasks.ID[tasks.EOS]])  # key not restated
-    assert not tasks.answer_correct(ex, [end] + prefix + ex.answer[:1])
+    wrong = next(v for v in tasks.VALUE_IDS if v != ex.answer[0])
+    assert not tasks.answer_correct(ex, [end] + prefix + [wrong])
     plain = tasks.make_example(256, 0.5, "plain", 1)
-    assert not tasks.answer_correct(plain, plain.answer[::-1]) or plain.answer[0] == plain.answer[1]
+    prefix = tasks.answer_prefix(plain.prompt[plain.fact_pos])
+    assert tasks.answer_correct(plain, prefix + plain.answer)
+    assert tasks.answer_correct(plain, plain.completion)
+    assert not tasks.answer_correct(plain, plain.answer)  # the key must be restated first
+    other = next(v for v in tasks.VALUE_IDS if v != plain.answer[0])
+    assert not tasks.answer_correct(plain, prefix + [other, tasks.ID[tasks.EOS]])
+
+
+@pytest.mark.parametrize("length", [96, 256, 2048])
+def test_training_sequences_are_mqar_in_the_eval_format(length):
+    for seed in range(4):
+        toks, mask = tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.5)
+        assert len(toks) == len(mask) == length
+        assert (toks, mask) == tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.5)
+        assert toks[-1] == tasks.ID[tasks.EOS] and mask[-1]
+        # every supervised value token is the value of an earlier fact of the same key
+        facts = {}
+        for i in range(3, length - 1):
+            if toks[i - 3:i] == tasks.ids("the code of") and toks[i] in tasks.KEY_IDS:
+                if toks[i + 1] in tasks.VALUE_IDS and not mask[i + 1]:
+                    facts.setdefault(toks[i], toks[i + 1])
+                elif mask[i + 1]:
+                    assert facts[toks[i]] == toks[i + 1], (seed, i)
+        n_supervised_values = sum(m and t in tasks.VALUE_IDS for t, m in zip(toks, mask))
+        assert n_supervised_values >= 2  # many queries per sequence
+        assert sum(t in tasks.TRIGGER_IDS for t in toks) > length / 20  # still sentences
 
 
 # ----------------------------------------------------------- train + load

@@ -7,8 +7,9 @@
     python bench/quality/eval.py --model <ckpt> --url http://127.0.0.1:30000 ...
 
 Each request is a tasks.py prompt sent as token ids to /generate (greedy) with the
-policy in ``sampling_params.custom_params.sparse``; exact match = the two value
-tokens right after the prompt (plain) or after the generated ``</think>`` (think).
+policy in ``sampling_params.custom_params.sparse``; exact match (``tasks.answer_correct``)
+= the output starts with "the code of KEY V" (plain) or does so right after the
+generated ``</think>`` (think); the value V comes from a decode step, never the prefill.
 Per row (policy x length) the server's sgl_sparse counters on /metrics are read
 before and after, so mean retention (attended / cached tokens, token-weighted over
 decode steps) and the slow-step ratio (slow / decode steps) are this row's alone:

@@ -44,6 +44,10 @@ class ModelShape:
     # content matching learned at <= 8K still works at 32K (eval extrapolates).
     rope_theta: float = 1_000_000.0
     max_positions: int = 40960
+    # Tied input/output embeddings (as Qwen3-0.6B): copying a value token from the
+    # context is then an (approximately) identity OV circuit; untied, the copy map
+    # over 256 values must be learned from scratch through the heads' low rank.
+    tie_embeddings: int = 1
 
 
 @dataclass
@@ -52,28 +56,29 @@ class Stage:
     batch: int
     steps: int
     time_share: float  # fraction of --time-budget this stage may use at most
-    facts_every: int = 32  # one fact per this many tokens (eval prompts: one per 128)
-    inline_think: float = 0.25  # fraction of the inline questions in the think variant
+    facts_lo: int = 16  # one fact per facts_lo..facts_hi tokens (log-uniform per sequence;
+    facts_hi: int = 128  # eval prompts: one per 128)
+    think: float = 0.25  # fraction of the questions in the think variant
 
 
-# Short dense sequences first, for many optimizer steps: recall appears only after a
-# plateau whose length is counted in steps (the old 512x64 start plateaued at "all
-# but the values learned" for 6000 steps). Batches are made by DataLoader workers.
-GPU_STAGES = [Stage(256, 128, 5000, 0.36, facts_every=16), Stage(1024, 32, 2000, 0.20, facts_every=32),
-              Stage(4096, 8, 1200, 0.24, facts_every=32), Stage(8192, 4, 600, 0.20, facts_every=32)]
-GPU_EVAL_LENGTHS = [256, 1024, 4096, 8192, 16384, 32768]
+# MQAR recipe (tasks.make_training_sequence): every fact asked by an inline question
+# later in the sequence, so one sequence has dozens to hundreds of supervised
+# recalls at all distances up to its length. Short sequences first, for many
+# optimizer steps (the induction circuit forms after a plateau counted in steps),
+# then long ones: recall at 32K needs attention sharp enough for 32K candidates,
+# which only long training sequences ask for. Batches come from DataLoader workers.
+GPU_STAGES = [Stage(256, 64, 8000, 0.34, 8, 32), Stage(1024, 16, 2000, 0.12, 16, 64),
+              Stage(4096, 4, 1200, 0.13, 16, 128), Stage(16384, 1, 800, 0.14, 32, 128),
+              Stage(32768, 1, 300, 0.12, 64, 128)]
+GPU_EVAL_LENGTHS = [256, 1024, 2048, 8192, 16384, 32768]
+GPU_LR = 2e-3
 # CPU smoke: the recipe at toy scale (2 layers, hidden 64; all of it fits in ~2 min on
-# 2 shared cores); it leaves the plateau (answer-token loss below ln 256) but needs more
-# steps than that for high exact match (README).
+# 2 shared cores).
 SMOKE_SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
                          max_positions=4096)
-SMOKE_STAGES = [Stage(96, 32, 900, 1.0, facts_every=16, inline_think=0.0)]
+SMOKE_STAGES = [Stage(96, 32, 900, 1.0, 8, 16)]
 SMOKE_LR = 3e-3
 SMOKE_EVAL_LENGTHS = [96, 192]
-
-TRAIN_FACTS_EVERY = 64
-COMPLETION_MAX = max(len(tasks.completion_tokens(tasks.KEY_IDS[0], [tasks.VALUE_IDS[0]] * tasks.VALUE_LEN, v))
-                     for v in ("plain", "think"))
 
 
 def make_model(shape: ModelShape, seed: int):
@@ -85,7 +90,7 @@ def make_model(shape: ModelShape, seed: int):
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
         max_position_embeddings=shape.max_positions, rope_theta=shape.rope_theta,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+        rms_norm_eps=1e-6, tie_word_embeddings=bool(shape.tie_embeddings), use_sliding_window=False,
         sliding_window=None, max_window_layers=shape.layers, attention_bias=False,
         bos_token_id=tasks.ID[tasks.EOS], eos_token_id=tasks.ID[tasks.EOS],
         pad_token_id=tasks.ID[tasks.PAD],
@@ -98,23 +103,15 @@ def make_model(shape: ModelShape, seed: int):
 
 
 def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]).
-
-    Sequences mix both variants for the final question, random depths, and ask
-    every other fact inline too (as many as fit): dense supervised retrievals at all
-    distances up to L, which is what gets a tiny model off the recall plateau."""
+    """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]);
+    a pure function of (stage, step, seed)."""
     rows, masks = [], []
     for b in range(stage.batch):
         s = (seed * 1_000_003 + step) * 4096 + b
-        variant = "think" if (s * 2654435761 >> 7) % 2 else "plain"
-        plen = stage.length - COMPLETION_MAX
-        n_facts = tasks.n_facts_for(plen, stage.facts_every)
-        ex = tasks.make_example(plen, None, variant, s, facts_every=stage.facts_every,
-                                inline_questions=n_facts - 1, inline_think=stage.inline_think)
-        seq, m = ex.prompt + ex.completion, ex.loss_mask
-        pad = stage.length - len(seq)
-        rows.append(seq + [tasks.ID[tasks.PAD]] * pad)
-        masks.append(m + [False] * pad)
+        seq, m = tasks.make_training_sequence(stage.length, s, facts_every=(stage.facts_lo, stage.facts_hi),
+                                              think=stage.think)
+        rows.append(seq)
+        masks.append(m)
     return torch.tensor(rows), torch.tensor(masks)
 
 
@@ -149,23 +146,34 @@ def supervised_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
 
 @torch.no_grad()
 def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed: int = 12345) -> dict:
-    """Exact match of the whole completion under teacher forcing per prompt length
-    (all completion tokens argmax-correct == greedy decoding reproduces it)."""
+    """Held-out exact match per prompt length on eval.py's prompts (tasks.make_example:
+    one fact per 128 tokens, one question at the end, depths 0.1/0.5/0.9, both
+    variants): the whole completion argmax-correct under teacher forcing (== greedy
+    decoding reproduces it). Also the value-token accuracy alone per variant."""
     model.eval()
     out = {}
     for length in lengths:
-        hits = 0
+        hits, val_hits = [], {"plain": [], "think": []}
         for i in range(n):
             depth = (0.1, 0.5, 0.9)[i % 3]
-            ex = tasks.make_example(length, depth, ("plain", "think")[i % 2], seed + i)
+            variant = ("plain", "think")[(i // 3) % 2]
+            ex = tasks.make_example(length, depth, variant, seed + i)
             ids = torch.tensor([ex.prompt + ex.completion], device=device)
             mask = torch.tensor([[False] * len(ex.prompt) + [True] * len(ex.completion)], device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 logits, tgt = supervised_logits(model, ids, mask)
-            hits += bool((logits.argmax(-1) == tgt).all())
-        out[length] = hits / n
+            ok = logits.argmax(-1) == tgt
+            hits.append(bool(ok.all()))
+            val_hits[variant].append(bool(ok[-1 - tasks.VALUE_LEN:-1].all()))  # the value token(s) before <eos>
+        out[length] = {"exact": sum(hits) / n,
+                       **{f"value_{v}": (sum(h) / len(h) if h else float("nan")) for v, h in val_hits.items()}}
     model.train()
     return out
+
+
+def fmt_acc(acc: dict) -> str:
+    return ", ".join(f"{l}: {a['exact']:.3f} (value plain {a['value_plain']:.2f} think {a['value_think']:.2f})"
+                     for l, a in acc.items())
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -188,12 +196,25 @@ def save_checkpoint(model, out: Path, meta: dict) -> None:
 
 def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eval_lengths: list[int],
           eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device,
-          workers: int = 0, log_every: int = 50) -> dict:
+          workers: int = 0, log_every: int = 50, eval_every: int = 0, qk_norm_lr_mult: float = 1.0,
+          lm_weight: float = 0.0) -> dict:
     random.seed(seed)
     torch.manual_seed(seed)
     amp = device.type == "cuda"
     model = make_model(shape, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    # No weight decay on norms nor embeddings. Qwen3 RMS-normalizes q and k per head, so
+    # an attention logit is at most |q_norm.weight| * |k_norm.weight| * sqrt(head_dim)
+    # (8 at head_dim 64, init weights 1): too flat for a sharp previous-token head at
+    # first and for picking 1 fact among 32K tokens at the end. Those two weight
+    # vectors get qk_norm_lr_mult x the LR so the logit scale can grow as fast as needed.
+    groups: dict[str, list] = {"decay": [], "plain": [], "qk": []}
+    for n, p in model.named_parameters():
+        groups["qk" if ("q_norm" in n or "k_norm" in n) else "decay" if (p.ndim >= 2 and "embed" not in n)
+               else "plain"].append(p)
+    opt = torch.optim.AdamW([{"params": groups["decay"], "weight_decay": 0.01, "mult": 1.0},
+                             {"params": groups["plain"], "weight_decay": 0.0, "mult": 1.0},
+                             {"params": groups["qk"], "weight_decay": 0.0, "mult": qk_norm_lr_mult}],
+                            lr=peak_lr, betas=(0.9, 0.98))
     total = sum(s.steps for s in stages)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
@@ -210,6 +231,17 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     step = 0
     history = []
     value_ids = torch.tensor(sorted(tasks.VALUE_IDS), device=device)
+    kv_ids = torch.tensor(sorted(tasks.VALUE_IDS + tasks.KEY_IDS), device=device)
+
+    def qk_scale() -> float:
+        """Mean over layers of mean|q_norm.weight| * mean|k_norm.weight| (1 at init)."""
+        with torch.no_grad():
+            w = [p.abs().mean().item() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
+        return sum(a * b for a, b in zip(w[0::2], w[1::2])) / max(1, len(w) // 2)
+
+    def stage_lengths(stage: Stage) -> list[int]:
+        return [l for l in eval_lengths if l <= max(stage.length * 2, eval_lengths[0])]
+
     for si, stage in enumerate(stages):
         t_stage, ema, vema = time.monotonic(), None, None
         end = step + stage.steps
@@ -219,11 +251,21 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
                 break
             ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, peak_lr, warmup=min(200, total // 10 + 1))
+                g["lr"] = g["mult"] * lr_at(step, total, peak_lr, warmup=min(200, total // 10 + 1))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits, tgt = supervised_logits(model, ids, mask)
+                if lm_weight > 0:
+                    # plus next-token loss on the filler and templates (not on keys and
+                    # values, which are random): predicting the next word of a sentence
+                    # wants a previous-token head, half of the induction circuit
+                    lm = ~mask & ~torch.isin(ids, kv_ids)
+                    all_logits, all_tgt = supervised_logits(model, ids, mask | lm)
+                    is_sup = mask[:, 1:][(mask | lm)[:, 1:]]
+                    logits, tgt = all_logits[is_sup], all_tgt[is_sup]
+                    lm_loss = torch.nn.functional.cross_entropy(all_logits[~is_sup].float(), all_tgt[~is_sup])
+                else:
+                    logits, tgt = supervised_logits(model, ids, mask)
             tok_loss = torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="none")
-            loss = tok_loss.mean()
+            loss = tok_loss.mean() + (lm_weight * lm_loss if lm_weight > 0 else 0.0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -242,17 +284,19 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
                 vema = vl if vema is None else 0.8 * vema + 0.2 * vl
                 say(f"step {step:5d} len {stage.length:5d} loss {lv:.4f} (ema {ema:.4f}) "
                     f"answer-token loss {vl:.3f} (ema {vema:.3f}) acc {va:.3f} "
-                    f"lr {opt.param_groups[0]['lr']:.2e} t {time.monotonic() - t_start:.0f}s")
+                    f"lr {opt.param_groups[0]['lr']:.2e} qk-norm {qk_scale():.2f} t {time.monotonic() - t_start:.0f}s")
+            if eval_every and step % eval_every == 0 and step != end:
+                acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp)
+                say(f"  held-out at step {step}: exact match {fmt_acc(acc)}")
         step = end  # a cut stage skips ahead so the LR schedule stays aligned
-        acc = eval_accuracy(model, [l for l in eval_lengths if l <= max(stage.length * 2, eval_lengths[0])],
-                            eval_n, device, amp)
-        say(f"eval after stage {si} (len {stage.length}): "
-            + ", ".join(f"{l}: {a:.3f}" for l, a in acc.items()))
+        acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp)
+        say(f"eval after stage {si} (len {stage.length}, step {step}, t {time.monotonic() - t_start:.0f}s): "
+            f"exact match {fmt_acc(acc)}")
         history.append({"stage": si, "length": stage.length, "acc": acc})
-    final = eval_accuracy(model, eval_lengths, eval_n, device, amp)
+    # the last stage's eval already covers every length (same prompts): not run twice
+    final = acc if history and list(acc) == list(eval_lengths) else eval_accuracy(model, eval_lengths, eval_n, device, amp)
     wall = time.monotonic() - t_start
-    say("final exact match (teacher-forced, whole completion) by prompt length: "
-        + ", ".join(f"{l}: {a:.3f}" for l, a in final.items()))
+    say("final exact match (teacher-forced, whole completion) by prompt length: " + fmt_acc(final))
     say(f"# wall {wall:.0f}s")
     meta = {"seed": seed, "shape": asdict(shape), "stages": [asdict(s) for s in stages],
             "final_acc": final, "history": history, "wall_s": wall, "params": n_params}
@@ -268,13 +312,23 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="default: bench/quality/train_log.txt (--smoke: <out>/train_log.txt)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short sequences, CPU, < 2 min")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=None, help="seconds for all stages (default 420; smoke 60)")
-    ap.add_argument("--lr", type=float, default=None, help="peak LR (default 1e-3; smoke 3e-3)")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds for all stages (default 420, stages use 85%% of it, the rest is for the evals; smoke 100)")
+    ap.add_argument("--lr", type=float, default=None, help=f"peak LR (default {GPU_LR}; smoke {SMOKE_LR})")
     ap.add_argument("--eval-n", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--stages", default=None,
-                    help="curriculum override, 'len:batch:steps:time_share[:facts_every],...' e.g. 512:64:3000:0.3,2048:16:2000:0.7")
+                    help="curriculum override, 'len:batch:steps:time_share[:facts_lo[:facts_hi[:think]]],...' "
+                         "e.g. 512:64:3000:0.3:8:32,2048:16:2000:0.7")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    ap.add_argument("--shape", default=None, help="ModelShape overrides, e.g. 'heads=4,kv_heads=2,head_dim=32,rope_theta=1e6'")
+    ap.add_argument("--eval-every", type=int, default=0, help="also evaluate held-out exact match every N steps")
+    ap.add_argument("--eval-lengths", default=None, help="comma-separated prompt lengths for the evals")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--lm-weight", type=float, default=0.3,
+                    help="weight of a next-token loss on filler/template tokens (keys and values excluded; "
+                         "0 = loss on the questions' completions only)")
+    ap.add_argument("--qk-norm-lr-mult", type=float, default=1.0, help="LR multiplier for the q/k RMSNorm weights")
     ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
     ap.add_argument("--workers", type=int, default=None,
                     help="DataLoader processes generating batches (default: GPU min(12, cores - 2), CPU 0)")
@@ -282,17 +336,25 @@ def main() -> None:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     if a.smoke:
         shape, stages, lengths, n, budget, log_every = SMOKE_SHAPE, SMOKE_STAGES, SMOKE_EVAL_LENGTHS, 24, 100.0, 20
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        torch.set_num_threads(1)  # 2 threads spin-wait badly on a shared 2-core machine
     else:
         shape, stages, lengths, n, budget, log_every = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0, 100
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
     if a.stages:
         stages = [Stage(*(int(x) for x in st.split(":")[:3]), float(st.split(":")[3]),
-                        *(int(x) for x in st.split(":")[4:5])) for st in a.stages.split(",")]
+                        *(int(x) for x in st.split(":")[4:6]), *(float(x) for x in st.split(":")[6:7]))
+                  for st in a.stages.split(",")]
     if a.layers or a.hidden:
         shape = ModelShape(**{**asdict(shape), **({"layers": a.layers} if a.layers else {}),
                               **({"hidden": a.hidden, "intermediate": 3 * a.hidden} if a.hidden else {})})
+    if a.shape:
+        kv = dict(item.split("=") for item in a.shape.split(","))
+        shape = ModelShape(**{**asdict(shape), **{k: (float(v) if k == "rope_theta" else int(v)) for k, v in kv.items()}})
+    if a.eval_lengths:
+        lengths = [int(x) for x in a.eval_lengths.split(",")]
+    if a.threads:
+        torch.set_num_threads(a.threads)
     out = Path(a.out)
     log = Path(a.log) if a.log else (out / "train_log.txt" if a.smoke else HERE / "train_log.txt")
     import os
@@ -300,8 +362,9 @@ def main() -> None:
     workers = a.workers if a.workers is not None else (
         max(0, min(12, (os.cpu_count() or 1) - 2)) if device.type == "cuda" else 0)
     train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget,
-          a.lr or (SMOKE_LR if a.smoke else 1e-3), device,
-          workers=workers, log_every=log_every)
+          a.lr or (SMOKE_LR if a.smoke else GPU_LR), device,
+          workers=workers, log_every=a.log_every or log_every, eval_every=a.eval_every,
+          qk_norm_lr_mult=a.qk_norm_lr_mult, lm_weight=a.lm_weight)
 
 
 if __name__ == "__main__":
