@@ -228,7 +228,7 @@ class SparseState:
                 st[0] += 1
                 st[1] += attended / max(n, 1)
 
-        active, stats = self._active, self._stats
+        active = self._active
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
@@ -243,7 +243,7 @@ class SparseState:
                 if pol in _QUERY_AWARE:
                     mask.append(self._query_aware_step(r, row, n, count, fallbacks))
                     continue
-                # full / streaming / sadas: inline, this loop runs per step and row.
+                # full / streaming / sadas
                 windowed = 0
                 if pol is not _FULL:
                     if pol is _SADAS and not row.latch and end_id is not None:
@@ -260,18 +260,7 @@ class SparseState:
                     else:
                         windowed = 1
                 mask.append(windowed)
-                attended = row.window + row.sink if windowed else n
-                name = _POLICY_NAMES[pol]
-                agg = per_policy.get(name)
-                if agg is None:
-                    agg = per_policy[name] = [0, 0, 0, 0]
-                agg[0] += 1
-                agg[1] += attended
-                agg[2] += n
-                st = stats.get(r)
-                if st is not None:
-                    st[0] += 1
-                    st[1] += attended / max(n, 1)
+                count(_POLICY_NAMES[pol], row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
             self._step_rows = list(map(int, rows))
         if self.metrics is not None:
