@@ -59,3 +59,9 @@ def next_pow2(x: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` itself when it already has ``dtype`` (hot-path callers pass it so: no
+    dispatch, no copy), else converted."""
+    return t if t.dtype == dtype else t.to(dtype)

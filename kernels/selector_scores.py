@@ -50,6 +50,16 @@ def _pow(x, y):
 
 
 @triton.jit
+def _load_magnitude_bits(X, offs, ok, center, ABS_DEV: tl.constexpr):
+    """v = X[offs] (or |X[offs] - center|) and its fp32 bits without the sign: for
+    v >= 0 the bits order like the values, which the radix select relies on."""
+    v = tl.load(X + offs, mask=ok, other=0.0)
+    if ABS_DEV:
+        v = tl.abs(v - center)
+    return v, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def _digit_histogram(X, lo, hi, center, prefix, shift, ABS_DEV: tl.constexpr, FILTER: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """256-bin histogram of the digit (bits >> shift) & 255 of v_j, j in [lo, hi), among
@@ -62,10 +72,7 @@ def _digit_histogram(X, lo, hi, center, prefix, shift, ABS_DEV: tl.constexpr, FI
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         ok = offs < hi
-        v = tl.load(X + offs, mask=ok, other=0.0)
-        if ABS_DEV:
-            v = tl.abs(v - center)
-        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        _, bits = _load_magnitude_bits(X, offs, ok, center, ABS_DEV)
         if FILTER:
             ok = ok & ((bits >> (shift + 8)) == prefix)
         # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
@@ -109,10 +116,7 @@ def _lower_median(X, lo, hi, center, SCR, ABS_DEV: tl.constexpr, GATHER: tl.cons
         for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             ok = offs < hi
-            v = tl.load(X + offs, mask=ok, other=0.0)
-            if ABS_DEV:
-                v = tl.abs(v - center)
-            bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            v, bits = _load_magnitude_bits(X, offs, ok, center, ABS_DEV)
             keep = (ok & ((bits >> 16) == prefix)).to(tl.int32)
             tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
             cnt += tl.sum(keep, 0)

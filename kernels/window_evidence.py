@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import needs_fp32_dot, next_pow2
+from ._utils import as_dtype, needs_fp32_dot, next_pow2
 
 __all__ = ["window_evidence", "stored_evidence"]
 
@@ -217,10 +217,10 @@ def window_evidence(
     dev = q.device
     # Callers on the hot path pass these already in the right dtype (no copies).
     qpos = qpos if qpos.dtype == torch.int64 and qpos.is_contiguous() else qpos.to(torch.int64).contiguous()
-    lo = lo if lo.dtype == torch.int32 else lo.to(torch.int32)
-    hi = hi if hi.dtype == torch.int32 else hi.to(torch.int32)
-    nq = nq if nq.dtype == torch.int32 else nq.to(torch.int32)
-    beta = beta if beta.dtype == torch.float32 else beta.to(torch.float32)
+    lo = as_dtype(lo, torch.int32)
+    hi = as_dtype(hi, torch.int32)
+    nq = as_dtype(nq, torch.int32)
+    beta = as_dtype(beta, torch.float32)
     part_m = torch.empty(r, hkv, nblocks, block_m, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     qk_scale = float(sm_scale) * _LOG2E
@@ -340,10 +340,10 @@ def stored_evidence(
     block_n = block_n or max(64, min(2048, 8192 // g_pad))
     nblocks = triton.cdiv(n, block_n)
     dev = logits.device
-    slot = slot if slot.dtype == torch.int32 else slot.to(torch.int32)
-    lo = lo if lo.dtype == torch.int32 else lo.to(torch.int32)
-    hi = hi if hi.dtype == torch.int32 else hi.to(torch.int32)
-    beta = beta if beta.dtype == torch.float32 else beta.to(torch.float32)
+    slot = as_dtype(slot, torch.int32)
+    lo = as_dtype(lo, torch.int32)
+    hi = as_dtype(hi, torch.int32)
+    beta = as_dtype(beta, torch.float32)
     part_m = torch.empty(r, hkv, nblocks, g_pad, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     strides = (logits.stride(0), logits.stride(1), logits.stride(2))
