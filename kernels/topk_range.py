@@ -48,8 +48,9 @@ import triton
 import triton.language as tl
 
 from ._radix import desc_key_value, digit_histogram, radix_select
+from ._utils import device_num_sms
 
-__all__ = ["topk_range", "topk_range_ref"]
+__all__ = ["topk_range", "topk_range_ref", "launch_shape"]
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
@@ -106,6 +107,20 @@ def _topk_range_kernel(
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
+def launch_shape(programs: int, device: torch.device) -> Tuple[int, int]:
+    """(block_n, num_warps) for ``programs`` (row, head) programs. Each program walks
+    its range serially, so when there are fewer programs than SMs (the serving
+    shapes: a few live slots x KV heads) a program gets an SM to itself and more
+    warps per program shorten the walk; with many programs 4 warps keep several
+    CTAs resident per SM."""
+    sms = device_num_sms(device)
+    if programs <= sms:
+        return 4096, 16
+    if programs <= 4 * sms:
+        return 2048, 8
+    return 1024, 4
+
+
 def topk_range(
     scores: torch.Tensor,
     lo: torch.Tensor,
@@ -116,8 +131,8 @@ def topk_range(
     out: Optional[torch.Tensor] = None,
     out_len: Optional[torch.Tensor] = None,
     gather: bool = True,
-    block_n: int = 1024,
-    num_warps: int = 4,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -132,6 +147,7 @@ def topk_range(
         gather: the select's last two passes read the scores left after its top
             16 bits only (a scratch the size of ``scores``); ``False``: all passes
             read the whole range.
+        block_n, num_warps: default :func:`launch_shape` (wide programs when few).
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -142,8 +158,11 @@ def topk_range(
     assert scores.dtype == torch.float32 and scores.stride(2) == 1, "scores: fp32, stride 1 along N"
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
-    assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
     dev = scores.device
+    auto_block, auto_warps = launch_shape(r * h, dev)
+    block_n = int(block_n or auto_block)
+    num_warps = int(num_warps or auto_warps)
+    assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
     if out is None:
         out = torch.zeros((r, h, k_max), dtype=torch.int32, device=dev)
     if out_len is None:

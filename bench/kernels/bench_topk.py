@@ -14,7 +14,8 @@ Per case ``[R rows, H heads, N]`` fp32 scores, ``-inf`` off each row's live rang
   every row, empty or not).
 * ``torch.topk+sort``: what ``selector.core.top_k_positions`` paid (sorted top-k,
   then a sort of the kept positions).
-* ``topk_range`` (gather on, the default) and ``topk_range nogather``.
+* ``topk_range`` (gather on, the default launch shape) and ``topk_range nogather``;
+  then ``topk_range B/Ww`` at each (block_n, num_warps) ``launch_shape`` could pick.
 
 Cases: the serving shapes of ``query_device`` (8 slots x 8 KV heads, max_context
 40960 and 32768, k = 2048) with half the slots empty and ragged live lengths,
@@ -135,13 +136,21 @@ def main(argv=None) -> int:
             "topk_range": lambda: topk_range(s, lo, hi, budget, k),
             "topk_range nogather": lambda: topk_range(s, lo, hi, budget, k, gather=False),
         }
+        if not args.smoke:  # the launch shapes launch_shape() picks between, for every case
+            for bn, nw in ((1024, 4), (2048, 8), (4096, 16), (8192, 32)):
+                fns[f"topk_range {bn}/{nw}w"] = (lambda bn=bn, nw=nw: topk_range(s, lo, hi, budget, k,
+                                                                                 block_n=bn, num_warps=nw))
         live_elems = int(((hi - lo).clamp(min=0)).sum()) * h
         for kname, fn in fns.items():
+            if kname.startswith("topk_range"):  # every launch shape: the same output (ties by position)
+                p2, c2 = fn()
+                if not (torch.equal(p2, pos) and torch.equal(c2, cnt)):
+                    failures.append(f"{name} {kname}")
             t, g = eager_us(fn), graph_us(fn)
             row = dict(case=name, R=r, H=h, N=n, k=k, live_elems=live_elems, kernel=kname, time_us=t, graph_us=g,
                        check_ok=ok)
             results.append(row)
-            print(f"  {name:22s} {kname:20s}: {t:9.1f} us (graph {g if g is not None else float('nan'):8.1f})"
+            print(f"  {name:22s} {kname:24s}: {t:9.1f} us (graph {g if g is not None else float('nan'):8.1f})"
                   f"  live {live_elems / (r * h * n):4.0%}  {'ok' if ok else 'MISMATCH'}", flush=True)
 
     if args.out:
