@@ -90,6 +90,23 @@ def test_topk_range_edge_values():
     assert pos is out and bool((out[..., 3:] == -7).all()) and bool((cnt[2] == 0).all())
 
 
+def test_topk_range_matches_asyncspade_select_topk():
+    """asyncspade.select_topk (the torch path's token Top-K) on scores finite exactly on
+    [sink, hi): the same positions and counts (random scores: no ties)."""
+    from sgl_sparse.queryaware.asyncspade import select_topk
+
+    gen = torch.Generator().manual_seed(3)
+    r, h, n, k_max = 4, 2, 90, 24
+    lo = torch.tensor([2, 0, 5, 3], dtype=torch.int32)
+    hi = torch.tensor([80, 0, 30, 90], dtype=torch.int32)
+    live = (torch.arange(n) >= lo[:, None]) & (torch.arange(n) < hi[:, None])
+    s = torch.randn(r, h, n, generator=gen).masked_fill(~live[:, None, :], float("-inf"))
+    budget = torch.tensor([24, 10, 40, 7], dtype=torch.int32)
+    ref_pos, ref_cnt = select_topk(s, budget, k_max)
+    pos, cnt = topk_range(s, lo, hi, budget, k_max)
+    assert torch.equal(cnt, ref_cnt) and torch.equal(pos, ref_pos)
+
+
 def test_topk_range_empty_rows_and_shapes():
     s = torch.randn(3, 2, 50)
     z = torch.zeros(3, dtype=torch.int32)
