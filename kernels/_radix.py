@@ -34,7 +34,7 @@ KEY_DESC = tl.constexpr(2)
 
 
 @triton.jit
-def _load_key(X, offs, ok, center, KEY: tl.constexpr):
+def load_key(X, offs, ok, center, KEY: tl.constexpr):
     """(v, key bits int32, ok): v = X[offs] (or |X[offs] - center|); ok narrowed to
     the values the select counts (KEY_DESC: finite ones)."""
     v = tl.load(X + offs, mask=ok, other=0.0)
@@ -50,12 +50,6 @@ def _load_key(X, offs, ok, center, KEY: tl.constexpr):
 
 
 @triton.jit
-def desc_key_value(key):
-    """The fp32 value whose KEY_DESC key is `key` (the inverse map)."""
-    return tl.where(key >= 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def digit_histogram(X, lo, hi, center, prefix, shift, KEY: tl.constexpr, FILTER: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """256-bin histogram of the digit (key >> shift) & 255 of v_j, j in [lo, hi), among
@@ -67,7 +61,7 @@ def digit_histogram(X, lo, hi, center, prefix, shift, KEY: tl.constexpr, FILTER:
     outside = tl.zeros([BLOCK_N], dtype=tl.int32)
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
-        _, bits, ok = _load_key(X, offs, offs < hi, center, KEY)
+        _, bits, ok = load_key(X, offs, offs < hi, center, KEY)
         if FILTER:
             ok = ok & (((bits >> (shift + 8)) & ((1 << (24 - shift)) - 1)) == prefix)
         # Values outside the prefix (or past hi, or not counted) land in bin 0 and are taken out below.
@@ -109,7 +103,7 @@ def radix_select(X, lo, hi, h_top, k, center, SCR, KEY: tl.constexpr, GATHER: tl
         cnt = 0
         for n0 in range(lo, hi, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
-            v, bits, ok = _load_key(X, offs, offs < hi, center, KEY)
+            v, bits, ok = load_key(X, offs, offs < hi, center, KEY)
             keep = (ok & (((bits >> 16) & 0xFFFF) == prefix)).to(tl.int32)
             tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
             cnt += tl.sum(keep, 0)

@@ -26,7 +26,8 @@ sync, shapes static: ``k_max`` is the output width):
    those only. The select also says how many entries equal to ``t`` are kept
    (``k`` minus those strictly above).
 2. One compaction pass over ``[lo, hi)``: an entry is kept if ``s > t``, or
-   ``s == t`` and it is among the first ties by position, up to ``k`` in all;
+   ``s == t`` and it is among the first ties by position, up to ``k`` in all
+   (compared as keys: the select's exact order, ``-0 == +0``, no denormal flush);
    kept positions are written at a running offset plus a block prefix sum
    (``tl.cumsum``), so they come out ascending.
 
@@ -47,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import desc_key_value, digit_histogram, radix_select
+from ._radix import load_key, digit_histogram, radix_select
 from ._utils import device_num_sms
 
 __all__ = ["topk_range", "topk_range_ref", "launch_shape"]
@@ -88,18 +89,19 @@ def _topk_range_kernel(
     h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
     k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
     hi = tl.where(k > 0, hi, lo)
-    key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
-    t = desc_key_value(key)  # the k-th largest
-    ties = rank + 1  # entries == t that are kept (the others kept are > t)
+    key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)  # the k-th largest's key
+    ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
+    t = key.to(tl.uint32, bitcast=True)
     out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
     written = 0
     seen = 0
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
-        v = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
-        fin = tl.abs(v) < float("inf")
-        eq = (fin & (v == t)).to(tl.int32)
-        keep = (fin & (v > t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
+        # Keys, not floats, are compared: the select's exact order (no flush of denormals).
+        _, bits, ok = load_key(row, offs, offs < hi, 0.0, 2)
+        u = bits.to(tl.uint32, bitcast=True)
+        eq = (ok & (u == t)).to(tl.int32)
+        keep = (ok & (u < t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
         keep_i = keep.to(tl.int32)
         tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
         written += tl.sum(keep_i, 0)
