@@ -19,6 +19,9 @@ Public API:
 * Token scores (:mod:`.token_scores`, AsyncSpade / LFPS): :func:`token_scores`
   over a position range, :func:`token_scores_at` over per-head candidate lists,
   :func:`token_select_positions` (top-k -> ``a_pos`` for segment A).
+* :func:`topk_range` (:mod:`.topk_range`) -- top-k over a ragged ``[lo, hi)``
+  per row, ascending positions out, cost bounded by the live range (quest /
+  asyncspade under CUDA graphs, the Selector's step 6); :func:`topk_range_ref`.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
@@ -44,6 +47,7 @@ from .reference import (
 from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import choose_num_splits, make_split_counters, two_segment_decode
 from .selector_scores import selector_scores, selector_stats
+from .topk_range import topk_range, topk_range_ref
 from .window_evidence import stored_evidence, window_evidence
 
 __all__ = [
@@ -54,6 +58,8 @@ __all__ = [
     "stored_evidence",
     "selector_scores",
     "selector_stats",
+    "topk_range",
+    "topk_range_ref",
     "choose_num_splits",
     "make_split_counters",
     "QUEST_PAGE_SIZE",

@@ -376,8 +376,8 @@ def quest_page_scores(
 
 @triton.jit(do_not_specialize=["budget_all"])
 def _expand_selection_kernel(
-    VALS,  # [bs, Hkv, K] fp32 top-k scores (descending)
-    IDX,  # [bs, Hkv, K] int64 their indices: pages (PAGE > 1), positions, or candidate slots (HAS_CAND)
+    VALS,  # [bs, Hkv, K] fp32 top-k scores (descending); HAS_COUNT: [bs, Hkv] int32 entries listed
+    IDX,  # [bs, Hkv, K] int their indices: pages (PAGE > 1), positions, or candidate slots (HAS_CAND)
     CAND,  # [bs, Hkv, C] int32 candidate positions (only if HAS_CAND)
     BUDGET,  # [bs] int32 entries to keep per row (only if HAS_BUDGET)
     SINK,  # [bs] int32 sink positions per row (only if HAS_SINK; else N_SINK for all)
@@ -403,10 +403,12 @@ def _expand_selection_kernel(
     HAS_BUDGET: tl.constexpr,
     HAS_CAND: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
 
-    Entry i (i < budget, finite score) stands for positions [PAGE*p, PAGE*p + PAGE)
+    Entry i (i < budget, finite score; HAS_COUNT: i < VALS[row, head], as
+    ``topk_range`` lists them) stands for positions [PAGE*p, PAGE*p + PAGE)
     with p = IDX[i] (or CAND[IDX[i]]); those in [n_sink, b_start) are listed, in
     entry order, each entry's run placed by an exclusive prefix sum of the counts.
     HAS_SINK (per-row sinks, the query-aware serving path inside CUDA graphs): the
@@ -422,14 +424,18 @@ def _expand_selection_kernel(
         budget = tl.load(BUDGET + cur_b)
     offs_k = tl.arange(0, BLOCK_K)
     in_k = offs_k < K
-    vals = tl.load(VALS + cur_b * stride_vb + cur_h * stride_vh + offs_k, mask=in_k, other=float("-inf"))
+    if HAS_COUNT:
+        in_k = in_k & (offs_k < tl.load(VALS + cur_b * stride_vb + cur_h * stride_vh))
+    else:
+        vals = tl.load(VALS + cur_b * stride_vb + cur_h * stride_vh + offs_k, mask=in_k, other=float("-inf"))
+        in_k = in_k & (vals > float("-inf"))
     page = tl.load(IDX + cur_b * stride_ib + cur_h * stride_ih + offs_k, mask=in_k, other=0).to(tl.int32)
     if HAS_CAND:
         page = tl.load(CAND + cur_b * stride_cb + cur_h * stride_ch + page, mask=in_k, other=0)
     sink_all = N_SINK
     if HAS_SINK:
         sink_all = tl.maximum(tl.load(SINK + cur_b), 0)
-    chosen = in_k & (vals > float("-inf")) & (offs_k < budget)
+    chosen = in_k & (offs_k < budget)
     # Positions of page p that are listed: [max(16p, n_sink), min(16p + 16, b_start)).
     start = tl.maximum(page * PAGE, sink_all)
     cnt = tl.where(chosen, tl.maximum(tl.minimum(page * PAGE + PAGE, b_start) - start, 0), 0)
@@ -506,7 +512,7 @@ def quest_select_positions(
 
 
 def expand_selection(
-    vals: torch.Tensor,
+    vals: Optional[torch.Tensor],
     idx: torch.Tensor,
     budget: Union[int, torch.Tensor],
     b_start: torch.Tensor,
@@ -516,17 +522,26 @@ def expand_selection(
     page: int,
     n_sink: Union[int, torch.Tensor],
     cand_pos: Optional[torch.Tensor] = None,
+    count: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections).
 
     ``n_sink`` an int32 tensor ``[bs]``: per-row sinks (the serving path, whose
     rows mix request knobs); entries are then written below ``out_pos``'s width
-    only, and ``a_len`` is capped at it."""
-    bs, num_kv_heads, k = vals.shape
+    only, and ``a_len`` is capped at it.
+
+    ``count`` (int32 ``[bs, Hkv]``, ``vals`` then ``None``): ``idx`` is a
+    :func:`~.topk_range.topk_range` output, its first ``count`` entries listed
+    (ascending indices give ascending positions)."""
+    if count is not None:
+        assert vals is None and count.shape == idx.shape[:2] and count.dtype == torch.int32 and count.stride(1) == 1
+        vals = count[..., None]  # only its strides are read below
+    bs, num_kv_heads, k = idx.shape
     has_sink = isinstance(n_sink, torch.Tensor)
     if has_sink:
         assert n_sink.shape == (bs,) and n_sink.dtype == torch.int32
-    assert idx.shape == vals.shape and vals.stride(2) == 1 and idx.stride(2) == 1
+    assert vals.shape[:2] == idx.shape[:2] and vals.stride(2) == 1 and idx.stride(2) == 1
+    assert count is not None or vals.shape == idx.shape
     has_budget = isinstance(budget, torch.Tensor)
     if has_budget:
         assert budget.shape == (bs,) and budget.dtype == torch.int32
@@ -541,6 +556,6 @@ def expand_selection(
         out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
         0 if has_budget else int(budget), k, 0 if has_sink else int(n_sink), out_pos.shape[2],
         PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=16 if has_sink else max(2, next_pow2(n_sink)),
-        HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink,
+        HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink, HAS_COUNT=count is not None,
         num_warps=1 if k <= 64 else 4,
     )

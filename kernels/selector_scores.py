@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._radix import digit_histogram, radix_select
 from ._utils import next_pow2
 
 __all__ = ["selector_scores", "selector_stats"]
@@ -50,88 +51,13 @@ def _pow(x, y):
 
 
 @triton.jit
-def _load_magnitude_bits(X, offs, ok, center, ABS_DEV: tl.constexpr):
-    """v = X[offs] (or |X[offs] - center|) and its fp32 bits without the sign: for
-    v >= 0 the bits order like the values, which the radix select relies on."""
-    v = tl.load(X + offs, mask=ok, other=0.0)
-    if ABS_DEV:
-        v = tl.abs(v - center)
-    return v, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def _digit_histogram(X, lo, hi, center, prefix, shift, ABS_DEV: tl.constexpr, FILTER: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """256-bin histogram of the digit (bits >> shift) & 255 of v_j, j in [lo, hi), among
-    the values whose bits above the digit equal `prefix` (all of them unless FILTER);
-    v = X[j] or |X[j] - center|. (Triton's histogram costs a ballot per digit bit
-    per value: with 8-bit digits, each pass is the stats kernel's main cost.)"""
-    bins = tl.arange(0, 256)
-    hist = tl.zeros([256], dtype=tl.int32)
-    outside = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        ok = offs < hi
-        _, bits = _load_magnitude_bits(X, offs, ok, center, ABS_DEV)
-        if FILTER:
-            ok = ok & ((bits >> (shift + 8)) == prefix)
-        # Values outside the prefix (or past hi) land in bin 0 and are taken out below.
-        hist += tl.histogram(tl.where(ok, (bits >> shift) & 255, 0), 256)
-        outside += (~ok).to(tl.int32)
-    return tl.where(bins == 0, hist - tl.sum(outside, 0), hist)
-
-
-@triton.jit
-def _pick_digit(h, k, prefix):
-    """The bin of h holding the k-th smallest (0-based): (k within it, prefix with its digit)."""
-    bins = tl.arange(0, 256)
-    c = tl.cumsum(h, 0)
-    digit = tl.sum((c <= k).to(tl.int32), 0)
-    k -= tl.sum(tl.where(bins < digit, h, 0), 0)
-    return k, (prefix << 8) | digit
-
-
-@triton.jit
 def _lower_median(X, lo, hi, center, SCR, ABS_DEV: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Lower median of v_j, j in [lo, hi) (hi > lo), v = X[j] or |X[j] - center|.
-
-    Radix select, 8 bits per pass from the top: a 256-bin histogram of the digit
-    among the values that share the prefix found so far, then the bin holding
-    the k-th smallest. With GATHER, once the top 16 bits are known the values
-    sharing them -- a narrow value range (1/128 of an octave), typically ~1% of
-    A -- are copied to SCR (this program's scratch row), and the last two passes
-    read those alone instead of all of A. Exact whatever the data: if they are
-    many, the passes read many.
-    """
-    k = (hi - lo - 1) // 2
-    prefix = 0
-    h = _digit_histogram(X, lo, hi, center, prefix, 24, ABS_DEV, False, BLOCK_N)
-    k, prefix = _pick_digit(h, k, prefix)
-    h = _digit_histogram(X, lo, hi, center, prefix, 16, ABS_DEV, True, BLOCK_N)
-    k, prefix = _pick_digit(h, k, prefix)
-    if GATHER:
-        # Every thread is done reading SCR (the previous select) before it is rewritten.
-        tl.debug_barrier()
-        cnt = 0
-        for n0 in range(lo, hi, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            ok = offs < hi
-            v, bits = _load_magnitude_bits(X, offs, ok, center, ABS_DEV)
-            keep = (ok & ((bits >> 16) == prefix)).to(tl.int32)
-            tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
-            cnt += tl.sum(keep, 0)
-        # bar.sync: the CTA's global stores above are visible to all its threads.
-        tl.debug_barrier()
-        h = _digit_histogram(SCR, 0, cnt, 0.0, prefix, 8, False, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
-        h = _digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, False, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
-    else:
-        h = _digit_histogram(X, lo, hi, center, prefix, 8, ABS_DEV, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
-        h = _digit_histogram(X, lo, hi, center, prefix, 0, ABS_DEV, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
-    return prefix.to(tl.float32, bitcast=True)
+    """Lower median of v_j, j in [lo, hi) (hi > lo), v = X[j] or |X[j] - center|: the
+    radix select of ``_radix.py`` on the magnitude bits (v >= 0), k = (hi - lo - 1) // 2."""
+    KEY: tl.constexpr = 1 if ABS_DEV else 0
+    h = digit_histogram(X, lo, hi, center, 0, 24, KEY, False, BLOCK_N)
+    bits, _ = radix_select(X, lo, hi, h, (hi - lo - 1) // 2, center, SCR, KEY, GATHER, BLOCK_N)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

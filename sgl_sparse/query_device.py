@@ -19,7 +19,10 @@ Per layer, decode:
   finish   asyncspade  push this query, predict the next one, score [sink, next
                        b_start) with it, Top-K -> the store, for the next step
 Same selections as the torch path (the CPU path and this one's oracle,
-tests/test_query_device.py), listed in a different order: by descending score.
+tests/test_query_device.py), listed in ascending position order: the Top pages /
+tokens come from kernels/topk_range.py, whose work per slot is bounded by the
+slot's live range (a slot without a row costs O(1)), not by max_pages /
+max_context as torch.topk's is.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class QueryAwareDevice:
     def _quest(self, li, plan, knobs: RowKnobs, indexed, q3, k_cache, req_to_token, req_pool_indices,
                a_pos, a_len):
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
+        from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.quest
         kmin, kmax = store.kmin[li], store.kmax[li]
@@ -127,16 +131,19 @@ class QueryAwareDevice:
         # candidate pages hold a position in [sink, b_start)
         first = torch.div(sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
         last = torch.div(b_start + QUEST_PAGE - 1, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        scores = quest_page_scores(sr.take(q3).to(kmin.dtype), kmin, kmax, sr.slot_or(-1, sr.take(sel, False)),
-                                   first, last)
+        slot_sel = sr.slot_or(-1, sr.take(sel, False))
+        scores = quest_page_scores(sr.take(q3).to(kmin.dtype), kmin, kmax, slot_sel, first, last)
         # static k: enough pages for any budget the store's capacity admits (+1: a
         # page clipped by the sink leaves room for one more)
         k = max(1, min(store.max_pages, self.cap // QUEST_PAGE + 1))
-        vals, idx = torch.topk(scores, k, dim=-1)
+        pages = torch.div(sr.take(knobs.budget), QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        # the best `pages` pages, ascending; slots not selected this step: an empty range
+        idx, n_pages = topk_range(scores, first, torch.where(slot_sel >= 0, last, first), pages, k,
+                                  out=torch.empty(scores.shape[0], scores.shape[1], k, dtype=torch.int32,
+                                                  device=scores.device))
         pos = a_pos.new_empty((sr.b.shape[0], *a_pos.shape[1:]))
         cnt = a_len.new_empty((sr.b.shape[0], a_len.shape[1]))
-        pages = torch.div(sr.take(knobs.budget), QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        expand_selection(vals, idx, pages, b_start, pos, cnt, page=QUEST_PAGE, n_sink=sink)
+        expand_selection(None, idx, k, b_start, pos, cnt, page=QUEST_PAGE, n_sink=sink, count=n_pages)
         j = torch.where(sel, knobs.slot, 0).long()  # back to the batch rows
         a_pos = torch.where(sel[:, None, None], pos[j], a_pos)
         a_len = torch.where(sel[:, None], cnt[j], a_len)
@@ -149,6 +156,7 @@ class QueryAwareDevice:
             return
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores
+        from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.aspd
         knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
@@ -167,9 +175,13 @@ class QueryAwareDevice:
         scores = token_scores(q_hat.float(), k_cache, req_to_token, sr.take(req_pool_indices), sink, hi, scale,
                               n_max)
         cap = store.sel_pos.shape[-1]
-        vals, idx = torch.topk(scores, max(1, min(cap, n_max)), dim=-1)
+        k = max(1, min(cap, n_max))
+        # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
+        idx, n_tok = topk_range(scores, sink, hi, sr.take(knobs.budget).to(torch.int32), k,
+                                out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
+                                                device=q3.device))
         pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
         cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
-        expand_selection(vals, idx, sr.take(knobs.budget).to(torch.int32), next_b, pos, cnt, page=1, n_sink=sink)
+        expand_selection(None, idx, k, next_b, pos, cnt, page=1, n_sink=sink, count=n_tok)
         store.sel_pos[li][slot] = pos
         store.sel_count[li][slot] = cnt

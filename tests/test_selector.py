@@ -191,3 +191,18 @@ def test_unordered_top_k_keeps_the_same_positions(budget):
     fast_pos, fast_count = core.top_k_positions(s, lo, hi, b, k_max, k_min=budget)
     assert torch.equal(sorted_count, fast_count) and fast_count.tolist() == [min(budget, 29), min(budget, n), min(budget, 7), 0]
     assert torch.equal(sorted_pos, fast_pos)
+
+
+@pytest.mark.parametrize("budget,k_max", [(0, 4), (5, 5), (30, 40), (60, 60)])
+def test_top_k_kernel_matches_the_torch_path(budget, k_max):
+    """The Triton top-k over [lo, hi) (kernels/topk_range.py, the CUDA path) against the
+    torch path: the same positions (no ties in random scores), ascending, 0 after count."""
+    g = torch.Generator().manual_seed(budget + 7)
+    n = 41
+    lo, hi = torch.tensor([4, 0, 2, 7, 40]), torch.tensor([33, n, 9, 7, 3])  # ragged, empty, hi < lo
+    s = torch.randn(5, 3, n, generator=g).masked_fill(~core.candidate_mask(lo, hi, n), float("-inf"))
+    b = torch.tensor([budget, budget, budget + 1, budget, budget]).clamp(max=k_max)
+    ref_pos, ref_count = core.top_k_positions(s, lo, hi, b, k_max, use_kernel=False)
+    pos, count = core.top_k_positions(s, lo, hi, b, k_max, use_kernel=True)
+    assert torch.equal(count, ref_count) and pos.dtype == ref_pos.dtype == torch.int64
+    assert torch.equal(pos, ref_pos)

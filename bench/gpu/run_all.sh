@@ -3,7 +3,7 @@
 # FlashInfer, this project's wheel) was installed into /tmp/site as in
 # ../shared/gpu/README.md (see bench/gpu/README.md for the exact device calls).
 #
-#   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection)
+#   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE)
 #   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler)
@@ -21,6 +21,7 @@ kernels)
     python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log" | tail -5
     python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
     python3 bench/kernels/bench_query_aware.py --out "$OUT/query_aware_kernels.json" 2>&1 | tee "$OUT/query_aware_kernels.log" | tail -40
+    python3 bench/kernels/bench_topk.py --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" | tail -30
     ;;
 selector)
     python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16

@@ -205,17 +205,30 @@ def select_from_evidence(u, norms, lo, hi, budget: torch.Tensor, knobs: Selector
 
 
 def top_k_positions(s: torch.Tensor, lo, hi, budget: torch.Tensor, k_max: int,
-                    k_min: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    k_min: int = 0, use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 6: Top-K per KV head of the refined scores s [r, H, N]. Returns
-    (positions [r, H, k_max] ascending in the first `count` entries, count [r])
-    with count = min(budget, |A_t|).
+    (positions [r, H, k_max] ascending in the first `count` entries and 0 after,
+    count [r]) with count = min(budget, |A_t|).
 
     `k_max` (>= every budget) is a host-known bound so no shape depends on data;
-    `k_min` (<= every budget, host-known) allows an unordered top-k.
+    `k_min` (<= every budget, host-known) allows an unordered top-k (torch path).
+    `use_kernel` (default: fp32 CUDA scores): the Triton top-k over each row's
+    [lo, hi) (kernels/topk_range.py), whose cost is bounded by |A_t| rather than
+    N and that lists ascending positions itself (no sort); the torch path below
+    is its oracle. Both rely on the scores being finite exactly on A_t.
     """
     n = s.shape[-1]
     k = min(k_max, n)
     count = torch.minimum(budget.to(torch.int64), (hi - lo).clamp(min=0).to(torch.int64))
+    if use_kernel is None:
+        use_kernel = s.is_cuda and s.dtype == torch.float32
+    if use_kernel:
+        from sgl_sparse.kernels.topk_range import topk_range
+
+        i32 = torch.int32
+        pos, _ = topk_range(s.to(torch.float32), lo.to(i32).contiguous(), hi.to(i32).contiguous(),
+                            budget.clamp(max=k_max).to(i32).contiguous(), max(1, k_max))
+        return pos[..., :k_max].long(), count
     # Scores are finite exactly on A_t, so when no row's budget is below k the
     # unordered top-k is enough: its finite entries are the kept set. Otherwise
     # the best `count` of each row are a prefix of the sorted top-k.

@@ -179,7 +179,7 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
             s = selector_scores(u, norms, lo_l, hi_l, knobs_l)
         else:
             s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
-        pos, count = top_k_positions(s, lo_l, hi_l, budget.repeat(nl), k_max, k_min)
+        pos, count = top_k_positions(s, lo_l, hi_l, budget.repeat(nl), k_max, k_min, use_kernel=use_kernels)
         del s
         count = count[:r]  # the same for every layer: min(budget, |A_t|)
         sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]

@@ -1,0 +1,203 @@
+"""
+Top-k over a ragged range per row, ascending positions out
+==========================================================
+
+``topk_range(scores, lo, hi, budget, k_max)``: for every (row, head) of
+``scores [R, H, N]`` fp32, the positions of the ``k = min(budget[row], F,
+k_max)`` largest scores among the *finite* entries of ``scores[row, head,
+lo[row]:hi[row]]`` (``F`` of them), listed in ascending position order, and
+``k`` itself. It replaces ``torch.topk`` (+ ``torch.sort`` of the kept indices)
+where the live part of a fixed-width score row is a per-row range: the quest
+pages and asyncspade tokens of ``query_device`` (``[slots, Hkv, max_context]``,
+slots without a request have an empty range) and the Selector's step 6
+(``selector.core.top_k_positions``). ``torch.topk`` pays for the full width
+``N`` and a large ``k`` on every row, empty or not; here the work of a row is
+bounded by ``hi - lo``, and a row with nothing to select (``hi <= lo``,
+``budget <= 0``) stores its count 0 and exits after O(1) work.
+
+One program per (row, head), grid ``(R, H)``, CUDA-graph capturable (no host
+sync, shapes static: ``k_max`` is the output width):
+
+1. The exact k-th largest finite score ``t``, by radix select over an
+   order-reversing uint32 key of the fp32 bits (``_radix.py``, shared with the
+   Selector's medians): the top-byte histogram also counts ``F``, so ``k`` is
+   known before the select; after the top 16 bits the few values left are
+   gathered to a scratch row (``gather=True``) and the last two passes read
+   those only. The select also says how many entries equal to ``t`` are kept
+   (``k`` minus those strictly above).
+2. One compaction pass over ``[lo, hi)``: an entry is kept if ``s > t``, or
+   ``s == t`` and it is among the first ties by position, up to ``k`` in all
+   (compared as keys: the select's exact order, ``-0 == +0``, no denormal flush);
+   kept positions are written at a running offset plus a block prefix sum
+   (``tl.cumsum``), so they come out ascending.
+
+Non-finite scores: ``-inf`` is how the callers mark positions that are not
+candidates, ``NaN`` is never a valid score, and ``+inf`` is left out with them
+(the torch references count finite entries only): none is ever selected.
+Ties at the cutoff keep the lowest positions (``torch.topk`` keeps an
+unspecified subset; the kept *values* are the same). Output entries past ``k``
+are not written: the launcher's own output is zero-filled, a given ``out``
+keeps what it held.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._radix import load_key, digit_histogram, radix_select
+from ._utils import device_num_sms
+
+__all__ = ["topk_range", "topk_range_ref", "launch_shape"]
+
+
+@triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
+                               "stride_oh", "stride_lr"])
+def _topk_range_kernel(
+    S,  # [R, H, N] fp32 scores, stride 1 along N
+    LO,  # [R] int32
+    HI,  # [R] int32
+    BUDGET,  # [R] int32
+    SCR,  # [R, H, N] fp32 scratch (GATHER only)
+    OUT,  # [R, H, K_MAX] int32 positions, ascending in the first OUT_LEN entries
+    OUT_LEN,  # [R, H] int32
+    N,
+    K_MAX,
+    stride_r,
+    stride_h,
+    stride_cr,
+    stride_ch,
+    stride_or,
+    stride_oh,
+    stride_lr,
+    BLOCK_N: tl.constexpr,
+    GATHER: tl.constexpr,
+):
+    cur_r = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    lo = tl.maximum(tl.load(LO + cur_r), 0)
+    hi = tl.minimum(tl.load(HI + cur_r), N)
+    k = tl.minimum(tl.minimum(tl.load(BUDGET + cur_r), hi - lo), K_MAX)
+    # Nothing to select: every loop below is empty.
+    hi = tl.where(k > 0, hi, lo)
+    row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
+    scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
+    # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
+    h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
+    k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+    hi = tl.where(k > 0, hi, lo)
+    key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)  # the k-th largest's key
+    ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
+    t = key.to(tl.uint32, bitcast=True)
+    out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
+    written = 0
+    seen = 0
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        # Keys, not floats, are compared: the select's exact order (no flush of denormals).
+        _, bits, ok = load_key(row, offs, offs < hi, 0.0, 2)
+        u = bits.to(tl.uint32, bitcast=True)
+        eq = (ok & (u == t)).to(tl.int32)
+        keep = (ok & (u < t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
+        keep_i = keep.to(tl.int32)
+        tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
+        written += tl.sum(keep_i, 0)
+        seen += tl.sum(eq, 0)
+    tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
+
+
+def launch_shape(programs: int, device: torch.device) -> Tuple[int, int]:
+    """(block_n, num_warps) for ``programs`` (row, head) programs. Each program walks
+    its range serially, so when there are fewer programs than SMs (the serving
+    shapes: a few live slots x KV heads) a program gets an SM to itself and more
+    warps per program shorten the walk; with many programs 4 warps keep several
+    CTAs resident per SM."""
+    sms = device_num_sms(device)
+    if programs <= sms:
+        return 4096, 16
+    if programs <= 4 * sms:
+        return 2048, 8
+    return 1024, 4
+
+
+def topk_range(
+    scores: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    budget: torch.Tensor,
+    k_max: int,
+    *,
+    out: Optional[torch.Tensor] = None,
+    out_len: Optional[torch.Tensor] = None,
+    gather: bool = True,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
+
+    Args:
+        scores: ``[R, H, N]`` fp32, stride 1 along ``N`` (rows and heads may be strided).
+        lo, hi: ``[R]`` int32: the range per row (clipped to ``[0, N]``; ``hi <= lo``: empty).
+        budget: ``[R]`` int32: entries to keep per row (``<= 0``: none).
+        k_max: static output width; ``k = min(budget, finite entries in range, k_max)``.
+        out, out_len: optional preallocated ``[R, H, k_max]`` / ``[R, H]`` int32
+            (stride 1 along the last dim); entries of ``out`` past ``k`` are left as
+            they are (the launcher's own ``out`` is zeros).
+        gather: the select's last two passes read the scores left after its top
+            16 bits only (a scratch the size of ``scores``); ``False``: all passes
+            read the whole range.
+        block_n, num_warps: default :func:`launch_shape` (wide programs when few).
+
+    Returns:
+        ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
+        kept scores ascending in the first ``count`` entries.
+    """
+    r, h, n = scores.shape
+    k_max = int(k_max)
+    assert scores.dtype == torch.float32 and scores.stride(2) == 1, "scores: fp32, stride 1 along N"
+    for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
+        assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
+    dev = scores.device
+    auto_block, auto_warps = launch_shape(r * h, dev)
+    block_n = int(block_n or auto_block)
+    num_warps = int(num_warps or auto_warps)
+    assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
+    if out is None:
+        out = torch.zeros((r, h, k_max), dtype=torch.int32, device=dev)
+    if out_len is None:
+        out_len = torch.empty((r, h), dtype=torch.int32, device=dev)
+    assert out.shape == (r, h, k_max) and out.dtype == torch.int32 and out.stride(2) == 1
+    assert out_len.shape == (r, h) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
+    if r == 0 or h == 0:
+        return out, out_len
+    scratch = torch.empty_like(scores) if gather and n > 0 else scores
+    _topk_range_kernel[(r, h)](
+        scores, lo, hi, budget, scratch, out, out_len,
+        n, k_max,
+        scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
+        out.stride(0), out.stride(1), out_len.stride(0),
+        BLOCK_N=block_n, GATHER=bool(gather), num_warps=num_warps,
+    )
+    return out, out_len
+
+
+def topk_range_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: torch.Tensor,
+                   k_max: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch ``torch.topk`` + ``torch.sort`` reference of :func:`topk_range`
+    (same outputs up to which cutoff ties are kept)."""
+    r, h, n = scores.shape
+    pos = torch.arange(n, device=scores.device)
+    live = (pos >= lo[:, None].long()) & (pos < hi[:, None].long())
+    s = torch.where(live[:, None, :] & torch.isfinite(scores), scores, float("-inf"))
+    count = torch.minimum(torch.isfinite(s).sum(-1), budget.long()[:, None]).clamp(0, k_max)
+    k = max(1, min(k_max, n))
+    idx = torch.topk(s, k, dim=-1).indices if n > 0 else torch.zeros(r, h, k, dtype=torch.long)
+    keep = torch.arange(k, device=scores.device) < count[..., None]
+    big = torch.iinfo(torch.int64).max
+    out = torch.sort(torch.where(keep, idx, big), dim=-1).values
+    out = torch.where(keep, out, 0)
+    out = torch.nn.functional.pad(out, (0, k_max - k)) if k < k_max else out[..., :k_max]
+    return out.to(torch.int32), count.to(torch.int32)

@@ -1,0 +1,135 @@
+"""kernels/topk_range.py (top-k over a ragged range per row, ascending positions)
+against torch.topk + sort: ragged ranges, lo > 0, empty ranges, budgets of 0 and
+above the live length, k_max below and above it, -inf / NaN / +inf inside the
+range, forced ties (integer-valued scores), N not a multiple of the block. Any
+tie choice passes if the kept values (as a multiset) and the count are right and
+the positions are distinct, in range, finite and ascending."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_sparse.kernels.topk_range import topk_range, topk_range_ref
+
+
+def _check(scores, lo, hi, budget, k_max, pos, cnt):
+    ref_pos, ref_cnt = topk_range_ref(scores, lo, hi, budget, k_max)
+    assert torch.equal(cnt, ref_cnt)
+    r, h, _ = scores.shape
+    for i in range(r):
+        for j in range(h):
+            c = int(cnt[i, j])
+            p = pos[i, j, :c].long()
+            if c:
+                assert bool((p >= lo[i]).all()) and bool((p < hi[i]).all()), (i, j)
+                assert bool((p[1:] > p[:-1]).all()), (i, j, p)  # ascending, hence distinct
+            got = scores[i, j, p]
+            assert bool(torch.isfinite(got).all())
+            want = scores[i, j, ref_pos[i, j, :c].long()]
+            assert torch.equal(got.sort().values, want.sort().values), (i, j)
+            assert bool((pos[i, j, c:] == 0).all())  # the launcher's output is zero-filled
+
+
+def _case(gen, r, h, n, ints=False, holes=0.0):
+    if ints:  # few distinct values: many ties at the cutoff
+        s = torch.randint(-3, 4, (r, h, n), generator=gen).float()
+    else:
+        s = torch.randn(r, h, n, generator=gen) * 10.0
+    if holes:
+        u = torch.rand(r, h, n, generator=gen)
+        s = torch.where(u < holes, float("-inf"), s)
+        s = torch.where((u >= holes) & (u < 1.3 * holes), float("nan"), s)
+        s = torch.where((u >= 1.3 * holes) & (u < 1.4 * holes), float("inf"), s)
+    return s
+
+
+@pytest.mark.parametrize("r,h,n,k_max,ints,holes", [
+    (1, 1, 37, 8, False, 0.0),
+    (1, 1, 300, 64, True, 0.0),
+    (3, 8, 150, 40, False, 0.2),
+    (4, 8, 150, 200, True, 0.1),  # k_max above the live length
+    (2, 3, 2100, 700, False, 0.05),  # several blocks, N not a multiple of the block
+])
+def test_topk_range_matches_torch(r, h, n, k_max, ints, holes):
+    gen = torch.Generator().manual_seed(r * 1000 + n + k_max)
+    s = _case(gen, r, h, n, ints, holes)
+    lo = torch.randint(0, n // 3, (r,), generator=gen, dtype=torch.int32)
+    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
+    budget = torch.randint(0, k_max + 20, (r,), generator=gen, dtype=torch.int32)
+    if r > 2:
+        hi[1] = lo[1]  # empty
+        hi[2] = max(int(lo[2]) - 5, 0)  # hi < lo
+        budget[0] = 0
+        lo[3 % r] = 0
+        hi[3 % r] = n
+        budget[3 % r] = 10 ** 6  # above the live length
+    for gather in (True, False):
+        pos, cnt = topk_range(s, lo, hi, budget, k_max, gather=gather, block_n=256)
+        _check(s, lo, hi, budget, k_max, pos, cnt)
+
+
+def test_topk_range_edge_values():
+    """-0 and +0 tie, very large / tiny magnitudes of both signs, all-non-finite rows,
+    strided rows, and a given `out` keeping its entries past the count."""
+    vals = torch.tensor([0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 1.0, -1.0, 0.0, -0.0, 2.0, float("-inf"),
+                         float("nan"), float("inf"), -2.0, 1e-30])
+    n = vals.numel()
+    big = torch.stack([vals, vals.flip(0), torch.full((n,), float("-inf")), vals.roll(5)]).view(4, 1, n)
+    s = torch.cat([big, big * 0.5], dim=1)[:, :, :]  # [4, 2, n]
+    s = torch.cat([s, torch.zeros(4, 2, 3)], dim=2)[:, :, :n]  # strided rows (stride n + 3)
+    assert s.stride(1) == n + 3
+    lo = torch.tensor([0, 2, 0, 1], dtype=torch.int32)
+    hi = torch.full((4,), n, dtype=torch.int32)
+    for budget_v in (1, 5, 9, 13, 16):
+        budget = torch.full((4,), budget_v, dtype=torch.int32)
+        pos, cnt = topk_range(s, lo, hi, budget, 12)
+        _check(s, lo, hi, budget, 12, pos, cnt)
+    out = torch.full((4, 2, 12), -7, dtype=torch.int32)
+    pos, cnt = topk_range(s, lo, hi, torch.full((4,), 3, dtype=torch.int32), 12, out=out)
+    assert pos is out and bool((out[..., 3:] == -7).all()) and bool((cnt[2] == 0).all())
+
+
+def test_topk_range_matches_asyncspade_select_topk():
+    """asyncspade.select_topk (the torch path's token Top-K) on scores finite exactly on
+    [sink, hi): the same positions and counts (random scores: no ties)."""
+    from sgl_sparse.queryaware.asyncspade import select_topk
+
+    gen = torch.Generator().manual_seed(3)
+    r, h, n, k_max = 4, 2, 90, 24
+    lo = torch.tensor([2, 0, 5, 3], dtype=torch.int32)
+    hi = torch.tensor([80, 0, 30, 90], dtype=torch.int32)
+    live = (torch.arange(n) >= lo[:, None]) & (torch.arange(n) < hi[:, None])
+    s = torch.randn(r, h, n, generator=gen).masked_fill(~live[:, None, :], float("-inf"))
+    budget = torch.tensor([24, 10, 40, 7], dtype=torch.int32)
+    ref_pos, ref_cnt = select_topk(s, budget, k_max)
+    pos, cnt = topk_range(s, lo, hi, budget, k_max)
+    assert torch.equal(cnt, ref_cnt) and torch.equal(pos, ref_pos)
+
+
+def test_topk_range_empty_rows_and_shapes():
+    s = torch.randn(3, 2, 50)
+    z = torch.zeros(3, dtype=torch.int32)
+    pos, cnt = topk_range(s, z, z, torch.full((3,), 9, dtype=torch.int32), 4)
+    assert not cnt.any() and not pos.any()
+    with pytest.raises(AssertionError):
+        topk_range(s.double(), z, z, z, 4)
+    with pytest.raises(AssertionError):
+        topk_range(s, z.long(), z, z, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k_max", [(40960, 2048), (32768, 2048), (4096, 257)])
+def test_topk_range_gpu(n, k_max):
+    """Serving sizes: 8 slots x 8 KV heads, half of them empty, ragged live lengths."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    r, h = 8, 8
+    s = torch.randn(r, h, n, generator=gen, device=dev)
+    lo = torch.tensor([4, 0, 4, 0, 2, 0, 0, 4], dtype=torch.int32, device=dev)
+    hi = torch.tensor([n - 256, 0, n // 3, 0, 1000, 0, n, 0], dtype=torch.int32, device=dev)
+    budget = torch.tensor([k_max, 5, k_max // 2, 0, 2 * k_max, k_max, 1, k_max], dtype=torch.int32, device=dev)
+    s[:, :, :: 7] = torch.round(s[:, :, :: 7])  # some ties
+    pos, cnt = topk_range(s, lo, hi, budget, k_max)
+    _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
