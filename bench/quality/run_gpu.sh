@@ -32,11 +32,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 # name|train_tiny.py flags (all on the default GPU shape; see README "Sweep")
-# 2 x 2: pure key-value warm-up (recipe kv) or not (run3-long) x previous-token init or not
+# pure key-value warm-up (recipe kv) with/without previous-token init; run 3's task with
+# a long stage 0 with previous-token init, and with run 3's other listed levers (lr, lm-weight)
 DEFAULT_VARIANTS="kv-prev|--recipe kv --prev-token-init 1;\
 kv|--recipe kv;\
 run3-long-prev|--recipe run3-long --prev-token-init 1;\
-run3-long|--recipe run3-long"
+run3-long-lr3e-3-lm1|--recipe run3-long --lr 3e-3 --lm-weight 1.0"
 TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv --prev-token-init 1}"
 
 sweep() {
@@ -49,7 +50,7 @@ sweep() {
         names+=("$name")
         # shellcheck disable=SC2086
         timeout $((budget + 150)) python3 "$here/train_tiny.py" --out "$dir/$name" \
-            --log "$OUT/quality_sweep_$name.log" --workers "${SWEEP_WORKERS:-2}" --time-budget "$budget" \
+            --log "$OUT/quality_sweep_$name.log" --workers "${SWEEP_WORKERS:-2}" --time-budget "$budget" --eval-n "${SWEEP_EVAL_N:-24}" \
             $flags > "$OUT/quality_sweep_$name.out" 2>&1 &
         pids+=($!)
         echo "started $name (pid $!): $flags"
