@@ -101,6 +101,25 @@ def test_training_sequences_are_mqar_in_the_eval_format(length):
         assert sum(t in tasks.TRIGGER_IDS for t in toks) > length / 20  # still sentences
 
 
+@pytest.mark.parametrize("length", [64, 256, 1024])
+def test_kv_sequences_are_pure_induction_copies(length):
+    for seed in range(4):
+        toks, mask = tasks.make_kv_sequence(length, seed, pairs=(4, 64))
+        assert len(toks) == len(mask) == length
+        assert (toks, mask) == tasks.make_kv_sequence(length, seed, pairs=(4, 64))
+        first = {}
+        sup = 0
+        for i in range(length - 1):
+            if toks[i] in tasks.KEY_IDS:
+                if toks[i] not in first:
+                    assert not mask[i + 1]  # a fact: its value is random, not supervised
+                    first[toks[i]] = toks[i + 1]
+                else:
+                    assert mask[i + 1] and toks[i + 1] == first[toks[i]]  # a query: the fact's value
+                    sup += 1
+        assert sup == len(first) == sum(mask) >= 4
+
+
 # ----------------------------------------------------------- train + load
 @pytest.fixture(scope="module")
 def smoke_ckpt(tmp_path_factory) -> Path:

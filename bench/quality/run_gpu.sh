@@ -5,9 +5,18 @@
 # FlashInfer, this project's wheel) installed into /tmp/site as in
 # ../shared/gpu/README.md, then
 #
-#   bash bench/quality/run_gpu.sh train     # <= ~8 min: writes $CKPT (kept in /root while the machine is warm)
+#   bash bench/quality/run_gpu.sh train     # <= ~8 min: writes $CKPT (kept in /root while the machine is warm);
+#                                           # TRAIN_FLAGS (default "--recipe kv --prev-token-init 1") picks the recipe
 #   bash bench/quality/run_gpu.sh eval      # server eval (~4 min start-up on a fresh machine) + fidelity
 #   bash bench/quality/run_gpu.sh all       # both (only if one command may take ~15 min)
+#   bash bench/quality/run_gpu.sh sweep     # <= ~9 min: 4 training recipes at once on the one GPU
+#
+# sweep: one train_tiny.py process per variant, all in parallel (the model is tiny: one
+# process leaves the GPU mostly idle), each with its own checkpoint /root/sweep/NAME,
+# log $OUT/quality_sweep_NAME.log, 2 DataLoader workers and a time budget of $SWEEP_BUDGET
+# seconds (default 400: stages 85% of it, the rest evals); then one summary line per
+# variant. VARIANTS overrides the list: "name flags;name flags;..." (flags for
+# train_tiny.py). Evaluate a variant afterwards with CKPT=/root/sweep/NAME ... eval.
 #
 # Results: $OUT/quality_{eval,fidelity}.{json,md}, $OUT/quality_train_log.txt and the
 # server log; also copied to bench/results/ in this tree (commit them from there).
@@ -22,8 +31,46 @@ results="$here/../results"; mkdir -p "$results"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
+# name|train_tiny.py flags (all on the default GPU shape; see README "Sweep")
+# pure key-value warm-up (recipe kv) with/without previous-token init; run 3's task with
+# a long stage 0 with previous-token init, and with run 3's other listed levers (lr, lm-weight)
+DEFAULT_VARIANTS="kv-prev|--recipe kv --prev-token-init 1;\
+kv|--recipe kv;\
+run3-long-prev|--recipe run3-long --prev-token-init 1;\
+run3-long-lr3e-3-lm1|--recipe run3-long --lr 3e-3 --lm-weight 1.0"
+TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv --prev-token-init 1}"
+
+sweep() {
+    local budget="${SWEEP_BUDGET:-400}" dir="${SWEEP_DIR:-/root/sweep}" names=() pids=() IFS_OLD="$IFS"
+    mkdir -p "$dir"
+    IFS=';' read -ra specs <<< "${VARIANTS:-$DEFAULT_VARIANTS}"; IFS="$IFS_OLD"
+    for spec in "${specs[@]}"; do
+        spec="$(echo "$spec" | sed 's/^[[:space:]]*//')"; [ -n "$spec" ] || continue
+        local name="${spec%%|*}" flags="${spec#*|}"
+        names+=("$name")
+        # shellcheck disable=SC2086
+        timeout $((budget + 150)) python3 "$here/train_tiny.py" --out "$dir/$name" \
+            --log "$OUT/quality_sweep_$name.log" --workers "${SWEEP_WORKERS:-2}" --time-budget "$budget" --eval-n "${SWEEP_EVAL_N:-24}" \
+            $flags > "$OUT/quality_sweep_$name.out" 2>&1 &
+        pids+=($!)
+        echo "started $name (pid $!): $flags"
+    done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}"; echo "${names[$i]} exited $?"; done
+    echo "== sweep summary (held-out exact match, teacher-forced, per prompt length; answer acc = value token) =="
+    for name in "${names[@]}"; do
+        local log="$OUT/quality_sweep_$name.log"
+        local fin; fin="$(grep '^final exact match' "$log" 2>/dev/null | sed 's/.*by prompt length: //')"
+        local last; last="$(grep '^step' "$log" 2>/dev/null | tail -1 | sed 's/ lr .*//')"
+        echo "$name: final ${fin:-none (see $OUT/quality_sweep_$name.out)}"
+        echo "    last: $last"
+        grep -E '^(eval after|!)' "$log" 2>/dev/null | sed 's/^/    /' | cut -c1-220
+    done
+    cp "$OUT"/quality_sweep_*.log "$results/" 2>/dev/null || true
+}
+
 train() {
-    python3 "$here/train_tiny.py" --out "$CKPT" --log "$OUT/quality_train_log.txt" 2>&1 | tail -40
+    # shellcheck disable=SC2086
+    python3 "$here/train_tiny.py" --out "$CKPT" --log "$OUT/quality_train_log.txt" $TRAIN_FLAGS 2>&1 | tail -40
     cp "$OUT/quality_train_log.txt" "$here/train_log.txt"
 }
 
@@ -42,6 +89,7 @@ case "$what" in
 train) train ;;
 eval) evaluate ;;
 all) train && evaluate ;;
-*) echo "usage: $0 {train|eval|all}"; exit 2 ;;
+sweep) sweep ;;
+*) echo "usage: $0 {train|eval|all|sweep}"; exit 2 ;;
 esac
 for f in "$OUT"/quality_*.json "$OUT"/quality_*.md; do [ -f "$f" ] && cp "$f" "$results/"; done

@@ -323,6 +323,37 @@ def make_training_sequence(length: int, seed: int, *, facts_every: tuple[int, in
     return tokens, mask
 
 
+
+def make_kv_sequence(length: int, seed: int, *, pairs: tuple[int, int] = (4, 64),
+                     pool_seed: int = 0) -> tuple[list[int], list[bool]]:
+    """A pure key-value MQAR sequence (Zoology's setting, no templates): exactly
+    ``length`` tokens ``[filler] K1 V1 K2 V2 ... Kn Vn  Kq1 Vq1 Kq2 Vq2 ...``: n facts
+    (bare key then value; n drawn log-uniformly per sequence from ``pairs``, capped by
+    ``length // 4``), then every key asked again in a random order, the value after
+    each repeated key supervised. Whole filler sentences (unsupervised) fill what the
+    4n tokens leave at the front. The same ``K V ... K -> V`` induction copy as the
+    sentence task's answers, with nothing else to learn: a warm-up for the recall
+    circuit (``train_tiny.py``'s stages mix these rows in with ``kv``)."""
+    import math
+
+    rng = random.Random(f"kv-{seed}-{length}-{pairs}")
+    lo, hi = pairs
+    hi = max(1, min(hi, length // 4, N_KEYS))
+    lo = max(1, min(lo, hi))
+    n = min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+    keys = rng.sample(KEY_IDS, n)
+    vals = [rng.choice(VALUE_IDS) for _ in keys]
+    tokens = [t for s in filler(rng, length - 4 * n, pool_seed) for t in s]
+    mask = [False] * len(tokens)
+    for k, v in zip(keys, vals):
+        tokens += [k, v]
+        mask += [False, False]
+    for j in rng.sample(range(n), n):
+        tokens += [keys[j], vals[j]]
+        mask += [False, True]
+    assert len(tokens) == length
+    return tokens, mask
+
 def _assemble(rng: random.Random, n_fill: int, events: list[tuple[float, list[int], list[bool]]],
               pool_seed: int = 0) -> tuple[list[int], list[bool], list[int]]:
     """Whole filler sentences totalling n_fill tokens with each event inserted at the

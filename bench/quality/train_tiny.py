@@ -59,6 +59,12 @@ class Stage:
     facts_lo: int = 16  # one fact per facts_lo..facts_hi tokens (log-uniform per sequence;
     facts_hi: int = 128  # eval prompts: one per 128)
     think: float = 0.25  # fraction of the questions in the think variant
+    # fraction of the batch's rows that are pure key-value MQAR sequences
+    # (tasks.make_kv_sequence: `K V K V ... K V` then every key again -> its value),
+    # with kv_lo..kv_hi pairs: the bare induction copy, no templates or filler
+    kv: float = 0.0
+    kv_lo: int = 4
+    kv_hi: int = 64
 
 
 # MQAR recipe (tasks.make_training_sequence): every fact asked by an inline question
@@ -70,6 +76,22 @@ class Stage:
 GPU_STAGES = [Stage(256, 64, 8000, 0.34, 8, 32), Stage(1024, 16, 2000, 0.12, 16, 64),
               Stage(4096, 4, 1200, 0.13, 16, 128), Stage(16384, 1, 800, 0.14, 32, 128),
               Stage(32768, 1, 300, 0.12, 64, 128)]
+# Named curricula (--recipe). "run3": the stages above (H100 run 3: copy level only).
+# "run3-long": the same task with most of the budget on 256-token stage 0.
+# "kv": a pure key-value MQAR warm-up (tasks.make_kv_sequence) at 256 tokens, then
+# the sentence task with a quarter of each short batch still pure key-value rows.
+RECIPES = {
+    "run3": GPU_STAGES,
+    "run3-long": [Stage(256, 64, 16000, 0.55, 8, 32), Stage(1024, 16, 1500, 0.09, 16, 64),
+                  Stage(4096, 4, 600, 0.08, 16, 128), Stage(16384, 1, 300, 0.07, 32, 128),
+                  Stage(32768, 1, 150, 0.06, 64, 128)],
+    "kv": [Stage(256, 64, 4000, 0.2, 8, 32, 0.25, 1.0, 8, 64),
+           Stage(256, 64, 8000, 0.3, 8, 32, 0.25, 0.25, 8, 64),
+           Stage(1024, 16, 1500, 0.1, 16, 64, 0.25, 0.25, 16, 128),
+           Stage(4096, 4, 600, 0.09, 16, 128),
+           Stage(16384, 1, 300, 0.08, 32, 128),
+           Stage(32768, 1, 150, 0.08, 64, 128)],
+}
 GPU_EVAL_LENGTHS = [256, 1024, 2048, 8192, 16384, 32768]
 GPU_LR = 2e-3
 # CPU smoke: the recipe at toy scale (2 layers, hidden 64; all of it fits in ~2 min on
@@ -79,6 +101,13 @@ SMOKE_SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=4, kv_head
 SMOKE_STAGES = [Stage(96, 32, 900, 1.0, 8, 16)]
 SMOKE_LR = 3e-3
 SMOKE_EVAL_LENGTHS = [96, 192]
+
+
+def parse_stage(text: str) -> Stage:
+    """'len:batch:steps:time_share[:facts_lo[:facts_hi[:think[:kv[:kv_lo[:kv_hi]]]]]]'"""
+    f = text.split(":")
+    types = [int, int, int, float, int, int, float, float, int, int]
+    return Stage(*(t(x) for t, x in zip(types, f)))
 
 
 def make_model(shape: ModelShape, seed: int):
@@ -102,14 +131,58 @@ def make_model(shape: ModelShape, seed: int):
     return model
 
 
+def init_prev_token_heads(model, shape: ModelShape, freqs: Sequence[int] = (0, 1), norm_mult: float = 2.0) -> None:
+    """Initialize layer 0's first KV group as previous-token heads (a plain weight
+    init: the checkpoint is a standard Qwen3 one and every weight stays trainable).
+
+    Recall is an induction copy, `K V ... K -> V`: a previous-token head writes K
+    into V's position, then an induction head at the later K attends to it. In MQAR
+    studies (Zoology) layer 0 is a short convolution that gives the previous token
+    for free; Qwen3 has none, and the two-stage circuit is what the toys and H100
+    runs 1-3 never formed. Here: every embedding gets one shared component c (so
+    c . x > 0 for every token after the input RMSNorm; a shift common to all logits
+    under the tied unembedding), kv head 0's key and its query heads' queries read
+    only c (so after q/k RMSNorm they are constant vectors), placed on RoPE's highest
+    frequencies with the key rotated one position ahead of the query: the logit is
+    sum_i cos((delta + 1) w_i), largest for the previous token. norm_mult scales the
+    q/k RMSNorm weights on those dims (shared by the layer's heads) for a sharper peak.
+    """
+    attn = model.model.layers[0].self_attn
+    emb = model.model.embed_tokens.weight
+    d, half = shape.head_dim, shape.head_dim // 2
+    group = shape.heads // shape.kv_heads
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4321)
+        c = torch.randn(emb.shape[1], generator=g)
+        c_hat = c / c.norm()
+        emb.add_((c_hat * emb.norm(dim=1).mean()).to(emb.dtype))
+        inv = shape.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
+        a, b = torch.zeros(d), torch.zeros(d)
+        for i in freqs:
+            a[i] = 1.0
+            b[i], b[i + half] = math.cos(inv[i]), math.sin(inv[i])  # a rotated by +w_i
+        scale = 0.02 * math.sqrt(emb.shape[1])
+        attn.k_proj.weight[0:d] = scale * b[:, None] * c_hat[None, :]
+        for h in range(group):
+            attn.q_proj.weight[h * d:(h + 1) * d] = scale * a[:, None] * c_hat[None, :]
+        for i in freqs:
+            for j in (i, i + half):
+                attn.q_norm.weight[j] = norm_mult
+                attn.k_norm.weight[j] = norm_mult
+
+
 def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]);
     a pure function of (stage, step, seed)."""
     rows, masks = [], []
+    n_kv = round(stage.kv * stage.batch)
     for b in range(stage.batch):
         s = (seed * 1_000_003 + step) * 4096 + b
-        seq, m = tasks.make_training_sequence(stage.length, s, facts_every=(stage.facts_lo, stage.facts_hi),
-                                              think=stage.think)
+        if b < n_kv:
+            seq, m = tasks.make_kv_sequence(stage.length, s, pairs=(stage.kv_lo, stage.kv_hi))
+        else:
+            seq, m = tasks.make_training_sequence(stage.length, s, facts_every=(stage.facts_lo, stage.facts_hi),
+                                                  think=stage.think)
         rows.append(seq)
         masks.append(m)
     return torch.tensor(rows), torch.tensor(masks)
@@ -176,6 +249,22 @@ def fmt_acc(acc: dict) -> str:
                      for l, a in acc.items())
 
 
+def copy_baseline(ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over the supervised value tokens of 1 / (distinct values seen in the
+    unsupervised context before them): the answer accuracy of "copy one of the values
+    in context" without knowing which key it belongs to. Recall must beat it."""
+    vals = set(tasks.VALUE_IDS)
+    out = []
+    for row, m in zip(ids.tolist(), mask.tolist()):
+        seen: set[int] = set()
+        for t, sup in zip(row, m):
+            if sup and t in vals:
+                out.append(1.0 / max(1, len(seen)))
+            elif not sup and t in vals:
+                seen.add(t)
+    return sum(out) / max(1, len(out))
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -197,11 +286,22 @@ def save_checkpoint(model, out: Path, meta: dict) -> None:
 def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eval_lengths: list[int],
           eval_n: int, seed: int, time_budget: float, peak_lr: float, device: torch.device,
           workers: int = 0, log_every: int = 50, eval_every: int = 0, qk_norm_lr_mult: float = 1.0,
-          lm_weight: float = 0.0) -> dict:
+          lm_weight: float = 0.0, qk_norm_init: float = 1.0, prev_token_init: bool = False) -> dict:
     random.seed(seed)
     torch.manual_seed(seed)
     amp = device.type == "cuda"
     model = make_model(shape, seed).to(device)
+    if qk_norm_init != 1.0:
+        # Qwen3's q/k RMSNorm weights start at 1: attention logits are then bounded by
+        # sqrt(head_dim) (4 at head_dim 16, 8 at 64), too flat for a sharp previous-token
+        # head; a larger start raises that bound (a plain weight value: the checkpoint is
+        # a standard Qwen3 one)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "q_norm" in n or "k_norm" in n:
+                    p.fill_(qk_norm_init)
+    if prev_token_init:
+        init_prev_token_heads(model, shape)
     # No weight decay on norms nor embeddings. Qwen3 RMS-normalizes q and k per head, so
     # an attention logit is at most |q_norm.weight| * |k_norm.weight| * sqrt(head_dim)
     # (8 at head_dim 64, init weights 1): too flat for a sharp previous-token head at
@@ -245,7 +345,9 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     for si, stage in enumerate(stages):
         t_stage, ema, vema = time.monotonic(), None, None
         end = step + stage.steps
+        n_kv = round(stage.kv * stage.batch)
         for ids, mask in batches(stage, step, seed, workers):
+            cpu_ids, cpu_mask = ids, mask
             if time.monotonic() - t_stage > stage.time_share * time_budget:
                 say(f"! stage {si} (len {stage.length}) cut by its time share at step {step}/{end}")
                 break
@@ -278,12 +380,22 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
                 with torch.no_grad():
                     is_val = torch.isin(tgt, value_ids)
                     vl = tok_loss[is_val].mean().item()
-                    va = (logits[is_val].argmax(-1) == tgt[is_val]).float().mean().item()
+                    hit = logits.argmax(-1) == tgt
+                    va = hit[is_val].float().mean().item()
+                    # the pure key-value rows (first n_kv of the batch) apart
+                    kv_row = mask[:, 1:].nonzero()[:, 0] < n_kv
+                    split = ""
+                    if n_kv:
+                        kva = hit[is_val & kv_row].float().mean().item()
+                        sa = hit[is_val & ~kv_row].float().mean().item() if n_kv < stage.batch else float("nan")
+                        split = f" (kv rows {kva:.3f}, sentence rows {sa:.3f})"
+                    base = copy_baseline(cpu_ids[n_kv:], cpu_mask[n_kv:]) if n_kv < stage.batch else \
+                        copy_baseline(cpu_ids, cpu_mask)
                 lv = loss.item()
                 ema = lv if ema is None else 0.8 * ema + 0.2 * lv
                 vema = vl if vema is None else 0.8 * vema + 0.2 * vl
                 say(f"step {step:5d} len {stage.length:5d} loss {lv:.4f} (ema {ema:.4f}) "
-                    f"answer-token loss {vl:.3f} (ema {vema:.3f}) acc {va:.3f} "
+                    f"answer-token loss {vl:.3f} (ema {vema:.3f}) acc {va:.3f}{split} copy-baseline {base:.3f} "
                     f"lr {opt.param_groups[0]['lr']:.2e} qk-norm {qk_scale():.2f} t {time.monotonic() - t_start:.0f}s")
             if eval_every and step % eval_every == 0 and step != end:
                 acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp)
@@ -317,8 +429,11 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--stages", default=None,
-                    help="curriculum override, 'len:batch:steps:time_share[:facts_lo[:facts_hi[:think]]],...' "
-                         "e.g. 512:64:3000:0.3:8:32,2048:16:2000:0.7")
+                    help="curriculum override, 'len:batch:steps:time_share[:facts_lo[:facts_hi[:think[:kv[:kv_lo[:kv_hi]]]]]],...' "
+                         "e.g. 256:64:3000:0.3:8:32:0.25:1.0:4:64,1024:16:2000:0.7:16:64:0.25:0.25 "
+                         "(kv: fraction of pure key-value MQAR rows per batch)")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                    help="named GPU curriculum (default: run3's stages); --stages overrides it")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--shape", default=None, help="ModelShape overrides, e.g. 'heads=4,kv_heads=2,head_dim=32,rope_theta=1e6'")
     ap.add_argument("--eval-every", type=int, default=0, help="also evaluate held-out exact match every N steps")
@@ -329,6 +444,12 @@ def main() -> None:
                     help="weight of a next-token loss on filler/template tokens (keys and values excluded; "
                          "0 = loss on the questions' completions only)")
     ap.add_argument("--qk-norm-lr-mult", type=float, default=1.0, help="LR multiplier for the q/k RMSNorm weights")
+    ap.add_argument("--prev-token-init", type=int, default=None,
+                    help="1: initialize layer 0's first KV group as previous-token heads (init_prev_token_heads); "
+                         "default: the recipe's")
+    ap.add_argument("--qk-norm-init", type=float, default=1.0,
+                    help="initial value of the q/k RMSNorm weights (attention logits are bounded by "
+                         "init^2 * sqrt(head_dim) at the start)")
     ap.add_argument("--hidden", type=int, default=None, help="override the hidden size (intermediate = 3x)")
     ap.add_argument("--workers", type=int, default=None,
                     help="DataLoader processes generating batches (default: GPU min(12, cores - 2), CPU 0)")
@@ -341,10 +462,10 @@ def main() -> None:
         shape, stages, lengths, n, budget, log_every = ModelShape(), GPU_STAGES, GPU_EVAL_LENGTHS, 30, 420.0, 100
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
+    if a.recipe:
+        stages = RECIPES[a.recipe]
     if a.stages:
-        stages = [Stage(*(int(x) for x in st.split(":")[:3]), float(st.split(":")[3]),
-                        *(int(x) for x in st.split(":")[4:6]), *(float(x) for x in st.split(":")[6:7]))
-                  for st in a.stages.split(",")]
+        stages = [parse_stage(st) for st in a.stages.split(",")]
     if a.layers or a.hidden:
         shape = ModelShape(**{**asdict(shape), **({"layers": a.layers} if a.layers else {}),
                               **({"hidden": a.hidden, "intermediate": 3 * a.hidden} if a.hidden else {})})
@@ -364,7 +485,8 @@ def main() -> None:
     train(out, log, shape, stages, lengths, a.eval_n or n, a.seed, a.time_budget or budget,
           a.lr or (SMOKE_LR if a.smoke else GPU_LR), device,
           workers=workers, log_every=a.log_every or log_every, eval_every=a.eval_every,
-          qk_norm_lr_mult=a.qk_norm_lr_mult, lm_weight=a.lm_weight)
+          qk_norm_lr_mult=a.qk_norm_lr_mult, lm_weight=a.lm_weight, qk_norm_init=a.qk_norm_init,
+          prev_token_init=bool(a.prev_token_init))
 
 
 if __name__ == "__main__":
