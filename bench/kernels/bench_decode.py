@@ -45,9 +45,9 @@ import os
 import platform
 import sys
 import time
+from _bench_env import import_kernels, use_cuda_or_exit
 from typing import Callable, Dict, List, Optional
 
-_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 
 
 def _int_list(s: str) -> List[int]:
@@ -259,20 +259,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch
 
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    if not use_cuda:
-        if not args.smoke:
-            print("No CUDA device: use --smoke to exercise this script on the CPU interpreter.", file=sys.stderr)
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    use_cuda = use_cuda_or_exit(args.smoke)
+    if use_cuda is None:
+        return 2
 
-    try:
-        from sgl_sparse import kernels as K
-        from sgl_sparse.kernels import testing as T
-    except ImportError:
-        sys.path.insert(0, _REPO_ROOT)
-        import kernels as K
-        from kernels import testing as T
+    K = import_kernels()
+    T = import_kernels("testing")
 
     flashinfer = None
     if not args.no_flashinfer:

@@ -35,7 +35,8 @@ import platform
 import sys
 import time
 
-_REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from _bench_env import import_kernels, use_cuda_or_exit
+
 
 
 def parse_args(argv=None):
@@ -69,17 +70,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    if not use_cuda:
-        if not args.smoke:
-            print("No CUDA device: use --smoke to exercise this script on the CPU interpreter.", file=sys.stderr)
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from sgl_sparse.kernels.topk_range import topk_range
-    except ImportError:
-        sys.path.insert(0, _REPO_ROOT)
-        from kernels.topk_range import topk_range
+    use_cuda = use_cuda_or_exit(args.smoke)
+    if use_cuda is None:
+        return 2
+    topk_range = import_kernels().topk_range
     import triton
 
     dev = torch.device("cuda" if use_cuda else "cpu")
