@@ -1,4 +1,4 @@
-"""What every kernel benchmark does first: pick the device and import the kernels.
+"""What every kernel benchmark does first: pick the device, import the kernels, time launches.
 
 On a machine without CUDA the benchmarks only run with ``--smoke`` (small
 shapes under the Triton interpreter, to check the script itself); the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from types import ModuleType
 from typing import Optional
 
@@ -39,3 +40,37 @@ def import_kernels(submodule: str = "") -> ModuleType:
     except ImportError:
         sys.path.insert(0, _REPO_ROOT)
         return importlib.import_module("kernels" + suffix)
+
+
+class Timer:
+    """Median µs of a launch: eager (``triton.testing.do_bench``; on the CPU
+    interpreter the median of 3 calls after a warm one) and under CUDA-graph replay
+    (``do_bench_cudagraph``, L2 not flushed; None on the CPU, when off, or when capture fails:
+    the eager time still stands)."""
+
+    def __init__(self, use_cuda: bool, warmup: int, rep: int, graphs: bool = True):
+        self.use_cuda, self.warmup, self.rep, self.graphs = use_cuda, warmup, rep, graphs
+
+    def eager_us(self, fn) -> float:
+        import triton
+
+        if self.use_cuda:
+            return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return 1e6 * sorted(ts)[1]
+
+    def graph_us(self, fn) -> Optional[float]:
+        import triton
+
+        if not self.use_cuda or not self.graphs:
+            return None
+        try:
+            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=self.rep, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - eager timing still stands
+            print(f"  [graph timing failed: {type(e).__name__}: {e}]", file=sys.stderr)
+            return None

@@ -45,7 +45,7 @@ import os
 import platform
 import sys
 import time
-from _bench_env import import_kernels, use_cuda_or_exit
+from _bench_env import Timer, import_kernels, use_cuda_or_exit
 from typing import Callable, Dict, List, Optional
 
 
@@ -129,39 +129,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # -----------------------------------------------------------------------------
 # Timing helpers
 # -----------------------------------------------------------------------------
-
-
-class Timer:
-    def __init__(self, args, use_cuda: bool):
-        self.args = args
-        self.use_cuda = use_cuda
-
-    def eager_us(self, fn: Callable[[], object]) -> float:
-        """Median time of fn in microseconds (do_bench on GPU, wall clock on CPU)."""
-        if self.use_cuda:
-            import triton
-
-            return 1e3 * triton.testing.do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        ts.sort()
-        return 1e6 * ts[len(ts) // 2]
-
-    def graph_us(self, fn: Callable[[], object]) -> Optional[float]:
-        """Per-call time under CUDA-graph replay (no launch overhead; L2 not flushed)."""
-        if not self.use_cuda or self.args.no_graph:
-            return None
-        import triton
-
-        try:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=self.args.rep, return_mode="median")
-        except Exception as e:  # capture can fail for third-party ops; eager timing still stands
-            print(f"  [graph timing failed: {type(e).__name__}: {e}]", file=sys.stderr)
-            return None
 
 
 def measure_copy_bandwidth(torch, timer: Timer, gib: float, device) -> Optional[float]:
@@ -278,7 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     assert hq % hkv == 0
-    timer = Timer(args, use_cuda)
+    timer = Timer(use_cuda, args.warmup, args.rep, graphs=not args.no_graph)
     tuning = dict(block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
 
     env = {

@@ -39,7 +39,7 @@ import os
 import platform
 import sys
 import time
-from _bench_env import import_kernels, use_cuda_or_exit
+from _bench_env import Timer, import_kernels, use_cuda_or_exit
 from typing import Dict, List, Optional
 
 
@@ -94,22 +94,8 @@ def main(argv=None) -> int:
     }
     print("# query-aware kernels benchmark\n" + json.dumps(env))
 
-    def eager_us(fn):
-        if use_cuda:
-            return 1e3 * triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
-
-    def graph_us(fn):
-        if not use_cuda or args.no_graph:
-            return None
-        try:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
-        except Exception as e:  # noqa: BLE001 - eager timing still stands
-            print(f"  [graph timing failed: {type(e).__name__}: {e}]", file=sys.stderr)
-            return None
+    timer = Timer(use_cuda, args.warmup, args.rep, graphs=not args.no_graph)
+    eager_us, graph_us = timer.eager_us, timer.graph_us
 
     results: List[Dict] = []
     failures: List[str] = []

@@ -35,7 +35,7 @@ import platform
 import sys
 import time
 
-from _bench_env import import_kernels, use_cuda_or_exit
+from _bench_env import Timer, import_kernels, use_cuda_or_exit
 
 
 
@@ -81,22 +81,8 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)"}
     print("# ragged top-k benchmark\n" + json.dumps(env))
 
-    def eager_us(fn):
-        if use_cuda:
-            return 1e3 * triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
-
-    def graph_us(fn):
-        if not use_cuda:
-            return None
-        try:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
-        except Exception as e:  # noqa: BLE001 - eager timing still stands
-            print(f"  [graph timing failed: {type(e).__name__}: {e}]", file=sys.stderr)
-            return None
+    timer = Timer(use_cuda, args.warmup, args.rep, graphs=True)
+    eager_us, graph_us = timer.eager_us, timer.graph_us
 
     results, failures = [], []
     gen = torch.Generator(device=dev).manual_seed(args.seed)
