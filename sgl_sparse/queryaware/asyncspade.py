@@ -129,11 +129,16 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     softmax(-G^-1 b); the text (Eqs. 2-3) and ALGORITHMS.md weight by +omega, which
     is what makes the query most similar to Q_t weigh most.
     """
-    bs, W, Hq, D = window.shape
+    return _assembled_weights(_masked_window(window, count), count, ridge_eps)
+
+
+def _assembled_weights(x: torch.Tensor, count: torch.Tensor,
+                       ridge_eps: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """assembled_weights on the masked window x [bs, Hq, W, D] (_masked_window's)."""
+    bs, Hq, W, D = x.shape
     P = W - 1
-    dev = window.device
+    dev = x.device
     cnt = count.to(torch.int64)
-    x = _masked_window(window, count)  # [bs, Hq, W, D]
     hist = x[:, :, :P].flip(-2)  # newest first: row i = Q_{t-1-i}
     target = x[:, :, P]
     gram = hist @ hist.transpose(-1, -2)  # [bs, Hq, P, P]
@@ -171,7 +176,7 @@ def predict_next_query(window: torch.Tensor, count: torch.Tensor,
     last = x[:, :, W - 1]  # [bs, Hq, D]
     if W == 1:
         return last
-    w, k_valid = assembled_weights(window, count, ridge_eps)
+    w, k_valid = _assembled_weights(x, count, ridge_eps)
     m = k_valid.sum(-1)  # [bs]
     # Average the weights over valid k first: (1/m) sum_k w^(k) @ S == the mean of
     # the k estimates, with a single matmul against the shifted window S.
