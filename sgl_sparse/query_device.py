@@ -138,7 +138,9 @@ class _AspdForward:
         self.sr = sr
         self.slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
         # the request's W (<= the ring's): the newest W + 1 queries of the ring
-        self.count_cap = sr.take(knobs.aspd_window).long() + 1
+        W = store.ring.shape[2]
+        self.count_cap = torch.clamp(sr.take(knobs.aspd_window).long() + 1, max=W)
+        self.ring_off = torch.arange(W, device=self.count_cap.device) - W  # window j <- ring (total - W + j) % W
         self.ridge = sr.take(knobs.aspd_ridge)[:, None]
         self.sink = sr.take(knobs.sink).to(torch.int32)
         self.next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)
@@ -235,9 +237,14 @@ class QueryAwareDevice:
         f = self._fwd_aspd
         slot = f.slot
         ring, total = store.ring[li], store.total[li]
-        aspd.ring_push(ring, total, f.sr.take_any(q3), rows=slot)
-        window, count = aspd.ring_window(ring[slot], total[slot])
-        count = torch.minimum(count, f.count_cap)
+        # aspd.ring_push + ring_window, fused: the window read in one gather
+        W = ring.shape[1]
+        t = total[slot]
+        ring.index_put_((slot, t % W), f.sr.take_any(q3).to(ring.dtype))
+        t = t + 1
+        total[slot] = t
+        window = ring[slot[:, None], (t[:, None] + f.ring_off) % W]  # oldest .. newest
+        count = torch.minimum(t, f.count_cap)
         q_hat = aspd.predict_next_query(window, count, f.ridge)
         n_max = store.cfg.max_context
         scores = token_scores(q_hat.float(), k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
