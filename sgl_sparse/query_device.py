@@ -141,6 +141,7 @@ class _AspdForward:
         W = store.ring.shape[2]
         self.count_cap = torch.clamp(sr.take(knobs.aspd_window).long() + 1, max=W)
         self.ring_off = torch.arange(W, device=self.count_cap.device) - W  # window j <- ring (total - W + j) % W
+        self.consts = aspd.PredictConsts.make(W, self.count_cap.device, aspd.compute_dtype(store.ring))
         self.ridge = sr.take(knobs.aspd_ridge)[:, None]
         self.sink = sr.take(knobs.sink).to(torch.int32)
         self.next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)
@@ -245,7 +246,7 @@ class QueryAwareDevice:
         total[slot] = t
         window = ring[slot[:, None], (t[:, None] + f.ring_off) % W]  # oldest .. newest
         count = torch.minimum(t, f.count_cap)
-        q_hat = aspd.predict_next_query(window, count, f.ridge)
+        q_hat = aspd.predict_next_query(window, count, f.ridge, f.consts)
         n_max = store.cfg.max_context
         scores = token_scores(q_hat.float(), k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
         cap = store.sel_pos.shape[-1]

@@ -239,7 +239,7 @@ def test_ops_per_layer_stay_few():
     first layer only: the further layers issue only their own ops (each op is a
     GPU kernel in a captured decode step, 28 layers a step). Measured by
     bench/kernels/count_query_device_ops.py: 205 glue ops on every layer before,
-    70 on a further layer / 178 on the first after (+ 7 Triton launches)."""
+    63 on a further layer / 177 on the first after (+ 7 Triton launches)."""
     import importlib.util
     import os
 
@@ -249,6 +249,6 @@ def test_ops_per_layer_stay_few():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.count()
-    assert res["other"].total <= 75, dict(res["other"].ops)
+    assert res["other"].total <= 68, dict(res["other"].ops)
     assert res["first"].total <= 190, dict(res["first"].ops)
     assert sum(res["other"].launches.values()) == 7

@@ -88,10 +88,10 @@ def count(group: int = 2) -> dict:
                        num_kv_heads=HKV)
     q = torch.randn(len(rows), HKV * group, 16, generator=gen).half()
     out = {}
+    o = torch.zeros(q.shape[0], q.shape[1], 16)  # the attention's output (not counted)
     for name in ("first", "other"):  # two layers of one forward (the twin's one layer, twice)
         with OpCounter() as c:
             lplan = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-            o = torch.zeros(q.shape[0], q.shape[1], 16)
             twin.rt.finish(0, lplan, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
         out[name] = c
     return out
