@@ -12,7 +12,9 @@ this step (their request not in the batch, padding, other policies, no slot, a
 sequence past the store) are masked: the kernels skip them (slot < 0, an empty
 range) and their store writes go to a scratch slot.
 
-Per layer, decode:
+Per forward (at its first layer, QueryAwareDevice._forward; see there why that is
+safe under CUDA graphs): the knobs by row, the slot -> row maps, the masks and
+ranges, the prediction's constants. Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
