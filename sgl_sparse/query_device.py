@@ -12,7 +12,9 @@ this step (their request not in the batch, padding, other policies, no slot, a
 sequence past the store) are masked: the kernels skip them (slot < 0, an empty
 range) and their store writes go to a scratch slot.
 
-Per layer, decode:
+Per forward (at its first layer, QueryAwareDevice._forward; see there why that is
+safe under CUDA graphs): the knobs by row, the slot -> row maps, the masks and
+ranges, the prediction's constants. Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
@@ -40,7 +42,7 @@ POLICIES = tuple(PolicyId[name.upper()] for name in GRAPH_CAPTURABLE)
 
 
 class RowKnobs:
-    """The batch rows' knobs, gathered once per layer call from SparseState."""
+    """The batch rows' knobs, gathered once per forward from SparseState."""
 
     def __init__(self, state, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor):
         rows = req_pool_indices.long()
@@ -76,15 +78,78 @@ class SlotRows:
         self.b = b[:num_slots]  # [S]; bs: no row this step
         self.valid = self.b < bs
         self.ids = torch.arange(num_slots, device=dev, dtype=torch.int32)
+        # for per-layer gathers of [bs, ...] tensors without a fill row: slots
+        # without a row read row 0 (or nothing when bs == 0); callers mask them
+        self.b_any = self.b.clamp(max=max(bs - 1, 0))
 
     def take(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """x [bs, ...] -> [S, ...]: each slot's row (fill where none)."""
         return torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])[self.b]
 
+    def take_any(self, x: torch.Tensor) -> torch.Tensor:
+        """x [bs, ...] -> [S, ...]: each slot's row, garbage (a real row's) where
+        none: one gather, for per-layer inputs whose rowless slots are masked."""
+        return x[self.b_any]
+
     def slot_or(self, other: int, where: torch.Tensor | None = None) -> torch.Tensor:
         """[S] int32: the slot index where it has a row (and `where`), else `other`."""
         ok = self.valid if where is None else self.valid & where
         return torch.where(ok, self.ids, other)
+
+
+class _QuestForward:
+    """quest's per-forward tensors over its slots (nothing here depends on the layer)."""
+
+    def __init__(self, store, knobs: RowKnobs, plan: DecodePlan, indexed: torch.Tensor,
+                 req_pool_indices: torch.Tensor, cap: int):
+        sr = SlotRows(knobs, PolicyId.QUEST, store.cfg.slots)
+        self.sr = sr
+        self.rpi = sr.take(req_pool_indices)
+        self.n = sr.take(knobs.n)
+        self.slot_live = sr.slot_or(-1)  # bounds: every step of a live row
+        self.sel = sr.mine & indexed  # [bs]
+        self.sink = sr.take(knobs.sink).to(torch.int32)
+        self.b_start = sr.take(plan.b_start).to(torch.int32)
+        # candidate pages hold a position in [sink, b_start)
+        self.first = torch.div(self.sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        self.last = torch.div(self.b_start + QUEST_PAGE - 1, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        self.slot_sel = sr.slot_or(-1, sr.take(self.sel, False))
+        # slots not selected this step: an empty range
+        self.last_sel = torch.where(self.slot_sel >= 0, self.last, self.first)
+        self.pages = torch.div(sr.take(knobs.budget), QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        # static k: enough pages for any budget the store's capacity admits (+1: a
+        # page clipped by the sink leaves room for one more)
+        self.k = max(1, min(store.max_pages, cap // QUEST_PAGE + 1))
+        self.j = torch.where(self.sel, knobs.slot, 0).long()  # slot rows -> batch rows
+        self.sel3 = self.sel[:, None, None]
+        self.sel2 = self.sel[:, None]
+
+
+class _AspdForward:
+    """asyncspade's per-forward tensors: the batch rows reading their stored
+    selection (select), and the slots computing the next one (finish)."""
+
+    def __init__(self, store, knobs: RowKnobs, indexed: torch.Tensor, req_pool_indices: torch.Tensor):
+        # select: the rows that read their selection
+        sel = knobs.mine(PolicyId.ASYNCSPADE) & indexed
+        self.row_slot = torch.where(sel, knobs.slot, store.scratch_slot).long()
+        self.sel3 = sel[:, None, None]
+        self.sel2 = sel[:, None]
+        # finish: over the slots
+        sr = SlotRows(knobs, PolicyId.ASYNCSPADE, store.cfg.slots)
+        self.sr = sr
+        self.slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
+        # the request's W (<= the ring's): the newest W + 1 queries of the ring
+        W = store.ring.shape[2]
+        self.count_cap = torch.clamp(sr.take(knobs.aspd_window).long() + 1, max=W)
+        self.ring_off = torch.arange(W, device=self.count_cap.device) - W  # window j <- ring (total - W + j) % W
+        self.consts = aspd.PredictConsts.make(W, self.count_cap.device, aspd.compute_dtype(store.ring))
+        self.ridge = sr.take(knobs.aspd_ridge)[:, None]
+        self.sink = sr.take(knobs.sink).to(torch.int32)
+        self.next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)
+        self.hi = torch.where(sr.valid, self.next_b, 0).to(torch.int32)  # slots without a row: nothing scored
+        self.rpi = sr.take(req_pool_indices)
+        self.budget = sr.take(knobs.budget).to(torch.int32)
 
 
 class QueryAwareDevice:
@@ -93,65 +158,78 @@ class QueryAwareDevice:
         self.cap = cap
         self.quest = state.query_stores.get(PolicyId.QUEST)
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
+        self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
+        self._fwd_quest: _QuestForward | None = None
+        self._fwd_aspd: _AspdForward | None = None
+
+    def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
+        computed at the first layer of a forward and reused by the others.
+
+        Keyed on the step plan OBJECT, which the backend builds once per forward
+        (init_forward_metadata_in_graph -> plan_decode) and passes to every layer.
+        Under CUDA graphs that call is part of the captured region, like the layers:
+        at capture, Python builds one plan, the first layer computes these tensors
+        (its ops are captured, reading the graph's static inputs and SparseState's
+        columns in place) and the later layers read the tensors it produced; at
+        replay no Python runs and the captured ops recompute them from the current
+        inputs, before the first layer's kernels, in the same order. Eager forwards
+        get a new plan object, hence fresh tensors. A key that changes between
+        replays on the host (a counter bumped in init_forward_metadata_out_graph)
+        would NOT work: replays skip this Python, so it would never be seen. The
+        plan is held (not its id()), so a later plan cannot reuse its address."""
+        if self._plan is plan:
+            return
+        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
+        indexed = plan.indexed()
+        self._fwd_quest = (_QuestForward(self.quest, knobs, plan, indexed, req_pool_indices, self.cap)
+                           if self.quest is not None else None)
+        self._fwd_aspd = _AspdForward(self.aspd, knobs, indexed, req_pool_indices) if self.aspd is not None else None
+        self._plan = plan
 
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                a_pos: torch.Tensor, a_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """a_pos [bs, Hkv, cap] / a_len [bs, Hkv] with this layer's quest and
-        asyncspade INDEXED rows filled in (other rows as given)."""
-        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
-        indexed = plan.indexed()
-        if self.quest is not None:
-            a_pos, a_len = self._quest(li, plan, knobs, indexed, q3, k_cache, req_to_token, req_pool_indices,
-                                       a_pos, a_len)
-        if self.aspd is not None:
-            sel = knobs.mine(PolicyId.ASYNCSPADE) & indexed
-            slot = torch.where(sel, knobs.slot, self.aspd.scratch_slot).long()
+        asyncspade INDEXED rows filled in (other rows' a_len as given; their a_pos
+        entries may change: nothing reads a_pos beyond a_len)."""
+        self._forward(plan, req_pool_indices, seq_lens)
+        if self._fwd_quest is not None:
+            a_pos, a_len = self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
+        if self._fwd_aspd is not None:
+            f = self._fwd_aspd
             width = self.aspd.sel_pos.shape[-1]
-            pos = self.aspd.sel_pos[li][slot]
-            a_pos[..., :width] = torch.where(sel[:, None, None], pos, a_pos[..., :width])
-            a_len = torch.where(sel[:, None], self.aspd.sel_count[li][slot], a_len)
+            pos = self.aspd.sel_pos[li][f.row_slot]
+            a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
+            a_len = torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len)
         return a_pos, a_len
 
-    def _quest(self, li, plan, knobs: RowKnobs, indexed, q3, k_cache, req_to_token, req_pool_indices,
-               a_pos, a_len):
+    def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
         from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.quest
         kmin, kmax = store.kmin[li], store.kmax[li]
-        sr = SlotRows(knobs, PolicyId.QUEST, store.cfg.slots)
-        rpi, n = sr.take(req_pool_indices), sr.take(knobs.n)
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
-        quest_bounds_decode(k_cache, req_to_token, rpi, sr.slot_or(-1), n, kmin, kmax)
-        sel = sr.mine & indexed
-        sink = sr.take(knobs.sink).to(torch.int32)
-        b_start = sr.take(plan.b_start).to(torch.int32)
-        # candidate pages hold a position in [sink, b_start)
-        first = torch.div(sink, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        last = torch.div(b_start + QUEST_PAGE - 1, QUEST_PAGE, rounding_mode="floor").to(torch.int32)
-        slot_sel = sr.slot_or(-1, sr.take(sel, False))
-        scores = quest_page_scores(sr.take(q3).to(kmin.dtype), kmin, kmax, slot_sel, first, last)
-        # static k: enough pages for any budget the store's capacity admits (+1: a
-        # page clipped by the sink leaves room for one more)
-        k = max(1, min(store.max_pages, self.cap // QUEST_PAGE + 1))
-        pages = torch.div(sr.take(knobs.budget), QUEST_PAGE, rounding_mode="floor").to(torch.int32)
+        quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
+        scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
         # the best `pages` pages, ascending; slots not selected this step: an empty range
-        idx, n_pages = topk_range(scores, first, torch.where(slot_sel >= 0, last, first), pages, k,
-                                  out=torch.empty(scores.shape[0], scores.shape[1], k, dtype=torch.int32,
+        idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
+                                  out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
                                                   device=scores.device))
-        pos = a_pos.new_empty((sr.b.shape[0], *a_pos.shape[1:]))
-        cnt = a_len.new_empty((sr.b.shape[0], a_len.shape[1]))
-        expand_selection(None, idx, k, b_start, pos, cnt, page=QUEST_PAGE, n_sink=sink, count=n_pages)
-        j = torch.where(sel, knobs.slot, 0).long()  # back to the batch rows
-        a_pos = torch.where(sel[:, None, None], pos[j], a_pos)
-        a_len = torch.where(sel[:, None], cnt[j], a_len)
+        pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
+        cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
+        expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
+        # back to the batch rows: a_pos of the others is not read beyond their a_len
+        a_pos = pos[f.j]
+        a_len = torch.where(f.sel2, cnt[f.j], a_len)
         return a_pos, a_len
 
     def finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
-        """asyncspade, after the attention: the selection of the next step."""
+        """asyncspade, after the attention: the selection of the next step. Runs
+        after this layer's select(), whose forward tensors it reads."""
         if self.aspd is None:
             return
         from sgl_sparse.kernels.quest_pages import expand_selection
@@ -159,29 +237,28 @@ class QueryAwareDevice:
         from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.aspd
-        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
-        sr = SlotRows(knobs, PolicyId.ASYNCSPADE, store.cfg.slots)
-        slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
+        f = self._fwd_aspd
+        slot = f.slot
         ring, total = store.ring[li], store.total[li]
-        aspd.ring_push(ring, total, sr.take(q3), rows=slot)
-        window, count = aspd.ring_window(ring[slot], total[slot])
-        # the request's W (<= the ring's): the newest W + 1 queries of the ring
-        count = torch.minimum(count, sr.take(knobs.aspd_window).long() + 1)
-        q_hat = aspd.predict_next_query(window, count, sr.take(knobs.aspd_ridge)[:, None])
-        sink = sr.take(knobs.sink).to(torch.int32)
-        next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)  # next b_start
-        hi = torch.where(sr.valid, next_b, 0).to(torch.int32)  # slots without a row: nothing scored
+        # aspd.ring_push + ring_window, fused: the window read in one gather
+        W = ring.shape[1]
+        t = total[slot]
+        ring.index_put_((slot, t % W), f.sr.take_any(q3).to(ring.dtype))
+        t = t + 1
+        total[slot] = t
+        window = ring[slot[:, None], (t[:, None] + f.ring_off) % W]  # oldest .. newest
+        count = torch.minimum(t, f.count_cap)
+        q_hat = aspd.predict_next_query(window, count, f.ridge, f.consts)
         n_max = store.cfg.max_context
-        scores = token_scores(q_hat.float(), k_cache, req_to_token, sr.take(req_pool_indices), sink, hi, scale,
-                              n_max)
+        scores = token_scores(q_hat.float(), k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
-        idx, n_tok = topk_range(scores, sink, hi, sr.take(knobs.budget).to(torch.int32), k,
+        idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
                                 out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
                                                 device=q3.device))
         pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
         cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
-        expand_selection(None, idx, k, next_b, pos, cnt, page=1, n_sink=sink, count=n_tok)
+        expand_selection(None, idx, k, f.next_b, pos, cnt, page=1, n_sink=f.sink, count=n_tok)
         store.sel_pos[li][slot] = pos
         store.sel_count[li][slot] = cnt

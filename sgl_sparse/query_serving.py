@@ -190,16 +190,22 @@ class QueryAwareRuntime:
         """This layer's plan: a_pos / a_len_per_head of the INDEXED rows (the other
         rows keep the step plan's a_len_per_head: the kernel reads it for every row)."""
         bs, hkv = q3.shape[0], k_cache.shape[1]
-        a_pos = torch.zeros(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)
+        # The device path returns fresh a_len (and, with quest, a fresh a_pos that
+        # does not read the one given): no clone / fill of its own then.
+        fresh = self.device_active
+        if fresh and self.device.quest is not None:
+            a_pos = torch.empty(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)
+        else:
+            a_pos = torch.zeros(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)
         if plan.a_len_per_head is not None:
-            a_len = plan.a_len_per_head.clone()
+            a_len = plan.a_len_per_head if fresh else plan.a_len_per_head.clone()
         else:
             a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
-        indexed = plan.indexed()
         self._lfps_out = {}
         if self.device_active:
             a_pos, a_len = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices, seq_lens,
                                               a_pos, a_len)
+        indexed = plan.indexed() if self.groups else None
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
             cap = store.cfg.capacity
@@ -240,7 +246,7 @@ class QueryAwareRuntime:
 
     def finish(self, li: int, plan: DecodePlan, q3: torch.Tensor, o3: torch.Tensor, k_cache, req_to_token,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
-        indexed = plan.indexed()
+        indexed = plan.indexed() if self.groups else None
         hkv = k_cache.shape[1]
         if self.device_active:
             self.device.finish(li, q3, k_cache, req_to_token, req_pool_indices, seq_lens, scale)

@@ -232,3 +232,23 @@ def test_idle_steps_keep_the_device_path_in_captured_graphs():
         assert twin.rt.active() == graphed and not twin.rt.groups
     twin.admit(torch.randn(sum(LENS.values()), HKV * 2, D).to(KV))
     assert twin.st.has_active(QUERY_AWARE_IDS)
+
+
+def test_ops_per_layer_stay_few():
+    """The per-forward work (knobs, slot -> row maps, masks) runs at a forward's
+    first layer only: the further layers issue only their own ops (each op is a
+    GPU kernel in a captured decode step, 28 layers a step). Measured by
+    bench/kernels/count_query_device_ops.py: 205 glue ops on every layer before,
+    63 on a further layer / 177 on the first after (+ 7 Triton launches)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench", "kernels", "count_query_device_ops.py")
+    spec = importlib.util.spec_from_file_location("count_query_device_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.count()
+    assert res["other"].total <= 68, dict(res["other"].ops)
+    assert res["first"].total <= 190, dict(res["first"].ops)
+    assert sum(res["other"].launches.values()) == 7

@@ -36,7 +36,7 @@ predicted selection and the exact one of the true next query.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -92,11 +92,30 @@ def ring_window(ring: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 # ---- next-query prediction ----------------------------------------------------------
-def _masked_window(window: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+class PredictConsts(NamedTuple):
+    """The index constants of a prediction over a window of W (built on the device
+    by `make`; the CUDA-graph path builds them once per forward, not per layer)."""
+
+    slots: torch.Tensor  # [W] 0 .. W-1
+    eye: torch.Tensor  # [P, P] identity in the compute dtype (P = W - 1)
+    out_win: torch.Tensor  # [P (k-1), P (j)] j >= k: outside the size-k window
+    sizes: torch.Tensor  # [P] 1 .. P
+
+    @staticmethod
+    def make(W: int, device, dtype: torch.dtype) -> "PredictConsts":
+        P = max(W - 1, 0)
+        kk = torch.arange(P, device=device)
+        return PredictConsts(torch.arange(W, device=device), torch.eye(P, device=device, dtype=dtype),
+                             kk[None, :] > kk[:, None], kk + 1)
+
+
+def _masked_window(window: torch.Tensor, count: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[bs, W, Hq, D] -> [bs, Hq, W, D] in the compute dtype, left-pad slots zeroed so
     garbage (even NaN) there cannot leak into any sum."""
     W = window.shape[1]
-    ok = torch.arange(W, device=window.device)[None, :] >= (W - count.to(torch.int64))[:, None]
+    if slots is None:
+        slots = torch.arange(W, device=window.device)
+    ok = slots[None, :] >= (W - count.to(torch.int64))[:, None]
     x = torch.where(ok[:, :, None, None], window.to(compute_dtype(window)), 0.0)
     return x.permute(0, 2, 1, 3)
 
@@ -129,11 +148,17 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     softmax(-G^-1 b); the text (Eqs. 2-3) and ALGORITHMS.md weight by +omega, which
     is what makes the query most similar to Q_t weigh most.
     """
-    bs, W, Hq, D = window.shape
+    return _assembled_weights(_masked_window(window, count), count, ridge_eps)
+
+
+def _assembled_weights(x: torch.Tensor, count: torch.Tensor, ridge_eps: float | torch.Tensor,
+                       consts: Optional[PredictConsts] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """assembled_weights on the masked window x [bs, Hq, W, D] (_masked_window's)."""
+    bs, Hq, W, D = x.shape
     P = W - 1
-    dev = window.device
+    if consts is None:
+        consts = PredictConsts.make(W, x.device, x.dtype)
     cnt = count.to(torch.int64)
-    x = _masked_window(window, count)  # [bs, Hq, W, D]
     hist = x[:, :, :P].flip(-2)  # newest first: row i = Q_{t-1-i}
     target = x[:, :, P]
     gram = hist @ hist.transpose(-1, -2)  # [bs, Hq, P, P]
@@ -142,23 +167,23 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     lam = ridge_eps * sq.sum(-1) / cnt.clamp(min=1)[:, None].to(x.dtype)
     # the floor keeps an all-zero (empty) row's system non-singular
     lam = lam.clamp(min=torch.finfo(x.dtype).tiny ** 0.5)
-    eye = torch.eye(P, device=dev, dtype=x.dtype)
+    eye = consts.eye
     M = gram + lam[..., None, None] * eye  # SPD by construction
     # *_ex variants: no error check, hence no host sync
     L = torch.linalg.cholesky_ex(M).L
     Linv = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)
     y = (Linv @ rhs[..., None])[..., 0]  # [bs, Hq, P]
     omega = torch.cumsum(Linv * y[..., :, None], dim=-2)  # [.., k-1, j] = omega^(k)_j
-    kk = torch.arange(P, device=dev)
-    in_win = kk[None, :] <= kk[:, None]  # [k-1, j]: j < k (newest-first index)
-    w = torch.softmax(omega.masked_fill(~in_win, _NEG_INF), dim=-1)
+    # [k-1, j]: only j < k (newest-first index) is in the size-k window
+    w = torch.softmax(omega.masked_fill(consts.out_win, _NEG_INF), dim=-1)
     w = w.flip(-1)  # back to chronological history slots
-    k_valid = torch.arange(1, P + 1, device=dev)[None, :] <= (cnt - 1)[:, None]
+    k_valid = consts.sizes[None, :] <= (cnt - 1)[:, None]
     return w, k_valid
 
 
 def predict_next_query(window: torch.Tensor, count: torch.Tensor,
-                       ridge_eps: float | torch.Tensor = RIDGE_EPS) -> torch.Tensor:
+                       ridge_eps: float | torch.Tensor = RIDGE_EPS,
+                       consts: Optional[PredictConsts] = None) -> torch.Tensor:
     """Q_hat_{t+1} [bs, Hq, D] (float32, or float64 for float64 input) from window [bs, W, Hq, D] / count [bs].
 
     Eq. (4) per window size, Q_hat^(k) = sum_{i=1..k} w^(k)_{t-i} Q_{t+1-i} (the
@@ -167,11 +192,11 @@ def predict_next_query(window: torch.Tensor, count: torch.Tensor,
     the last query; count == 0: zeros.
     """
     W = window.shape[1]
-    x = _masked_window(window, count)
+    x = _masked_window(window, count, consts.slots if consts is not None else None)
     last = x[:, :, W - 1]  # [bs, Hq, D]
     if W == 1:
         return last
-    w, k_valid = assembled_weights(window, count, ridge_eps)
+    w, k_valid = _assembled_weights(x, count, ridge_eps, consts)
     m = k_valid.sum(-1)  # [bs]
     # Average the weights over valid k first: (1/m) sum_k w^(k) @ S == the mean of
     # the k estimates, with a single matmul against the shifted window S.

@@ -1,0 +1,105 @@
+"""Ops per decode layer of query_device (quest + asyncspade on the device path), on CPU.
+
+Counts the aten ops (each one a GPU kernel or more on CUDA, except views) and the
+Triton launches of QueryAwareRuntime.select + finish at bs = 8 with quest and
+asyncspade rows, 4 slots per store (tests/test_query_device.py's twin):
+  first  the first layer of a forward (per-forward work + per-layer work)
+  other  any further layer of the same forward (the per-layer work only)
+Run: TRITON_INTERPRET=1 python bench/kernels/count_query_device_ops.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# aten ops that launch nothing on the device (metadata / views)
+_FREE = ("view", "_unsafe_view", "alias", "as_strided", "expand", "permute", "transpose", "t", "slice",
+         "select", "unsqueeze", "squeeze", "detach", "reshape", "split", "unbind", "_reshape_alias",
+         "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "sym_size",
+         "sym_stride", "is_same_size", "_to_copy_noop", "numel", "dim", "size", "stride", "flip_view")
+
+
+class OpCounter(TorchDispatchMode):
+    """aten ops outside Triton launches (the glue), and Triton launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.launches: collections.Counter = collections.Counter()
+        self._in_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._in_kernel:
+            name = func.overloadpacket.__name__
+            if name not in _FREE:
+                self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._orig = InterpretedFunction.run
+        counter = self
+
+        def run(fn_self, *a, **k):
+            counter.launches[fn_self.fn.__name__] += 1
+            counter._in_kernel += 1
+            try:
+                return counter._orig(fn_self, *a, **k)
+            finally:
+                counter._in_kernel -= 1
+
+        InterpretedFunction.run = run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self._orig
+        return super().__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def count(group: int = 2) -> dict:
+    """{'first': OpCounter, 'other': OpCounter} of one decode forward's layer calls."""
+    from sgl_sparse.decision import plan_decode
+    from tests.test_query_device import HKV, LENS, SCALE, Twin
+
+    twin = Twin(group, use_kernels=True)
+    gen = torch.Generator().manual_seed(0)
+    twin.admit(torch.randn(sum(LENS.values()), HKV * group, 16, generator=gen).half())
+    rows = [5, 1, 7, 3, 0, 4, 2, 0]  # quest 1-3, asyncspade 4-5, full 7, padding 0 (no lfps group)
+    lens = [LENS[r] + 1 if r else 1 for r in rows]
+    rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
+    twin.rt.plan_step(rows, lens, torch.device("cpu"), graphed=True)
+    plan = plan_decode(twin.st, rows_t, torch.ones(len(rows), dtype=torch.long), lens_t, (None, None),
+                       num_kv_heads=HKV)
+    q = torch.randn(len(rows), HKV * group, 16, generator=gen).half()
+    out = {}
+    o = torch.zeros(q.shape[0], q.shape[1], 16)  # the attention's output (not counted)
+    for name in ("first", "other"):  # two layers of one forward (the twin's one layer, twice)
+        with OpCounter() as c:
+            lplan = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+            twin.rt.finish(0, lplan, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+        out[name] = c
+    return out
+
+
+if __name__ == "__main__":
+    res = count()
+    for name, c in res.items():
+        print(f"{name:6s} glue aten ops {c.total:4d}  triton launches {sum(c.launches.values()):3d} "
+              f"{dict(c.launches)}")
+        print("       ", dict(c.ops.most_common()))
