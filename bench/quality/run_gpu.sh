@@ -33,11 +33,11 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 
 # name|train_tiny.py flags (all on the default GPU shape; see README "Sweep" and "Bug hunt")
 # recipe kv-easy (the recall circuit first on 4 pairs at 16 tokens): at the default lr,
-# at lr 3e-3, another seed (the plateau's end is stochastic), and with the (now fixed)
+# at lr 3e-3 (as on CPU) and with another seed (the plateau's end is stochastic), and with the (now fixed)
 # previous-token init
 DEFAULT_VARIANTS="kv-easy|--recipe kv-easy;\
 kv-easy-lr3e-3|--recipe kv-easy --lr 3e-3;\
-kv-easy-s1|--recipe kv-easy --seed 1;\
+kv-easy-lr3e-3-s1|--recipe kv-easy --lr 3e-3 --seed 1;\
 kv-easy-prev|--recipe kv-easy --prev-token-init 1"
 TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv-easy}"
 
