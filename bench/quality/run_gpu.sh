@@ -6,7 +6,7 @@
 # ../shared/gpu/README.md, then
 #
 #   bash bench/quality/run_gpu.sh train     # <= ~8 min: writes $CKPT (kept in /root while the machine is warm);
-#                                           # TRAIN_FLAGS (default "--recipe kv --prev-token-init 1") picks the recipe
+#                                           # TRAIN_FLAGS (default "--recipe kv-easy") picks the recipe
 #   bash bench/quality/run_gpu.sh eval      # server eval (~4 min start-up on a fresh machine) + fidelity
 #   bash bench/quality/run_gpu.sh all       # both (only if one command may take ~15 min)
 #   bash bench/quality/run_gpu.sh sweep     # <= ~9 min: 4 training recipes at once on the one GPU
@@ -31,14 +31,15 @@ results="$here/../results"; mkdir -p "$results"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-# name|train_tiny.py flags (all on the default GPU shape; see README "Sweep")
-# pure key-value warm-up (recipe kv) with/without previous-token init; run 3's task with
-# a long stage 0 with previous-token init, and with run 3's other listed levers (lr, lm-weight)
-DEFAULT_VARIANTS="kv-prev|--recipe kv --prev-token-init 1;\
-kv|--recipe kv;\
-run3-long-prev|--recipe run3-long --prev-token-init 1;\
-run3-long-lr3e-3-lm1|--recipe run3-long --lr 3e-3 --lm-weight 1.0"
-TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv --prev-token-init 1}"
+# name|train_tiny.py flags (all on the default GPU shape; see README "Sweep" and "Bug hunt")
+# recipe kv-easy (the recall circuit first on 4 pairs at 16 tokens): at the default lr,
+# at lr 3e-3 (as on CPU) and with another seed (the plateau's end is stochastic), and with the (now fixed)
+# previous-token init
+DEFAULT_VARIANTS="kv-easy|--recipe kv-easy;\
+kv-easy-lr3e-3|--recipe kv-easy --lr 3e-3;\
+kv-easy-lr3e-3-s1|--recipe kv-easy --lr 3e-3 --seed 1;\
+kv-easy-prev|--recipe kv-easy --prev-token-init 1"
+TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv-easy}"
 
 sweep() {
     local budget="${SWEEP_BUDGET:-400}" dir="${SWEEP_DIR:-/root/sweep}" names=() pids=() IFS_OLD="$IFS"

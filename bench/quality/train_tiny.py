@@ -85,6 +85,20 @@ RECIPES = {
     "run3-long": [Stage(256, 64, 16000, 0.55, 8, 32), Stage(1024, 16, 1500, 0.09, 16, 64),
                   Stage(4096, 4, 600, 0.08, 16, 128), Stage(16384, 1, 300, 0.07, 32, 128),
                   Stage(32768, 1, 150, 0.06, 64, 128)],
+    # "kv-easy": the recall circuit first on the easiest MQAR (4 pairs, 16 tokens, no
+    # filler), then 2-16 pairs at 64 tokens, 8-64 at 256, then "kv"'s later stages. CPU
+    # toy (README "Bug hunt"): formed at 4 pairs it transfers at once to 2-16 pairs at 64
+    # tokens (acc 0.96 100 steps later), which trained directly stayed at 0.14 in 2000 steps.
+    # Stage 0 gets a quarter of the budget: sweep run 1 made ~26 steps/s per process
+    # (4 in parallel), so ~2600 steps in 100 s; the CPU toy formed in 700-1300.
+    "kv-easy": [Stage(16, 64, 3000, 0.25, 8, 16, 0.25, 1.0, 4, 4),
+                Stage(64, 64, 1000, 0.06, 8, 16, 0.25, 1.0, 2, 16),
+                Stage(256, 64, 1000, 0.06, 8, 32, 0.25, 1.0, 8, 64),
+                Stage(256, 64, 3000, 0.14, 8, 32, 0.25, 0.25, 8, 64),
+                Stage(1024, 16, 1000, 0.06, 16, 64, 0.25, 0.25, 16, 128),
+                Stage(4096, 4, 400, 0.05, 16, 128),
+                Stage(16384, 1, 200, 0.05, 32, 128),
+                Stage(32768, 1, 100, 0.05, 64, 128)],
     "kv": [Stage(256, 64, 4000, 0.2, 8, 32, 0.25, 1.0, 8, 64),
            Stage(256, 64, 8000, 0.3, 8, 32, 0.25, 0.25, 8, 64),
            Stage(1024, 16, 1500, 0.1, 16, 64, 0.25, 0.25, 16, 128),
@@ -153,11 +167,11 @@ def init_prev_token_heads(model, shape: ModelShape, freqs: Sequence[int] = (0, 1
     group = shape.heads // shape.kv_heads
     with torch.no_grad():
         g = torch.Generator().manual_seed(4321)
-        c = torch.randn(emb.shape[1], generator=g)
-        c_hat = c / c.norm()
+        c = torch.randn(emb.shape[1], generator=g)  # on the CPU (same c on every device)
+        c_hat = (c / c.norm()).to(emb.device)  # H100 sweep run 1 crashed here: cuda vs cpu
         emb.add_((c_hat * emb.norm(dim=1).mean()).to(emb.dtype))
         inv = shape.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / d)
-        a, b = torch.zeros(d), torch.zeros(d)
+        a, b = torch.zeros(d, device=emb.device), torch.zeros(d, device=emb.device)
         for i in freqs:
             a[i] = 1.0
             b[i], b[i + half] = math.cos(inv[i]), math.sin(inv[i])  # a rotated by +w_i
@@ -363,7 +377,11 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
                     all_logits, all_tgt = supervised_logits(model, ids, mask | lm)
                     is_sup = mask[:, 1:][(mask | lm)[:, 1:]]
                     logits, tgt = all_logits[is_sup], all_tgt[is_sup]
-                    lm_loss = torch.nn.functional.cross_entropy(all_logits[~is_sup].float(), all_tgt[~is_sup])
+                    # A batch of pure key-value rows without filler has no such tokens: a
+                    # mean over none is NaN (it made the logged loss NaN), so sum / max(n, 1)
+                    # (no host sync).
+                    lm_loss = torch.nn.functional.cross_entropy(
+                        all_logits[~is_sup].float(), all_tgt[~is_sup], reduction="sum") / (~is_sup).sum().clamp(min=1)
                 else:
                     logits, tgt = supervised_logits(model, ids, mask)
             tok_loss = torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="none")
