@@ -109,19 +109,15 @@ def radix_select(X, lo, hi, h_top, k, center, SCR, KEY: tl.constexpr, GATHER: tl
             cnt += tl.sum(keep, 0)
         # bar.sync: the CTA's global stores above are visible to all its threads.
         tl.debug_barrier()
-        # SCR holds v itself (|X - center| already taken): read it back as it is.
-        if KEY == 1:
-            h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 8, 0, True, BLOCK_N)
-            k, prefix = _pick_digit(h, k, prefix)
-            h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, 0, True, BLOCK_N)
-        else:
-            h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 8, KEY, True, BLOCK_N)
-            k, prefix = _pick_digit(h, k, prefix)
-            h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, KEY, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
+        # The last two passes read SCR [0, cnt): it holds v itself (|X - center|
+        # already taken), so KEY_ABS_DEV reads it back as magnitudes.
+        SRC_KEY: tl.constexpr = 0 if KEY == 1 else KEY
+        src, src_lo, src_hi, src_center = SCR, 0, cnt, 0.0
     else:
-        h = digit_histogram(X, lo, hi, center, prefix, 8, KEY, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
-        h = digit_histogram(X, lo, hi, center, prefix, 0, KEY, True, BLOCK_N)
-        k, prefix = _pick_digit(h, k, prefix)
+        SRC_KEY: tl.constexpr = KEY
+        src, src_lo, src_hi, src_center = X, lo, hi, center
+    h = digit_histogram(src, src_lo, src_hi, src_center, prefix, 8, SRC_KEY, True, BLOCK_N)
+    k, prefix = _pick_digit(h, k, prefix)
+    h = digit_histogram(src, src_lo, src_hi, src_center, prefix, 0, SRC_KEY, True, BLOCK_N)
+    k, prefix = _pick_digit(h, k, prefix)
     return prefix, k

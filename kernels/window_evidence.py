@@ -71,6 +71,16 @@ def _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, mask_n, qpos, 
     return tl.where(ok, s * qk_scale, float("-inf"))
 
 
+@triton.jit
+def _powered_group_probs(s, lse, beta, G_PAD: tl.constexpr, W_PAD: tl.constexpr, BLOCK_N: tl.constexpr, GROUP):
+    """(mean_g p_g)^beta per window query, 0 where no head attends: p = exp2(s - lse)
+    of the rows m = g * W_PAD + i of s [G_PAD * W_PAD, BLOCK_N] -> [W_PAD, BLOCK_N].
+    The evidence formula both second passes share (keys, or stored logits)."""
+    p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 where s = -inf
+    pg = tl.sum(tl.reshape(p, [G_PAD, W_PAD, BLOCK_N]), 0) / GROUP
+    return tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
+
+
 @triton.jit(do_not_specialize=["stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r", "stride_lg_h", "stride_lg_m"])
 def _evidence_pass1(
     Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
@@ -165,12 +175,9 @@ def _evidence_pass2(
         s = tl.load(LOGITS + cur_r * stride_lg_r + cur_kvh * stride_lg_h + (g * W + i)[:, None] * stride_lg_m
                     + offs_n[None, :], mask=live, other=float("-inf"))
         lse = tl.load(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + offs_m)
-        p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 where s = -inf
-        pg = tl.sum(tl.reshape(p, [G_PAD, W_PAD, BLOCK_N]), 0) / GROUP  # [W_PAD, BLOCK_N]
-        beta = tl.load(BETA + cur_r)
+        pb = _powered_group_probs(s, lse, tl.load(BETA + cur_r), G_PAD, W_PAD, BLOCK_N, GROUP)  # [W_PAD, BLOCK_N]
         nq = tl.load(NQ + cur_r)
         offs_w = tl.arange(0, W_PAD)
-        pb = tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
         pb = tl.where((offs_w < nq)[:, None], pb, 0.0)
         tl.store(u_ptr, tl.sum(pb, 0) / nq.to(tl.float32), mask=mask_n)
 
@@ -299,11 +306,9 @@ def _stored_pass2(
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     s = _stored_tile(LOGITS, SLOT, LO, HI, cur_r, cur_kvh, offs_n, stride_ls, stride_lh, stride_lg, GROUP, G_PAD)
     lse = tl.load(LSE + cur_r * stride_lse_r + cur_kvh * stride_lse_h + tl.arange(0, G_PAD))
-    p = tl.exp2(s - tl.where(lse == float("-inf"), 0.0, lse)[:, None])  # 0 off A and for padded heads
-    pg = tl.sum(p, 0) / GROUP
-    beta = tl.load(BETA + cur_r)
-    pb = tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
-    tl.store(U + cur_r * stride_ur + cur_kvh * stride_uh + offs_n, pb, mask=offs_n < N)
+    # one window query (W_PAD 1): 0 off A and for padded heads
+    pb = _powered_group_probs(s, lse, tl.load(BETA + cur_r), G_PAD, 1, BLOCK_N, GROUP)
+    tl.store(U + cur_r * stride_ur + cur_kvh * stride_uh + offs_n, tl.sum(pb, 0), mask=offs_n < N)
 
 
 def stored_evidence(
