@@ -240,14 +240,8 @@ class QueryAwareDevice:
         f = self._fwd_aspd
         slot = f.slot
         ring, total = store.ring[li], store.total[li]
-        # aspd.ring_push + ring_window, fused: the window read in one gather
-        W = ring.shape[1]
-        t = total[slot]
-        ring.index_put_((slot, t % W), f.sr.take_any(q3).to(ring.dtype))
-        t = t + 1
-        total[slot] = t
-        window = ring[slot[:, None], (t[:, None] + f.ring_off) % W]  # oldest .. newest
-        count = torch.minimum(t, f.count_cap)
+        window, count = aspd.ring_push_window(ring, total, f.sr.take_any(q3), slot, f.ring_off)  # oldest .. newest
+        count = torch.minimum(count, f.count_cap)
         q_hat = aspd.predict_next_query(window, count, f.ridge, f.consts)
         n_max = store.cfg.max_context
         scores = token_scores(q_hat.float(), k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)

@@ -269,8 +269,7 @@ class QueryAwareRuntime:
 
     def _predict(self, li, store, g: Group, q3, k_cache, req_to_token, req_pool_indices, n, scale) -> None:
         w = g.spec.window + 1  # W regressors + the target (queryaware.asyncspade's ring)
-        aspd.ring_push(store.ring[li], store.total[li], q3[g.batch_idx], rows=g.slots)
-        window, count = aspd.ring_window(store.ring[li][g.slots], store.total[li][g.slots])
+        window, count = aspd.ring_push_window(store.ring[li], store.total[li], q3[g.batch_idx], g.slots)
         q_hat = aspd.predict_next_query(window[:, -w:], count.clamp(max=w), g.spec.ridge)
         rpi = req_pool_indices[g.batch_idx].long()
         keys = k_cache[req_to_token[rpi, : g.n_max].long()]

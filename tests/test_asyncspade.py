@@ -144,6 +144,26 @@ def test_ring_push_window_and_load():
     torch.testing.assert_close(win2[ok], win[ok])
 
 
+def test_ring_push_window_is_push_then_window():
+    R, W, Hq, D = 4, 5, 2, 3
+    g = torch.Generator().manual_seed(9)
+    ring_a = torch.full((R, W, Hq, D), float("nan"))
+    total_a = torch.zeros(R, dtype=torch.int64)
+    ring_b, total_b = ring_a.clone(), total_a.clone()
+    for rows in [[0, 1, 2, 3], [0, 2], [3, 0, 2], [0], [1, 3], [0, 2], [2, 0], [0], [0, 1]]:  # ragged
+        rows = torch.tensor(rows)
+        q = torch.randn(len(rows), Hq, D, generator=g)
+        aspd.ring_push(ring_a, total_a, q, rows)
+        win_a, cnt_a = aspd.ring_window(ring_a[rows], total_a[rows])
+        win_b, cnt_b = aspd.ring_push_window(ring_b, total_b, q, rows)
+        assert torch.equal(cnt_b, cnt_a) and torch.equal(total_b, total_a)
+        assert torch.equal(ring_b.isnan(), ring_a.isnan())
+        torch.testing.assert_close(ring_b.nan_to_num(), ring_a.nan_to_num(), rtol=0, atol=0)
+        ok = torch.arange(W)[None, :] >= (W - cnt_a)[:, None]  # the valid, right-aligned entries
+        assert not win_b[ok].isnan().any()
+        torch.testing.assert_close(win_b[ok], win_a[ok], rtol=0, atol=0)
+
+
 # ---- scoring, Top-K, overlap ---------------------------------------------------------
 @pytest.mark.parametrize("G", [1, 4, 8])
 def test_scores_match_the_group_max(G):

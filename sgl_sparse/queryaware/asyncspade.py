@@ -20,8 +20,7 @@ Call sequence, per layer
 ------------------------
     prefill end:   ring_load(ring, total, rows, last_prompt_queries, n_valid)
     decode step t, once q_t ([bs, Hq, D]) is computed:
-        ring_push(ring, total, q_t, rows)                       # in place
-        window, count = ring_window(ring[rows], total[rows])    # chronological
+        window, count = ring_push_window(ring, total, q_t, rows)  # push, then chronological window
         q_hat = predict_next_query(window, count)               # [bs, Hq, D] fp32
         scores = score_positions(q_hat, keys, n, lo, hi, scale) # or the GQA kernel
         pos, cnt = select_topk(scores, budget, k_max)           # used at step t+1
@@ -89,6 +88,21 @@ def ring_window(ring: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, 
     src = (t[:, None] - W + torch.arange(W, device=ring.device)[None, :]) % W
     idx = src[:, :, None, None].expand(-1, -1, *ring.shape[2:])
     return torch.gather(ring, 1, idx), t.clamp(max=W)
+
+
+def ring_push_window(ring: torch.Tensor, total: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
+                     offs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ring_push(ring, total, q, rows)` then `ring_window(ring[rows], total[rows])`,
+    the window read in one gather from the totals just written (the serving paths'
+    per-layer sequence). `offs`: `arange(W) - W` when the caller keeps one."""
+    W = ring.shape[1]
+    t = total[rows]
+    ring.index_put_((rows, t % W), q.to(ring.dtype))
+    t = t + 1
+    total[rows] = t
+    if offs is None:
+        offs = torch.arange(W, device=ring.device) - W
+    return ring[rows[:, None], (t[:, None] + offs) % W], t.clamp(max=W)
 
 
 # ---- next-query prediction ----------------------------------------------------------
