@@ -51,7 +51,7 @@ import triton.language as tl
 from ._radix import load_key, digit_histogram, radix_select
 from ._utils import device_num_sms
 
-__all__ = ["topk_range", "topk_range_ref", "launch_shape"]
+__all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
@@ -109,6 +109,11 @@ def _topk_range_kernel(
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
+#: (block_n, num_warps) that :func:`launch_shape` picks from, widest first (start-up
+#: compiles each: ``selector.refresh.warm_up_kernels``).
+LAUNCH_SHAPES = ((4096, 16), (2048, 8), (1024, 4))
+
+
 def launch_shape(programs: int, device: torch.device) -> Tuple[int, int]:
     """(block_n, num_warps) for ``programs`` (row, head) programs. Each program walks
     its range serially, so when there are fewer programs than SMs (the serving
@@ -117,10 +122,10 @@ def launch_shape(programs: int, device: torch.device) -> Tuple[int, int]:
     CTAs resident per SM."""
     sms = device_num_sms(device)
     if programs <= sms:
-        return 4096, 16
+        return LAUNCH_SHAPES[0]
     if programs <= 4 * sms:
-        return 2048, 8
-    return 1024, 4
+        return LAUNCH_SHAPES[1]
+    return LAUNCH_SHAPES[2]
 
 
 def topk_range(
