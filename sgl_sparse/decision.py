@@ -28,9 +28,8 @@ class DecodePlan:
                       (SFI: sink + selected tokens, all before b_start)
          a_slot == -2 (INDEXED; quest, asyncspade, lfps): per KV head h the
                       positions a_pos[b, h, :a_len_per_head[b, h]] read in place
-                      through req_to_token (distinct, all < b_start, the sink
-                      positions first; ascending from the torch path, by
-                      descending score from the kernels of query_device.py). Chosen per layer: the step's plan has
+                      through req_to_token (ascending, all < b_start, the sink
+                      positions included). Chosen per layer: the step's plan has
                       a_pos None and a_len 0 for these rows; the backend fills
                       both in a per-layer copy (`with_indexed`).
       B: positions [b_start, b_end)    -- recent window, or the whole sequence

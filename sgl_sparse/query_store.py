@@ -13,8 +13,7 @@ Layouts (slot = one live request of the policy; layers of this rank):
               sel_pos      [layers, slots, Hkv, capacity] int32
               sel_count    [layers, slots, Hkv] int32
                            the selection for the next step (sink positions first,
-                           then the Top-K, all < that step's b_start; ascending
-                           on the torch path, by descending score from the kernels)
+                           then the Top-K, ascending, all < that step's b_start)
               one extra slot (`scratch_slot`, the last) takes the writes of the
               batch rows that are not asyncspade's: the CUDA-graph path
               (query_device.py) writes every row, masked by where it writes

@@ -326,14 +326,11 @@ class SparseState:
             rows, self._step_rows = self._step_rows, None
         return rows
 
-    def take_refresh_rows(self) -> dict[int, int]:
-        """Rows whose compact buffer the Selector must refresh before the next
-        step, with a host bound on their sequence length."""
-        return self.take_refresh()[0]
-
     def take_refresh(self) -> tuple[dict[int, int], set[int]]:
-        """`take_refresh_rows`, and those of its rows whose slow step was not their
-        first decode step (their evidence window is that step's query alone)."""
+        """Rows whose compact buffer the Selector must refresh before the next
+        step, with a host bound on their sequence length; and those of them whose
+        slow step was not their first decode step (their evidence window is that
+        step's query alone)."""
         with self._lock:
             out, self._refresh = self._refresh, {}
             later, self._refresh_later = self._refresh_later, set()

@@ -177,7 +177,7 @@ def test_host_accounting_and_refresh_queue():
     for k in range(7):
         st.set_step_rows([1], [100 + k], [list(toks)])
         routes.append(st.take_step_kernel_rows()[0])
-        refreshes.append(sorted(st.take_refresh_rows()))
+        refreshes.append(sorted(st.take_refresh()[0]))
         toks.append(DOT if k == 2 else 5)  # step k's input id, known after step k launched
     assert routes == [1] * 7
     # Slow: step 0 (first), step 2 (reads DOT), step 5 (t_max fast steps before it);
