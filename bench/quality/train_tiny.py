@@ -66,6 +66,11 @@ class Stage:
     kv_lo: int = 4
     kv_hi: int = 64
 
+    @property
+    def kv_rows(self) -> int:
+        """Pure key-value rows per batch: the first ones (make_batch; the log splits on it)."""
+        return round(self.kv * self.batch)
+
 
 # MQAR recipe (tasks.make_training_sequence): every fact asked by an inline question
 # later in the sequence, so one sequence has dozens to hundreds of supervised
@@ -189,7 +194,7 @@ def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.
     """[B, L] ids and [B, L] supervision mask (position i supervised: predict ids[i]);
     a pure function of (stage, step, seed)."""
     rows, masks = [], []
-    n_kv = round(stage.kv * stage.batch)
+    n_kv = stage.kv_rows
     for b in range(stage.batch):
         s = (seed * 1_000_003 + step) * 4096 + b
         if b < n_kv:
@@ -359,7 +364,7 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     for si, stage in enumerate(stages):
         t_stage, ema, vema = time.monotonic(), None, None
         end = step + stage.steps
-        n_kv = round(stage.kv * stage.batch)
+        n_kv = stage.kv_rows
         for ids, mask in batches(stage, step, seed, workers):
             cpu_ids, cpu_mask = ids, mask
             if time.monotonic() - t_stage > stage.time_share * time_budget:
