@@ -240,8 +240,10 @@ def supervised_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
 def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed: int = 12345) -> dict:
     """Held-out exact match per prompt length on eval.py's prompts (tasks.make_example:
     one fact per 128 tokens, one question at the end, depths 0.1/0.5/0.9, both
-    variants): the whole completion argmax-correct under teacher forcing (== greedy
-    decoding reproduces it). Also the value-token accuracy alone per variant."""
+    variants): the completion up to its value token(s) argmax-correct under teacher
+    forcing (== greedy decoding reproduces it; what follows the value is not scored,
+    as in eval.py's tasks.answer_correct). Also the value-token accuracy alone per
+    variant."""
     model.eval()
     out = {}
     for length in lengths:
@@ -255,7 +257,7 @@ def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 logits, tgt = supervised_logits(model, ids, mask)
             ok = logits.argmax(-1) == tgt
-            hits.append(bool(ok.all()))
+            hits.append(bool(ok[:-1].all()))  # all but the final <eos>
             val_hits[variant].append(bool(ok[-1 - tasks.VALUE_LEN:-1].all()))  # the value token(s) before <eos>
         out[length] = {"exact": sum(hits) / n,
                        **{f"value_{v}": (sum(h) / len(h) if h else float("nan")) for v, h in val_hits.items()}}
@@ -431,7 +433,7 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
     # the last stage's eval already covers every length (same prompts): not run twice
     final = acc if history and list(acc) == list(eval_lengths) else eval_accuracy(model, eval_lengths, eval_n, device, amp)
     wall = time.monotonic() - t_start
-    say("final exact match (teacher-forced, whole completion) by prompt length: " + fmt_acc(final))
+    say("final exact match (teacher-forced, completion up to the value) by prompt length: " + fmt_acc(final))
     say(f"# wall {wall:.0f}s")
     meta = {"seed": seed, "shape": asdict(shape), "stages": [asdict(s) for s in stages],
             "final_acc": final, "history": history, "wall_s": wall, "params": n_params}
