@@ -22,10 +22,15 @@ Public API:
 * :func:`topk_range` (:mod:`.topk_range`) -- top-k over a ragged ``[lo, hi)``
   per row, ascending positions out, cost bounded by the live range (quest /
   asyncspade under CUDA graphs, the Selector's step 6); :func:`topk_range_ref`.
+* :func:`asyncspade_predict` (:mod:`.asyncspade_predict`) -- AsyncSpade's
+  ring push and next-query prediction (the ridge fits over every window size)
+  in one launch per layer; :func:`make_arrivals` (its per-row counters),
+  :func:`asyncspade_predict_ref`.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
 
+from .asyncspade_predict import asyncspade_predict, asyncspade_predict_ref, make_arrivals
 from .pack_compact import pack_compact
 from .quest_pages import (
     QUEST_PAGE_SIZE,
@@ -60,6 +65,9 @@ __all__ = [
     "selector_stats",
     "topk_range",
     "topk_range_ref",
+    "asyncspade_predict",
+    "asyncspade_predict_ref",
+    "make_arrivals",
     "choose_num_splits",
     "make_split_counters",
     "QUEST_PAGE_SIZE",

@@ -53,6 +53,18 @@ def needs_fp32_dot(dtype: torch.dtype) -> bool:
     return is_interpreter() and dtype == torch.bfloat16
 
 
+def needs_bf16_rtne(dtype: torch.dtype) -> bool:
+    """Work around a Triton interpreter bug (present in triton 3.7).
+
+    The interpreter converts fp32 to bf16 by truncating the mantissa (round
+    toward zero), even with ``fp_downcast_rounding="rtne"``; compiled GPU code
+    rounds to nearest even, as ``torch`` does. Kernels whose bf16 stores must
+    match torch bit for bit round explicitly (``_round_bf16_rtne``) when this
+    is true, so the interpreter reproduces the GPU numerics.
+    """
+    return is_interpreter() and dtype == torch.bfloat16
+
+
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 

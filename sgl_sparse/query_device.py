@@ -14,11 +14,12 @@ range) and their store writes go to a scratch slot.
 
 Per forward (at its first layer, QueryAwareDevice._forward; see there why that is
 safe under CUDA graphs): the knobs by row, the slot -> row maps, the masks and
-ranges, the prediction's constants. Per layer, decode, only:
+ranges. Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
-  finish   asyncspade  push this query, predict the next one, score [sink, next
+  finish   asyncspade  push this query and predict the next one (one launch,
+                       kernels/asyncspade_predict.py), score [sink, next
                        b_start) with it, Top-K -> the store, for the next step
 Same selections as the torch path (the CPU path and this one's oracle,
 tests/test_query_device.py), listed in ascending position order: the Top pages /
@@ -34,7 +35,6 @@ import torch
 from sgl_sparse.config import GRAPH_CAPTURABLE, QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse.policies.base import PolicyId
-from sgl_sparse.queryaware import asyncspade as aspd
 
 #: The policies this module serves (the plugin offers them with decode CUDA graphs
 #: on); lfps stays on the host-grouped torch path.
@@ -139,11 +139,10 @@ class _AspdForward:
         sr = SlotRows(knobs, PolicyId.ASYNCSPADE, store.cfg.slots)
         self.sr = sr
         self.slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
+        self.push = sr.slot_or(-1)  # the prediction skips slots without a row (no push, q_hat = 0)
         # the request's W (<= the ring's): the newest W + 1 queries of the ring
         W = store.ring.shape[2]
         self.count_cap = torch.clamp(sr.take(knobs.aspd_window).long() + 1, max=W)
-        self.ring_off = torch.arange(W, device=self.count_cap.device) - W  # window j <- ring (total - W + j) % W
-        self.consts = aspd.PredictConsts.make(W, self.count_cap.device, aspd.compute_dtype(store.ring))
         self.ridge = sr.take(knobs.aspd_ridge)[:, None]
         self.sink = sr.take(knobs.sink).to(torch.int32)
         self.next_b = torch.clamp(sr.take(knobs.n) + 1 - sr.take(knobs.recent), min=0).to(torch.int32)
@@ -161,6 +160,13 @@ class QueryAwareDevice:
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
+        self._aspd_arrivals = None
+        if self.aspd is not None:
+            from sgl_sparse.kernels.asyncspade_predict import make_arrivals
+
+            # asyncspade_predict's per-ring-row counters: allocated here, before any
+            # graph capture, and left zeroed by every launch
+            self._aspd_arrivals = make_arrivals(self.aspd.rows, self.aspd.ring.device)
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -232,6 +238,7 @@ class QueryAwareDevice:
         after this layer's select(), whose forward tensors it reads."""
         if self.aspd is None:
             return
+        from sgl_sparse.kernels.asyncspade_predict import asyncspade_predict
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores
         from sgl_sparse.kernels.topk_range import topk_range
@@ -239,12 +246,12 @@ class QueryAwareDevice:
         store = self.aspd
         f = self._fwd_aspd
         slot = f.slot
-        ring, total = store.ring[li], store.total[li]
-        window, count = aspd.ring_push_window(ring, total, f.sr.take_any(q3), slot, f.ring_off)  # oldest .. newest
-        count = torch.minimum(count, f.count_cap)
-        q_hat = aspd.predict_next_query(window, count, f.ridge, f.consts)
+        # push this query into the slot's ring and predict the next one: one launch
+        # for ring_push_window + predict_next_query (the torch path's chain)
+        q_hat = asyncspade_predict(store.ring[li], store.total[li], q3, f.push, f.ridge, q_rows=f.sr.b_any,
+                                   count_cap=f.count_cap, arrivals=self._aspd_arrivals)
         n_max = store.cfg.max_context
-        scores = token_scores(q_hat.float(), k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
+        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)

@@ -240,7 +240,8 @@ def test_ops_per_layer_stay_few():
     GPU kernel in a captured decode step, 28 layers a step). Measured by
     bench/kernels/count_query_device_ops.py: 205 glue ops on every layer before,
     63 on a further layer / 177 on the first after, 64 / 178 with the shared
-    ring_push_window (+ 7 Triton launches)."""
+    ring_push_window (+ 7 Triton launches), 11 / 119 with asyncspade's push and
+    prediction in one kernel (kernels/asyncspade_predict.py; + 8 launches)."""
     import importlib.util
     import os
 
@@ -250,6 +251,6 @@ def test_ops_per_layer_stay_few():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.count()
-    assert res["other"].total <= 68, dict(res["other"].ops)
-    assert res["first"].total <= 190, dict(res["first"].ops)
-    assert sum(res["other"].launches.values()) == 7
+    assert res["other"].total <= 14, dict(res["other"].ops)
+    assert res["first"].total <= 125, dict(res["first"].ops)
+    assert sum(res["other"].launches.values()) == 8

@@ -93,8 +93,10 @@ def ring_window(ring: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, 
 def ring_push_window(ring: torch.Tensor, total: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
                      offs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_push(ring, total, q, rows)` then `ring_window(ring[rows], total[rows])`,
-    the window read in one gather from the totals just written (the serving paths'
-    per-layer sequence). `offs`: `arange(W) - W` when the caller keeps one."""
+    the window read in one gather from the totals just written (the host-grouped
+    serving path's per-layer sequence; kernels/asyncspade_predict.py fuses it with
+    predict_next_query on the CUDA-graph path). `offs`: `arange(W) - W` when the
+    caller keeps one."""
     W = ring.shape[1]
     t = total[rows]
     ring.index_put_((rows, t % W), q.to(ring.dtype))
@@ -108,7 +110,8 @@ def ring_push_window(ring: torch.Tensor, total: torch.Tensor, q: torch.Tensor, r
 # ---- next-query prediction ----------------------------------------------------------
 class PredictConsts(NamedTuple):
     """The index constants of a prediction over a window of W (built on the device
-    by `make`; the CUDA-graph path builds them once per forward, not per layer)."""
+    by `make`; a caller predicting at every layer can build them once, not per
+    layer). The CUDA-graph path predicts with kernels/asyncspade_predict.py instead."""
 
     slots: torch.Tensor  # [W] 0 .. W-1
     eye: torch.Tensor  # [P, P] identity in the compute dtype (P = W - 1)
