@@ -170,12 +170,22 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     lo = torch.full((rows,), 4, device=dev)
     hi = torch.full((rows,), ctx - 256, device=dev)
     knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
-    out = {"ctx": ctx, "batch": bs, "rows": rows}
+    from sgl_sparse.kernels._split import split_count
+
+    out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev)}
     for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
         out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
     a = selector_stats(u, norms, lo, hi, knobs, gather=True)
     b = selector_stats(u, norms, lo, hi, knobs, gather=False)
     out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
+    # Each (row, head) over S programs (kernels/selector_stats_split.py; the
+    # default picks auto_splits): the same medians, the sums to fp32 rounding.
+    one = selector_stats(u, norms, lo, hi, knobs, splits=1)
+    for sp in (1, 2, 4, 8, 16):
+        out[f"stats_split{sp}_ms"] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, splits=sp), reps), 3)
+        got = selector_stats(u, norms, lo, hi, knobs, splits=sp)
+        out[f"stats_split{sp}_ok"] = bool(torch.equal(got[..., 3:], one[..., 3:])
+                                          and torch.allclose(got[..., :3], one[..., :3], rtol=1e-5, atol=0))
     return out
 
 
