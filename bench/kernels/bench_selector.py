@@ -189,6 +189,37 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     return out
 
 
+def pack_ab(ctx: int, bs: int, reps: int) -> dict:
+    """pack_compact alone at the refresh's shape (one layer: bs rows x 8 KV heads x
+    2052 slots of 128 bf16, K and V gathered from a shuffled pool), at several
+    tilings: (rows per tile, programs per (row, head) at most, warps). The bytes
+    moved (read + write) over the time, vs the HBM roofline, say whether the grid
+    or the gathers' latency is what costs (run 7: 52 us per layer at 32768 x 8)."""
+    from sgl_sparse.kernels import pack_compact
+
+    dev = torch.device("cuda")
+    hkv, d, cap = 8, 128, 2052
+    k = torch.randn(bs * ctx + 16, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    r2t = torch.randperm(bs * ctx, device=dev).view(bs, ctx).int()
+    i32 = torch.arange(bs, dtype=torch.int32, device=dev)
+    sel = torch.rand(bs, hkv, ctx, device=dev).topk(cap, dim=-1).indices.sort(dim=-1).values.int()
+    n_sel = torch.full((bs, hkv), cap, dtype=torch.int32, device=dev)
+    a_k = torch.empty(bs, hkv, cap, d, device=dev, dtype=torch.bfloat16)
+    a_v, a_len = torch.empty_like(a_k), torch.empty(bs, hkv, dtype=torch.int32, device=dev)
+    ones = torch.ones(bs, dtype=torch.bool, device=dev)
+    moved = 2 * 2 * bs * hkv * cap * d * 2  # K and V, read and written
+    out = {"ctx": ctx, "batch": bs, "bytes": moved}
+    for bn, mc, nw in ((64, 16, 4), (64, None, 4), (32, None, 4), (32, 16, 2), (128, None, 8), (16, None, 1)):
+        def run():
+            pack_compact(k, v, r2t, i32, sel, n_sel, ones, a_k, a_v, i32, a_len, block_n=bn, max_chunks=mc,
+                         num_warps=nw)
+        t = time_ms(run, max(reps, 20))
+        out[f"pack_{bn}_{mc}_{nw}w_us"] = round(t * 1000, 1)
+        out[f"pack_{bn}_{mc}_{nw}w_GBps"] = round(moved / (t * 1e-3) / 1e9)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="131072x4,32768x8,8192x32")
@@ -196,6 +227,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
+    ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
@@ -205,6 +237,9 @@ def main():
         ctx, bs = map(int, c.split("x"))
         if a.stats_ab:
             ab.append(stats_ab(ctx, bs, a.reps))
+            print(json.dumps(ab[-1]), flush=True)
+        if a.pack_ab:
+            ab.append(pack_ab(ctx, bs, a.reps))
             print(json.dumps(ab[-1]), flush=True)
         for w in (1, 32):
             r = case(ctx, bs, w, a.reps)
