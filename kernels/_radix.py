@@ -100,24 +100,41 @@ def radix_select(X, lo, hi, h_top, k, center, SCR, KEY: tl.constexpr, GATHER: tl
     if GATHER:
         # Every thread is done reading SCR (a previous select) before it is rewritten.
         tl.debug_barrier()
-        cnt = 0
-        for n0 in range(lo, hi, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            v, bits, ok = load_key(X, offs, offs < hi, center, KEY)
-            keep = (ok & (((bits >> 16) & 0xFFFF) == prefix)).to(tl.int32)
-            tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
-            cnt += tl.sum(keep, 0)
+        cnt = gather_prefix16(X, lo, hi, center, prefix, SCR, 0, KEY, BLOCK_N)
         # bar.sync: the CTA's global stores above are visible to all its threads.
         tl.debug_barrier()
-        # The last two passes read SCR [0, cnt): it holds v itself (|X - center|
-        # already taken), so KEY_ABS_DEV reads it back as magnitudes.
-        SRC_KEY: tl.constexpr = 0 if KEY == 1 else KEY
-        src, src_lo, src_hi, src_center = SCR, 0, cnt, 0.0
+        prefix, k = select_low16(SCR, cnt, k, prefix, KEY, BLOCK_N)
     else:
-        SRC_KEY: tl.constexpr = KEY
-        src, src_lo, src_hi, src_center = X, lo, hi, center
-    h = digit_histogram(src, src_lo, src_hi, src_center, prefix, 8, SRC_KEY, True, BLOCK_N)
+        h = digit_histogram(X, lo, hi, center, prefix, 8, KEY, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
+        h = digit_histogram(X, lo, hi, center, prefix, 0, KEY, True, BLOCK_N)
+        k, prefix = _pick_digit(h, k, prefix)
+    return prefix, k
+
+
+@triton.jit
+def gather_prefix16(X, lo, hi, center, prefix, SCR, cnt, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copies v_j, j in [lo, hi), whose key's top 16 bits equal `prefix`, to SCR[cnt:]
+    in position order; returns cnt plus their number. SCR gets v itself (|X - center|
+    already taken for KEY_ABS_DEV), read back by :func:`select_low16`."""
+    cnt = cnt + tl.zeros([], dtype=tl.int32)  # a literal 0 arrives as a constexpr: the loop carries a tensor
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        v, bits, ok = load_key(X, offs, offs < hi, center, KEY)
+        keep = (ok & (((bits >> 16) & 0xFFFF) == prefix)).to(tl.int32)
+        tl.store(SCR + cnt + tl.cumsum(keep, 0) - keep, v, mask=keep != 0)
+        cnt += tl.sum(keep, 0)
+    return cnt
+
+
+@triton.jit
+def select_low16(SCR, cnt, k, prefix, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The select's last two passes over the values :func:`gather_prefix16` left in
+    SCR[0, cnt) (their key's top 16 bits are `prefix`): (key bits, rank) as
+    :func:`radix_select` returns them."""
+    SRC_KEY: tl.constexpr = 0 if KEY == 1 else KEY
+    h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 8, SRC_KEY, True, BLOCK_N)
     k, prefix = _pick_digit(h, k, prefix)
-    h = digit_histogram(src, src_lo, src_hi, src_center, prefix, 0, SRC_KEY, True, BLOCK_N)
+    h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, SRC_KEY, True, BLOCK_N)
     k, prefix = _pick_digit(h, k, prefix)
     return prefix, k

@@ -9,7 +9,8 @@ reference; the formulas are in ALGORITHMS.md §1). The PyTorch path costs ~40
 launches and as many passes over ``[R, H, N]`` per layer chunk, and its two
 masked medians are full sorts; here it is three launches:
 
-1. ``_selector_stats``, one program per (row, KV head): the lower median of the
+1. ``_selector_stats``, one program per (row, KV head) (several when the rows
+   are long and few: ``selector_stats_split.py``): the lower median of the
    key norms on ``A = [lo, hi)`` and their lower median absolute deviation, both
    by a radix select on the fp32 bit pattern (4 histogram passes of 8 bits each:
    the values are >= 0, so their bits order like the values; exact, the same
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._radix import digit_histogram, radix_select
+from ._split import split_count
 from ._utils import next_pow2
 
 __all__ = ["selector_scores", "selector_stats"]
@@ -229,19 +231,32 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                   *, block_n: int = 1024, gather: bool = True, num_warps: int = 4) -> torch.Tensor:
+                   *, block_n: int = 1024, gather: bool = True, num_warps: int = 4,
+                   splits: int | None = None) -> torch.Tensor:
     """Per (row, KV head): [evidence sum, prior sum, lam, norm median, norm MAD] as ``[R, H, 5]`` fp32.
 
     ``knobs``: a ``sgl_sparse.selector.core.SelectorKnobs`` with ``[R]`` tensors.
     ``gather``: the medians' last two radix passes read the values left after the
     top 16 bits only (a scratch the size of ``u``); ``False``: every pass reads
     all of A (the previous kernel; ``bench_selector.py --stats-ab`` times both).
+    ``splits``: programs per (row, head) (``selector_stats_split.py``: the same
+    medians, the sums to fp32 rounding); default ``_split.split_count`` of ``N``
+    and ``R x H`` (1 unless the rows are long and few); ``gather=False`` runs unsplit.
     """
     r, h, n = u.shape
     assert u.is_contiguous() and u.dtype == torch.float32 and norms.shape == u.shape
     norms = _f32(norms)
     stats = torch.empty(r, h, _NSTATS, dtype=torch.float32, device=u.device)
     if r == 0 or n == 0:
+        return stats
+    splits = int(splits or split_count(n, r * h, u.device)) if gather else 1
+    if splits > 1:
+        from types import SimpleNamespace
+
+        from .selector_stats_split import selector_stats_split
+
+        k32 = SimpleNamespace(**{f: _f32(getattr(knobs, f)) for f in ("beta", "alpha", "kappa", "zeta", "clip", "eps")})
+        selector_stats_split(u, norms, _i32(lo), _i32(hi), k32, stats, splits, block_n, num_warps)
         return stats
     scratch = torch.empty_like(u) if gather else u
     _selector_stats[(r, h)](
@@ -254,7 +269,7 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
 
 
 def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                    *, block_n: int = 256, num_warps: int = 4) -> torch.Tensor:
+                    *, block_n: int = 256, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:
     """Refined Selector scores ``[R, H, N]`` fp32 (-inf off ``A = [lo, hi)``), as
     ``refined_scores_from_evidence(u, norms, lo, hi, knobs)``.
 
@@ -264,10 +279,11 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
         lo, hi: ``[R]`` candidate range per row.
         knobs: ``SelectorKnobs`` with ``[R]`` tensors; ``knobs.nms_radius_max``
             (host int, >= every radius) sizes the Soft-NMS halo at compile time.
+        splits: the stats' programs per (row, head) (:func:`selector_stats`).
     """
     r, h, n = u.shape
     norms, lo32, hi32 = _f32(norms), _i32(lo), _i32(hi)
-    stats = selector_stats(u, norms, lo32, hi32, knobs)
+    stats = selector_stats(u, norms, lo32, hi32, knobs, splits=splits)
     out = torch.empty_like(u)
     if r == 0 or n == 0:
         return out

@@ -31,6 +31,11 @@ sync, shapes static: ``k_max`` is the output width):
    kept positions are written at a running offset plus a block prefix sum
    (``tl.cumsum``), so they come out ascending.
 
+Long rows with few (row, head) programs (the Selector's 32K-128K rows, a few
+hundred programs) leave that serial walk latency-bound: there each row is split
+over several programs (``topk_split.py``, grid ``(R, H, S)``, four launches), with
+the same output bit for bit.
+
 Non-finite scores: ``-inf`` is how the callers mark positions that are not
 candidates, ``NaN`` is never a valid score, and ``+inf`` is left out with them
 (the torch references count finite entries only): none is ever selected.
@@ -49,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ._radix import load_key, digit_histogram, radix_select
+from ._split import split_count
 from ._utils import device_num_sms
 
 __all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
@@ -140,6 +146,7 @@ def topk_range(
     gather: bool = True,
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
+    splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -154,7 +161,11 @@ def topk_range(
         gather: the select's last two passes read the scores left after its top
             16 bits only (a scratch the size of ``scores``); ``False``: all passes
             read the whole range.
-        block_n, num_warps: default :func:`launch_shape` (wide programs when few).
+        block_n, num_warps: default :func:`launch_shape` (wide programs when few;
+            of all the split programs when split).
+        splits: programs per (row, head) (``topk_split.py``: the same output);
+            default ``_split.split_count`` of ``N`` and ``R x H`` (1 unless the
+            rows are long and few); ``gather=False`` runs unsplit.
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -166,7 +177,8 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
-    auto_block, auto_warps = launch_shape(r * h, dev)
+    splits = 1 if not gather or n == 0 else int(splits or split_count(n, r * h, dev))
+    auto_block, auto_warps = launch_shape(r * h * splits, dev)
     block_n = int(block_n or auto_block)
     num_warps = int(num_warps or auto_warps)
     assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
@@ -177,6 +189,11 @@ def topk_range(
     assert out.shape == (r, h, k_max) and out.dtype == torch.int32 and out.stride(2) == 1
     assert out_len.shape == (r, h) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
     if r == 0 or h == 0:
+        return out, out_len
+    if splits > 1:
+        from .topk_split import topk_range_split
+
+        topk_range_split(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps)
         return out, out_len
     scratch = torch.empty_like(scores) if gather and n > 0 else scores
     _topk_range_kernel[(r, h)](

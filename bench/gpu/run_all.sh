@@ -24,7 +24,7 @@ kernels)
     python3 bench/kernels/bench_topk.py --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" | tail -30
     ;;
 selector)
-    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16
+    python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab --pack-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16
     ;;
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000

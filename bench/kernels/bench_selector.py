@@ -170,12 +170,53 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     lo = torch.full((rows,), 4, device=dev)
     hi = torch.full((rows,), ctx - 256, device=dev)
     knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
-    out = {"ctx": ctx, "batch": bs, "rows": rows}
+    from sgl_sparse.kernels._split import split_count
+
+    out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev)}
     for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
         out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
     a = selector_stats(u, norms, lo, hi, knobs, gather=True)
     b = selector_stats(u, norms, lo, hi, knobs, gather=False)
     out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
+    # Each (row, head) over S programs (kernels/selector_stats_split.py; the
+    # default picks auto_splits): the same medians, the sums to fp32 rounding.
+    one = selector_stats(u, norms, lo, hi, knobs, splits=1)
+    for sp in (1, 2, 4, 8, 16):
+        out[f"stats_split{sp}_ms"] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, splits=sp), reps), 3)
+        got = selector_stats(u, norms, lo, hi, knobs, splits=sp)
+        out[f"stats_split{sp}_ok"] = bool(torch.equal(got[..., 3:], one[..., 3:])
+                                          and torch.allclose(got[..., :3], one[..., :3], rtol=1e-5, atol=0))
+    return out
+
+
+def pack_ab(ctx: int, bs: int, reps: int) -> dict:
+    """pack_compact alone at the refresh's shape (one layer: bs rows x 8 KV heads x
+    2052 slots of 128 bf16, K and V gathered from a shuffled pool), at several
+    tilings: (rows per tile, programs per (row, head) at most, warps). The bytes
+    moved (read + write) over the time, vs the HBM roofline, say whether the grid
+    or the gathers' latency is what costs (run 7: 52 us per layer at 32768 x 8)."""
+    from sgl_sparse.kernels import pack_compact
+
+    dev = torch.device("cuda")
+    hkv, d, cap = 8, 128, 2052
+    k = torch.randn(bs * ctx + 16, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    r2t = torch.randperm(bs * ctx, device=dev).view(bs, ctx).int()
+    i32 = torch.arange(bs, dtype=torch.int32, device=dev)
+    sel = torch.rand(bs, hkv, ctx, device=dev).topk(cap, dim=-1).indices.sort(dim=-1).values.int()
+    n_sel = torch.full((bs, hkv), cap, dtype=torch.int32, device=dev)
+    a_k = torch.empty(bs, hkv, cap, d, device=dev, dtype=torch.bfloat16)
+    a_v, a_len = torch.empty_like(a_k), torch.empty(bs, hkv, dtype=torch.int32, device=dev)
+    ones = torch.ones(bs, dtype=torch.bool, device=dev)
+    moved = 2 * 2 * bs * hkv * cap * d * 2  # K and V, read and written
+    out = {"ctx": ctx, "batch": bs, "bytes": moved}
+    for bn, mc, nw in ((64, 16, 4), (64, None, 4), (32, None, 4), (32, 16, 2), (128, None, 8), (16, None, 1)):
+        def run():
+            pack_compact(k, v, r2t, i32, sel, n_sel, ones, a_k, a_v, i32, a_len, block_n=bn, max_chunks=mc,
+                         num_warps=nw)
+        t = time_ms(run, max(reps, 20))
+        out[f"pack_{bn}_{mc}_{nw}w_us"] = round(t * 1000, 1)
+        out[f"pack_{bn}_{mc}_{nw}w_GBps"] = round(moved / (t * 1e-3) / 1e9)
     return out
 
 
@@ -186,6 +227,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
+    ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
@@ -195,6 +237,9 @@ def main():
         ctx, bs = map(int, c.split("x"))
         if a.stats_ab:
             ab.append(stats_ab(ctx, bs, a.reps))
+            print(json.dumps(ab[-1]), flush=True)
+        if a.pack_ab:
+            ab.append(pack_ab(ctx, bs, a.reps))
             print(json.dumps(ab[-1]), flush=True)
         for w in (1, 32):
             r = case(ctx, bs, w, a.reps)

@@ -120,6 +120,10 @@ def main(argv=None) -> int:
             for bn, nw in ((1024, 4), (2048, 8), (4096, 16), (8192, 32)):
                 fns[f"topk_range {bn}/{nw}w"] = (lambda bn=bn, nw=nw: topk_range(s, lo, hi, budget, k,
                                                                                  block_n=bn, num_warps=nw))
+        # each (row, head) over S programs (kernels/topk_split.py; the default picks
+        # split_count(N, R x H)), S = 1: the single-program kernel
+        for sp in ((1, 2) if args.smoke else (1, 2, 4, 8, 16)):
+            fns[f"topk_range split{sp}"] = lambda sp=sp: topk_range(s, lo, hi, budget, k, splits=sp)
         live_elems = int(((hi - lo).clamp(min=0)).sum()) * h
         for kname, fn in fns.items():
             if kname.startswith("topk_range"):  # every launch shape: the same output (ties by position)

@@ -48,6 +48,52 @@ def test_medians_are_exact_on_adversarial_values(block_n, gather):
         assert torch.equal(stats[b, :, 3], ref[0, :, 0])
 
 
+def test_split_stats_match_the_single_program():
+    """Each (row, head) split over several programs (selector_stats_split): the same
+    exact medians (all equal and low-bit-only rows: every value a survivor, over
+    several slices; ties; |A| = 1; an empty range; ranges ending mid-block), the
+    sums to fp32 rounding, and the same Top-K from the scores."""
+    from sgl_sparse.kernels.topk_range import topk_range
+
+    gen = torch.Generator().manual_seed(5)
+    n, hkv = 200, 2
+    norms = torch.stack([
+        (torch.rand(hkv, n, generator=gen) * 8).round() / 2 + 1,  # ties
+        torch.full((hkv, n), 3.25),
+        1.0 + torch.randint(0, 3, (hkv, n), generator=gen) * 2.0 ** -20,
+        torch.rand(hkv, n, generator=gen) * 30,
+        torch.rand(hkv, n, generator=gen) * 30,
+    ]).float()
+    r = norms.shape[0]
+    lo = torch.tensor([3, 0, 5, 10, 50])
+    hi = torch.tensor([n, 177, n - 1, 11, 20])  # |A| = 1, then empty
+    u = (torch.rand(r, hkv, n, generator=gen) ** 3).masked_fill(~core.candidate_mask(lo, hi, n), 0.0)
+    specs = [SfiPolicy(beta=(0.5, 1.0, 2.0)[i % 3], clip=(0.02, 1.0)[i % 2]) for i in range(r)]
+    knobs = core.SelectorKnobs.from_specs(specs, "cpu", torch.float32)
+    one = K.selector_stats(u, norms, lo, hi, knobs, block_n=32, splits=1)
+    got = K.selector_stats(u, norms, lo, hi, knobs, block_n=32, splits=3)
+    assert not got.isnan().any()
+    assert torch.equal(got[..., 3:], one[..., 3:])
+    torch.testing.assert_close(got[..., :3], one[..., :3], rtol=1e-5, atol=0.0)
+    for b in range(r - 1):
+        on = norms[b, :, int(lo[b]): int(hi[b])]
+        assert torch.equal(got[b, :, 3], _lower_median(on)), b
+    assert (got[r - 1] == 0).all()
+    # The scores (rows 0 and 2: the ties, the low bits) and their Top-K.
+    rows = [0, 2]
+    u, norms, lo, hi = u[rows], norms[rows], lo[rows], hi[rows]
+    knobs = core.SelectorKnobs.from_specs([specs[i] for i in rows], "cpu", torch.float32)
+    s_one = K.selector_scores(u, norms, lo, hi, knobs, splits=1)
+    s_got = K.selector_scores(u, norms, lo, hi, knobs, splits=3)
+    fin = torch.isfinite(s_one)
+    assert torch.equal(torch.isfinite(s_got), fin) and fin.any()
+    torch.testing.assert_close(s_got[fin], s_one[fin], rtol=1e-5, atol=1e-5)
+    budget = torch.full((len(rows),), 17, dtype=torch.int32)
+    lo32, hi32 = lo.int(), hi.int()
+    assert all(torch.equal(x, y) for x, y in zip(topk_range(s_got, lo32, hi32, budget, 17),
+                                                 topk_range(s_one, lo32, hi32, budget, 17)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [4099, 32768, 131072])

@@ -69,6 +69,40 @@ def test_topk_range_matches_torch(r, h, n, k_max, ints, holes):
         _check(s, lo, hi, budget, k_max, pos, cnt)
 
 
+@pytest.mark.parametrize("rows,splits,block_n,ints,holes", [
+    (5, 3, 32, True, 0.1),  # ties at the cutoff spread over slices, non-finite holes
+    (3, 6, 16, False, 0.0),  # row 0: its last slice empty (slices are whole blocks)
+])
+def test_topk_range_split_is_bit_identical(rows, splits, block_n, ints, holes):
+    """Each (row, head) split over several programs: the same positions, order and
+    counts as the single-program kernel (ties kept by position across slices), on
+    ragged ranges, empty ones (hi <= lo), budgets of 0 and above the live length,
+    lengths not a multiple of the block."""
+    gen = torch.Generator().manual_seed(splits * 100 + block_n)
+    r, h, n, k_max = 5, 2, 203, 48  # rows 0-4, the first `rows` of them
+    s = _case(gen, r, h, n, ints, holes)
+    lo = torch.tensor([0, 9, 30, 3, 0], dtype=torch.int32)
+    hi = torch.tensor([n, 190, 30, 1, 57], dtype=torch.int32)  # rows 2, 3: empty
+    budget = torch.tensor([48, 10 ** 6, 5, 7, 0], dtype=torch.int32)
+    if ints:
+        budget[4] = 60  # above the live length 57
+    s, lo, hi, budget = s[:rows], lo[:rows], hi[:rows], budget[:rows]
+    one = topk_range(s, lo, hi, budget, k_max, block_n=block_n, splits=1)
+    got = topk_range(s, lo, hi, budget, k_max, block_n=block_n, splits=splits)
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    _check(s, lo, hi, budget, k_max, *got)
+
+
+def test_topk_range_split_count():
+    from sgl_sparse.kernels._split import split_count
+
+    cpu = torch.device("cpu")  # 4 pretend SMs: a target of 64 programs
+    assert split_count(300, 8, cpu) == 1  # short rows
+    assert split_count(1 << 15, 8, cpu) == 8
+    assert split_count(1 << 15, 4096, cpu) == 1  # many rows
+    assert split_count(1 << 20, 1, cpu) == 32  # capped
+
+
 def test_topk_range_edge_values():
     """-0 and +0 tie, very large / tiny magnitudes of both signs, all-non-finite rows,
     strided rows, and a given `out` keeping its entries past the count."""

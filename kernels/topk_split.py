@@ -1,0 +1,133 @@
+"""
+``topk_range`` with each (row, head) split over several programs
+================================================================
+
+The same output as ``topk_range._topk_range_kernel`` (bit for bit: positions,
+order, which cutoff ties are kept, counts) from four launches over a grid
+``(R, H, S)``, slice ``s`` of a row covering ``[a, b)`` (``_split.py``):
+
+* phases 0-2: the radix select's split steps (top digit histograms, which also
+  count the finite entries ``F``, so every program knows ``k = min(budget, F,
+  k_max)``; second digit; survivors gathered);
+* phase 3: every program finishes the select (the k-th largest key ``t`` and how
+  many entries equal to it are kept), then places its slice's kept positions.
+  Kept entries of the slices before it -- keys below ``t`` (the histograms'
+  bins below ``t``'s two top digits, plus the survivors of those slices below
+  ``t``) and the first ties by position (the survivors equal to ``t``) -- give
+  its write offset and its count of ties seen, exactly what the single program
+  had when its serial walk reached ``a``.
+
+Slice 0 stores the count. Graph capturable: the grid and buffers depend on
+shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._radix import load_key
+from ._split import finish, hist_totals, select_pass, slice_bounds
+
+__all__ = ["topk_range_split"]
+
+
+@triton.jit(do_not_specialize=["N", "K_MAX", "NSPLIT", "stride_r", "stride_h", "stride_cr", "stride_ch",
+                               "stride_or", "stride_oh", "stride_lr"])
+def _topk_split_kernel(
+    S,  # [R, H, N] fp32 scores, stride 1 along N
+    LO,  # [R] int32
+    HI,  # [R] int32
+    BUDGET,  # [R] int32
+    SCR,  # [R, H, N] fp32 scratch: the survivors of the row
+    HIST,  # [R, H, 2, NSPLIT, 256] int32 per-slice histograms
+    OUT,  # [R, H, K_MAX] int32
+    OUT_LEN,  # [R, H] int32
+    N,
+    K_MAX,
+    NSPLIT,
+    stride_r,
+    stride_h,
+    stride_cr,
+    stride_ch,
+    stride_or,
+    stride_oh,
+    stride_lr,
+    PHASE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cur_r = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    cur_s = tl.program_id(2)
+    lo = tl.maximum(tl.load(LO + cur_r), 0)
+    hi = tl.minimum(tl.load(HI + cur_r), N)
+    k = tl.minimum(tl.minimum(tl.load(BUDGET + cur_r), hi - lo), K_MAX)
+    hi = tl.where(k > 0, hi, lo)
+    row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
+    scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
+    h0 = HIST + (cur_r * tl.num_programs(1) + cur_h).to(tl.int64) * (2 * NSPLIT * 256)
+    h1 = h0 + NSPLIT * 256
+    if PHASE == 0:
+        a, b = slice_bounds(lo, hi, cur_s, NSPLIT, BLOCK_N)
+        # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
+        select_pass(row, a, b, 0.0, 0, 0, h0, h1, NSPLIT, cur_s, scr, 2, 0, BLOCK_N)
+    else:
+        tot0, before0 = hist_totals(h0, NSPLIT, cur_s)
+        k = tl.maximum(tl.minimum(k, tl.sum(tot0, 0)), 0)
+        hi = tl.where(k > 0, hi, lo)
+        a, b = slice_bounds(lo, hi, cur_s, NSPLIT, BLOCK_N)
+        if PHASE < 3:
+            select_pass(row, a, b, 0.0, k - 1, tot0, h0, h1, NSPLIT, cur_s, scr, 2, PHASE, BLOCK_N)
+        else:
+            key, rank, off, below1 = finish(tot0, h1, NSPLIT, cur_s, k - 1, scr, 2, BLOCK_N)
+            ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
+            t = key.to(tl.uint32, bitcast=True)
+            # What the slices before this one keep: keys below t by their top digit,
+            # by their second digit (top digit t's), and among the survivors (top 16
+            # bits t's) below t or tied with it, in position order.
+            below0 = tl.sum(tl.where(tl.arange(0, 256) < ((key >> 24) & 255), before0, 0), 0)
+            less = tl.zeros([BLOCK_N], dtype=tl.int32)
+            eq = tl.zeros([BLOCK_N], dtype=tl.int32)
+            for n0 in range(0, off, BLOCK_N):
+                offs = n0 + tl.arange(0, BLOCK_N)
+                _, bits, ok = load_key(scr, offs, offs < off, 0.0, 2)
+                u = bits.to(tl.uint32, bitcast=True)
+                less += (ok & (u < t)).to(tl.int32)
+                eq += (ok & (u == t)).to(tl.int32)
+            seen = tl.sum(eq, 0)
+            written = below0 + below1 + tl.sum(less, 0) + tl.minimum(seen, ties)
+            out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
+            for n0 in range(a, b, BLOCK_N):  # as the single-program kernel's compaction
+                offs = n0 + tl.arange(0, BLOCK_N)
+                _, bits, ok = load_key(row, offs, offs < b, 0.0, 2)
+                u = bits.to(tl.uint32, bitcast=True)
+                eq_b = (ok & (u == t)).to(tl.int32)
+                keep = (ok & (u < t)) | ((eq_b != 0) & (seen + tl.cumsum(eq_b, 0) - eq_b < ties))
+                keep_i = keep.to(tl.int32)
+                tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
+                written += tl.sum(keep_i, 0)
+                seen += tl.sum(eq_b, 0)
+            if cur_s == 0:
+                tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
+
+
+#: The launches, in order.
+PHASES = (0, 1, 2, 3)
+
+
+def topk_range_split(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: torch.Tensor, k_max: int,
+                     out: torch.Tensor, out_len: torch.Tensor, splits: int, block_n: int, num_warps: int) -> None:
+    """``topk_range``'s work with ``splits`` programs per (row, head) (arguments
+    checked by ``topk_range``; ``scores`` non-empty)."""
+    r, h, n = scores.shape
+    scratch = torch.empty_like(scores)
+    hist = torch.empty((r, h, 2, splits, 256), dtype=torch.int32, device=scores.device)
+    for phase in PHASES:
+        _topk_split_kernel[(r, h, splits)](
+            scores, lo, hi, budget, scratch, hist, out, out_len,
+            n, k_max, splits,
+            scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
+            out.stride(0), out.stride(1), out_len.stride(0),
+            PHASE=phase, BLOCK_N=block_n, num_warps=num_warps,
+        )
