@@ -33,6 +33,8 @@ number of rows), so the grids are static: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,12 @@ TARGET_PROGRAMS_PER_SM = 16
 # A slice shorter than this is not worth its re-read histograms and survivors.
 MIN_SLICE = 4096
 MAX_SPLITS = 32
+# Whether a call without an explicit ``splits`` splits long rows at all. Off until the
+# split path is timed on a GPU against the single-program kernels (bench_selector
+# --stats-ab, bench_topk: written, not yet run on a GPU); SGL_SPARSE_SPLIT_ROWS=1 turns
+# the automatic count on for an A/B of the whole server. An explicit ``splits``
+# always applies (tests, benchmarks).
+AUTO_SPLIT = os.environ.get("SGL_SPARSE_SPLIT_ROWS", "0") == "1"
 # Histograms summed BLOCK_S slices at a time.
 BLOCK_S = tl.constexpr(8)
 
@@ -56,6 +64,14 @@ def split_count(n: int, programs: int, device: torch.device, *, min_slice: int =
     ``n`` values: 1 (the single-program kernel) when the rows are short or many."""
     want = -(-TARGET_PROGRAMS_PER_SM * device_num_sms(device) // max(programs, 1))
     return int(max(1, min(want, n // max(min_slice, 1), MAX_SPLITS)))
+
+
+def resolve_splits(splits: int | None, n: int, programs: int, device: torch.device) -> int:
+    """The split count a kernel call runs with: ``splits`` when given, else
+    :func:`split_count` if ``AUTO_SPLIT``, else 1 (the single-program kernel)."""
+    if splits:
+        return int(splits)
+    return split_count(n, programs, device) if AUTO_SPLIT else 1
 
 
 @triton.jit

@@ -211,6 +211,7 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     Triton in the middle of decoding. Nothing is written: the packing is masked off.
     """
     from sgl_sparse.kernels import pack_compact, selector_scores, selector_stats, stored_evidence, window_evidence
+    from sgl_sparse.kernels._split import AUTO_SPLIT
     from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, topk_range
 
     dev = store.k.device
@@ -227,15 +228,16 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
             stored_evidence(store.logits[0], i32(0), lo, hi, knobs.beta.float(), n)
-    # Long rows with few programs split each (row, head) over several programs
-    # (kernels/_split.py): those launches too, whatever the split count (a grid
-    # size, not a compiled constant).
-    if specs:
+    # With SGL_SPARSE_SPLIT_ROWS=1, long rows with few programs split each (row, head)
+    # over several programs (kernels/_split.py): those launches too, whatever the
+    # split count (a grid size, not a compiled constant).
+    split_options = (1, 2) if AUTO_SPLIT else (1,)
+    if specs and AUTO_SPLIT:
         selector_stats(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), torch.ones(1, hkv, n, device=dev),
                        lo, hi, knobs, splits=2)
-    # The Top-K (top_k_positions' kernel): every launch shape its grid size may pick, split or not.
+    # The Top-K (top_k_positions' kernel): every launch shape its grid size may pick.
     for block_n, num_warps in LAUNCH_SHAPES:
-        for splits in (1, 2):
+        for splits in split_options:
             topk_range(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), lo, hi, i32(1), 1,
                        block_n=block_n, num_warps=num_warps, splits=splits)
     sel = torch.zeros(1, hkv, store.capacity, dtype=torch.int32, device=dev)

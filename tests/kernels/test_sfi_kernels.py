@@ -178,7 +178,8 @@ def test_selector_scores_match_the_float64_formulas(r, hkv, n, radii):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [4096, 32768, 131072])
-def test_gpu_selector_scores_large(n):
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_selector_scores_large(n, split):
     """Serving sizes on the GPU: exact medians; scores against float64 at least as
     accurate as the PyTorch fp32 path's. Kernel and torch sum 10^5 fp32 terms in
     different orders, so at 128K they differ from each other by ~7e-5 (run 2 on
@@ -190,11 +191,15 @@ def test_gpu_selector_scores_large(n):
     u, norms, lo, hi = (x.cuda() for x in (u, norms, lo, hi))
     k32 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float32)
     k64 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float64)
-    stats = K.selector_stats(u, norms, lo, hi, k32)
+    from sgl_sparse.kernels._split import split_count
+
+    # the stats on one program per (row, head), or split over the automatic count (>= 2)
+    splits = max(2, split_count(n, r * hkv, u.device)) if split else 1
+    stats = K.selector_stats(u, norms, lo, hi, k32, splits=splits)
     on = norms[2]  # the whole range
     med = on.sort(dim=-1).values[:, (n - 1) // 2]
     assert torch.equal(stats[2, :, 3], med)
-    got = K.selector_scores(u, norms, lo, hi, k32)
+    got = K.selector_scores(u, norms, lo, hi, k32, splits=splits)
     ref = core.refined_scores_from_evidence(u.double(), norms.double(), lo, hi, k64)
     ref32 = core.refined_scores_from_evidence(u, norms, lo, hi, k32)
     fin = torch.isfinite(ref)

@@ -165,5 +165,8 @@ def test_topk_range_gpu(n, k_max):
     hi = torch.tensor([n - 256, 0, n // 3, 0, 1000, 0, n, 0], dtype=torch.int32, device=dev)
     budget = torch.tensor([k_max, 5, k_max // 2, 0, 2 * k_max, k_max, 1, k_max], dtype=torch.int32, device=dev)
     s[:, :, :: 7] = torch.round(s[:, :, :: 7])  # some ties
-    pos, cnt = topk_range(s, lo, hi, budget, k_max)
-    _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
+    from sgl_sparse.kernels._split import split_count
+
+    for splits in sorted({1, split_count(n, r * h, dev)}):  # the single-program and the split kernel
+        pos, cnt = topk_range(s, lo, hi, budget, k_max, splits=splits)
+        _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
