@@ -138,3 +138,23 @@ def select_low16(SCR, cnt, k, prefix, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
     h = digit_histogram(SCR, 0, cnt, 0.0, prefix, 0, SRC_KEY, True, BLOCK_N)
     k, prefix = _pick_digit(h, k, prefix)
     return prefix, k
+
+
+@triton.jit
+def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
+    """Write the positions in [a, b) whose key is below the k-th's key ``t``, or equal
+    to it among its first ``ties`` (counting ``seen`` earlier equal keys), to
+    ``out[written:]`` in ascending order (a running offset plus a block prefix sum)."""
+    written = written + tl.zeros([], dtype=tl.int32)  # literal 0s arrive as constexprs: the loop carries tensors
+    seen = seen + tl.zeros([], dtype=tl.int32)
+    for n0 in range(a, b, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        # Keys, not floats, are compared: the select's exact order (no flush of denormals).
+        _, bits, ok = load_key(row, offs, offs < b, 0.0, 2)
+        u = bits.to(tl.uint32, bitcast=True)
+        eq = (ok & (u == t)).to(tl.int32)
+        keep = (ok & (u < t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
+        keep_i = keep.to(tl.int32)
+        tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
+        written += tl.sum(keep_i, 0)
+        seen += tl.sum(eq, 0)

@@ -88,6 +88,13 @@ def _terms(U, NORMS, offs, ok, lo, span, inv_beta, alpha, kappa, zeta, eps, med,
     return _pow(u, inv_beta), tl.where(ok, p_hat, 0.0)
 
 
+@triton.jit
+def _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r):
+    """Row cur_r's knobs for _terms: (1 / beta, alpha, kappa, zeta, eps)."""
+    return (1.0 / tl.load(BETA + cur_r), tl.load(ALPHA + cur_r), tl.load(KAPPA + cur_r), tl.load(ZETA + cur_r),
+            tl.load(EPS + cur_r))
+
+
 @triton.jit(do_not_specialize=["stride_r", "stride_h"])
 def _selector_stats(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS, SCRATCH,
@@ -108,11 +115,7 @@ def _selector_stats(
     scr = SCRATCH + cur_r * stride_r + cur_h * stride_h  # a row as long as U's
     med = _lower_median(n_row, lo, hi, 0.0, scr, False, GATHER, BLOCK_N)
     mad = _lower_median(n_row, lo, hi, med, scr, True, GATHER, BLOCK_N)
-    inv_beta = 1.0 / tl.load(BETA + cur_r)
-    alpha = tl.load(ALPHA + cur_r)
-    kappa = tl.load(KAPPA + cur_r)
-    zeta = tl.load(ZETA + cur_r)
-    eps = tl.load(EPS + cur_r)
+    inv_beta, alpha, kappa, zeta, eps = _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r)
     span = hi - 1 - lo
     se = tl.zeros([BLOCK_N], tl.float32)
     sp = tl.zeros([BLOCK_N], tl.float32)
@@ -179,9 +182,9 @@ def _selector_fused(
     """Steps 1-5 (first line): s = log(q + eps) on A, -inf elsewhere, for all heads of a block."""
     cur_r, offs_n, offs_h, mask_h, lo, hi = _row_block(LO, HI, H, BLOCK_H, BLOCK_N)
     st = STATS + cur_r * stride_sr + offs_h * stride_sh
+    inv_beta, alpha, kappa, zeta, eps = _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r)
     s = _score_at(U, NORMS, cur_r * stride_r, stride_h, offs_h, mask_h, offs_n, lo, hi, hi - 1 - lo,
-                  1.0 / tl.load(BETA + cur_r), tl.load(ALPHA + cur_r), tl.load(KAPPA + cur_r),
-                  tl.load(ZETA + cur_r), tl.load(EPS + cur_r),
+                  inv_beta, alpha, kappa, zeta, eps,
                   tl.load(st + 0, mask=mask_h, other=1.0), tl.load(st + 1, mask=mask_h, other=1.0),
                   tl.load(st + 2, mask=mask_h, other=0.0), tl.load(st + 3, mask=mask_h, other=0.0),
                   tl.load(st + 4, mask=mask_h, other=0.0))

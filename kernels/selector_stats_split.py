@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._split import finish, hist_totals, select_pass, slice_bounds
-from .selector_scores import TINY, _terms
+from .selector_scores import TINY, _prior_knobs, _terms
 
 __all__ = ["selector_stats_split", "PHASES"]
 
@@ -99,11 +99,7 @@ def _selector_stats_split(
             mad = tl.load(st + 4)
             s_e = tl.maximum(_slice_sum(part, NSPLIT, 0), TINY)
             s_p = tl.maximum(_slice_sum(part, NSPLIT, 1), TINY)
-        inv_beta = 1.0 / tl.load(BETA + cur_r)
-        alpha = tl.load(ALPHA + cur_r)
-        kappa = tl.load(KAPPA + cur_r)
-        zeta = tl.load(ZETA + cur_r)
-        eps = tl.load(EPS + cur_r)
+        inv_beta, alpha, kappa, zeta, eps = _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r)
         span = hi - 1 - lo
         acc0 = tl.zeros([BLOCK_N], tl.float32)
         acc1 = tl.zeros([BLOCK_N], tl.float32)

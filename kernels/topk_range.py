@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import load_key, digit_histogram, radix_select
+from ._radix import digit_histogram, place_kept, radix_select
 from ._split import resolve_splits
 from ._utils import device_num_sms
 
@@ -99,19 +99,7 @@ def _topk_range_kernel(
     ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
     t = key.to(tl.uint32, bitcast=True)
     out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
-    written = 0
-    seen = 0
-    for n0 in range(lo, hi, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        # Keys, not floats, are compared: the select's exact order (no flush of denormals).
-        _, bits, ok = load_key(row, offs, offs < hi, 0.0, 2)
-        u = bits.to(tl.uint32, bitcast=True)
-        eq = (ok & (u == t)).to(tl.int32)
-        keep = (ok & (u < t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
-        keep_i = keep.to(tl.int32)
-        tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
-        written += tl.sum(keep_i, 0)
-        seen += tl.sum(eq, 0)
+    place_kept(row, lo, hi, t, ties, out, 0, 0, BLOCK_N)
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import load_key
+from ._radix import load_key, place_kept
 from ._split import finish, hist_totals, select_pass, slice_bounds
 
 __all__ = ["topk_range_split"]
@@ -98,16 +98,7 @@ def _topk_split_kernel(
             seen = tl.sum(eq, 0)
             written = below0 + below1 + tl.sum(less, 0) + tl.minimum(seen, ties)
             out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
-            for n0 in range(a, b, BLOCK_N):  # as the single-program kernel's compaction
-                offs = n0 + tl.arange(0, BLOCK_N)
-                _, bits, ok = load_key(row, offs, offs < b, 0.0, 2)
-                u = bits.to(tl.uint32, bitcast=True)
-                eq_b = (ok & (u == t)).to(tl.int32)
-                keep = (ok & (u < t)) | ((eq_b != 0) & (seen + tl.cumsum(eq_b, 0) - eq_b < ties))
-                keep_i = keep.to(tl.int32)
-                tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
-                written += tl.sum(keep_i, 0)
-                seen += tl.sum(eq_b, 0)
+            place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N)
             if cur_s == 0:
                 tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
