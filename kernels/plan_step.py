@@ -43,7 +43,7 @@ def _plan_step_kernel(
     rows_ptr, tok_ptr, n_ptr,
     policy_ptr, window_ptr, sink_ptr, think_ptr, latch_ptr,
     budget_ptr, t_max_ptr, triggers_ptr, since_ptr, slot_ptr, sel_ready_ptr, sel_count_ptr,
-    saved_n_ptr, prompt_q_ptr, fresh_ptr, table_ptr,
+    saved_n_ptr, prompt_q_ptr, fresh_ptr, keep_prompt_ptr, prompt_n_ptr, table_ptr,
     max_ctx_ptr, qa_steps_ptr,  # query-aware policies' columns (read only when HAS_QA)
     out_ptr,  # int32 [5, bs]: a_len, b_start, b_end, a_slot, q_save_slot
     a_len_h_ptr,  # int32 [bs, HKV]
@@ -71,6 +71,8 @@ def _plan_step_kernel(
     saved_n = tl.load(saved_n_ptr + r, mask=valid, other=0)
     prompt_q = tl.load(prompt_q_ptr + r, mask=valid, other=0)
     fresh = tl.load(fresh_ptr + r, mask=valid, other=0).to(tl.int1)
+    keep_prompt = tl.load(keep_prompt_ptr + r, mask=valid, other=0).to(tl.int1)
+    prompt_n = tl.load(prompt_n_ptr + r, mask=valid, other=0)
 
     # SADAS (policies/sadas.update): S_t and F_t from y_{t-1}, before the plan.
     sadas = pol == _SADAS
@@ -90,7 +92,8 @@ def _plan_step_kernel(
     # SFI counters (decision._advance_sfi).
     new_since = tl.where(slow, 0, tl.where(sfi, since + 1, since))
     new_saved = tl.where(slow, n, saved_n)
-    new_prompt_q = tl.where(slow & (~fresh), 0, prompt_q)
+    new_prompt_q = tl.where(slow & (~fresh) & (~keep_prompt), 0, prompt_q)
+    new_prompt_n = tl.where(slow & fresh, n, prompt_n)
     new_fresh = fresh & (~sfi)
 
     # Query-aware policies (policies/query_aware.decide): an indexed segment A, the
@@ -117,6 +120,7 @@ def _plan_step_kernel(
     tl.store(since_ptr + r, new_since, mask=valid)
     tl.store(saved_n_ptr + r, new_saved, mask=valid)
     tl.store(prompt_q_ptr + r, new_prompt_q, mask=valid)
+    tl.store(prompt_n_ptr + r, new_prompt_n, mask=valid)
     tl.store(fresh_ptr + r, new_fresh.to(tl.int8), mask=valid)
 
     tl.store(out_ptr + offs, a_len, mask=valid)
@@ -160,7 +164,8 @@ def plan_step(state, req_pool_indices: torch.Tensor, last_token: torch.Tensor, s
         req_pool_indices, last_token, seq_lens,
         s.policy, s.window, s.sink, _as_bytes(s.think), _as_bytes(s.latch),
         s.budget, s.t_max, _as_bytes(s.triggers), s.since_slow, s.slot, _as_bytes(s.sel_ready), s.sel_count,
-        s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.trigger_table),
+        s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.keep_prompt), s.prompt_n,
+        _as_bytes(s.trigger_table),
         max_ctx if has_qa else s.saved_n, qa_steps if has_qa else s.saved_n,
         out, a_len_h,
         bs, s.trigger_table.shape[0], start, end,

@@ -75,6 +75,10 @@ class SfiPolicy(_Strict):
     sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
+    prompt_evidence: Literal["first", "every"] = Field(
+        "first", description="the prompt's last w_prefill - 1 queries are evidence at the first slow step "
+        "only (ALGORITHMS.md) or at every slow step [ours: a later refresh keeps what the prompt's last "
+        "queries attend to, at w_prefill queries' cost and without the stored-logits shortcut]")
     beta: float = Field(0.5, gt=0, le=16, description="evidence power-mean exponent [ours]")
     alpha: float = Field(1.0, ge=0, le=100, description="prior: recency decay strength [ours]")
     kappa: float = Field(2.0, gt=0, le=100, description="prior: recency decay shape [ours]")

@@ -64,6 +64,11 @@ class SparseState:
         self.sel_count = z(torch.int32)
         self.saved_n = z(torch.int32)  # sequence length at the last slow step
         self.prompt_q = z(torch.int32)  # prompt queries saved for the first Selector run
+        # prompt_evidence "every": the saved prompt queries stay evidence at later slow
+        # steps; prompt_n is the length at the first slow step (the prompt's j-th last
+        # query sits at position prompt_n - 2 - j, j >= 0).
+        self.keep_prompt = z(torch.bool)
+        self.prompt_n = z(torch.int32)
         # Query-aware policies (policies/query_aware.py): the longest sequence the
         # row's store slot serves sparse, and decode steps since admission
         # (asyncspade's first step has no predicted selection yet).
@@ -174,6 +179,8 @@ class SparseState:
             "sel_count": torch.zeros(len(inits), dtype=torch.int32),
             "saved_n": torch.zeros(len(inits), dtype=torch.int32),
             "prompt_q": torch.zeros(len(inits), dtype=torch.int32),
+            "keep_prompt": col("keep_prompt", torch.bool),
+            "prompt_n": torch.zeros(len(inits), dtype=torch.int32),
             "max_context": col("max_context", torch.int32),
             "qa_steps": torch.zeros(len(inits), dtype=torch.int32),
             "qa_window": torch.tensor([_aspd_knob(i, "window", 0) for i in inits], dtype=torch.int32),

@@ -186,3 +186,54 @@ def test_host_accounting_and_refresh_queue():
     stats = st.request_stats(1)
     assert stats["policy"] == "sfi" and stats["decode_steps"] == 6
     assert stats["slow_step_ratio"] == pytest.approx(3 / 6)
+
+
+@pytest.mark.parametrize("keep,use_kernels", [(False, False), (True, False), (True, True)])
+def test_prompt_evidence_every_keeps_the_prompt_queries_at_later_slow_steps(keep, use_kernels):
+    """prompt_evidence "every" [ours]: a later slow step's Selector window is its own
+    query plus the prompt's saved queries at their prompt positions (and the host
+    never marks the row as a one-query refresh); "first" (ALGORITHMS.md) drops them."""
+    gen = torch.Generator().manual_seed(7 + keep)
+    hkv, d, layers, r, n0 = 2, 16, 1, 1, 90
+    spec = SfiPolicy(budget=12, recent=6, sink=2, w_prefill=4, prompt_evidence="every" if keep else "first")
+    st = _state([r], [spec], capacity=20)
+    k, v, r2t = _pool([(r, n0 + 12)], hkv, d, gen)
+    st.compact = CompactStore(slots=4, capacity=20, num_layers=layers, num_kv_heads=hkv, num_q_heads=hkv * 2,
+                              head_dim=d, dtype=torch.float32, pool_size=k.shape[0], prompt_queries=3,
+                              device=torch.device("cpu"))
+    store, slot = st.compact, int(st.slot[r])
+    store.knorm[0] = k.norm(dim=-1)
+    st.prompt_q[r] = 3
+    store.q_prompt[:, slot, :3] = torch.randn(layers, 3, hkv * 2, d, generator=gen)
+    rows = torch.tensor([r])
+    # step 0: first (slow); step 10 reads DOT: slow again, with prompt-to-now keys in A
+    toks = [5] * 10 + [DOT]
+    for t, tok in enumerate(toks):
+        plan = plan_decode(st, rows, torch.tensor([tok if t else 1]), torch.tensor([n0 + t]), (None, None),
+                           num_kv_heads=hkv)
+        if plan.q_save_slot[0] >= 0:
+            store.q[0, slot] = torch.randn(hkv * 2, d, generator=gen)
+            refresh(st, [r], n0 + t, lambda i: k, lambda i: v, r2t, 1 / math.sqrt(d), use_kernels=use_kernels,
+                    later=() if t == 0 or keep else [r])
+    n = n0 + 10  # the later slow step's length
+    assert int(st.prompt_n[r]) == n0 and int(st.saved_n[r]) == n
+    assert int(st.prompt_q[r]) == (3 if keep else 0)
+    w = 4 if keep else 1
+    qwin = torch.cat([store.q[0, slot, None], store.q_prompt[0, slot, : w - 1]])[None]
+    qpos = torch.tensor([[n - 1] + [n0 - 1 - i for i in range(1, w)]])
+    logits = window_logits_torch(qwin.double(), k.double(), r2t[r, None, :n].long(), qpos, 1 / math.sqrt(d))
+    knobs = core.SelectorKnobs.from_specs([spec], "cpu", torch.float64)
+    s = core.refined_scores(logits, k.norm(dim=-1)[r2t[r, :n].long()].T[None].double(),
+                            torch.tensor([spec.sink]), torch.tensor([n - spec.recent]),
+                            torch.ones(1, w, dtype=torch.bool), knobs)
+    top = s[0].topk(spec.budget, dim=-1).indices
+    for h in range(hkv):
+        want = list(range(spec.sink)) + sorted(top[h].tolist())
+        got = store.k[0, slot, h, : len(want)]
+        torch.testing.assert_close(got, k[r2t[r, want].long(), h])
+    # The host's replay: with "every" a later slow step is never a one-query refresh.
+    m = sfi.HostMirror(st.row_init(r), base=0)
+    for j in range(len(toks)):
+        m.launched_lens.append(n0 + j)
+    m.advance([1] + toks[1:] + [5], _table())
+    assert m.refresh_n == n and m.refresh_later == (not keep)

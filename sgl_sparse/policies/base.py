@@ -39,6 +39,7 @@ class RowInit:
     t_max: int = 0
     triggers: bool = False
     spec: Any = None
+    keep_prompt: bool = False  # SFI prompt_evidence "every": the prompt's queries stay evidence
     slot: int = -1  # SFI: compact slot; quest/asyncspade/lfps: slot of the policy's query store
     # Query-aware policies (window = the recent positions of segment B): the longest
     # sequence their store can serve sparse (0: none).

@@ -29,8 +29,13 @@ ID = PolicyId.SFI
 def init_row(spec: SfiPolicy, prompt_ids, output_ids, think_ids) -> RowInit:
     return RowInit(
         policy=ID, window=spec.recent, sink=spec.sink, budget=spec.budget, t_max=spec.t_max,
-        triggers=spec.sentence_triggers, spec=spec,
+        triggers=spec.sentence_triggers, spec=spec, keep_prompt=keeps_prompt_evidence(spec),
     )
+
+
+def keeps_prompt_evidence(spec: Optional[SfiPolicy]) -> bool:
+    """The prompt's last queries are evidence at every slow step, not only the first."""
+    return spec is not None and spec.prompt_evidence == "every"
 
 
 def windowed(step: StepInputs):
@@ -72,7 +77,8 @@ class HostMirror:
     launched_lens: list = field(default_factory=list)  # seq_len of launched, unevaluated steps
     refresh_n: Optional[int] = None  # a slow step at this length wants a Selector run
     # That slow step is not the request's first decode step: the device has dropped
-    # the prompt's queries, so the Selector's window is the step's query alone.
+    # the prompt's queries, so the Selector's window is the step's query alone
+    # (never with prompt_evidence "every": the prompt's queries stay in the window).
     refresh_later: bool = False
     selection: int = 0  # tokens in the compact buffer after the last Selector run (0: none)
     slow_steps: int = 0
@@ -98,7 +104,7 @@ class HostMirror:
                 i = self.init
                 if not covers(i.sink, i.budget, i.window, n) and i.slot >= 0:
                     self.refresh_n = n
-                    self.refresh_later = self.evaluated > 1
+                    self.refresh_later = self.evaluated > 1 and not keeps_prompt_evidence(i.spec)
             out.append((slow, n))
         return out
 

@@ -13,7 +13,8 @@ query and, for the first slow step, the prompt's last queries), the Selector
 (selector.core), then sink + Top-K positions gathered into the request's compact
 slot.
 
-Rows whose slow step was not their first (`later`, known on the host) have a
+Rows whose slow step was not their first (`later`, known on the host; never a row
+with prompt_evidence "every", whose window keeps the prompt's queries) have a
 one-query window: they are refreshed apart with w = 1 (the first slow step's
 window of up to w_prefill queries would cost them w times the logits). On the
 kernel path, when the store keeps the slow step's logits (CompactStore.logits,
@@ -132,10 +133,13 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     lo = torch.minimum(sink, saved_n)
     hi = torch.maximum(saved_n - recent, lo)
     # Window column 0: the slow step's query (position saved_n - 1); column i >= 1:
-    # the prompt's i-th last query (position saved_n - 1 - i), if saved.
+    # the prompt's i-th last query, if saved, at position prompt_n - 1 - i (prompt_n:
+    # the length at the first slow step, = saved_n there; later slow steps see the
+    # prompt's queries only with prompt_evidence "every").
     cols = torch.arange(w, device=dev)
     nq = 1 + torch.clamp(state.prompt_q[ridx], max=w - 1)
-    qpos = (saved_n[:, None] - 1 - cols[None, :]).long()
+    prompt_n = torch.where(state.prompt_n[ridx] > 0, state.prompt_n[ridx], saved_n)
+    qpos = torch.where(cols[None, :] == 0, saved_n[:, None] - 1, prompt_n[:, None] - 1 - cols[None, :]).long()
     knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
     k_max = max(s.budget for s in specs)
     k_min = min(s.budget for s in specs)
