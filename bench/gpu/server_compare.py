@@ -7,6 +7,15 @@ Decode throughput = batch*(L-1) / (T(L) - T(1)): the wall time of the batch with
 new tokens minus the same batch with 1 (its prefill), so prefill is excluded.
 
     python bench/gpu/server_compare.py --model /root/m17 --cases 8192x8,2048x64 --out $OUT/e2e.json
+
+--interleave: both servers run at once (each with --interleave-mem of the GPU's
+memory) and their timed batches alternate, stock then each policy, `repeats`
+rounds; each row also gets the median of the per-round ratios. Run one after the
+other, the two servers' batches drift apart by several % at small, host-bound rows
+(2048x64: stock alone measured 7690-8046 tok/s across runs); alternating puts the
+same drift in numerator and denominator. Only while both KV pools fit: at 0.42 of
+an 80 GB GPU each, ~28 GB of KV per server (Qwen3-1.7B shape: ~240K tokens), i.e.
+2048x64 and 32768x1, not 32768x8.
 """
 import argparse, json, os, random, statistics, subprocess, sys, time, concurrent.futures as cf
 import requests
@@ -90,54 +99,123 @@ def sparse_stats(before, after, policy):
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None}
 
 
-def run_backend(a, backend, log):
-    url = f"http://127.0.0.1:{a.port}"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
-           "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", "0.8",
-           "--enable-metrics",
-           "--disable-radix-cache"] + a.extra.split() + (a.sparse_extra.split() if backend == "sgl_sparse" else [])
-    res = {"backend": backend, "cmd": " ".join(cmd)}
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        res["ready_s"] = round(wait_ready(url, proc, a.ready_limit), 1)
-        rng = random.Random(0)
-        gen(url, [rng.randrange(1000, 100000) for _ in range(256)], 8)  # warm-up
-        prompts = [[rng.randrange(1000, 100000) for _ in range(n)] for n in (300, 1500, 4000, 777)]
-        res["greedy"] = [gen(url, p, a.check_len)["output_ids"] for p in prompts]
-        policies = [("stock", None)] if backend != "sgl_sparse" else [parse_policy(p) for p in a.policies.split(",")]
-        if backend == "sgl_sparse":  # a window covering every prompt must reproduce full
-            res["greedy_window_covering"] = [
+class Server:
+    """One SGLang server process (`--attention-backend backend`) and what it ran."""
+
+    def __init__(self, a, backend: str, port: int, log: str, mem_fraction: float):
+        self.backend, self.url = backend, f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
+               "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
+               "--enable-metrics",
+               "--disable-radix-cache"] + a.extra.split() + (a.sparse_extra.split() if backend == "sgl_sparse" else [])
+        self.res = {"backend": backend, "cmd": " ".join(cmd), "cases": []}
+        with open(log, "w") as lf:
+            self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.policies = ([("stock", None)] if backend != "sgl_sparse"
+                         else [parse_policy(p) for p in a.policies.split(",")])
+
+    def ready(self, a) -> None:
+        self.res["ready_s"] = round(wait_ready(self.url, self.proc, a.ready_limit), 1)
+
+    def check_greedy(self, a) -> None:
+        """Greedy outputs on fixed prompts (the same on every server: the rng is reseeded)."""
+        url, rng, (lo, hi) = self.url, random.Random(0), token_range(a)
+        gen(url, [rng.randrange(lo, hi) for _ in range(256)], 8)  # warm-up
+        prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in (300, 1500, 4000, 777)]
+        self.res["greedy"] = [gen(url, p, a.check_len)["output_ids"] for p in prompts]
+        if self.backend == "sgl_sparse":  # a window covering every prompt must reproduce full
+            self.res["greedy_window_covering"] = [
                 gen(url, p, a.check_len, {"policy": "streaming", "window": 1 << 20})["output_ids"] for p in prompts]
-            res["greedy_sfi_covering"] = [
+            self.res["greedy_sfi_covering"] = [
                 gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
-        res["cases"] = []
-        for case in a.cases.split(","):
-            ctx, bs = map(int, case.split("x"))
-            ps = [[rng.randrange(1000, 100000) for _ in range(ctx)] for _ in range(bs)]
-            for label, pol in policies:
-                batch_wall(url, ps[:1], 2, pol)  # JIT / graph warm-up at this size
-                t1 = min(batch_wall(url, ps, 1, pol) for _ in range(2))
-                before = scrape(url)
-                # Decode time = batch wall time - the prefill-only wall time; the median
-                # of `repeats` batches (each re-prefills: the radix cache is off).
-                walls = [batch_wall(url, ps, a.out_len, pol) for _ in range(a.repeats)]
-                stats = sparse_stats(before, scrape(url), (pol or {}).get("policy", ""))
-                tl = statistics.median(walls)
-                tok_s = bs * (a.out_len - 1) / max(tl - t1, 1e-9)
-                res["cases"].append({"ctx": ctx, "batch": bs, "policy": label,
-                                     "sparse": pol, "out_len": a.out_len, "t_prefill_s": round(t1, 3),
-                                     "t_total_s": round(tl, 3), "t_total_runs_s": [round(w, 3) for w in walls],
-                                     "decode_tok_s": round(tok_s, 1), **stats})
-                print(json.dumps({"backend": backend, **res["cases"][-1]}), flush=True)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
             try:
-                proc.wait(timeout=60)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-    return res
+                os.killpg(self.proc.pid, 9)
+
+
+def token_range(a) -> tuple[int, int]:
+    lo, hi = map(int, a.token_range.split(","))
+    return lo, hi
+
+
+def case_prompts(a, case: str):
+    """'CTXxBS' -> (ctx, bs, prompts): the same random token ids for every server."""
+    ctx, bs = map(int, case.split("x"))
+    rng, (lo, hi) = random.Random(f"case-{case}"), token_range(a)
+    return ctx, bs, [[rng.randrange(lo, hi) for _ in range(ctx)] for _ in range(bs)]
+
+
+def time_cases(a, servers: list) -> None:
+    """Per case and (server, policy): the prefill-only wall time, then `repeats` timed
+    batches; decode time = batch wall time - prefill-only wall time (median of the
+    batches; each re-prefills: the radix cache is off). With several servers the
+    timed batches alternate round by round (--interleave)."""
+    for case in a.cases.split(","):
+        ctx, bs, ps = case_prompts(a, case)
+        runs = [(s, label, pol) for s in servers for label, pol in s.policies]
+        t1, before, after, walls = {}, {}, {}, {}
+        for i, (s, label, pol) in enumerate(runs):
+            batch_wall(s.url, ps[:1], 2, pol)  # JIT / graph warm-up at this size
+            t1[i] = min(batch_wall(s.url, ps, 1, pol) for _ in range(2))
+            walls[i] = []
+        # Interleaved: round by round over every (server, policy); otherwise each one's
+        # batches back to back, so the server's unlabelled host-time counter is its own.
+        order = ([(k, i) for k in range(a.repeats) for i in range(len(runs))] if a.interleave
+                 else [(k, i) for i in range(len(runs)) for k in range(a.repeats)])
+        for k, i in order:
+            s, label, pol = runs[i]
+            before.setdefault(i, scrape(s.url))
+            walls[i].append(batch_wall(s.url, ps, a.out_len, pol))
+            if k == a.repeats - 1:
+                after[i] = scrape(s.url)
+        for i, (s, label, pol) in enumerate(runs):
+            stats = sparse_stats(before[i], after[i], (pol or {}).get("policy", ""))
+            if a.interleave:  # the host-time counter is per server: mixed over its policies here
+                stats.pop("prepare_ms_per_step", None)
+            tl = statistics.median(walls[i])
+            # None where a batch was not slower than its prefill alone: no decode time to divide by
+            tok = lambda w: bs * (a.out_len - 1) / (w - t1[i]) if w > t1[i] else None  # noqa: E731
+            runs_tok_s = [tok(w) for w in walls[i]]
+            s.res["cases"].append({"ctx": ctx, "batch": bs, "policy": label, "sparse": pol, "out_len": a.out_len,
+                                   "t_prefill_s": round(t1[i], 3), "t_total_s": round(tl, 3),
+                                   "t_total_runs_s": [round(w, 3) for w in walls[i]],
+                                   "decode_tok_s": tok(tl) and round(tok(tl), 1),
+                                   "decode_tok_s_runs": [x and round(x, 1) for x in runs_tok_s], **stats})
+            print(json.dumps({"backend": s.backend, **s.res["cases"][-1]}), flush=True)
+
+
+def run_servers(a) -> list:
+    """One server at a time (the default), or all at once with alternating batches."""
+    backends = a.backends.split(",")
+    if not a.interleave:
+        out = []
+        for b in backends:
+            s = Server(a, b, a.port, os.path.join(a.logdir, f"server-{b}.log"), 0.8)
+            try:
+                s.ready(a)
+                s.check_greedy(a)
+                time_cases(a, [s])
+            finally:
+                s.stop()
+            out.append(s.res)
+        return out
+    servers = [Server(a, b, a.port + i, os.path.join(a.logdir, f"server-{b}.log"), a.interleave_mem)
+               for i, b in enumerate(backends)]
+    try:
+        for s in servers:
+            s.ready(a)
+        for s in servers:
+            s.check_greedy(a)
+        time_cases(a, servers)
+    finally:
+        for s in servers:
+            s.stop()
+    return [s.res for s in servers]
 
 
 def main():
@@ -153,10 +231,14 @@ def main():
     ap.add_argument("--extra", default="--disable-prefill-cuda-graph")
     ap.add_argument("--sparse-extra", default="", help="extra flags for the sgl_sparse server only")
     ap.add_argument("--ready-limit", type=float, default=480)
+    ap.add_argument("--interleave", action="store_true",
+                    help="both servers at once, timed batches alternating (see the module doc)")
+    ap.add_argument("--interleave-mem", type=float, default=0.42, help="--mem-fraction-static of each server")
+    ap.add_argument("--token-range", default="1000,100000", help="random prompt ids in [LO, HI) (a small model: its vocab)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logdir", default="/tmp")
     a = ap.parse_args()
-    runs = [run_backend(a, b, os.path.join(a.logdir, f"server-{b}.log")) for b in a.backends.split(",")]
+    runs = run_servers(a)
     base = runs[0]
     summary = {"device": os.popen("nvidia-smi --query-gpu=name --format=csv,noheader").read().strip(),
                "command": " ".join(sys.argv), "runs": runs, "compare": []}
@@ -164,11 +246,20 @@ def main():
         same = [x == y for x, y in zip(base["greedy"], r["greedy"])]
         covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_window_covering", []))]
         sfi_covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_sfi_covering", []))]
-        stock = {(c["ctx"], c["batch"]): c["decode_tok_s"] for c in base["cases"]}
-        rows = [{"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": stock[(c["ctx"], c["batch"])],
-                 "tok_s": c["decode_tok_s"], "ratio": round(c["decode_tok_s"] / stock[(c["ctx"], c["batch"])], 3),
-                 "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention")}
-                for c in r["cases"]]
+        stock = {(c["ctx"], c["batch"]): c for c in base["cases"]}
+        rows = []
+        for c in r["cases"]:
+            st = stock[(c["ctx"], c["batch"])]
+            ratio = lambda x, y: round(x / y, 3) if x and y else None  # noqa: E731
+            row = {"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": st["decode_tok_s"],
+                   "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
+                   "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention")}
+            if a.interleave:  # round i of this policy ran right after round i of stock
+                per = [ratio(x, y) for x, y in zip(c["decode_tok_s_runs"], st["decode_tok_s_runs"])]
+                row["paired_ratios"] = per
+                ok = [x for x in per if x is not None]
+                row["paired_ratio"] = round(statistics.median(ok), 3) if ok else None
+            rows.append(row)
         summary["compare"].append({"backend": r["backend"], "greedy_identical_full": same,
                                    "greedy_identical_window_covering": covering,
                                    "greedy_identical_sfi_covering": sfi_covering, "rows": rows})
@@ -178,7 +269,8 @@ def main():
               "\n|---|---|---|---|---|---|---|")
         for row in rows:
             print(f"| {row['ctx']} x {row['batch']} | {row['policy']} | {row['stock_tok_s']} | {row['tok_s']} | "
-                  f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |")
+                  f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |"
+                  + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else ""))
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
 
