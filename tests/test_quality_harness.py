@@ -222,6 +222,24 @@ def test_fidelity_values_are_sane(smoke_ckpt):
     assert "| 200 | think | sfi-later | 8 |" in md and "fact kept" in md
 
 
+def test_eval_sparse_config_serves_the_longest_prompts_sparse():
+    """run_gpu.sh's query-aware server: a store whose max_context is below the eval's
+    longest sequence serves it dense (context_exceeds_store), and one with fewer slots
+    than requests in flight serves the rest dense (no_store_slot)."""
+    import eval as quality_eval
+
+    from sgl_sparse.config import QUERY_AWARE, load_server_config
+
+    cfg = load_server_config(str(QUALITY / "sparse_config_eval.yaml"))
+    longest = max(int(x) for x in quality_eval.DEFAULT_LENGTHS.split(","))
+    ex = tasks.make_example(256, 0.5, "think", 0)
+    seq = longest + len(ex.completion) + 4  # eval.py asks for len(completion) + 4 new tokens
+    for name in QUERY_AWARE:
+        store = getattr(cfg.query_aware, name)
+        assert store.max_context >= seq and store.slots >= quality_eval.DEFAULT_CONCURRENCY, name
+    assert "sparse_config_eval.yaml" in (QUALITY / "run_gpu.sh").read_text()
+
+
 # ----------------------------------------------------------- server eval
 @pytest.mark.server
 def test_eval_through_sgl_sparse_server(smoke_ckpt):
