@@ -1,6 +1,7 @@
 """Server config and request metadata validation: every error names its field."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from sgl_sparse.config import (
 )
 
 CFG = SparseServerConfig(think_start_id=5, think_end_id=6)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_fill_in_and_request_overrides():
@@ -81,3 +83,10 @@ def test_bad_config_file_names_field(tmp_path, text, words):
 def test_missing_config_file():
     with pytest.raises(SparseConfigError, match="file not found"):
         load_server_config("/nonexistent/sparse.yaml")
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("bench/**/sparse_config*.yaml")))
+def test_committed_sparse_configs_load(path):
+    # The bench scripts pass these to --sparse-config; a typo would only show on a GPU.
+    cfg = load_server_config(str(ROOT / path))
+    assert isinstance(cfg, SparseServerConfig)

@@ -151,25 +151,93 @@ def test_smoke_checkpoint_loads_in_transformers(smoke_ckpt):
 
 
 # --------------------------------------------------------------- fidelity
+def test_chunked_causal_attention_matches_sdpa():
+    import fidelity
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(8, 37, 16), torch.randn(2, 37, 16), torch.randn(2, 37, 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                           scale=0.25, enable_gqa=True)[0]
+    for max_logits in (8 * 37 * 5, 1 << 20):  # chunks of 5 queries, and one chunk
+        out = fidelity.causal_attention(q, k, v, 0.25, max_logits)
+        assert torch.allclose(out.transpose(0, 1), ref, atol=1e-5), max_logits
+
+
+def test_sfi_slow_steps_replay_the_server_schedule():
+    import fidelity
+
+    think = tasks.make_example(300, 0.5, "think", 1)
+    p0, t = len(think.prompt), fidelity.decode_positions(think)[0]
+    seq = think.prompt + think.completion
+    # first decode step, then the steps consuming the think block's two "."
+    assert [p - p0 for p in fidelity.sfi_slow_steps(think, t)] == [0, 6, 10]
+    assert seq[p0 + 10] == tasks.ID["."] and seq[p0 + 11] == tasks.ID[tasks.END_THINK]
+    plain = tasks.make_example(300, 0.5, "plain", 1)
+    assert fidelity.sfi_slow_steps(plain, fidelity.decode_positions(plain)[0]) == [len(plain.prompt)]
+    # with no sentence end, every (t_max + 1)-th step (here t_max = 4)
+    assert fidelity.sfi_slow_steps(plain, len(plain.prompt) + 5, t_max=4) == [len(plain.prompt) + i for i in (0, 5)]
+
+
 def test_fidelity_values_are_sane(smoke_ckpt):
     import fidelity
 
     model = fidelity.load_model(str(smoke_ckpt))
+    ex = tasks.make_example(200, 0.25, "think", 777)
+    # The recording forward (chunked attention, small chunks here) gives the model's sdpa logits.
+    fidelity.record_qkv(model, ex.prompt, max_logits=4 * 200 * 16)
+    with torch.no_grad():
+        ref = model(torch.tensor([ex.prompt])).logits
+        model.config._attn_implementation = "sgl_sparse_record"  # registered by record_qkv
+        try:
+            got = model(torch.tensor([ex.prompt]), use_cache=False).logits
+        finally:
+            model.config._attn_implementation = "sdpa"
+    assert torch.allclose(got, ref, atol=1e-4)
+
     res = fidelity.evaluate(model, [200], budgets=[8, 32, 100_000], n_examples=2, sfi_recent=8, sfi_window=8)
-    rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
+    rows = {(r["variant"], r["policy"], r["budget"]): r for r in res["rows"]}
     assert not res["not_available"]  # sgl_sparse's Selector is importable here
-    assert rows[("full", None)]["rel_err_max"] == 0.0 and rows[("full", None)]["overlap"] == 1.0
-    for name in ("streaming", "quest", "sfi", "oracle"):
-        big = rows[(name, 100_000)]  # budget covers every token: dense
-        assert big["rel_err_max"] < 1e-6 and big["overlap"] == 1.0 and big["retention"] == 1.0, name
-        small = rows[(name, 8)]
-        assert 0 < small["retention"] < 1 and 0 <= small["overlap"] <= 1 and 0 < small["mass"] < 1, name
-    for b in (8, 32):
-        assert rows[("oracle", b)]["overlap"] == 1.0
-        # the exact top-k keeps the most attention mass of all sets of its size or smaller
-        assert rows[("oracle", b)]["mass"] >= rows[("streaming", b)]["mass"] * 0.999 - 1e-6 or \
-            rows[("streaming", b)]["retention"] > rows[("oracle", b)]["retention"]
-    assert rows[("streaming", 8)]["rel_err"] > 0
+    # sfi-later replays the think completion's later slow steps: think rows only
+    assert {v for v, p, _ in rows if p == "sfi-later"} == {"think"}
+    for variant in ("plain", "think"):
+        full = rows[(variant, "full", None)]
+        assert full["rel_err_max"] == 0.0 and full["overlap"] == 1.0 and full["fact_kept"] == 1.0
+        names = ("streaming", "quest", "sfi", "oracle") + (("sfi-later",) if variant == "think" else ())
+        for name in names:
+            big = rows[(variant, name, 100_000)]  # budget covers every token: dense
+            assert big["rel_err_max"] < 1e-6 and big["overlap"] == 1.0 and big["retention"] == 1.0, name
+            assert big["fact_kept"] == big["value_kept"] == 1.0, name
+            small = rows[(variant, name, 8)]
+            assert 0 < small["retention"] < 1 and 0 <= small["overlap"] <= 1 and 0 < small["mass"] < 1, name
+            assert 0 <= small["fact_kept"] <= small["value_kept"] <= 1, name
+        for b in (8, 32):
+            assert rows[(variant, "oracle", b)]["overlap"] == 1.0
+            # the exact top-k keeps the most attention mass of all sets of its size or smaller
+            assert rows[(variant, "oracle", b)]["mass"] >= rows[(variant, "streaming", b)]["mass"] * 0.999 - 1e-6 or \
+                rows[(variant, "streaming", b)]["retention"] > rows[(variant, "oracle", b)]["retention"]
+        assert rows[(variant, "streaming", 8)]["rel_err"] > 0
+        # the fact sits at depth 0.25 of 200 tokens: far out of sink 4 + the last 8
+        assert rows[(variant, "streaming", 8)]["fact_kept"] == 0.0
+    md = fidelity.markdown(res)
+    assert "| 200 | think | sfi-later | 8 |" in md and "fact kept" in md
+
+
+def test_eval_sparse_config_serves_the_longest_prompts_sparse():
+    """run_gpu.sh's query-aware server: a store whose max_context is below the eval's
+    longest sequence serves it dense (context_exceeds_store), and one with fewer slots
+    than requests in flight serves the rest dense (no_store_slot)."""
+    import eval as quality_eval
+
+    from sgl_sparse.config import QUERY_AWARE, load_server_config
+
+    cfg = load_server_config(str(QUALITY / "sparse_config_eval.yaml"))
+    longest = max(int(x) for x in quality_eval.DEFAULT_LENGTHS.split(","))
+    ex = tasks.make_example(256, 0.5, "think", 0)
+    seq = longest + len(ex.completion) + 4  # eval.py asks for len(completion) + 4 new tokens
+    for name in QUERY_AWARE:
+        store = getattr(cfg.query_aware, name)
+        assert store.max_context >= seq and store.slots >= quality_eval.DEFAULT_CONCURRENCY, name
+    assert "sparse_config_eval.yaml" in (QUALITY / "run_gpu.sh").read_text()
 
 
 # ----------------------------------------------------------- server eval

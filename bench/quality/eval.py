@@ -41,6 +41,8 @@ import tasks  # noqa: E402
 
 DEFAULT_POLICIES = ("full,sfi,sfi:budget=256:recent=64,sadas:window=64,streaming:window=64,"
                     "streaming:window=1024,asyncspade,lfps,quest")
+DEFAULT_LENGTHS = "2048,8192,16384,32768"
+DEFAULT_CONCURRENCY = 16  # requests in flight (sparse_config_eval.yaml sizes its store slots by it)
 COUNTERS = ("attended_tokens", "cached_tokens", "decode_steps", "slow_steps")
 _SAMPLE = re.compile(r"^(sglang_sparse_[a-z_]+)(\{[^}]*\})?\s+(\S+)")
 
@@ -252,11 +254,11 @@ def main() -> None:
                     help="extra launch_server flags (with --launch)")
     ap.add_argument("--server-log", default="eval_server.log")
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
-    ap.add_argument("--lengths", default="2048,8192,16384,32768")
+    ap.add_argument("--lengths", default=DEFAULT_LENGTHS)
     ap.add_argument("--depths", default="0.1,0.5,0.9")
     ap.add_argument("--variants", default="plain,think")
     ap.add_argument("--n", type=int, default=8, help="examples per (variant, depth) cell")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--out-json")
     ap.add_argument("--out-md")

@@ -7,7 +7,10 @@
 #
 #   bash bench/quality/run_gpu.sh train     # <= ~8 min: writes $CKPT (kept in /root while the machine is warm);
 #                                           # TRAIN_FLAGS (default "--recipe kv-easy") picks the recipe
-#   bash bench/quality/run_gpu.sh eval      # server eval (~4 min start-up on a fresh machine) + fidelity
+#   bash bench/quality/run_gpu.sh eval      # both server evals (~4 min start-up on a fresh machine) + fidelity
+#                                           # = eval-main (CUDA graphs on), eval-qa (query-aware policies,
+#                                           # --disable-cuda-graph, sparse_config_eval.yaml), fidelity:
+#                                           # run them as three calls if one would pass the 10-minute limit
 #   bash bench/quality/run_gpu.sh all       # both (only if one command may take ~15 min)
 #   bash bench/quality/run_gpu.sh sweep     # <= ~9 min: 4 training recipes at once on the one GPU
 #
@@ -18,7 +21,7 @@
 # variant. VARIANTS overrides the list: "name flags;name flags;..." (flags for
 # train_tiny.py). Evaluate a variant afterwards with CKPT=/root/sweep/NAME ... eval.
 #
-# Results: $OUT/quality_{eval,fidelity}.{json,md}, $OUT/quality_train_log.txt and the
+# Results: $OUT/quality_{eval,eval_qa,fidelity}.{json,md}, $OUT/quality_train_log.txt and the
 # server log; also copied to bench/results/ in this tree (commit them from there).
 set -uo pipefail
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
@@ -75,22 +78,53 @@ train() {
     cp "$OUT/quality_train_log.txt" "$here/train_log.txt"
 }
 
-evaluate() {
+# The default server (decode CUDA graphs on) serves eval.py's default policies but the
+# query-aware ones, which it rejects with 400 there; those get a second server with
+# --disable-cuda-graph and sparse_config_eval.yaml (query-aware max_context past 32K +
+# completion, slots = eval.py's concurrency), each row with `full` as its control.
+MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sadas:window=64,streaming:window=64,streaming:window=1024}"
+QA_POLICIES="${QA_POLICIES:-full,asyncspade,lfps,quest}"
+
+need_ckpt() {
     [ -f "$CKPT/model.safetensors" ] || { echo "no checkpoint at $CKPT: run '$0 train' first"; return 1; }
-    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" \
+}
+
+eval_main() {
+    need_ckpt || return 1
+    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$MAIN_POLICIES" \
         --server-args "--dtype bfloat16 --disable-prefill-cuda-graph ${SERVER_ARGS:-}" \
         --server-log "$OUT/quality_server.log" \
         --out-json "$OUT/quality_eval.json" --out-md "$OUT/quality_eval.md" 2>&1 | tee "$OUT/quality_eval.log" | tail -40
-    python3 "$here/fidelity.py" --model "$CKPT" --lengths "${FID_LENGTHS:-2048,8192,32768}" \
-        --budgets "${BUDGETS:-64,256,1024,2048}" --n 4 \
-        --out-json "$OUT/quality_fidelity.json" --out-md "$OUT/quality_fidelity.md" 2>&1 | tail -40
+}
+
+eval_qa() {
+    need_ckpt || return 1
+    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$QA_POLICIES" \
+        --server-args "--dtype bfloat16 --disable-prefill-cuda-graph --disable-cuda-graph --sparse-config $here/sparse_config_eval.yaml ${SERVER_ARGS:-}" \
+        --server-log "$OUT/quality_server_qa.log" \
+        --out-json "$OUT/quality_eval_qa.json" --out-md "$OUT/quality_eval_qa.md" 2>&1 | tee "$OUT/quality_eval_qa.log" | tail -40
+}
+
+fidelity() {
+    need_ckpt || return 1
+    # both variants: think examples add sfi-later (the server's later w = 1 slow step)
+    python3 "$here/fidelity.py" --model "$CKPT" --lengths "${FID_LENGTHS:-2048,8192,16384,32768}" \
+        --budgets "${BUDGETS:-64,256,1024,2048}" --n "${FID_N:-4}" --variants "${FID_VARIANTS:-plain,think}" \
+        --out-json "$OUT/quality_fidelity.json" --out-md "$OUT/quality_fidelity.md" 2>&1 | tail -60
+}
+
+evaluate() {
+    eval_main; eval_qa; fidelity
 }
 
 case "$what" in
 train) train ;;
 eval) evaluate ;;
+eval-main) eval_main ;;
+eval-qa) eval_qa ;;
+fidelity) fidelity ;;
 all) train && evaluate ;;
 sweep) sweep ;;
-*) echo "usage: $0 {train|eval|all|sweep}"; exit 2 ;;
+*) echo "usage: $0 {train|eval|eval-main|eval-qa|fidelity|all|sweep}"; exit 2 ;;
 esac
 for f in "$OUT"/quality_*.json "$OUT"/quality_*.md; do [ -f "$f" ] && cp "$f" "$results/"; done
