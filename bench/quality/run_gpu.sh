@@ -82,7 +82,7 @@ train() {
 # query-aware ones, which it rejects with 400 there; those get a second server with
 # --disable-cuda-graph and sparse_config_eval.yaml (query-aware max_context past 32K +
 # completion, slots = eval.py's concurrency), each row with `full` as its control.
-MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sadas:window=64,streaming:window=64,streaming:window=1024}"
+MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,sfi:budget=256:recent=64:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,streaming:window=1024}"
 QA_POLICIES="${QA_POLICIES:-full,asyncspade,lfps,quest}"
 
 need_ckpt() {
