@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the lent GPU runs, in one place. Assumes the wheelhouse (SGLang 0.5.17,
 # FlashInfer, this project's wheel) was installed into /tmp/site as in
-# ../shared/gpu/README.md (see bench/gpu/README.md for the exact device calls).
+# ../shared/gpu/README.md (see bench/README.md, "How the GPU runs are made", for the exact device calls).
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention

@@ -6,7 +6,7 @@
 # ../shared/gpu/README.md, then
 #
 #   bash bench/quality/run_gpu.sh train     # <= ~8 min: writes $CKPT (kept in /root while the machine is warm);
-#                                           # TRAIN_FLAGS (default "--recipe kv-easy") picks the recipe
+#                                           # TRAIN_FLAGS (default: run 4's "--recipe kv-easy --lr 3e-3 --seed 1 --time-budget 400") picks the recipe
 #   bash bench/quality/run_gpu.sh eval      # both server evals (~4 min start-up on a fresh machine) + fidelity
 #                                           # = eval-main (CUDA graphs on), eval-qa (query-aware policies,
 #                                           # --disable-cuda-graph, sparse_config_eval.yaml), fidelity:
@@ -42,7 +42,7 @@ DEFAULT_VARIANTS="kv-easy|--recipe kv-easy;\
 kv-easy-lr3e-3|--recipe kv-easy --lr 3e-3;\
 kv-easy-lr3e-3-s1|--recipe kv-easy --lr 3e-3 --seed 1;\
 kv-easy-prev|--recipe kv-easy --prev-token-init 1"
-TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv-easy}"
+TRAIN_FLAGS="${TRAIN_FLAGS:---recipe kv-easy --lr 3e-3 --seed 1 --time-budget 400}"
 
 sweep() {
     local budget="${SWEEP_BUDGET:-400}" dir="${SWEEP_DIR:-/root/sweep}" names=() pids=() IFS_OLD="$IFS"
