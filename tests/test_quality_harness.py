@@ -199,10 +199,11 @@ def test_fidelity_values_are_sane(smoke_ckpt):
     assert not res["not_available"]  # sgl_sparse's Selector is importable here
     # sfi-later replays the think completion's later slow steps: think rows only
     assert {v for v, p, _ in rows if p == "sfi-later"} == {"think"}
+    assert {v for v, p, _ in rows if p == "sfi-later-every"} == {"think"}
     for variant in ("plain", "think"):
         full = rows[(variant, "full", None)]
         assert full["rel_err_max"] == 0.0 and full["overlap"] == 1.0 and full["fact_kept"] == 1.0
-        names = ("streaming", "quest", "sfi", "oracle") + (("sfi-later",) if variant == "think" else ())
+        names = ("streaming", "quest", "sfi", "oracle") + (("sfi-later", "sfi-later-every") if variant == "think" else ())
         for name in names:
             big = rows[(variant, name, 100_000)]  # budget covers every token: dense
             assert big["rel_err_max"] < 1e-6 and big["overlap"] == 1.0 and big["retention"] == 1.0, name

@@ -29,7 +29,9 @@ eval.py's job. Policies (budget B tokens per KV head):
   top B/16 pages + the current page); oracle (exact top-B); think examples
   only: sfi-later (the server's SFI schedule replayed on the completion: the
   selection of the last slow step before the value, which in the think variant
-  is the w = 1 refresh at the think block's last ".", see `sfi_later_factory`).
+  is the w = 1 refresh at the think block's last ".", see `sfi_later_factory`)
+  and sfi-later-every (the same with prompt_evidence "every": that refresh's
+  window also holds the prompt's last queries).
 """
 
 from __future__ import annotations
@@ -264,13 +266,16 @@ def sfi_slow_steps(ex: tasks.Example, upto: int, t_max: Optional[int] = None) ->
     return out
 
 
-def sfi_later_factory(recent: int, w_prefill: int) -> Optional[Callable[[tasks.Example], Policy]]:
+def sfi_later_factory(recent: int, w_prefill: int,
+                      keep_prompt: bool = False) -> Optional[Callable[[tasks.Example], Policy]]:
     """`sfi-later`: what the server's SFI attends at t, from the selection of the
     last slow step p < t (`sfi_slow_steps`): a later slow step (p > len(prompt),
     e.g. right after a think block's ".") refreshes the selection from its own
     query alone (w = 1, selector/refresh.py's `later` rows), with A = [sink, p + 1 -
     recent); the first decode step's window is its query plus the prompt's last
-    w_prefill - 1 queries. Built per example (the slow steps depend on its tokens)."""
+    w_prefill - 1 queries. `keep_prompt` (`sfi-later-every`, the server's
+    prompt_evidence "every"): a later slow step's window is its query plus those
+    same prompt queries. Built per example (the slow steps depend on its tokens)."""
     if not _selector_importable():
         return None
 
@@ -279,8 +284,9 @@ def sfi_later_factory(recent: int, w_prefill: int) -> Optional[Callable[[tasks.E
             slow = sfi_slow_steps(ex, t)
             if not slow or slow[-1] == t:  # the prefill and slow steps attend densely
                 return full_policy(L, t, budget)
-            p = slow[-1]
-            window = range(max(0, p + 1 - w_prefill), p + 1) if p == len(ex.prompt) else [p]
+            p, first = slow[-1], len(ex.prompt)
+            prompt_q = list(range(max(0, first + 1 - w_prefill), first))  # the prompt's last w_prefill - 1
+            window = prompt_q + [p] if p == first or keep_prompt else [p]
             return _sfi_keep(L, t, budget, recent, window, p + 1)
 
         return policy
@@ -340,6 +346,7 @@ def evaluate(model, lengths: Sequence[int], budgets: Sequence[int], n_examples: 
     }
     # The first slow step's window is the server's w_prefill queries: sfi_window here.
     later = sfi_later_factory(sfi_recent, sfi_window)
+    later_every = sfi_later_factory(sfi_recent, sfi_window, keep_prompt=True)
     rows = []
     for length in lengths:
         acc: dict[tuple[str, str, int], list[dict]] = {}
@@ -348,6 +355,7 @@ def evaluate(model, lengths: Sequence[int], budgets: Sequence[int], n_examples: 
             pols = dict(policies)
             if ex.variant == "think":
                 pols["sfi-later"] = later(ex) if later is not None else None
+                pols["sfi-later-every"] = later_every(ex) if later_every is not None else None
             fact = [ex.fact_pos + j for j in range(1 + tasks.VALUE_LEN)]
             layers = record_qkv(model, ex.prompt + ex.completion)
             for t in decode_positions(ex, which):
@@ -367,7 +375,7 @@ def evaluate(model, lengths: Sequence[int], budgets: Sequence[int], n_examples: 
                 if key == "rel_err":
                     row["rel_err_max"] = max(vals)
             rows.append(row)
-    missing = [n for n, p in policies.items() if p is None] + (["sfi-later"] if later is None else [])
+    missing = [n for n, p in policies.items() if p is None] + (["sfi-later", "sfi-later-every"] if later is None else [])
     return {"rows": rows, "not_available": {n: "sgl_sparse.selector.core not importable" for n in missing},
             "settings": {"sink": SINK, "quest_page": QUEST_PAGE, "sfi_recent": sfi_recent,
                          "sfi_window": sfi_window, "sfi_lag": sfi_lag, "depth": depth, "positions": which,
