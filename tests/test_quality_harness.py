@@ -120,6 +120,35 @@ def test_kv_sequences_are_pure_induction_copies(length):
         assert sup == len(first) == sum(mask) >= 4
 
 
+def test_failure_records_say_what_the_model_generated():
+    import eval as quality_eval
+
+    ex = tasks.make_example(256, 0.5, "think", 1)
+    end, key = tasks.ID[tasks.END_THINK], ex.prompt[ex.fact_pos]
+    # another fact's value (in the prompt), after a closed think block and the right key
+    other = next(t for t in ex.prompt if t in tasks.VALUE_IDS and t != ex.answer[0])
+    out = tasks.ids(tasks.THINK_BODY) + [end] + tasks.answer_prefix(key) + [other]
+    rec = quality_eval.failure_record(ex, out)
+    assert rec["emitted_end_think"] and rec["restated_key"]
+    assert rec["value_given"] == tasks.VOCAB[other]
+    assert rec["value_distance"] == len(ex.prompt) - max(i for i, t in enumerate(ex.prompt) if t == other)
+    assert rec["output"] == tasks.decode(out) and rec["expected"] == tasks.decode(ex.completion)
+    assert rec["prompt_tail"].endswith("? <think>") and len(rec["prompt_tail"].split()) == 30
+    # no </think>, a wrong key, and a value that is nowhere in the prompt
+    wrong_key = next(k for k in tasks.KEY_IDS if k != key)
+    absent = next(v for v in tasks.VALUE_IDS if v not in ex.prompt)
+    rec = quality_eval.failure_record(ex, tasks.answer_prefix(wrong_key) + [absent])
+    assert not rec["emitted_end_think"] and not rec["restated_key"]
+    assert rec["value_given"] == tasks.VOCAB[absent] and rec["value_distance"] is None
+    assert quality_eval.failure_record(ex, tasks.ids("i look"))["value_given"] is None
+    # round-robin over (variant, depth) cells: the think failures are not crowded out
+    plain = [tasks.make_example(256, 0.5, "plain", s) for s in range(3)]
+    think = [tasks.make_example(256, 0.5, "think", s) for s in range(3)]
+    picked = quality_eval.pick_failures([(e, []) for e in plain + think], 2)
+    assert [r["variant"] for r in picked] == ["plain", "think"]
+    assert len(quality_eval.pick_failures([(e, []) for e in plain], 5)) == 3
+
+
 # ----------------------------------------------------------- train + load
 @pytest.fixture(scope="module")
 def smoke_ckpt(tmp_path_factory) -> Path:
@@ -251,7 +280,8 @@ def test_eval_through_sgl_sparse_server(smoke_ckpt):
 
     policies = ["full", "streaming:window=16", "sfi:budget=16:recent=8", "quest"]
     with running_server(smoke_ckpt, "sgl_sparse", extra_args=["--enable-metrics"]) as h:
-        res = quality_eval.evaluate(h.url, policies, [160], [0.5], n=1, concurrency=4, log=lambda *_: None)
+        res = quality_eval.evaluate(h.url, policies, [160], [0.5], n=1, concurrency=4, log=lambda *_: None,
+                                    dump_failures=1)
         ex = tasks.make_example(160, 0.5, "think", 2024)
         spec = quality_eval.PolicySpec.parse("full")
         served = quality_eval.generate(h.url, ex.prompt, spec, 12).json()["output_ids"]
@@ -264,6 +294,9 @@ def test_eval_through_sgl_sparse_server(smoke_ckpt):
     assert 0 < rows["streaming:window=16"]["retention"] < 0.2
     assert 0 < rows["sfi:budget=16:recent=8"]["slow_ratio"] < 1
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows.values())
+    for r in rows.values():  # --dump-failures 1: one record per row that missed any prompt
+        assert len(r["failures"]) == (1 if r["accuracy"] < 1.0 else 0)
+        assert all(f["variant"] in ("plain", "think") and f["expected"] for f in r["failures"])
     # What the server decodes under `full` is what transformers decodes greedily.
     model = AutoModelForCausalLM.from_pretrained(smoke_ckpt, dtype=torch.float32)
     ref = model.generate(torch.tensor([ex.prompt]), max_new_tokens=12, do_sample=False)[0, len(ex.prompt):]

@@ -103,8 +103,49 @@ def examples_for(length: int, depths: Sequence[float], variants: Sequence[str], 
     return [tasks.make_example(length, d, v, seed + i) for v in variants for d in depths for i in range(n)]
 
 
+def failure_record(ex: tasks.Example, output_ids: Sequence[int], tail: int = 30) -> dict:
+    """What a failing example looked like: enough to tell, without re-running, whether
+    the model closed the think block, restated the right key, and which value it gave
+    (the fact's, another fact's, or none)."""
+    out = list(output_ids)
+    end = tasks.ID[tasks.END_THINK]
+    key = ex.prompt[ex.fact_pos]
+    after = out[out.index(end) + 1:] if end in out else out
+    prefix = tasks.answer_prefix(key)
+    # the token right after the restated "the code of KEY"-shaped prefix, if any
+    given = after[len(prefix)] if len(after) > len(prefix) and after[:len(prefix) - 1] == prefix[:-1] else None
+    where = [i for i, t in enumerate(ex.prompt) if given is not None and t == given]
+    return {
+        "variant": ex.variant, "depth": round(ex.depth, 3), "distance": ex.distance,
+        "prompt_tail": tasks.decode(ex.prompt[-tail:]),
+        "output": tasks.decode(out),
+        "expected": tasks.decode(ex.completion),
+        "emitted_end_think": end in out,
+        "restated_key": after[:len(prefix)] == prefix,  # "the code of KEY" with the asked key
+        "value_given": tasks.decode([given]) if given is not None else None,
+        # tokens from the prompt's end back to the given value's last occurrence (None:
+        # not in the prompt): another fact's value, and how far back the policy reached
+        "value_distance": len(ex.prompt) - where[-1] if where else None,
+    }
+
+
+def pick_failures(failed: list[tuple[tasks.Example, list[int]]], n: int) -> list[dict]:
+    """Up to n failure records, taken round-robin over the (variant, depth) cells so a
+    row whose plain and think prompts both fail shows both (examples are variant-major)."""
+    cells: dict[tuple[str, float], list] = {}
+    for ex, out in failed:
+        # realized depths scatter by a few hundredths around the requested one
+        cells.setdefault((ex.variant, round(ex.depth, 1)), []).append((ex, out))
+    picked, queues = [], list(cells.values())
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(failure_record(*q.pop(0)))
+    return picked
+
+
 def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
-            concurrency: int) -> dict:
+            concurrency: int, dump_failures: int = 0) -> dict:
     before = scrape(url)
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -116,15 +157,18 @@ def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
                 "error": bad[0].text[:500]}
     time.sleep(1.0)  # metrics are flushed by the scheduler process shortly after the step
     after = scrape(url)
-    hits, by_cell = [], {}
+    hits, by_cell, failed = [], {}, []
     for ex, r in zip(exs, resps):
-        ok = tasks.answer_correct(ex, r.json()["output_ids"])
+        out_ids = r.json()["output_ids"]
+        ok = tasks.answer_correct(ex, out_ids)
         hits.append(ok)
+        if not ok:
+            failed.append((ex, out_ids))
         cell = by_cell.setdefault(f"{ex.variant}@{round(ex.depth, 2)}", [])
         cell.append(ok)
     att, cac = (_diff(after, before, c, spec.name) for c in ("attended_tokens", "cached_tokens"))
     steps, slow = (_diff(after, before, c, spec.name) for c in ("decode_steps", "slow_steps"))
-    return {
+    row = {
         "policy": spec.label, "length": length, "status": 200, "n": len(exs),
         "accuracy": sum(hits) / len(hits),
         "by_variant": {v: _mean([h for e, h in zip(exs, hits) if e.variant == v])
@@ -134,6 +178,9 @@ def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
         "slow_ratio": slow / steps if steps else None,
         "decode_steps": steps, "wall_s": wall,
     }
+    if dump_failures:
+        row["failures"] = pick_failures(failed, dump_failures)
+    return row
 
 
 def _mean(xs: Sequence[bool]) -> float:
@@ -142,7 +189,7 @@ def _mean(xs: Sequence[bool]) -> float:
 
 def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
              variants: Sequence[str] = ("plain", "think"), n: int = 4, seed: int = 1000,
-             concurrency: int = 8, log=print) -> dict:
+             concurrency: int = 8, log=print, dump_failures: int = 0) -> dict:
     rows, errors, not_available = [], [], {}
     specs = [PolicySpec.parse(p) for p in policies]
     for length in lengths:
@@ -150,7 +197,7 @@ def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: 
         for spec in specs:
             if spec.label in not_available:
                 continue
-            row = run_row(url, spec, length, exs, concurrency)
+            row = run_row(url, spec, length, exs, concurrency, dump_failures)
             if row["status"] == 400:
                 not_available[spec.label] = row["error"]
                 log(f"{spec.label}: not available ({row['error'][:160]})")
@@ -261,6 +308,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="examples per (variant, depth) cell")
     ap.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
     ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--dump-failures", type=int, default=0, metavar="N",
+                    help="save up to N failing examples per row (prompt tail, output, expected answer) "
+                         "in the JSON's rows[].failures (default 0: none)")
     ap.add_argument("--out-json")
     ap.add_argument("--out-md")
     a = ap.parse_args()
@@ -271,7 +321,7 @@ def main() -> None:
         proc, url = launch(a.model, max(lengths) + 64, a.server_args.split(), Path(a.server_log))
     try:
         res = evaluate(url, a.policies.split(","), lengths, [float(x) for x in a.depths.split(",")],
-                       a.variants.split(","), a.n, a.seed, a.concurrency)
+                       a.variants.split(","), a.n, a.seed, a.concurrency, dump_failures=a.dump_failures)
     finally:
         if proc is not None:
             stop(proc)
