@@ -40,7 +40,8 @@ import report  # noqa: E402
 import tasks  # noqa: E402
 
 DEFAULT_POLICIES = ("full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,"
-                    "sfi:budget=256:recent=64:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,"
+                    "sfi:budget=256:recent=64:prompt_evidence=every,sfi:beta=1.0,sfi:beta=1.0:prompt_evidence=every,"
+                    "sadas:window=64,sadas,streaming:window=64,"
                     "streaming:window=1024,asyncspade,lfps,quest")
 DEFAULT_LENGTHS = "2048,8192,16384,32768"
 DEFAULT_CONCURRENCY = 16  # requests in flight (sparse_config_eval.yaml sizes its store slots by it)

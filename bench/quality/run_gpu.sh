@@ -82,7 +82,7 @@ train() {
 # query-aware ones, which it rejects with 400 there; those get a second server with
 # --disable-cuda-graph and sparse_config_eval.yaml (query-aware max_context past 32K +
 # completion, slots = eval.py's concurrency), each row with `full` as its control.
-MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,sfi:budget=256:recent=64:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,streaming:window=1024}"
+MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,sfi:budget=256:recent=64:prompt_evidence=every,sfi:beta=1.0,sfi:beta=1.0:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,streaming:window=1024}"
 QA_POLICIES="${QA_POLICIES:-full,asyncspade,lfps,quest}"
 
 need_ckpt() {
@@ -91,7 +91,7 @@ need_ckpt() {
 
 eval_main() {
     need_ckpt || return 1
-    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$MAIN_POLICIES" \
+    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$MAIN_POLICIES" --dump-failures "${DUMP:-4}" \
         --server-args "--dtype bfloat16 --disable-prefill-cuda-graph ${SERVER_ARGS:-}" \
         --server-log "$OUT/quality_server.log" \
         --out-json "$OUT/quality_eval.json" --out-md "$OUT/quality_eval.md" 2>&1 | tee "$OUT/quality_eval.log" | tail -40
@@ -99,7 +99,7 @@ eval_main() {
 
 eval_qa() {
     need_ckpt || return 1
-    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$QA_POLICIES" \
+    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$QA_POLICIES" --dump-failures "${DUMP:-4}" \
         --server-args "--dtype bfloat16 --disable-prefill-cuda-graph --disable-cuda-graph --sparse-config $here/sparse_config_eval.yaml ${SERVER_ARGS:-}" \
         --server-log "$OUT/quality_server_qa.log" \
         --out-json "$OUT/quality_eval_qa.json" --out-md "$OUT/quality_eval_qa.md" 2>&1 | tee "$OUT/quality_eval_qa.log" | tail -40
