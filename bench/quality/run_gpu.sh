@@ -89,21 +89,18 @@ need_ckpt() {
     [ -f "$CKPT/model.safetensors" ] || { echo "no checkpoint at $CKPT: run '$0 train' first"; return 1; }
 }
 
-eval_main() {
+# run_eval NAME POLICIES "EXTRA SERVER ARGS": one eval.py server run -> $OUT/quality_NAME.{json,md,log}
+run_eval() {
     need_ckpt || return 1
-    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$MAIN_POLICIES" --dump-failures "${DUMP:-4}" \
-        --server-args "--dtype bfloat16 --disable-prefill-cuda-graph ${SERVER_ARGS:-}" \
-        --server-log "$OUT/quality_server.log" \
-        --out-json "$OUT/quality_eval.json" --out-md "$OUT/quality_eval.md" 2>&1 | tee "$OUT/quality_eval.log" | tail -40
+    local name="$1" policies="$2" extra="$3"
+    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$policies" --dump-failures "${DUMP:-4}" \
+        --server-args "--dtype bfloat16 --disable-prefill-cuda-graph $extra ${SERVER_ARGS:-}" \
+        --server-log "$OUT/quality_server${name#eval}.log" \
+        --out-json "$OUT/quality_$name.json" --out-md "$OUT/quality_$name.md" 2>&1 | tee "$OUT/quality_$name.log" | tail -40
 }
 
-eval_qa() {
-    need_ckpt || return 1
-    python3 "$here/eval.py" --model "$CKPT" --launch --lengths "$LENGTHS" --n "${N:-8}" --policies "$QA_POLICIES" --dump-failures "${DUMP:-4}" \
-        --server-args "--dtype bfloat16 --disable-prefill-cuda-graph --disable-cuda-graph --sparse-config $here/sparse_config_eval.yaml ${SERVER_ARGS:-}" \
-        --server-log "$OUT/quality_server_qa.log" \
-        --out-json "$OUT/quality_eval_qa.json" --out-md "$OUT/quality_eval_qa.md" 2>&1 | tee "$OUT/quality_eval_qa.log" | tail -40
-}
+eval_main() { run_eval eval "$MAIN_POLICIES" ""; }
+eval_qa() { run_eval eval_qa "$QA_POLICIES" "--disable-cuda-graph --sparse-config $here/sparse_config_eval.yaml"; }
 
 fidelity() {
     need_ckpt || return 1
