@@ -35,7 +35,7 @@ predicted selection and the exact one of the true next query.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -90,48 +90,27 @@ def ring_window(ring: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.gather(ring, 1, idx), t.clamp(max=W)
 
 
-def ring_push_window(ring: torch.Tensor, total: torch.Tensor, q: torch.Tensor, rows: torch.Tensor,
-                     offs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_push_window(ring: torch.Tensor, total: torch.Tensor, q: torch.Tensor,
+                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_push(ring, total, q, rows)` then `ring_window(ring[rows], total[rows])`,
     the window read in one gather from the totals just written (the host-grouped
     serving path's per-layer sequence; kernels/asyncspade_predict.py fuses it with
-    predict_next_query on the CUDA-graph path). `offs`: `arange(W) - W` when the
-    caller keeps one."""
+    predict_next_query on the CUDA-graph path)."""
     W = ring.shape[1]
     t = total[rows]
     ring.index_put_((rows, t % W), q.to(ring.dtype))
     t = t + 1
     total[rows] = t
-    if offs is None:
-        offs = torch.arange(W, device=ring.device) - W
+    offs = torch.arange(W, device=ring.device) - W
     return ring[rows[:, None], (t[:, None] + offs) % W], t.clamp(max=W)
 
 
 # ---- next-query prediction ----------------------------------------------------------
-class PredictConsts(NamedTuple):
-    """The index constants of a prediction over a window of W (built on the device
-    by `make`; a caller predicting at every layer can build them once, not per
-    layer). The CUDA-graph path predicts with kernels/asyncspade_predict.py instead."""
-
-    slots: torch.Tensor  # [W] 0 .. W-1
-    eye: torch.Tensor  # [P, P] identity in the compute dtype (P = W - 1)
-    out_win: torch.Tensor  # [P (k-1), P (j)] j >= k: outside the size-k window
-    sizes: torch.Tensor  # [P] 1 .. P
-
-    @staticmethod
-    def make(W: int, device, dtype: torch.dtype) -> "PredictConsts":
-        P = max(W - 1, 0)
-        kk = torch.arange(P, device=device)
-        return PredictConsts(torch.arange(W, device=device), torch.eye(P, device=device, dtype=dtype),
-                             kk[None, :] > kk[:, None], kk + 1)
-
-
-def _masked_window(window: torch.Tensor, count: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _masked_window(window: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """[bs, W, Hq, D] -> [bs, Hq, W, D] in the compute dtype, left-pad slots zeroed so
     garbage (even NaN) there cannot leak into any sum."""
     W = window.shape[1]
-    if slots is None:
-        slots = torch.arange(W, device=window.device)
+    slots = torch.arange(W, device=window.device)
     ok = slots[None, :] >= (W - count.to(torch.int64))[:, None]
     x = torch.where(ok[:, :, None, None], window.to(compute_dtype(window)), 0.0)
     return x.permute(0, 2, 1, 3)
@@ -168,13 +147,12 @@ def assembled_weights(window: torch.Tensor, count: torch.Tensor,
     return _assembled_weights(_masked_window(window, count), count, ridge_eps)
 
 
-def _assembled_weights(x: torch.Tensor, count: torch.Tensor, ridge_eps: float | torch.Tensor,
-                       consts: Optional[PredictConsts] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _assembled_weights(x: torch.Tensor, count: torch.Tensor,
+                       ridge_eps: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """assembled_weights on the masked window x [bs, Hq, W, D] (_masked_window's)."""
     bs, Hq, W, D = x.shape
     P = W - 1
-    if consts is None:
-        consts = PredictConsts.make(W, x.device, x.dtype)
+    kk = torch.arange(P, device=x.device)  # newest-first history index / window size - 1
     cnt = count.to(torch.int64)
     hist = x[:, :, :P].flip(-2)  # newest first: row i = Q_{t-1-i}
     target = x[:, :, P]
@@ -184,7 +162,7 @@ def _assembled_weights(x: torch.Tensor, count: torch.Tensor, ridge_eps: float | 
     lam = ridge_eps * sq.sum(-1) / cnt.clamp(min=1)[:, None].to(x.dtype)
     # the floor keeps an all-zero (empty) row's system non-singular
     lam = lam.clamp(min=torch.finfo(x.dtype).tiny ** 0.5)
-    eye = consts.eye
+    eye = torch.eye(P, device=x.device, dtype=x.dtype)
     M = gram + lam[..., None, None] * eye  # SPD by construction
     # *_ex variants: no error check, hence no host sync
     L = torch.linalg.cholesky_ex(M).L
@@ -192,15 +170,14 @@ def _assembled_weights(x: torch.Tensor, count: torch.Tensor, ridge_eps: float | 
     y = (Linv @ rhs[..., None])[..., 0]  # [bs, Hq, P]
     omega = torch.cumsum(Linv * y[..., :, None], dim=-2)  # [.., k-1, j] = omega^(k)_j
     # [k-1, j]: only j < k (newest-first index) is in the size-k window
-    w = torch.softmax(omega.masked_fill(consts.out_win, _NEG_INF), dim=-1)
+    w = torch.softmax(omega.masked_fill(kk[None, :] > kk[:, None], _NEG_INF), dim=-1)
     w = w.flip(-1)  # back to chronological history slots
-    k_valid = consts.sizes[None, :] <= (cnt - 1)[:, None]
+    k_valid = (kk + 1)[None, :] <= (cnt - 1)[:, None]
     return w, k_valid
 
 
 def predict_next_query(window: torch.Tensor, count: torch.Tensor,
-                       ridge_eps: float | torch.Tensor = RIDGE_EPS,
-                       consts: Optional[PredictConsts] = None) -> torch.Tensor:
+                       ridge_eps: float | torch.Tensor = RIDGE_EPS) -> torch.Tensor:
     """Q_hat_{t+1} [bs, Hq, D] (float32, or float64 for float64 input) from window [bs, W, Hq, D] / count [bs].
 
     Eq. (4) per window size, Q_hat^(k) = sum_{i=1..k} w^(k)_{t-i} Q_{t+1-i} (the
@@ -209,11 +186,11 @@ def predict_next_query(window: torch.Tensor, count: torch.Tensor,
     the last query; count == 0: zeros.
     """
     W = window.shape[1]
-    x = _masked_window(window, count, consts.slots if consts is not None else None)
+    x = _masked_window(window, count)
     last = x[:, :, W - 1]  # [bs, Hq, D]
     if W == 1:
         return last
-    w, k_valid = _assembled_weights(x, count, ridge_eps, consts)
+    w, k_valid = _assembled_weights(x, count, ridge_eps)
     m = k_valid.sum(-1)  # [bs]
     # Average the weights over valid k first: (1/m) sum_k w^(k) @ S == the mean of
     # the k estimates, with a single matmul against the shifted window S.
