@@ -29,13 +29,8 @@ ID = PolicyId.SFI
 def init_row(spec: SfiPolicy, prompt_ids, output_ids, think_ids) -> RowInit:
     return RowInit(
         policy=ID, window=spec.recent, sink=spec.sink, budget=spec.budget, t_max=spec.t_max,
-        triggers=spec.sentence_triggers, spec=spec, keep_prompt=keeps_prompt_evidence(spec),
+        triggers=spec.sentence_triggers, spec=spec, keep_prompt=spec.prompt_evidence == "every",
     )
-
-
-def keeps_prompt_evidence(spec: Optional[SfiPolicy]) -> bool:
-    """The prompt's last queries are evidence at every slow step, not only the first."""
-    return spec is not None and spec.prompt_evidence == "every"
 
 
 def windowed(step: StepInputs):
@@ -104,7 +99,7 @@ class HostMirror:
                 i = self.init
                 if not covers(i.sink, i.budget, i.window, n) and i.slot >= 0:
                     self.refresh_n = n
-                    self.refresh_later = self.evaluated > 1 and not keeps_prompt_evidence(i.spec)
+                    self.refresh_later = self.evaluated > 1 and not i.keep_prompt
             out.append((slow, n))
         return out
 
