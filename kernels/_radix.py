@@ -158,3 +158,13 @@ def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
         tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
         written += tl.sum(keep_i, 0)
         seen += tl.sum(eq, 0)
+
+
+@triton.jit
+def topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r):
+    """Row cur_r's top-k range and size: [lo, hi) clipped to [0, N), k = min(budget,
+    hi - lo, K_MAX); hi = lo when nothing is selected, so every loop over it is empty."""
+    lo = tl.maximum(tl.load(LO + cur_r), 0)
+    hi = tl.minimum(tl.load(HI + cur_r), N)
+    k = tl.minimum(tl.minimum(tl.load(BUDGET + cur_r), hi - lo), K_MAX)
+    return lo, tl.where(k > 0, hi, lo), k

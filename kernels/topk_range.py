@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import digit_histogram, place_kept, radix_select
+from ._radix import digit_histogram, place_kept, radix_select, topk_bounds
 from ._split import resolve_splits
 from ._utils import device_num_sms
 
@@ -84,11 +84,7 @@ def _topk_range_kernel(
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
-    lo = tl.maximum(tl.load(LO + cur_r), 0)
-    hi = tl.minimum(tl.load(HI + cur_r), N)
-    k = tl.minimum(tl.minimum(tl.load(BUDGET + cur_r), hi - lo), K_MAX)
-    # Nothing to select: every loop below is empty.
-    hi = tl.where(k > 0, hi, lo)
+    lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.

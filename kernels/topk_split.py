@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import load_key, place_kept
+from ._radix import load_key, place_kept, topk_bounds
 from ._split import finish, hist_totals, select_pass, slice_bounds
 
 __all__ = ["topk_range_split"]
@@ -60,10 +60,7 @@ def _topk_split_kernel(
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_s = tl.program_id(2)
-    lo = tl.maximum(tl.load(LO + cur_r), 0)
-    hi = tl.minimum(tl.load(HI + cur_r), N)
-    k = tl.minimum(tl.minimum(tl.load(BUDGET + cur_r), hi - lo), K_MAX)
-    hi = tl.where(k > 0, hi, lo)
+    lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     h0 = HIST + (cur_r * tl.num_programs(1) + cur_h).to(tl.int64) * (2 * NSPLIT * 256)
