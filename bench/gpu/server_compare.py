@@ -169,7 +169,8 @@ def time_cases(a, servers: list) -> None:
                  else [(k, i) for i in range(len(runs)) for k in range(a.repeats)])
         for k, i in order:
             s, label, pol = runs[i]
-            before.setdefault(i, scrape(s.url))
+            if k == 0:  # the counters before this run's first timed batch (one scrape, not one per batch)
+                before[i] = scrape(s.url)
             walls[i].append(batch_wall(s.url, ps, a.out_len, pol))
             if k == a.repeats - 1:
                 after[i] = scrape(s.url)
