@@ -28,12 +28,16 @@ equal) every program reads them all -- as slow as the single-program select,
 never wrong.
 
 The split count depends only on host-known sizes (the rows' bound and the
-number of rows), so the grids are static: CUDA-graph capturable.
+number of rows), so the grids are static: CUDA-graph capturable. Each kernel has
+its own measured rule (:data:`STATS_RULE`, :data:`TOPK_RULE`). The cost of a split:
+rows that are all empty still take its launches (graph replay, 64 programs of 40K:
+5.9 us unsplit, 23 us in 4 slices).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,36 +46,51 @@ import triton.language as tl
 from ._radix import _pick_digit, digit_histogram, gather_prefix16, select_low16
 from ._utils import device_num_sms
 
-# A split launch should fill every SM with about this many resident 4-warp programs
-# (H100: 16 x 4 warps = its 64 warp slots); fewer (row, head) programs than that
-# are split.
-TARGET_PROGRAMS_PER_SM = 16
+@dataclass(frozen=True)
+class SplitRule:
+    """How many slices a kernel cuts its rows into, from the H100 A/B (kernel run 4,
+    ``bench/results/{topk,selector}_h100_run*``): about ``per_sm`` (row, head, slice)
+    programs per SM, no fewer than ``min_splits`` slices (a smaller split is not
+    worth its extra passes: then 1) and at most ``max_splits``."""
+
+    per_sm: int
+    min_splits: int
+    max_splits: int
+
+
+# The medians (selector_stats): 256 (row, head) programs of 128K keys ran 1.56x
+# faster in 8 slices (2.30 -> 1.47 ms), 1024 programs of 32K ran 3-12% slower in 2
+# or 4 slices: split only where at least 4 slices fill the GPU.
+STATS_RULE = SplitRule(per_sm=16, min_splits=4, max_splits=32)
+# The Top-K (topk_range; four launches when split): 64 programs of 32K-40K scores
+# (asyncspade's per-step token select, graph replay) 114 -> 74 and 140 -> 85 us in 4
+# slices, 8-16 no better; 512 programs of 32K (the Selector's) 397 -> 360 us in 2-4.
+TOPK_RULE = SplitRule(per_sm=8, min_splits=2, max_splits=4)
 # A slice shorter than this is not worth its re-read histograms and survivors.
 MIN_SLICE = 4096
-MAX_SPLITS = 32
-# Whether a call without an explicit ``splits`` splits long rows at all. Off until the
-# split path is timed on a GPU against the single-program kernels (bench_selector
-# --stats-ab, bench_topk: written, not yet run on a GPU); SGL_SPARSE_SPLIT_ROWS=1 turns
-# the automatic count on for an A/B of the whole server. An explicit ``splits``
-# always applies (tests, benchmarks).
-AUTO_SPLIT = os.environ.get("SGL_SPARSE_SPLIT_ROWS", "0") == "1"
+# Whether a call without an explicit ``splits`` splits long rows at all (on since the
+# H100 A/B above; SGL_SPARSE_SPLIT_ROWS=0 turns it off for an A/B of a whole server).
+# An explicit ``splits`` always applies (tests, benchmarks).
+AUTO_SPLIT = os.environ.get("SGL_SPARSE_SPLIT_ROWS", "1") != "0"
 # Histograms summed BLOCK_S slices at a time.
 BLOCK_S = tl.constexpr(8)
 
 
-def split_count(n: int, programs: int, device: torch.device, *, min_slice: int = MIN_SLICE) -> int:
+def split_count(n: int, programs: int, device: torch.device, rule: SplitRule, *,
+                min_slice: int = MIN_SLICE) -> int:
     """Slices per row for ``programs`` (row, head) programs over rows of at most
     ``n`` values: 1 (the single-program kernel) when the rows are short or many."""
-    want = -(-TARGET_PROGRAMS_PER_SM * device_num_sms(device) // max(programs, 1))
-    return int(max(1, min(want, n // max(min_slice, 1), MAX_SPLITS)))
+    want = rule.per_sm * device_num_sms(device) // max(programs, 1)
+    s = min(want, n // max(min_slice, 1), rule.max_splits)
+    return int(s) if s >= rule.min_splits else 1
 
 
-def resolve_splits(splits: int | None, n: int, programs: int, device: torch.device) -> int:
+def resolve_splits(splits: int | None, n: int, programs: int, device: torch.device, rule: SplitRule) -> int:
     """The split count a kernel call runs with: ``splits`` when given, else
     :func:`split_count` if ``AUTO_SPLIT``, else 1 (the single-program kernel)."""
     if splits:
         return int(splits)
-    return split_count(n, programs, device) if AUTO_SPLIT else 1
+    return split_count(n, programs, device, rule) if AUTO_SPLIT else 1
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._radix import digit_histogram, radix_select
-from ._split import resolve_splits
+from ._split import STATS_RULE, resolve_splits
 from ._utils import next_pow2
 
 __all__ = ["selector_scores", "selector_stats"]
@@ -243,9 +243,9 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
     top 16 bits only (a scratch the size of ``u``); ``False``: every pass reads
     all of A (the previous kernel; ``bench_selector.py --stats-ab`` times both).
     ``splits``: programs per (row, head) (``selector_stats_split.py``: the same
-    medians, the sums to fp32 rounding); default ``_split.resolve_splits`` (1 unless ``SGL_SPARSE_SPLIT_ROWS=1``, then
-    ``split_count`` of ``N`` and ``R x H``: 1 unless the rows are long and few);
-    ``gather=False`` runs unsplit.
+    medians, the sums to fp32 rounding); default ``_split.resolve_splits``: ``split_count`` of ``N`` and
+    ``R x H`` under ``_split.STATS_RULE`` (1 unless the rows are long and few; always 1
+    with ``SGL_SPARSE_SPLIT_ROWS=0``); ``gather=False`` runs unsplit.
     """
     r, h, n = u.shape
     assert u.is_contiguous() and u.dtype == torch.float32 and norms.shape == u.shape
@@ -253,7 +253,7 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
     stats = torch.empty(r, h, _NSTATS, dtype=torch.float32, device=u.device)
     if r == 0 or n == 0:
         return stats
-    splits = resolve_splits(splits, n, r * h, u.device) if gather else 1
+    splits = resolve_splits(splits, n, r * h, u.device, STATS_RULE) if gather else 1
     if splits > 1:
         from types import SimpleNamespace
 

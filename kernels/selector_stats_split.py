@@ -34,7 +34,7 @@ from .selector_scores import TINY, _prior_knobs, _terms
 
 __all__ = ["selector_stats_split", "PHASES"]
 
-_PART_TILE = tl.constexpr(32)  # >= the split count (_split.MAX_SPLITS)
+_PART_TILE = tl.constexpr(32)  # >= the split count (_split.STATS_RULE.max_splits)
 _PART_TILE_HOST = 32
 
 

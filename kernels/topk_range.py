@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ._radix import digit_histogram, place_kept, radix_select, topk_bounds
-from ._split import resolve_splits
+from ._split import TOPK_RULE, resolve_splits
 from ._utils import device_num_sms
 
 __all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
@@ -148,9 +148,9 @@ def topk_range(
         block_n, num_warps: default :func:`launch_shape` (wide programs when few;
             of all the split programs when split).
         splits: programs per (row, head) (``topk_split.py``: the same output);
-            default ``_split.resolve_splits`` (1 unless ``SGL_SPARSE_SPLIT_ROWS=1``,
-            then ``split_count`` of ``N`` and ``R x H``: 1 unless the rows are long
-            and few); ``gather=False`` runs unsplit.
+            default ``_split.resolve_splits``: ``split_count`` of ``N`` and ``R x H``
+            under ``_split.TOPK_RULE`` (1 unless the rows are long and few; always 1
+            with ``SGL_SPARSE_SPLIT_ROWS=0``); ``gather=False`` runs unsplit.
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -162,7 +162,7 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
-    splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev)
+    splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
     auto_block, auto_warps = launch_shape(r * h * splits, dev)
     block_n = int(block_n or auto_block)
     num_warps = int(num_warps or auto_warps)

@@ -170,9 +170,9 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     lo = torch.full((rows,), 4, device=dev)
     hi = torch.full((rows,), ctx - 256, device=dev)
     knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
-    from sgl_sparse.kernels._split import split_count
+    from sgl_sparse.kernels._split import STATS_RULE, split_count
 
-    out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev)}
+    out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev, STATS_RULE)}
     for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
         out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
     a = selector_stats(u, norms, lo, hi, knobs, gather=True)

@@ -118,10 +118,10 @@ def main(argv=None) -> int:
         }
         if not args.smoke:  # the launch shapes launch_shape() picks between, for every case
             for bn, nw in ((1024, 4), (2048, 8), (4096, 16), (8192, 32)):
-                fns[f"topk_range {bn}/{nw}w"] = (lambda bn=bn, nw=nw: topk_range(s, lo, hi, budget, k,
+                fns[f"topk_range {bn}/{nw}w"] = (lambda bn=bn, nw=nw: topk_range(s, lo, hi, budget, k, splits=1,
                                                                                  block_n=bn, num_warps=nw))
-        # each (row, head) over S programs (kernels/topk_split.py; the default picks
-        # split_count(N, R x H)), S = 1: the single-program kernel
+        # each (row, head) over S programs (kernels/topk_split.py; the default row
+        # "topk_range" picks split_count(N, R x H, TOPK_RULE)), S = 1: the single-program kernel
         for sp in ((1, 2) if args.smoke else (1, 2, 4, 8, 16)):
             fns[f"topk_range split{sp}"] = lambda sp=sp: topk_range(s, lo, hi, budget, k, splits=sp)
         live_elems = int(((hi - lo).clamp(min=0)).sum()) * h

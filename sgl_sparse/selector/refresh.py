@@ -232,7 +232,7 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
             stored_evidence(store.logits[0], i32(0), lo, hi, knobs.beta.float(), n)
-    # With SGL_SPARSE_SPLIT_ROWS=1, long rows with few programs split each (row, head)
+    # Unless SGL_SPARSE_SPLIT_ROWS=0, long rows with few programs split each (row, head)
     # over several programs (kernels/_split.py): those launches too, whatever the
     # split count (a grid size, not a compiled constant).
     split_options = (1, 2) if AUTO_SPLIT else (1,)

@@ -107,10 +107,10 @@ def test_gpu_medians_exact_with_and_without_gathering(n):
     u = torch.rand(r, hkv, n, generator=gen).masked_fill(~core.candidate_mask(lo, hi, n), 0.0)
     norms, u, lo, hi = (x.cuda() for x in (norms, u, lo, hi))
     knobs = core.SelectorKnobs.from_specs([SfiPolicy()] * r, "cuda", torch.float32)
-    from sgl_sparse.kernels._split import split_count
+    from sgl_sparse.kernels._split import STATS_RULE, split_count
 
     # gathering on one program per row, gathering split over the automatic count, no gathering
-    for gather, splits in ((True, 1), (True, max(2, split_count(n, r * hkv, u.device))), (False, None)):
+    for gather, splits in ((True, 1), (True, max(2, split_count(n, r * hkv, u.device, STATS_RULE))), (False, None)):
         stats = K.selector_stats(u, norms, lo, hi, knobs, gather=gather, splits=splits)
         for b in range(r):
             on = norms[b, :, int(lo[b]): int(hi[b])]

@@ -191,10 +191,10 @@ def test_gpu_selector_scores_large(n, split):
     u, norms, lo, hi = (x.cuda() for x in (u, norms, lo, hi))
     k32 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float32)
     k64 = core.SelectorKnobs.from_specs(specs, "cuda", torch.float64)
-    from sgl_sparse.kernels._split import split_count
+    from sgl_sparse.kernels._split import STATS_RULE, split_count
 
     # the stats on one program per (row, head), or split over the automatic count (>= 2)
-    splits = max(2, split_count(n, r * hkv, u.device)) if split else 1
+    splits = max(2, split_count(n, r * hkv, u.device, STATS_RULE)) if split else 1
     stats = K.selector_stats(u, norms, lo, hi, k32, splits=splits)
     on = norms[2]  # the whole range
     med = on.sort(dim=-1).values[:, (n - 1) // 2]

@@ -94,13 +94,18 @@ def test_topk_range_split_is_bit_identical(rows, splits, block_n, ints, holes):
 
 
 def test_topk_range_split_count():
-    from sgl_sparse.kernels._split import split_count
+    from sgl_sparse.kernels._split import STATS_RULE, TOPK_RULE, split_count
 
-    cpu = torch.device("cpu")  # 4 pretend SMs: a target of 64 programs
-    assert split_count(300, 8, cpu) == 1  # short rows
-    assert split_count(1 << 15, 8, cpu) == 8
-    assert split_count(1 << 15, 4096, cpu) == 1  # many rows
-    assert split_count(1 << 20, 1, cpu) == 32  # capped
+    cpu = torch.device("cpu")  # 4 pretend SMs: 32 top-k programs, 64 stats programs
+    assert split_count(300, 8, cpu, TOPK_RULE) == 1  # short rows
+    assert split_count(1 << 15, 8, cpu, TOPK_RULE) == 4  # capped at the rule's max
+    assert split_count(1 << 15, 16, cpu, TOPK_RULE) == 2
+    assert split_count(1 << 15, 17, cpu, TOPK_RULE) == 1  # fewer than min_splits slices: not worth it
+    assert split_count(1 << 15, 4096, cpu, TOPK_RULE) == 1  # many rows
+    assert split_count(1 << 15, 16, cpu, STATS_RULE) == 4
+    assert split_count(1 << 15, 32, cpu, STATS_RULE) == 1  # 2 < STATS_RULE.min_splits
+    assert split_count(1 << 20, 1, cpu, STATS_RULE) == 32  # capped
+    assert split_count(1 << 15, 1, cpu, STATS_RULE) == 8  # slices of at least MIN_SLICE
 
 
 def test_topk_range_edge_values():
@@ -165,8 +170,8 @@ def test_topk_range_gpu(n, k_max):
     hi = torch.tensor([n - 256, 0, n // 3, 0, 1000, 0, n, 0], dtype=torch.int32, device=dev)
     budget = torch.tensor([k_max, 5, k_max // 2, 0, 2 * k_max, k_max, 1, k_max], dtype=torch.int32, device=dev)
     s[:, :, :: 7] = torch.round(s[:, :, :: 7])  # some ties
-    from sgl_sparse.kernels._split import split_count
+    from sgl_sparse.kernels._split import TOPK_RULE, split_count
 
-    for splits in sorted({1, split_count(n, r * h, dev)}):  # the single-program and the split kernel
+    for splits in (1, max(2, split_count(n, r * h, dev, TOPK_RULE))):  # the single-program and the split kernel
         pos, cnt = topk_range(s, lo, hi, budget, k_max, splits=splits)
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
