@@ -8,14 +8,17 @@ new tokens minus the same batch with 1 (its prefill), so prefill is excluded.
 
     python bench/gpu/server_compare.py --model /root/m17 --cases 8192x8,2048x64 --out $OUT/e2e.json
 
---interleave: both servers run at once (each with --interleave-mem of the GPU's
-memory) and their timed batches alternate, stock then each policy, `repeats`
-rounds; each row also gets the median of the per-round ratios. Run one after the
-other, the two servers' batches drift apart by several % at small, host-bound rows
-(2048x64: stock alone measured 7690-8046 tok/s across runs); alternating puts the
-same drift in numerator and denominator. Only while both KV pools fit: at 0.42 of
-an 80 GB GPU each, ~28 GB of KV per server (Qwen3-1.7B shape: ~240K tokens), i.e.
-2048x64 and 32768x1, not 32768x8.
+--interleave: both servers run at once and their timed batches alternate, stock
+then each policy, `repeats` rounds; each row also gets the median of the per-round
+ratios. Run one after the other, the two servers' batches drift apart by several %
+at small, host-bound rows (2048x64: stock alone measured 7690-8046 tok/s across
+runs); alternating puts the same drift in numerator and denominator. The servers
+start one after the other, each with its KV pool capped (--max-total-tokens) at what
+the cases need: SGLang sizes the pool as a fraction of the memory free when the
+server starts, so two servers started at once each see the other's allocations
+half-made (H100 run: the second one refused to start), and an uncapped first server
+leaves the second nothing. Only where two capped pools fit: 2048x64 (~140K tokens,
+~16 GB at the Qwen3-1.7B shape) and 32768x1, not 32768x8.
 """
 import argparse, json, os, random, statistics, subprocess, sys, time, concurrent.futures as cf
 import requests
@@ -102,11 +105,11 @@ def sparse_stats(before, after, policy):
 class Server:
     """One SGLang server process (`--attention-backend backend`) and what it ran."""
 
-    def __init__(self, a, backend: str, port: int, log: str, mem_fraction: float):
+    def __init__(self, a, backend: str, port: int, log: str, mem_fraction: float, max_tokens: int | None = None):
         self.backend, self.url = backend, f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
-               "--enable-metrics",
+               *(["--max-total-tokens", str(max_tokens)] if max_tokens else []), "--enable-metrics",
                "--disable-radix-cache"] + a.extra.split() + (a.sparse_extra.split() if backend == "sgl_sparse" else [])
         self.res = {"backend": backend, "cmd": " ".join(cmd), "cases": []}
         with open(log, "w") as lf:
@@ -148,6 +151,13 @@ def case_prompts(a, case: str):
     ctx, bs = map(int, case.split("x"))
     rng, (lo, hi) = random.Random(f"case-{case}"), token_range(a)
     return ctx, bs, [[rng.randrange(lo, hi) for _ in range(ctx)] for _ in range(bs)]
+
+
+def pool_tokens(a) -> int:
+    """KV tokens an interleaved server needs: the largest case's prompts and outputs,
+    10% and one 8K chunk of headroom (the greedy checks are smaller)."""
+    need = max(bs * (ctx + a.out_len) for ctx, bs in (map(int, c.split("x")) for c in a.cases.split(",")))
+    return int(need * 1.1) + 8192
 
 
 def time_cases(a, servers: list) -> None:
@@ -205,11 +215,12 @@ def run_servers(a) -> list:
                 s.stop()
             out.append(s.res)
         return out
-    servers = [Server(a, b, a.port + i, os.path.join(a.logdir, f"server-{b}.log"), a.interleave_mem)
-               for i, b in enumerate(backends)]
+    servers = []
     try:
-        for s in servers:
-            s.ready(a)
+        for i, b in enumerate(backends):  # one after the other: each sizes its pool on what the others left
+            servers.append(Server(a, b, a.port + i, os.path.join(a.logdir, f"server-{b}.log"), a.interleave_mem,
+                                  pool_tokens(a)))
+            servers[-1].ready(a)
         for s in servers:
             s.check_greedy(a)
         time_cases(a, servers)
@@ -234,7 +245,9 @@ def main():
     ap.add_argument("--ready-limit", type=float, default=480)
     ap.add_argument("--interleave", action="store_true",
                     help="both servers at once, timed batches alternating (see the module doc)")
-    ap.add_argument("--interleave-mem", type=float, default=0.42, help="--mem-fraction-static of each server")
+    ap.add_argument("--interleave-mem", type=float, default=0.85,
+                    help="--mem-fraction-static of each interleaved server, of the memory free when it starts "
+                         "(its pool is capped by --max-total-tokens: pool_tokens)")
     ap.add_argument("--token-range", default="1000,100000", help="random prompt ids in [LO, HI) (a small model: its vocab)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logdir", default="/tmp")
