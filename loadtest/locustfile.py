@@ -195,6 +195,12 @@ def _configure(environment: Environment) -> RunConfig:
 def _on_init(environment: Environment, runner: Any = None, **_kw: Any) -> None:
     if environment.parsed_options is not None:
         _configure(environment)  # fail fast on a bad spec, before any user starts
+    # gevent's loop caches "now" and only refreshes it when it runs; locust arms its
+    # --run-time timer right after this event, before the loop has run since the
+    # imports and the locustfile's load. On a busy load generator those take seconds,
+    # and the timer fired that much early (CI: a 4 s run stopped after 0.18 s, before
+    # any request).
+    gevent.get_hub().loop.update_now()
 
 
 @events.report_to_master.add_listener
