@@ -4,6 +4,7 @@
 # ../shared/gpu/README.md (see bench/README.md, "How the GPU runs are made", for the exact device calls).
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
+#   bash bench/gpu/run_all.sh tests     # every GPU-marked test alone (~2 min; what a short lease can verify)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice)
@@ -23,6 +24,9 @@ kernels)
     python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
     python3 bench/kernels/bench_query_aware.py --out "$OUT/query_aware_kernels.json" 2>&1 | tee "$OUT/query_aware_kernels.log" | tail -40
     python3 bench/kernels/bench_topk.py --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" | tail -30
+    ;;
+tests)
+    python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     ;;
 selector)
     python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab --pack-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16
