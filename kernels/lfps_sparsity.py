@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import needs_fp32_dot, next_pow2
-from .token_scores import _common_checks, _load_q_parts
+from .token_scores import _common_checks, _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
 
 __all__ = ["lfps_head_sparsity"]
@@ -168,8 +167,6 @@ def lfps_head_sparsity(
         q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out, float(sm_scale),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         kbar.stride(0), kbar.stride(1), sigma_hat2.stride(0), out.stride(0),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
-        BLOCK_D=next_pow2(head_dim), Q_SPLIT=q.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype),
-        num_warps=num_warps,
+        BLOCK_N=block_n, num_warps=num_warps, **group_tile_meta(q, k_pool),
     )
     return out
