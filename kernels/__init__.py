@@ -26,11 +26,14 @@ Public API:
   ring push and next-query prediction (the ridge fits over every window size)
   in one launch per layer; :func:`make_arrivals` (its per-row counters),
   :func:`asyncspade_predict_ref`.
+* :func:`lfps_head_sparsity` (:mod:`.lfps_sparsity`) -- LFPS's head sparsity ρ
+  (sink bypass) per query head from the sink and local keys read in place.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
 
 from .asyncspade_predict import asyncspade_predict, asyncspade_predict_ref, make_arrivals
+from .lfps_sparsity import lfps_head_sparsity
 from .pack_compact import pack_compact
 from .quest_pages import (
     QUEST_PAGE_SIZE,
@@ -68,6 +71,7 @@ __all__ = [
     "asyncspade_predict",
     "asyncspade_predict_ref",
     "make_arrivals",
+    "lfps_head_sparsity",
     "choose_num_splits",
     "make_split_counters",
     "QUEST_PAGE_SIZE",

@@ -141,6 +141,15 @@ def _token_scores_kernel(
         tl.store(out_base + offs, neg_inf, mask=offs < N_MAX)
 
 
+def group_tile_meta(q, k_pool) -> dict:
+    """The constexprs of a kernel whose program holds one KV head's query group as
+    a ``[BLOCK_H, BLOCK_D]`` tile (``_load_q_parts``) scored against ``k_pool``."""
+    head_dim = k_pool.shape[2]
+    group = q.shape[1] // k_pool.shape[1]
+    return dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=next_pow2(head_dim),
+                Q_SPLIT=q.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype))
+
+
 def _common_checks(q_hat, k_pool, req_to_token):
     bs, num_q_heads, head_dim = q_hat.shape
     num_kv_heads = k_pool.shape[1]
@@ -182,7 +191,7 @@ def token_scores(
         num_programs: programs per (row, KV head) (default: about two waves of
             the GPU from static shapes only).
     """
-    bs, num_kv_heads, head_dim, group = _common_checks(q_hat, k_pool, req_to_token)
+    bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
     n_max = int(n_max)
     assert n_max > 0
@@ -198,8 +207,7 @@ def token_scores(
         q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), n_max, req_to_token.shape[1],
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
-        BLOCK_D=next_pow2(head_dim), Q_SPLIT=q_hat.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype),
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
         num_warps=num_warps,
     )
     return out
@@ -295,7 +303,7 @@ def token_scores_at(
     the pool -- pad lists with ``-1``. Each KV head has its own list (LFPS's
     candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``.
     """
-    bs, num_kv_heads, head_dim, group = _common_checks(q_hat, k_pool, req_to_token)
+    bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     assert cand_pos.dim() == 3 and cand_pos.shape[:2] == (bs, num_kv_heads), "cand_pos: [bs, Hkv, C]"
     assert cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
     c = cand_pos.shape[2]
@@ -317,8 +325,7 @@ def token_scores_at(
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         cand_pos.stride(0), cand_pos.stride(1), cand_len.stride(0) if cand_len is not None else 0,
         out.stride(0), out.stride(1), c, req_to_token.shape[1],
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n,
-        BLOCK_D=next_pow2(head_dim), Q_SPLIT=q_hat.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype),
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
         HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None,
         num_warps=num_warps,
     )

@@ -17,11 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 POLICY_NAMES = ("full", "streaming", "sadas", "sfi", "quest", "asyncspade", "lfps")
 # Policies whose selection depends on the current (or a predicted) query: served
-# through per-request query stores (sgl_sparse/query_store.py).
+# through per-request query stores (sgl_sparse/query_store.py); on CUDA their decode
+# selection runs inside SGLang's decode CUDA graphs (sgl_sparse/query_device.py).
 QUERY_AWARE = ("quest", "asyncspade", "lfps")
-# Those whose decode selection runs inside SGLang's decode CUDA graphs
-# (sgl_sparse/query_device.py); lfps's is still grouped on the host.
-GRAPH_CAPTURABLE = ("quest", "asyncspade")
 
 # The resolved server config travels to SGLang's scheduler processes through the
 # environment: they are spawned after argument parsing and inherit it, and it also
@@ -201,9 +199,8 @@ class QueryStoreConfig(_Strict):
     # every layer, whether the batch holds such requests or not (its cost grows with
     # slots, max_context and capacity): opt-in, so that a server configured for other
     # policies keeps its decode step as it was.
-    cuda_graphs: bool = Field(False, description="quest/asyncspade: offer the policy with decode CUDA graphs "
-                                                 "on (its selection captured, run at every decode step); "
-                                                 "lfps: not yet")
+    cuda_graphs: bool = Field(False, description="offer the policy with decode CUDA graphs on (its "
+                                                 "selection captured, run at every decode step)")
 
 
 class QueryAwareConfig(_Strict):

@@ -17,7 +17,6 @@ from typing import Optional
 from sgl_sparse import BACKEND_NAME, compat
 from sgl_sparse.config import (
     ENV_CONFIG,
-    GRAPH_CAPTURABLE,
     POLICY_NAMES,
     QUERY_AWARE,
     REQUEST_KEY,
@@ -150,16 +149,11 @@ def server_args_resolved(_result, server_args) -> None:
 def _off_in_cuda_graphs(cfg: SparseServerConfig) -> dict[str, str]:
     """Query-aware policies a server with decode CUDA graphs on does not offer, with why.
 
-    lfps's per-layer selection is torch code grouped on the host by request knobs
-    (query_serving.py): it cannot be replayed from a CUDA graph. quest's and
-    asyncspade's run on the device path (query_device.py), captured -- and then at
-    every decode step, so only where the config asks for it (`cuda_graphs`)."""
+    Their selections run on the device path (query_device.py), captured -- and then
+    at every decode step, so only where the config asks for it (`cuda_graphs`)."""
     off = {}
     for p in QUERY_AWARE:
-        if p not in GRAPH_CAPTURABLE:
-            off[p] = ("on CUDA it needs --disable-cuda-graph until its per-layer selection "
-                      "runs without host-side grouping")
-        elif not getattr(cfg.query_aware, p).cuda_graphs:
+        if not getattr(cfg.query_aware, p).cuda_graphs:
             off[p] = (f"with decode CUDA graphs on, it needs query_aware.{p}.cuda_graphs: true in "
                       f"--sparse-config (its selection then runs at every decode step), or --disable-cuda-graph")
     return off

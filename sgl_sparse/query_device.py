@@ -1,5 +1,5 @@
-"""Decode selection of quest and asyncspade that SGLang's decode CUDA graphs can
-capture: the request knobs read by row from SparseState's device columns, the
+"""Decode selection of quest, asyncspade and lfps that SGLang's decode CUDA graphs
+can capture: the request knobs read by row from SparseState's device columns, the
 keys read in place by the Triton kernels.
 
 query_serving.QueryAwareRuntime's host groups (one per policy and knob set, sizes
@@ -18,7 +18,10 @@ ranges. Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
-  finish   asyncspade  push this query and predict the next one (one launch,
+           lfps        ρ, candidates from the tables, exact q.k on them, Top-k
+                       -> a_pos (sgl_sparse/lfps_device.py)
+  finish   lfps        bypassed heads output V̄, the tables' update (Eq. 10)
+           asyncspade  push this query and predict the next one (one launch,
                        kernels/asyncspade_predict.py), score [sink, next
                        b_start) with it, Top-K -> the store, for the next step
 Same selections as the torch path (the CPU path and this one's oracle,
@@ -32,13 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from sgl_sparse.config import GRAPH_CAPTURABLE, QUEST_PAGE
+from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
-from sgl_sparse.policies.base import PolicyId
+from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
+from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 
-#: The policies this module serves (the plugin offers them with decode CUDA graphs
-#: on); lfps stays on the host-grouped torch path.
-POLICIES = tuple(PolicyId[name.upper()] for name in GRAPH_CAPTURABLE)
+#: The policies this module serves: every query-aware one (the plugin offers them
+#: with decode CUDA graphs on where the config opts in).
+POLICIES = tuple(QUERY_AWARE_IDS)
 
 
 class RowKnobs:
@@ -157,9 +161,12 @@ class QueryAwareDevice:
         self.cap = cap
         self.quest = state.query_stores.get(PolicyId.QUEST)
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
+        lfps_store = state.query_stores.get(PolicyId.LFPS)
+        self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
+        self._fwd_lfps: LfpsForward | None = None
         self._aspd_arrivals = None
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
@@ -191,14 +198,18 @@ class QueryAwareDevice:
         self._fwd_quest = (_QuestForward(self.quest, knobs, plan, indexed, req_pool_indices, self.cap)
                            if self.quest is not None else None)
         self._fwd_aspd = _AspdForward(self.aspd, knobs, indexed, req_pool_indices) if self.aspd is not None else None
+        self._fwd_lfps = None
+        if self.lfps is not None:
+            sr = SlotRows(knobs, PolicyId.LFPS, self.lfps.store.cfg.slots)
+            self._fwd_lfps = self.lfps.forward(self.state, sr, knobs, plan, indexed, req_pool_indices)
         self._plan = plan
 
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-               a_pos: torch.Tensor, a_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """a_pos [bs, Hkv, cap] / a_len [bs, Hkv] with this layer's quest and
-        asyncspade INDEXED rows filled in (other rows' a_len as given; their a_pos
-        entries may change: nothing reads a_pos beyond a_len)."""
+               a_pos: torch.Tensor, a_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """a_pos [bs, Hkv, cap] / a_len [bs, Hkv] with this layer's quest,
+        asyncspade and lfps INDEXED rows filled in (other rows' a_len as given; their
+        a_pos entries may change: nothing reads a_pos beyond a_len)."""
         self._forward(plan, req_pool_indices, seq_lens)
         if self._fwd_quest is not None:
             a_pos, a_len = self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
@@ -208,6 +219,12 @@ class QueryAwareDevice:
             pos = self.aspd.sel_pos[li][f.row_slot]
             a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
             a_len = torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len)
+        if self._fwd_lfps is not None:
+            f = self._fwd_lfps
+            pos, cnt = self.lfps.select(li, f, q3, k_cache, req_to_token, scale)
+            width = pos.shape[-1]
+            a_pos[..., :width] = torch.where(f.sel3, pos[f.j], a_pos[..., :width])
+            a_len = torch.where(f.sel2, cnt[f.j], a_len)
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
@@ -232,12 +249,19 @@ class QueryAwareDevice:
         a_len = torch.where(f.sel2, cnt[f.j], a_len)
         return a_pos, a_len
 
-    def finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
-               req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
-        """asyncspade, after the attention: the selection of the next step. Runs
-        after this layer's select(), whose forward tensors it reads."""
-        if self.aspd is None:
-            return
+    def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float) -> None:
+        """After the attention: lfps's sink bypass and table update, asyncspade's
+        selection of the next step. Runs after this layer's select(), whose
+        forward tensors it reads."""
+        if self.lfps is not None:
+            self.lfps.finish(li, self._fwd_lfps, o3)
+        if self.aspd is not None:
+            self._aspd_finish(li, q3, k_cache, req_to_token, scale)
+
+    def _aspd_finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     scale: float) -> None:
         from sgl_sparse.kernels.asyncspade_predict import asyncspade_predict
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores

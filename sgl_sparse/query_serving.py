@@ -22,10 +22,10 @@ once per group with scalar knobs). Device side, per layer: tensor ops only.
 A row outside every group (no slot, longer than its store) is dense in the plan.
 The ring, tables and selections are written only by their own slot's request.
 
-With kernels (CUDA; tests: the Triton interpreter) quest and asyncspade run on
+With kernels (CUDA; tests: the Triton interpreter) all three run on
 query_device.QueryAwareDevice instead: all rows at once, knobs read by row on the
-device, so SGLang's decode CUDA graphs can capture them. Groups are then built
-for lfps only; the torch groups stay the CPU path and that path's oracle.
+device, so SGLang's decode CUDA graphs can capture them; no groups are built then.
+The torch groups stay the CPU path and that path's oracle.
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ class QueryAwareRuntime:
                   graphed: bool = False) -> None:
         """Decode: group the batch's query-aware rows that may be indexed this step
         (lfps), keep their stores current (quest: every step, covered or not) or
-        predict for the next one (asyncspade). `graphed`: the forward may be a
-        CUDA-graph capture or replay, so the device path runs whatever the batch."""
+        predict for the next one (asyncspade); with kernels, only whether the
+        device path runs. `graphed`: the forward may be a CUDA-graph capture or
+        replay, so the device path runs whatever the batch."""
         buckets: dict[tuple, list[tuple[int, int, int]]] = {}
         self.device_active = self.device is not None and graphed
         for b, (r, n) in enumerate(zip(rows, seq_lens)):
@@ -204,7 +205,7 @@ class QueryAwareRuntime:
         self._lfps_out = {}
         if self.device_active:
             a_pos, a_len = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices, seq_lens,
-                                              a_pos, a_len)
+                                              a_pos, a_len, scale)
         indexed = plan.indexed() if self.groups else None
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
@@ -249,7 +250,7 @@ class QueryAwareRuntime:
         indexed = plan.indexed() if self.groups else None
         hkv = k_cache.shape[1]
         if self.device_active:
-            self.device.finish(li, q3, k_cache, req_to_token, req_pool_indices, seq_lens, scale)
+            self.device.finish(li, q3, o3, k_cache, req_to_token, req_pool_indices, seq_lens, scale)
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
             n = seq_lens[g.batch_idx].long()

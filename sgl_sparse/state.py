@@ -31,9 +31,9 @@ _FULL, _SADAS, _SFI = PolicyId.FULL, PolicyId.SADAS, PolicyId.SFI
 _QUERY_AWARE = frozenset(QUERY_AWARE_IDS)
 
 
-def _aspd_knob(init: RowInit, name: str, default):
-    """An asyncspade request knob (SparseState.qa_window / qa_ridge); default elsewhere."""
-    if init.policy != PolicyId.ASYNCSPADE or init.spec is None:
+def _knob(init: RowInit, policy: PolicyId, name: str, default):
+    """A request knob of `policy` (SparseState.qa_window, lfps_r, ...); default elsewhere."""
+    if init.policy != policy or init.spec is None:
         return default
     return getattr(init.spec, name)
 
@@ -79,6 +79,11 @@ class SparseState:
         # W, the past queries regressed from, and the relative ridge strength.
         self.qa_window = z(torch.int32)
         self.qa_ridge = z(torch.float32)
+        # lfps's, likewise: table decay r, sink-bypass threshold eps, threshold
+        # scale a (its sink, budget and local window are the columns above).
+        self.lfps_r = z(torch.float32)
+        self.lfps_eps = z(torch.float32)
+        self.lfps_a = z(torch.float32)
         # Bool [vocab] sentence-ending ids and the compact buffers: set by the backend
         # once the tokenizer and the model shape are known.
         self.trigger_table = torch.zeros(1, dtype=torch.bool, device=self.device)
@@ -183,8 +188,12 @@ class SparseState:
             "prompt_n": torch.zeros(len(inits), dtype=torch.int32),
             "max_context": col("max_context", torch.int32),
             "qa_steps": torch.zeros(len(inits), dtype=torch.int32),
-            "qa_window": torch.tensor([_aspd_knob(i, "window", 0) for i in inits], dtype=torch.int32),
-            "qa_ridge": torch.tensor([_aspd_knob(i, "ridge", 0.0) for i in inits], dtype=torch.float32),
+            "qa_window": torch.tensor([_knob(i, PolicyId.ASYNCSPADE, "window", 0) for i in inits],
+                                      dtype=torch.int32),
+            "qa_ridge": torch.tensor([_knob(i, PolicyId.ASYNCSPADE, "ridge", 0.0) for i in inits],
+                                     dtype=torch.float32),
+            **{f"lfps_{k}": torch.tensor([_knob(i, PolicyId.LFPS, k, 0.0) for i in inits], dtype=torch.float32)
+               for k in ("r", "eps", "a")},
         }
         pin = self.device.type == "cuda"
         idx = idx.pin_memory().to(self.device, non_blocking=True) if pin else idx

@@ -1,6 +1,7 @@
-"""What a CUDA server offers with decode CUDA graphs on: quest and asyncspade where
-the config opts in (their decode selection is captured, sgl_sparse/query_device.py,
-and then runs at every decode step), never lfps; everything with graphs off."""
+"""What a CUDA server offers with decode CUDA graphs on: quest, asyncspade and lfps
+where the config opts in (their decode selection is captured,
+sgl_sparse/query_device.py, and then runs at every decode step); everything with
+graphs off."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from sgl_sparse.config import ENV_CONFIG, SparseServerConfig, config_from_env
 
 @pytest.mark.parametrize("graphs, opt_in, off", [
     (True, (), {"quest", "asyncspade", "lfps"}),
-    (True, ("quest", "asyncspade", "lfps"), {"lfps"}),
+    (True, ("quest", "asyncspade", "lfps"), set()),
     (True, ("asyncspade",), {"quest", "lfps"}),
+    (True, ("lfps",), {"quest", "asyncspade"}),
     (False, (), set()),
 ])
 def test_query_aware_offered_with_decode_graphs(monkeypatch, graphs, opt_in, off):
@@ -28,5 +30,5 @@ def test_query_aware_offered_with_decode_graphs(monkeypatch, graphs, opt_in, off
     plugin.server_args_resolved(None, args)
     cfg = config_from_env()
     assert {p for p in ("quest", "asyncspade", "lfps") if cfg.unavailable_reason(p)} == off
-    if "quest" in off:
-        assert "query_aware.quest.cuda_graphs" in cfg.unavailable_reason("quest")
+    for p in off & {"quest", "lfps"} if graphs else ():
+        assert f"query_aware.{p}.cuda_graphs" in cfg.unavailable_reason(p)

@@ -1,13 +1,14 @@
-"""Ops per decode layer of query_device (quest + asyncspade on the device path), on CPU.
+"""Ops per decode layer of query_device (quest + asyncspade + lfps on the device path), on CPU.
 
 Counts the aten ops (each one a GPU kernel or more on CUDA, except views) and the
-Triton launches of QueryAwareRuntime.select + finish at bs = 8 with quest and
-asyncspade rows, 4 slots per store (tests/test_query_device.py's twin):
+Triton launches of QueryAwareRuntime.select + finish at bs = 8 with quest,
+asyncspade and lfps rows, 4 slots per store (tests/test_query_device.py's twin):
   first  the first layer of a forward (per-forward work + per-layer work)
   other  any further layer of the same forward (the per-layer work only)
 Guarded by tests/test_query_device.py::test_ops_per_layer_stay_few (last
-measured: first 119 ops, other 11 ops, 8 Triton launches on every layer; other
-<= 14, first <= 125, launches == 8).
+measured: first 326 ops, other 159 ops, 13 Triton launches on every layer, of
+which lfps ~148 ops and 5 launches; other <= 165, first <= 335, launches == 13;
+before lfps joined: 119 / 11 / 8).
 Run: TRITON_INTERPRET=1 python bench/kernels/count_query_device_ops.py
 """
 
@@ -83,7 +84,7 @@ def count(group: int = 2) -> dict:
     twin = Twin(group, use_kernels=True)
     gen = torch.Generator().manual_seed(0)
     twin.admit(torch.randn(sum(LENS.values()), HKV * group, 16, generator=gen).half())
-    rows = [5, 1, 7, 3, 0, 4, 2, 0]  # quest 1-3, asyncspade 4-5, full 7, padding 0 (no lfps group)
+    rows = [5, 1, 7, 3, 0, 4, 2, 6]  # quest 1-3, asyncspade 4-5, lfps 6, full 7, padding 0
     lens = [LENS[r] + 1 if r else 1 for r in rows]
     rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
     twin.rt.plan_step(rows, lens, torch.device("cpu"), graphed=True)

@@ -1,11 +1,13 @@
-"""quest / asyncspade decode inside a real CUDA graph (GPU only): plan_decode, the
-device selection (sgl_sparse/query_device.py), the two-segment kernel and
-asyncspade's next-step prediction captured once on a padding-only batch (as
+"""quest / asyncspade / lfps decode inside a real CUDA graph (GPU only): plan_decode,
+the device selection (sgl_sparse/query_device.py, lfps's in sgl_sparse/lfps_device.py),
+the two-segment kernel, lfps's sink bypass and table update and asyncspade's
+next-step prediction captured once on a padding-only batch (as
 SGLang captures), then replayed over mixed batches whose rows, lengths and
 queries change between replays. Each replay must equal the eager host-grouped
-torch path on a twin state: same per-head position sets (asyncspade: up to two
-cutoff ties swapped, see below) and a_len, attention within bf16 rounding, same
-selection sizes stored for the next step."""
+torch path on a twin state: same per-head position sets (asyncspade, lfps: up to
+two cutoff ties swapped, see below) and a_len (lfps: its bypass decisions), attention
+within bf16 rounding, same selection sizes stored for the next step, lfps's tables
+within fp32 rounding."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ import pytest
 import torch
 
 from sgl_sparse import reference
-from sgl_sparse.config import AsyncSpadePolicy, QuestPolicy, SparseServerConfig
+from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
 from sgl_sparse.query_serving import QueryAwareRuntime
-from sgl_sparse.query_store import AsyncSpadeStore, QuestStore
+from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
 from sgl_sparse.state import SparseState
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,8 +36,11 @@ SPECS = {
     4: AsyncSpadePolicy(window=4, budget=96, recent=8, sink=2, ridge=0.05),
     5: None,  # full
     6: QuestPolicy(budget=256, recent=16, sink=4),  # covered at first
+    # small a: C1 not empty on random data (queryaware.lfps's κ is not normalized by the count)
+    7: LfpsPolicy(budget=96, local=6, sink=4, s=16, a=0.05),
+    8: LfpsPolicy(budget=48, local=10, sink=2, s=8, a=0.02, eps=0.02, r=0.9),  # heads bypass
 }
-LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268}
+LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 
 class Twin:
@@ -44,7 +49,7 @@ class Twin:
         gen = torch.Generator(device=dev).manual_seed(0)
         store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {p: store for p in ("quest", "asyncspade", "lfps")},
+            "query_aware": {"quest": store, "asyncspade": store, "lfps": {**store, "candidates": MAXCTX}},
             "policies": {"asyncspade": {"window": 4}},
         })
         self.st = SparseState(ROWS, dev, cfg)
@@ -53,6 +58,7 @@ class Twin:
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=HKV * G,
                                                                     dtype=KV, **shape)
+        self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=HKV * G, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
         pool = sum(LENS.values()) + 64 * len(LENS) + 1
         self.k = torch.randn(pool, HKV, D, generator=gen, device=dev).to(KV)
@@ -111,7 +117,7 @@ def test_capture_once_replay_mixed_batches():
     q_ext = torch.randn(sum(LENS.values()), HKV * G, D, generator=gen, device=dev).to(KV)
     ref.admit(q_ext)
     gph.admit(q_ext)
-    batches = [[1, 3, 5, 0, 0, 0, 0, 0], [4, 2, 6, 1, 3, 5, 0, 0], [6, 5, 4, 3, 2, 1, 0, 0]]
+    batches = [[1, 3, 5, 7, 0, 0, 0, 0], [4, 2, 6, 1, 3, 5, 8, 0], [6, 5, 4, 3, 2, 1, 8, 7]]
     cur = dict(LENS)
     indexed = set()
     for batch in batches:
@@ -146,9 +152,11 @@ def test_capture_once_replay_mixed_batches():
                     continue
                 indexed.add(rows[b])
                 assert torch.equal(lp.a_len_per_head[b], lp_ref.a_len_per_head[b])
-                # asyncspade's kernel scores a fp32 q_hat as two bf16 parts (~16 bits):
-                # a key tied with the Top-K cutoff to that precision may swap places
-                slack = 2 if SPECS[rows[b]].policy == "asyncspade" else 0
+                # asyncspade's kernel scores a fp32 q_hat as two bf16 parts (~16 bits),
+                # lfps's candidates are scored by tl.dot (the torch path: an fp32 einsum,
+                # other summation order): a key tied with the Top-K cutoff to that
+                # precision may swap places
+                slack = 2 if SPECS[rows[b]].policy in ("asyncspade", "lfps") else 0
                 for h in range(HKV):
                     n_a = int(lp_ref.a_len_per_head[b, h])
                     got = set(lp.a_pos[b, h, :n_a].tolist())
@@ -160,4 +168,8 @@ def test_capture_once_replay_mixed_batches():
                 if SPECS[r] is not None and SPECS[r].policy == "asyncspade":
                     a, g_ = ref.st.query_stores[PolicyId.ASYNCSPADE], gph.st.query_stores[PolicyId.ASYNCSPADE]
                     assert torch.equal(a.sel_count[0, s], g_.sel_count[0, s])
-    assert indexed == {1, 2, 3, 4, 6}
+                if SPECS[r] is not None and SPECS[r].policy == "lfps":
+                    a, g_ = ref.st.query_stores[PolicyId.LFPS], gph.st.query_stores[PolicyId.LFPS]
+                    torch.testing.assert_close(a.ver[0, s], g_.ver[0, s], rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(a.sla[0, s], g_.sla[0, s], rtol=1e-4, atol=1e-5)
+    assert indexed == {1, 2, 3, 4, 6, 7, 8}
