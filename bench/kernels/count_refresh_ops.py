@@ -3,11 +3,11 @@
 Counts the aten ops outside Triton launches (each one a GPU kernel or more on
 CUDA, except views) and the Triton launches of one `refresh` of three rows: one
 after its first slow step (window of its query + 2 prompt queries, keys read)
-and two after a later one (w = 1, evidence from the stored slow-step logits),
-as the serving path calls it (one KV pool tensor per layer). Run at two layer
+and two after a later one (w = 1, evidence from the stored slow-step logits) -- and
+of the two later rows alone --, as the serving path calls it (one KV pool tensor per layer). Run at two layer
 counts, the ops of one refresh are `a + b * layers`; the per-layer part `b` is
 what a 28-layer model pays 28 times.
-Guarded by tests/test_sfi.py::test_refresh_host_ops_stay_few.
+Guarded by tests/kernels/test_sfi_kernels.py::test_refresh_host_ops_stay_few.
 Run: TRITON_INTERPRET=1 python bench/kernels/count_refresh_ops.py
 """
 
@@ -64,11 +64,13 @@ def _setup(layers: int, seed: int = 0):
     return st, k, v, r2t, rows
 
 
-def count(layers: int) -> OpCounter:
-    """The host ops and launches of one kernel-path refresh of rows 1-3."""
+def count(layers: int, later_only: bool = False) -> OpCounter:
+    """The host ops and launches of one kernel-path refresh of rows 1-3 (`later_only`:
+    of the later rows 2-3 only, the common refresh of a long decode)."""
     from sgl_sparse.selector.refresh import refresh
 
     st, k, v, r2t, rows = _setup(layers)
+    rows = sorted(LATER) if later_only else rows
     with OpCounter() as c:
         refresh(st, rows, CTX, k.__getitem__, v.__getitem__, r2t, D ** -0.5, use_kernels=True, later=LATER)
     return c
@@ -78,9 +80,9 @@ def _totals(c: OpCounter) -> dict[str, int]:
     return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values())}
 
 
-def per_layer(lo: int = 2, hi: int = 4) -> dict[str, tuple[float, float]]:
+def per_layer(lo: int = 2, hi: int = 4, later_only: bool = False) -> dict[str, tuple[float, float]]:
     """{kind: (a, b)}: one refresh issues `a + b * layers` of each kind (from two layer counts)."""
-    t_lo, t_hi = _totals(count(lo)), _totals(count(hi))
+    t_lo, t_hi = _totals(count(lo, later_only)), _totals(count(hi, later_only))
     out = {}
     for kind in t_lo:
         b = (t_hi[kind] - t_lo[kind]) / (hi - lo)
@@ -95,5 +97,7 @@ if __name__ == "__main__":
         print("   ops     ", dict(c.ops.most_common()))
         print("   free    ", dict(c.free.most_common()))
         print("   launches", dict(c.launches.most_common()))
-    for kind, (a, b) in per_layer().items():
-        print(f"per refresh: {kind} = {a:g} + {b:g} x layers")
+    for later_only in (False, True):
+        rows = "rows 2-3 (later, stored logits)" if later_only else "rows 1-3 (first + later)"
+        for kind, (a, b) in per_layer(later_only=later_only).items():
+            print(f"{rows}: {kind} = {a:g} + {b:g} x layers")

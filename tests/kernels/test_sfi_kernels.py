@@ -221,3 +221,26 @@ def test_start_up_warm_up_runs_every_refresh_kernel_and_writes_nothing():
     r2t = torch.zeros(3, 96, dtype=torch.int32)
     warm_up_kernels(store, k, k.clone(), r2t, [SfiPolicy(w_prefill=4, nms_radius=3)])
     assert (store.k == 7.0).all()
+
+
+def test_refresh_host_ops_stay_few():
+    """One refresh's host work (bench/kernels/count_refresh_ops.py): the Selector, the
+    stored-logits evidence and the packing run once per refresh for every layer, not
+    once per layer. Measured (ops = a + b x layers): before, later rows 72 glue ops +
+    (41 + 10 L) views/allocs + (4 + 4 L) Triton launches, rows 1-3 147 + (84 + 21 L)
+    + (8 + 8 L); after, 28 + 55 + 8 and 70 + (111 + 9.5 L) + (13 + 3 L) (the first slow
+    step's window evidence still launches per layer)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "bench", "kernels", "count_refresh_ops.py")
+    spec = importlib.util.spec_from_file_location("count_refresh_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    later = mod.per_layer(1, 2, later_only=True)
+    assert later["triton launches"] == (8, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
+    assert later["glue ops"][0] <= 32, later
+    mixed = mod.per_layer(1, 2)
+    assert mixed["triton launches"][1] <= 3 and mixed["glue ops"][1] == 0, mixed
+    assert mixed["glue ops"][0] <= 76 and mixed["views/allocs"][1] <= 10, mixed
