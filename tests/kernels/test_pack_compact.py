@@ -238,3 +238,35 @@ def test_layer_pools_refuse_pools_that_cannot_share_a_launch():
         K.LayerPools.of([a, torch.zeros(10 * 2 * 16 + 1, dtype=torch.float16)[1:].view(10, 2, 16)])
     table = K.LayerPools.of([a, a.clone(), a.clone()])
     assert len(table) == 3 and len(table.layers(1, 3)) == 2 and int(table.layers(1, 3).ptrs[0]) == int(table.ptrs[1])
+
+
+def test_pack_kernel_compiles_for_sm90_and_keeps_16_byte_loads_from_the_table():
+    """The layered variant compiles for the H100 (sm_90) and reads K/V with the same
+    16-byte vector loads as the one-pool variant (load_layer_pool's alignment hint)."""
+    from sgl_sparse.kernels.pack_compact import _pack_compact_kernel as fn
+
+    ints = ("BS", "SEL_W", "CAP")
+    counts = []
+    for layered in (False, True):
+        const = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_D=128, LAYERED=layered, SINK_PREFIX=layered)
+        sig, divisible = {}, []
+        for name in fn.arg_names:
+            if name in ("K_POOL", "V_POOL", "A_K", "A_V"):
+                sig[name] = "*bf16"
+            elif name in ("K_PTRS", "V_PTRS"):
+                sig[name] = "*i64"
+            elif name == "DO_PACK":
+                sig[name] = "*u8"
+            elif name in const:
+                sig[name] = "constexpr"
+            elif name.isupper() and name not in ints:
+                sig[name] = "*i32"
+            else:
+                sig[name] = "i32"
+            if sig[name].startswith("*") or name.startswith(("stride_k", "stride_v", "stride_a")):
+                divisible.append(name)
+        counts.append(T.compile_sm90("sgl_sparse.kernels.pack_compact", "_pack_compact_kernel", sig, const, divisible))
+    one, layered = counts
+    assert one.get("ld.global.v4.b32", 0) > 0
+    assert layered.get("ld.global.v4.b32") == one["ld.global.v4.b32"], counts
+    assert layered.get("st.global.v4.b32") == one["st.global.v4.b32"], counts
