@@ -11,7 +11,13 @@ the saved queries) sets the masks.
 Per layer: the evidence window's logits over the whole prefix (the slow step's
 query and, for the first slow step, the prompt's last queries), the Selector
 (selector.core), then sink + Top-K positions gathered into the request's compact
-slot.
+slot. The host work is per refresh, not per layer: the rows' tensors are
+gathered once for a chunk of layers (selector.rows), and the Selector, the
+Top-K, the packing (kernels.pack_compact_layers: every layer's pools as one
+address table) and the evidence from stored logits each run once per chunk of
+layers (_MAX_SELECT_ELEMS_KERNELS: 16 layers at 32768 x 8 with 8 KV heads); only the evidence that
+reads the keys (window_evidence) still launches per layer
+(bench/kernels/count_refresh_ops.py counts them).
 
 Rows whose slow step was not their first (`later`, known on the host; never a row
 with prompt_evidence "every", whose window keeps the prompt's queries) have a
