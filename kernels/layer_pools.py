@@ -48,6 +48,11 @@ class LayerPools:
         assert ptrs.dtype == torch.int64 and ptrs.shape == (len(pools),) and ptrs.device == first.device
         return cls(first, ptrs)
 
+    @classmethod
+    def one(cls, pool: torch.Tensor) -> "LayerPools":
+        """A single pool for a launch with the table off (``LAYERED`` false): never read."""
+        return cls(pool, pool)
+
     def __len__(self) -> int:
         return self.ptrs.shape[0]
 

@@ -172,8 +172,7 @@ def pack_compact(
     """
     bs, num_kv_heads, cap = sel_pos.shape
     assert a_k.shape[1:] == (num_kv_heads, cap, k_pool.shape[2]) and a_v.shape == a_k.shape
-    # One layer: the address table is not read (LAYERED off), the pools are the arguments.
-    _launch(LayerPools(k_pool, k_pool), LayerPools(v_pool, v_pool), req_to_token, req_pool_idx, sel_pos,
+    _launch(LayerPools.one(k_pool), LayerPools.one(v_pool), req_to_token, req_pool_idx, sel_pos,
             sel_len, None, do_pack, a_k[None], a_v[None], a_slot, a_len,
             layered=False, block_n=block_n, max_chunks=max_chunks, num_warps=num_warps)
 

@@ -12,12 +12,13 @@ Per layer: the evidence window's logits over the whole prefix (the slow step's
 query and, for the first slow step, the prompt's last queries), the Selector
 (selector.core), then sink + Top-K positions gathered into the request's compact
 slot. The host work is per refresh, not per layer: the rows' tensors are
-gathered once for a chunk of layers (selector.rows), and the Selector, the
-Top-K, the packing (kernels.pack_compact_layers: every layer's pools as one
-address table) and the evidence from stored logits each run once per chunk of
-layers (_MAX_SELECT_ELEMS_KERNELS: 16 layers at 32768 x 8 with 8 KV heads); only the evidence that
-reads the keys (window_evidence) still launches per layer
-(bench/kernels/count_refresh_ops.py counts them).
+gathered once for a chunk of layers (selector.rows), and the evidence, the
+Selector, the Top-K and the packing each launch once per chunk of layers
+(_MAX_SELECT_ELEMS_KERNELS: 16 layers at 32768 x 8 with 8 KV heads), the
+per-layer KV pools reached through one address table (kernels.LayerPools); the
+evidence that reads the keys keeps each row's logits, so it takes as many
+layers a launch as _MAX_LOGIT_ELEMS allows (bench/kernels/count_refresh_ops.py
+counts the launches and ops).
 
 Rows whose slow step was not their first (`later`, known on the host; never a row
 with prompt_evidence "every", whose window keeps the prompt's queries) have a
@@ -184,6 +185,9 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     if not stored:
         slots = g.slot[:r]
         qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
+        # window_evidence keeps each row's [Hkv, G * w, N] fp32 logits: layers per launch
+        # within _MAX_LOGIT_ELEMS (the group's rows already fit it for one layer).
+        ev_layers = max(1, _MAX_LOGIT_ELEMS // (r * hkv * (store.q.shape[2] // hkv) * w * max(n, 1)))
     for first in range(0, store.num_layers, chunk):
         layers = range(first, min(first + chunk, store.num_layers))
         nl = len(layers)
@@ -193,11 +197,15 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
         if stored:  # w = 1 from the slow step's logits, every layer at once: no key read
             stored_evidence(store.logits[first: first + nl].flatten(0, 1), g.logit_row[:m], lo_l, hi_l,
                             knobs_l.beta, n, out=u)
-        for li, layer in enumerate(layers if not stored else ()):
-            if use_kernels:
-                window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, g.ridx[:r], g.qpos[:r], lo, hi,
-                                g.nq[:r], knobs_l.beta[:r], n, scaling, out=u[li * r: (li + 1) * r])
-            else:
+        elif use_kernels:  # the keys read in place, as many layers a launch as their logits allow
+            for e0 in range(0, nl, ev_layers):
+                e1 = min(e0 + ev_layers, nl)
+                me = (e1 - e0) * r
+                window_evidence(qwin_all[first + e0: first + e1].flatten(0, 1), pools.k.layers(first + e0, first + e1),
+                                req_to_token, g.ridx[:me], g.qpos[:me], lo_l[:me], hi_l[:me], g.nq[:me],
+                                knobs_l.beta[:me], n, scaling, out=u[e0 * r: e1 * r])
+        else:
+            for li, layer in enumerate(layers):
                 logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, g.qpos[:r], scaling)
                 u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs_l.beta[:r])
         norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
@@ -256,12 +264,14 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     hkv, hq, d, n = store.k.shape[2], store.q.shape[2], store.k.shape[4], 64
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     ridx, lo, hi = i32(0), i32(0), i32(n)
+    # The evidence and the packing as the refresh launches them: through the layers' address table.
+    k_pools, v_pools = LayerPools.of([k_pool]), LayerPools.of([v_pool])
     for spec in specs:
         knobs = SelectorKnobs.from_specs([spec], dev, torch.float32)
         for w in sorted({1, min(spec.w_prefill, 1 + store.q_prompt.shape[2])}):
             q = torch.zeros(1, w, hq, d, dtype=store.q.dtype, device=dev)
             qpos = torch.full((1, w), n - 1, dtype=torch.int64, device=dev)
-            u = window_evidence(q, k_pool, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
+            u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
             norms = torch.ones_like(u)
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
@@ -278,10 +288,8 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
         for splits in split_options:
             topk_range(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), lo, hi, i32(1), 1,
                        block_n=block_n, num_warps=num_warps, splits=splits)
-    # The packing as the refresh launches it (all layers, the sink as a prefix).
-    pools = [LayerPools.of([t]) for t in (k_pool, v_pool)]
     sel = torch.zeros(1, hkv, 1, dtype=torch.int32, device=dev)
-    pack_compact_layers(*pools, req_to_token, ridx, sel, i32(0)[:, None].expand(1, hkv), i32(0),
+    pack_compact_layers(k_pools, v_pools, req_to_token, ridx, sel, i32(0)[:, None].expand(1, hkv), i32(0),
                         torch.zeros(1, dtype=torch.bool, device=dev), store.k[:1], store.v[:1], i32(0),
                         torch.empty(1, hkv, dtype=torch.int32, device=dev))
     if dev.type == "cuda":
