@@ -1,12 +1,13 @@
 """Host ops of one SFI refresh (selector.refresh on the kernel path), on CPU.
 
 Counts the aten ops outside Triton launches (each one a GPU kernel or more on
-CUDA, except views) and the Triton launches of one `refresh` of three rows: one
-after its first slow step (window of its query + 2 prompt queries, keys read)
-and two after a later one (w = 1, evidence from the stored slow-step logits) -- and
-of the two later rows alone --, as the serving path calls it (one KV pool tensor per layer). Run at two layer
-counts, the ops of one refresh are `a + b * layers`; the per-layer part `b` is
-what a 28-layer model pays 28 times.
+CUDA, except views), the views/allocations, and the Triton launches of one
+`refresh` of three rows -- one after its first slow step (window of its query +
+2 prompt queries, keys read), two after a later one (w = 1, evidence from the
+stored slow-step logits) -- and of the two later rows alone, as the serving path
+calls it (one KV pool tensor per layer). Run at two layer counts, the ops of one
+refresh are `a + b * layers`; the per-layer part `b` is what a 28-layer model
+pays 28 times.
 Guarded by tests/kernels/test_sfi_kernels.py::test_refresh_host_ops_stay_few.
 Run: TRITON_INTERPRET=1 python bench/kernels/count_refresh_ops.py
 """
