@@ -5,7 +5,8 @@ Public API:
 * :func:`two_segment_decode` -- one-launch split-KV decode attention over a
   compact segment (A) plus an in-place paged position range (B).
 * :func:`pack_compact` -- gather selected positions from the paged pool into
-  the compact buffer.
+  the compact buffer; :func:`pack_compact_layers` -- the same for several
+  layers in one launch (their pools as a :class:`LayerPools` address table).
 * :func:`window_evidence` -- the Selector's evidence (softmax over the candidates,
   GQA mean, power mean over the window) fused, keys read in place.
 * :func:`selector_scores` / :func:`selector_stats` -- the Selector's steps 1-5
@@ -33,8 +34,9 @@ Public API:
 """
 
 from .asyncspade_predict import asyncspade_predict, asyncspade_predict_ref, make_arrivals
+from .layer_pools import LayerPools
 from .lfps_sparsity import lfps_head_sparsity
-from .pack_compact import pack_compact
+from .pack_compact import pack_compact, pack_compact_layers
 from .quest_pages import (
     QUEST_PAGE_SIZE,
     quest_bounds_decode,
@@ -45,6 +47,7 @@ from .quest_pages import (
 from .plan_step import plan_step
 from .reference import (
     dense_decode_ref,
+    pack_compact_layers_ref,
     pack_compact_ref,
     quest_bounds_ref,
     quest_page_scores_ref,
@@ -61,6 +64,8 @@ from .window_evidence import stored_evidence, window_evidence
 __all__ = [
     "two_segment_decode",
     "pack_compact",
+    "pack_compact_layers",
+    "LayerPools",
     "plan_step",
     "window_evidence",
     "stored_evidence",
@@ -84,6 +89,7 @@ __all__ = [
     "token_select_positions",
     "two_segment_decode_ref",
     "pack_compact_ref",
+    "pack_compact_layers_ref",
     "dense_decode_ref",
     "quest_bounds_ref",
     "quest_page_scores_ref",

@@ -18,6 +18,12 @@ launch is CUDA-graph capturable. Each program copies a strided subset of
 BLOCK_N-row tiles, so a short selection costs little and a long one is
 spread over ``num_chunks`` programs.
 
+``pack_compact_layers`` is the same copy for several layers in one launch
+(the SFI refresh: one launch per refresh instead of one per layer): the
+layers' pools come as an address table (``layer_pools.LayerPools``), the grid's
+first axis runs over (layer, request) pairs, and the positions may be given
+as a sink prefix ``[0, sink)`` plus the selected ones (a Top-K's output as it is).
+
 This is a pure copy (no arithmetic), so the packed rows are bit-identical to
 the pool rows.
 """
@@ -31,18 +37,22 @@ import triton
 import triton.language as tl
 
 from ._utils import cdiv, next_pow2
+from .layer_pools import LayerPools, load_layer_pool
 
-__all__ = ["pack_compact"]
+__all__ = ["pack_compact", "pack_compact_layers"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BS", "SEL_W", "stride_spb", "stride_sph"])
 def _pack_compact_kernel(
     K_POOL,
     V_POOL,
+    K_PTRS,
+    V_PTRS,
     REQ_TO_TOKEN,
     REQ_POOL_IDX,
     SEL_POS,
     SEL_LEN,
+    SINK,
     DO_PACK,
     A_K,
     A_V,
@@ -56,50 +66,69 @@ def _pack_compact_kernel(
     stride_spb,
     stride_sph,
     stride_slb,
+    stride_slh,
+    stride_akl,
     stride_aks,
     stride_akh,
     stride_akn,
+    stride_avl,
     stride_avs,
     stride_avh,
     stride_avn,
     stride_alb,
+    BS,
+    SEL_W,
     CAP,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LAYERED: tl.constexpr,
+    SINK_PREFIX: tl.constexpr,
 ):
-    cur_b = tl.program_id(0)
+    # Axis 0: (layer, request) pairs, layer-major; one layer unless LAYERED.
+    cur_lb = tl.program_id(0)
+    cur_b = cur_lb % BS
+    layer = cur_lb // BS
     cur_h = tl.program_id(1)
     chunk = tl.program_id(2)
     num_chunks = tl.num_programs(2)
 
     do_pack = tl.load(DO_PACK + cur_b)
     if do_pack != 0:
-        n_sel = tl.load(SEL_LEN + cur_b * stride_slb + cur_h).to(tl.int32)
+        n_sel = tl.load(SEL_LEN + cur_b * stride_slb + cur_h * stride_slh).to(tl.int32)
         n_sel = tl.minimum(tl.maximum(n_sel, 0), CAP)
-        # One program per (request, head) publishes the new length. Nothing
-        # in this launch reads a_len, so there is no ordering hazard.
-        if chunk == 0:
+        # One program per (request, head) publishes the new length (the same for
+        # every layer). Nothing in this launch reads a_len: no ordering hazard.
+        if (chunk == 0) & (layer == 0):
             tl.store(A_LEN + cur_b * stride_alb + cur_h, n_sel.to(A_LEN.dtype.element_ty))
 
+        k_pool = load_layer_pool(K_POOL, K_PTRS, layer, LAYERED)
+        v_pool = load_layer_pool(V_POOL, V_PTRS, layer, LAYERED)
         req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
         slot = tl.load(A_SLOT + cur_b).to(tl.int64)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        sel_base = SEL_POS + cur_b * stride_spb + cur_h * stride_sph
-        ak_base = A_K + slot * stride_aks + cur_h * stride_akh
-        av_base = A_V + slot * stride_avs + cur_h * stride_avh
+        sel_base = SEL_POS + cur_lb.to(tl.int64) * stride_spb + cur_h * stride_sph
+        ak_base = A_K + layer.to(tl.int64) * stride_akl + slot * stride_aks + cur_h * stride_akh
+        av_base = A_V + layer.to(tl.int64) * stride_avl + slot * stride_avs + cur_h * stride_avh
+        if SINK_PREFIX:
+            sink = tl.load(SINK + cur_b).to(tl.int32)
         # Tiles chunk, chunk + num_chunks, ...: neighbouring programs touch
         # neighbouring tiles, which keeps the writes to a_k/a_v streaming.
         for n0 in range(chunk * BLOCK_N, n_sel, num_chunks * BLOCK_N):
             offs = n0 + offs_n
             mask_n = offs < n_sel
-            pos = tl.load(sel_base + offs, mask=mask_n, other=0)
+            if SINK_PREFIX:  # positions [0, sink), then the selected ones
+                from_sel = offs - sink
+                picked = tl.load(sel_base + from_sel, mask=mask_n & (from_sel >= 0) & (from_sel < SEL_W), other=0)
+                pos = tl.where(from_sel < 0, offs, picked)
+            else:
+                pos = tl.load(sel_base + offs, mask=mask_n, other=0)
             tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos, mask=mask_n, other=0).to(tl.int64)
             mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :], mask=mask)
-            v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_h * stride_vh + offs_d[None, :], mask=mask)
+            k = tl.load(k_pool + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :], mask=mask)
+            v = tl.load(v_pool + tok[:, None] * stride_vt + cur_h * stride_vh + offs_d[None, :], mask=mask)
             tl.store(ak_base + offs[:, None] * stride_akn + offs_d[None, :], k, mask=mask)
             tl.store(av_base + offs[:, None] * stride_avn + offs_d[None, :], v, mask=mask)
 
@@ -145,13 +174,69 @@ def pack_compact(
     depends only on shapes.
     """
     bs, num_kv_heads, cap = sel_pos.shape
-    head_dim = k_pool.shape[2]
-    assert k_pool.shape[1] == num_kv_heads and v_pool.shape == k_pool.shape
-    assert a_k.shape[1:] == (num_kv_heads, cap, head_dim) and a_v.shape == a_k.shape
-    assert a_k.dtype == k_pool.dtype and a_v.dtype == v_pool.dtype
+    assert a_k.shape[1:] == (num_kv_heads, cap, k_pool.shape[2]) and a_v.shape == a_k.shape
+    _launch(LayerPools.one(k_pool), LayerPools.one(v_pool), req_to_token, req_pool_idx, sel_pos,
+            sel_len, None, do_pack, a_k[None], a_v[None], a_slot, a_len,
+            layered=False, block_n=block_n, max_chunks=max_chunks, num_warps=num_warps)
+
+
+def pack_compact_layers(
+    k_pools: LayerPools,
+    v_pools: LayerPools,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    sel_pos: torch.Tensor,
+    sel_len: torch.Tensor,
+    sink: torch.Tensor,
+    do_pack: torch.Tensor,
+    a_k: torch.Tensor,
+    a_v: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+    *,
+    block_n: int = 64,
+    max_chunks: Optional[int] = None,
+    num_warps: int = 4,
+) -> None:
+    """``pack_compact`` for several layers in one launch, the sink as a prefix.
+
+    Request ``b``'s compact rows of layer ``l`` are its positions ``[0, sink[b])``
+    then ``sel_pos[l * bs + b, h, :sel_len[b, h] - sink[b]]`` (e.g. a Top-K's
+    ascending output as it is: no ``[bs, Hkv, cap]`` position tensor to build).
+
+    Args:
+        k_pools, v_pools: the layers' pools (``LayerPools``, layer ``l`` =
+            ``ptrs[l]``).
+        sel_pos: ``[layers * bs, Hkv, W]`` int32 (layer-major), stride 1 along ``W``;
+            ``sel_len - sink <= W``.
+        sel_len: ``[bs, Hkv]`` (any strides) rows to write per (request, head),
+            the same for every layer (clamped to [0, cap]); ``a_len`` ``[bs, Hkv]``
+            is set to it.
+        sink: ``[bs]`` int32 positions kept before the selected ones.
+        a_k, a_v: ``[layers, num_slots, Hkv, cap, D]`` (e.g. ``CompactStore.k[l0:l1]``).
+        Others as in ``pack_compact``.
+    """
+    layers = len(k_pools)
+    bs, num_kv_heads = sel_len.shape
+    assert len(v_pools) == layers and a_k.shape[0] == layers and sel_pos.shape[:2] == (layers * bs, num_kv_heads)
+    assert sink.shape == (bs,)
+    _launch(k_pools, v_pools, req_to_token, req_pool_idx, sel_pos, sel_len, sink, do_pack, a_k, a_v, a_slot, a_len,
+            layered=True, block_n=block_n, max_chunks=max_chunks, num_warps=num_warps)
+
+
+def _launch(k_pools: LayerPools, v_pools: LayerPools, req_to_token, req_pool_idx, sel_pos, sel_len,
+            sink: Optional[torch.Tensor], do_pack, a_k, a_v, a_slot, a_len, *, layered: bool, block_n: int,
+            max_chunks: Optional[int], num_warps: int) -> None:
+    """One launch over (layer, request) x head x chunks; ``a_k``/``a_v`` ``[layers, slots, Hkv, cap, D]``."""
+    k_pool, v_pool = k_pools.pool, v_pools.pool
+    layers, _, num_kv_heads, cap, head_dim = a_k.shape
+    bs = sel_len.shape[0]
+    assert k_pool.shape[1:] == (num_kv_heads, head_dim) and v_pool.shape == k_pool.shape
+    assert a_v.shape == a_k.shape and a_k.dtype == k_pool.dtype and a_v.dtype == v_pool.dtype
     assert sel_len.shape == (bs, num_kv_heads) and a_len.shape == (bs, num_kv_heads)
+    assert sel_pos.shape[:2] == (layers * bs, num_kv_heads)
     assert do_pack.shape[0] == bs and a_slot.shape[0] == bs and req_pool_idx.shape[0] == bs
-    assert sel_pos.stride(2) == 1 and sel_len.stride(1) == 1 and a_len.stride(1) == 1
+    assert sel_pos.stride(2) == 1 and a_len.stride(1) == 1
     assert req_to_token.stride(1) == 1
     for t in (k_pool, v_pool, a_k, a_v):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
@@ -161,14 +246,17 @@ def pack_compact(
     num_chunks = cdiv(cap, block_n)
     if max_chunks is not None:
         num_chunks = max(1, min(num_chunks, max_chunks))
-    grid = (bs, num_kv_heads, num_chunks)
+    grid = (layers * bs, num_kv_heads, num_chunks)
     _pack_compact_kernel[grid](
         k_pool,
         v_pool,
+        k_pools.ptrs,
+        v_pools.ptrs,
         req_to_token,
         req_pool_idx,
         sel_pos,
         sel_len,
+        sel_len if sink is None else sink,  # unread without a sink prefix
         do_pack,
         a_k,
         a_v,
@@ -182,16 +270,23 @@ def pack_compact(
         sel_pos.stride(0),
         sel_pos.stride(1),
         sel_len.stride(0),
+        sel_len.stride(1),
         a_k.stride(0),
         a_k.stride(1),
         a_k.stride(2),
+        a_k.stride(3),
         a_v.stride(0),
         a_v.stride(1),
         a_v.stride(2),
+        a_v.stride(3),
         a_len.stride(0),
+        bs,
+        sel_pos.shape[2],
         cap,
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_D=next_pow2(head_dim),
+        LAYERED=layered,
+        SINK_PREFIX=sink is not None,
         num_warps=num_warps,
     )

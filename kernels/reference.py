@@ -10,7 +10,7 @@ which round to the input dtype), so tests can measure the kernels' error.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -202,6 +202,35 @@ def pack_compact_ref(
             tokens = req_to_token[rp, sel_pos[b, h, :n].long()].long()
             a_k[slot, h, :n] = k_pool[tokens, h]
             a_v[slot, h, :n] = v_pool[tokens, h]
+
+
+def pack_compact_layers_ref(
+    k_pools: Sequence[torch.Tensor],
+    v_pools: Sequence[torch.Tensor],
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    sel_pos: torch.Tensor,
+    sel_len: torch.Tensor,
+    sink: torch.Tensor,
+    do_pack: torch.Tensor,
+    a_k: torch.Tensor,
+    a_v: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+) -> None:
+    """Reference for :func:`pack_compact_layers` (the pools as per-layer lists):
+    per layer, :func:`pack_compact_ref` with the sink prefix spelled out as
+    positions ``[0, sink)`` followed by ``sel_pos[l * bs + b, h]``."""
+    bs, num_kv_heads = sel_len.shape
+    cap = a_k.shape[3]
+    j = torch.arange(cap, device=sel_pos.device)
+    s = sink.long()[:, None, None]
+    for layer in range(len(k_pools)):
+        sel = sel_pos[layer * bs: (layer + 1) * bs].long()
+        picked = torch.gather(sel, 2, (j - s).clamp(0, sel.shape[2] - 1).expand(bs, num_kv_heads, cap))
+        pos = torch.where(j < s, j, picked)
+        pack_compact_ref(k_pools[layer], v_pools[layer], req_to_token, req_pool_idx, pos, sel_len, do_pack,
+                         a_k[layer], a_v[layer], a_slot, a_len)
 
 
 # -----------------------------------------------------------------------------

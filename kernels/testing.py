@@ -24,9 +24,46 @@ __all__ = [
     "policy_segments",
     "set_indexed_rows",
     "rel_error",
+    "compile_sm90",
 ]
 
 IntOrPerHead = Union[int, Sequence[int]]
+
+_COMPILE_SM90 = """
+import collections, importlib, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, sig, const, divisible = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(json.dumps(collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*", ptx))))
+"""
+
+
+def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
+                 divisible: Sequence[str] = ()) -> dict:
+    """Compile ``module.kernel`` for sm_90 (no GPU needed) and count its global
+    loads/stores by width (e.g. ``ld.global.v4.b32``: 16-byte loads).
+
+    Runs in a fresh interpreter without ``TRITON_INTERPRET``: in the test
+    process the kernels are interpreted and cannot be compiled. ``signature``
+    maps every argument to a Triton type (``"*bf16"``, ``"i32"``, ``"constexpr"``);
+    ``divisible``: arguments Triton may assume 16-divisible (as its launcher
+    specializes aligned pointers and strides).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([module, kernel, signature, constexprs, list(divisible)])
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90, arg], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

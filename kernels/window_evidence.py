@@ -29,6 +29,11 @@ already stored (``two_segment_decode(..., logits_out=)``): pass 1 reads those
 ``G`` fp32 values per key instead of the key (a sixteenth of its bytes at
 ``D = 128``, ``G = 2``), pass 2 is the same formula.
 
+``window_evidence`` also takes the keys of several layers at once (a
+``layer_pools.LayerPools`` address table: SGLang keeps one pool tensor per
+layer): its rows are then (layer, request) pairs, layer-major, and pass 1 loads
+the row's layer's pool from the table -- one launch per pass for all of them.
+
 Rows of the ``[BLOCK_M, D]`` query tile are ``m = g * W_PAD + i`` so the group
 mean is a reshape + sum. Grid ``(r, Hkv, cdiv(N, BLOCK_N))``; pass 2 uses larger blocks (it reads logits only).
 """
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._utils import as_dtype, needs_fp32_dot, next_pow2
+from .layer_pools import LayerPools, load_layer_pool
 
 __all__ = ["window_evidence", "stored_evidence"]
 
@@ -81,14 +87,15 @@ def _powered_group_probs(s, lse, beta, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
     return tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
 
 
-@triton.jit(do_not_specialize=["stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r", "stride_lg_h", "stride_lg_m"])
+@triton.jit(do_not_specialize=["ROWS_PER_LAYER", "stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r",
+                               "stride_lg_h", "stride_lg_m"])
 def _evidence_pass1(
-    Q, K_POOL, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
-    qk_scale, W,
+    Q, K_POOL, K_PTRS, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
+    qk_scale, W, ROWS_PER_LAYER,
     stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
     stride_part_r, stride_part_h, stride_part_b, stride_lg_r, stride_lg_h, stride_lg_m,
     GROUP: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, LAYERED: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -106,7 +113,8 @@ def _evidence_pass1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         i = offs_m % W_PAD
         qpos = tl.load(QPOS + cur_r * stride_pr + i, mask=i < W, other=-1)
-        s = _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
+        k_pool = load_layer_pool(K_POOL, K_PTRS, cur_r // ROWS_PER_LAYER, LAYERED)  # rows are layer-major
+        s = _scores(Q, k_pool, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
                     stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
                     W, GROUP, W_PAD, HEAD_DIM, BLOCK_M, BLOCK_D, FP32_DOT)
         m = tl.max(s, 1)
@@ -184,7 +192,7 @@ def _evidence_pass2(
 
 def window_evidence(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
+    k_pool: torch.Tensor | LayerPools,
     req_to_token: torch.Tensor,
     req_idx: torch.Tensor,
     qpos: torch.Tensor,
@@ -210,8 +218,18 @@ def window_evidence(
         n: host bound on positions (``>= max(hi)``, ``<= max_ctx``).
         out: optional ``[r, Hkv, n]`` fp32 destination (e.g. a slice of a buffer
             stacking several layers).
+
+    ``k_pool`` may be a ``LayerPools`` of ``L`` layers: one launch per pass for
+    all of them. The ``r`` rows of ``q``, ``qpos`` and the per-row arguments
+    are then ``L`` layers' rows, layer-major: row ``i`` reads layer
+    ``i // (r / L)``'s keys.
     """
     r, w, hq, d = q.shape
+    layered = isinstance(k_pool, LayerPools)
+    pools = k_pool if layered else LayerPools.one(k_pool)
+    k_pool = pools.pool
+    assert not layered or r % len(pools) == 0, "rows: the same requests in every layer"
+    rows_per_layer = r // len(pools) if layered else max(r, 1)
     hkv = k_pool.shape[1]
     group = hq // hkv
     assert hq % hkv == 0 and q.dtype == k_pool.dtype and q.stride(-1) == 1 and k_pool.stride(-1) == 1
@@ -232,13 +250,13 @@ def window_evidence(
     part_l = torch.empty_like(part_m)
     qk_scale = float(sm_scale) * _LOG2E
     common = dict(GROUP=group, W_PAD=w_pad, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=next_pow2(d),
-                  BLOCK_N=block_n, FP32_DOT=needs_fp32_dot(q.dtype), num_warps=num_warps)
+                  BLOCK_N=block_n, FP32_DOT=needs_fp32_dot(q.dtype), LAYERED=layered, num_warps=num_warps)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
                req_to_token.stride(0), qpos.stride(0))
     logits = torch.empty(r, hkv, group * w, n, dtype=torch.float32, device=dev)
     grid = (r, hkv, nblocks)
-    _evidence_pass1[grid](q, k_pool, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, logits, qk_scale, w,
-                          *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2),
+    _evidence_pass1[grid](q, k_pool, pools.ptrs, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, logits,
+                          qk_scale, w, rows_per_layer, *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2),
                           logits.stride(0), logits.stride(1), logits.stride(2), **common)
     lse = torch.empty(r, hkv, block_m, dtype=torch.float32, device=dev)
     _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),

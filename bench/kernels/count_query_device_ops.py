@@ -33,19 +33,20 @@ _FREE = ("view", "_unsafe_view", "alias", "as_strided", "expand", "permute", "tr
 
 
 class OpCounter(TorchDispatchMode):
-    """aten ops outside Triton launches (the glue), and Triton launches."""
+    """aten ops outside Triton launches (the glue), and Triton launches. `free`:
+    the views and allocations (no device kernel, but host dispatches all the same)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.free: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
         self._in_kernel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._in_kernel:
             name = func.overloadpacket.__name__
-            if name not in _FREE:
-                self.ops[name] += 1
+            (self.free if name in _FREE else self.ops)[name] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):

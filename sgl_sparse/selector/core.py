@@ -37,23 +37,26 @@ class SelectorKnobs:
     eps: torch.Tensor
     nms_radius_max: int  # host copy of max(nms_radius): loop bound, no device sync
 
-    def repeat(self, times: int) -> "SelectorKnobs":
-        """The same knobs for `times` stacked copies of the batch (e.g. layers)."""
-        out = {f: getattr(self, f).repeat(times) for f in self.__dataclass_fields__ if f != "nms_radius_max"}
+    def first(self, m: int) -> "SelectorKnobs":
+        """The knobs of the first `m` rows (views)."""
+        out = {f: getattr(self, f)[:m] for f in self.__dataclass_fields__ if f != "nms_radius_max"}
         return SelectorKnobs(**out, nms_radius_max=self.nms_radius_max)
 
     @classmethod
-    def from_specs(cls, specs: Sequence, device, dtype) -> "SelectorKnobs":
+    def from_specs(cls, specs: Sequence, device, dtype, times: int = 1) -> "SelectorKnobs":
+        """The specs' knobs; `times` > 1: the batch stacked that many times (e.g. for
+        several layers at once), repeated on the host rather than on the device."""
         # One pinned host->device copy, asynchronous: a pageable copy would make the
         # host wait for the GPU work already queued (the decode step in flight).
         names = ("beta", "alpha", "kappa", "zeta", "clip", "nms_gamma", "nms_radius", "excl_eta", "excl_tau", "eps")
         # Rows padded to 4 entries: each knob's tensor starts 16-byte aligned, so
         # Triton compiles one variant whatever the number of requests.
-        width = -(-len(specs) // 4) * 4
+        rows = len(specs) * times
+        width = -(-rows // 4) * 4
         host = torch.zeros(len(names), width, dtype=torch.float64)
-        host[:, : len(specs)] = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names],
-                                             dtype=torch.float64).view(len(names), len(specs))
-        cols = to_device(host, device).to(dtype)[:, : len(specs)]
+        host[:, :rows] = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names],
+                                      dtype=torch.float64).view(len(names), len(specs)).repeat(1, times)
+        cols = to_device(host, device).to(dtype)[:, :rows]
         out = dict(zip(names, cols.unbind(0)))
         out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
         return cls(**out, nms_radius_max=max((s.nms_radius for s in specs), default=0))

@@ -11,7 +11,14 @@ the saved queries) sets the masks.
 Per layer: the evidence window's logits over the whole prefix (the slow step's
 query and, for the first slow step, the prompt's last queries), the Selector
 (selector.core), then sink + Top-K positions gathered into the request's compact
-slot.
+slot. The host work is per refresh, not per layer: the rows' tensors are
+gathered once for a chunk of layers (selector.rows), and the evidence, the
+Selector, the Top-K and the packing each launch once per chunk of layers
+(_MAX_SELECT_ELEMS_KERNELS: 16 layers at 32768 x 8 with 8 KV heads), the
+per-layer KV pools reached through one address table (kernels.LayerPools); the
+evidence that reads the keys keeps each row's logits, so it takes as many
+layers a launch as _MAX_LOGIT_ELEMS allows (bench/kernels/count_refresh_ops.py
+counts the launches and ops).
 
 Rows whose slow step was not their first (`later`, known on the host; never a row
 with prompt_evidence "every", whose window keeps the prompt's queries) have a
@@ -24,6 +31,7 @@ comes from those logits (kernels.stored_evidence): the keys are not read again.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
@@ -36,6 +44,7 @@ from sgl_sparse.selector.core import (
     to_device,
     top_k_positions,
 )
+from sgl_sparse.selector.rows import group_rows
 
 if TYPE_CHECKING:
     from sgl_sparse.state import SparseState
@@ -95,13 +104,35 @@ def refresh(
     if not rows or store is None:
         return
     stored = use_kernels and 0 < min(n_bound, req_to_token.shape[1]) <= store.logit_len
+    pools = _Pools(k_buffer, v_buffer, store.num_layers) if use_kernels else None
     one = [r for r in rows if r in later]
-    _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, use_kernels, 1, stored)
+    _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, 1, stored)
     _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
-                  scaling, use_kernels, None, False)
+                  scaling, pools, None, False)
 
 
-def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scaling, use_kernels,
+class _Pools:
+    """Every layer's K and V pools as address tables (kernels.LayerPools): the
+    packing runs once per refresh for all layers instead of once per layer."""
+
+    def __init__(self, k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[int], torch.Tensor],
+                 layers: int):
+        from sgl_sparse.kernels import LayerPools
+
+        k = [k_buffer(i) for i in range(layers)]
+        v = [v_buffer(i) for i in range(layers)]
+        self.k = LayerPools.of(k, _address_table(tuple(t.data_ptr() for t in k), k[0].device))
+        self.v = LayerPools.of(v, _address_table(tuple(t.data_ptr() for t in v), v[0].device))
+
+
+@functools.lru_cache(maxsize=8)
+def _address_table(addrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The pools' addresses on their device, copied there once: SGLang's pools live
+    as long as the server (the key is the content, so a stale entry cannot lie)."""
+    return to_device(torch.tensor(addrs, dtype=torch.int64), device)
+
+
+def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools: "_Pools | None",
                   w: int | None, stored: bool) -> None:
     """`rows` in groups whose fp32 logits fit _MAX_LOGIT_ELEMS; w None: the specs' window."""
     store = state.compact
@@ -118,93 +149,97 @@ def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scalin
     step = max(1, (_MAX_SELECT_ELEMS_KERNELS // (hkv * max(n_bound, 1))) if stored else (_MAX_LOGIT_ELEMS // per_row))
     for i in range(0, len(rows), step):
         _refresh_group(state, list(rows[i: i + step]), specs[i: i + step], n_bound, w, dev,
-                       k_buffer, v_buffer, req_to_token, scaling, use_kernels, stored)
+                       k_buffer, v_buffer, req_to_token, scaling, pools, stored)
 
 
 def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_to_token,
-                   scaling, use_kernels, stored=False) -> None:
+                   scaling, pools: "_Pools | None", stored: bool = False) -> None:
     store = state.compact
+    use_kernels = pools is not None
     r = len(rows)
-    ridx = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-    slots = state.slot[ridx].long()
-    sink, recent, budget = state.sink[ridx], state.window[ridx], state.budget[ridx]
-    saved_n = state.saved_n[ridx]
     n = min(n_bound, req_to_token.shape[1])
-    lo = torch.minimum(sink, saved_n)
-    hi = torch.maximum(saved_n - recent, lo)
-    # Window column 0: the slow step's query (position saved_n - 1); column i >= 1:
-    # the prompt's i-th last query, if saved, at position prompt_n - 1 - i (prompt_n:
-    # the length at the first slow step, = saved_n there; later slow steps see the
-    # prompt's queries only with prompt_evidence "every").
-    cols = torch.arange(w, device=dev)
-    nq = 1 + torch.clamp(state.prompt_q[ridx], max=w - 1)
-    prompt_n = torch.where(state.prompt_n[ridx] > 0, state.prompt_n[ridx], saved_n)
-    qpos = torch.where(cols[None, :] == 0, saved_n[:, None] - 1, prompt_n[:, None] - 1 - cols[None, :]).long()
-    knobs = SelectorKnobs.from_specs(specs, dev, torch.float32)
-    k_max = max(s.budget for s in specs)
-    k_min = min(s.budget for s in specs)
-    hkv, cap = store.k.shape[2], store.capacity
-    tok = req_to_token[ridx, :n].long()
-    # Compact layout per KV head: positions [0, sink) then the selected ones.
-    j = torch.arange(cap, device=dev)[None, None, :]
-    sink_eff = lo.long()[:, None, None]
-    if use_kernels:  # the kernels' int32 arguments (they derive the masks themselves)
-        from sgl_sparse.kernels import pack_compact, selector_scores, stored_evidence, window_evidence
-
-        nq32, beta32, lo32, hi32 = nq.int(), knobs.beta.float(), lo.int(), hi.int()
-        ones = torch.ones(r, dtype=torch.bool, device=dev)
-        ridx32, slots32 = ridx.int(), slots.int()
-    else:  # the torch path's masks
-        allowed = candidate_mask(lo, hi, n)
-        qmask = cols[None, :] < nq[:, None]
-    # All layers' window queries at once: [layers, r, w, Hq, D].
-    if not stored:
-        qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
+    hkv = store.k.shape[2]
     # The Selector after the evidence runs on several layers at once (a batch of
     # layers x requests): few, large launches instead of ~40 small ones per layer.
     per_layer = r * hkv * max(n, 1)
-    chunk = max(1, (_MAX_SELECT_ELEMS_KERNELS if use_kernels else _MAX_SELECT_ELEMS) // per_layer)
+    chunk = min(store.num_layers,
+                max(1, (_MAX_SELECT_ELEMS_KERNELS if use_kernels else _MAX_SELECT_ELEMS) // per_layer))
+    g = group_rows(state, rows, specs, chunk, w, dev, window=not stored)
+    k_max = max(s.budget for s in specs)
+    k_min = min(s.budget for s in specs)
+    tok = req_to_token[g.ridx[:r], :n].long()
+    lo, hi = g.lo[:r], g.hi[:r]
+    # Compact layout per KV head: positions [0, lo) (the sink) then the selected ones,
+    # min(budget, |A_t|) of them in every layer and head.
+    sel_len = lo + torch.minimum(g.budget[:r], (hi - lo).clamp(min=0))
+    if use_kernels:
+        from sgl_sparse.kernels import pack_compact_layers, selector_scores, stored_evidence, window_evidence
+        from sgl_sparse.kernels.topk_range import topk_range
+
+        do_pack = torch.ones(r, dtype=torch.bool, device=dev)
+        a_len = torch.empty(r, hkv, dtype=torch.int32, device=dev)  # pack_compact's output, unused here
+    else:  # the torch path's masks
+        allowed = candidate_mask(lo, hi, n)
+        qmask = torch.arange(w, device=dev)[None, :] < g.nq[:r, None]
+    # All layers' window queries at once: [layers, r, w, Hq, D].
+    if not stored:
+        slots = g.slot[:r]
+        qwin_all = torch.cat([store.q[:, slots, None], store.q_prompt[:, slots, : w - 1]], dim=2)
+        # window_evidence keeps each row's [Hkv, G * w, N] fp32 logits: layers per launch
+        # within _MAX_LOGIT_ELEMS (the group's rows already fit it for one layer).
+        ev_layers = max(1, _MAX_LOGIT_ELEMS // (r * hkv * (store.q.shape[2] // hkv) * w * max(n, 1)))
     for first in range(0, store.num_layers, chunk):
         layers = range(first, min(first + chunk, store.num_layers))
         nl = len(layers)
-        u = torch.empty(nl * r, hkv, n, dtype=torch.float32, device=dev)  # layer-major
-        for li, layer in enumerate(layers):
-            if stored:  # w = 1 from the slow step's logits: no key read
-                stored_evidence(store.logits[layer], slots32, lo32, hi32, beta32, n, out=u[li * r: (li + 1) * r])
-            elif use_kernels:
-                window_evidence(qwin_all[layer], k_buffer(layer), req_to_token, ridx32, qpos, lo32, hi32,
-                                nq32, beta32, n, scaling, out=u[li * r: (li + 1) * r])
-            else:
-                logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, qpos, scaling)
-                u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs.beta)
-        norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(nl * r, hkv, n)
-        lo_l, hi_l, knobs_l = lo.repeat(nl), hi.repeat(nl), knobs.repeat(nl)
+        m = nl * r  # the chunk's (layer, request) rows, layer-major
+        lo_l, hi_l, knobs_l = g.lo[:m], g.hi[:m], g.knobs.first(m)
+        u = torch.empty(m, hkv, n, dtype=torch.float32, device=dev)
+        if stored:  # w = 1 from the slow step's logits, every layer at once: no key read
+            stored_evidence(store.logits[first: first + nl].flatten(0, 1), g.logit_row[:m], lo_l, hi_l,
+                            knobs_l.beta, n, out=u)
+        elif use_kernels:  # the keys read in place, as many layers a launch as their logits allow
+            for e0 in range(0, nl, ev_layers):
+                e1 = min(e0 + ev_layers, nl)
+                me = (e1 - e0) * r
+                window_evidence(qwin_all[first + e0: first + e1].flatten(0, 1), pools.k.layers(first + e0, first + e1),
+                                req_to_token, g.ridx[:me], g.qpos[:me], lo_l[:me], hi_l[:me], g.nq[:me],
+                                knobs_l.beta[:me], n, scaling, out=u[e0 * r: e1 * r])
+        else:
+            for li, layer in enumerate(layers):
+                logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, g.qpos[:r], scaling)
+                u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs_l.beta[:r])
+        norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
         if use_kernels:
             s = selector_scores(u, norms, lo_l, hi_l, knobs_l)
-        else:
-            s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
-        pos, count = top_k_positions(s, lo_l, hi_l, budget.repeat(nl), k_max, k_min, use_kernel=use_kernels)
+            # Step 6 as top_k_positions(use_kernel=True) runs it, its int32 output as
+            # the packing reads it (after the sink prefix), for every layer at once.
+            pos, _ = topk_range(s, lo_l, hi_l, g.budget[:m], max(1, k_max))
+            del s
+            pack_compact_layers(pools.k.layers(first, first + nl), pools.v.layers(first, first + nl), req_to_token,
+                                g.ridx[:r], pos, sel_len[:, None].expand(-1, hkv), lo, do_pack,
+                                store.k[first: first + nl], store.v[first: first + nl], g.slot[:r], a_len)
+            continue
+        s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
+        pos, _ = top_k_positions(s, lo_l, hi_l, g.budget[:m], k_max, k_min, use_kernel=False)
         del s
-        count = count[:r]  # the same for every layer: min(budget, |A_t|)
-        sel_len = sink_eff[:, :, 0] + count[:, None]  # [r, 1]
-        # sink positions, then the selected ones, for every layer of the chunk
-        pos = pos.view(nl, r, hkv, k_max)
-        sink4, len4 = sink_eff[None], sel_len[None, :, :, None]
-        from_sel = torch.gather(pos, 3, (j[None] - sink4).clamp(0, k_max - 1).expand(nl, r, hkv, -1))
-        sel_pos = torch.where(j[None] < sink4, j[None], torch.where(j[None] < len4, from_sel, 0))
-        if use_kernels:
-            sel_pos = sel_pos.int()
-            sel_len_h = sel_len.expand(-1, hkv).int().contiguous()
-            a_len = torch.empty(r, hkv, dtype=torch.int32, device=dev)
+        sel_pos = compact_positions(pos.view(nl, r, hkv, k_max), lo, sel_len, store.capacity)
+        slots_l = g.slot[:r].long()
         for li, layer in enumerate(layers):
-            if use_kernels:
-                pack_compact(k_buffer(layer), v_buffer(layer), req_to_token, ridx32, sel_pos[li], sel_len_h, ones,
-                             store.k[layer], store.v[layer], slots32, a_len)
-            else:
-                tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos[li])
-                _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots)
-    state.sel_count[ridx] = sel_len[:, 0].int()
-    state.sel_ready[ridx] = True
+            tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos[li])
+            _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots_l)
+    state.sel_count[g.ridx[:r]] = sel_len
+    state.sel_ready[g.ridx[:r]] = True
+
+
+def compact_positions(pos: torch.Tensor, sink: torch.Tensor, sel_len: torch.Tensor, cap: int) -> torch.Tensor:
+    """Top-K positions [layers, r, Hkv, k] -> the compact rows' positions [layers, r, Hkv, cap]:
+    [0, sink) then the selected ones up to sel_len, 0 after (what pack_compact_layers
+    reads from its sink prefix and `pos` directly)."""
+    k_max = pos.shape[-1]
+    j = torch.arange(cap, device=pos.device)
+    sink4, len4 = sink.long()[None, :, None, None], sel_len.long()[None, :, None, None]
+    picked = torch.gather(pos, 3, (j - sink4).clamp(0, k_max - 1).expand(*pos.shape[:3], -1))
+    return torch.where(j < sink4, j, torch.where(j < len4, picked, 0))
 
 
 def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
@@ -214,7 +249,14 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     Soft-NMS radius, the Top-K. Otherwise the first SFI requests would wait seconds for
     Triton in the middle of decoding. Nothing is written: the packing is masked off.
     """
-    from sgl_sparse.kernels import pack_compact, selector_scores, selector_stats, stored_evidence, window_evidence
+    from sgl_sparse.kernels import (
+        LayerPools,
+        pack_compact_layers,
+        selector_scores,
+        selector_stats,
+        stored_evidence,
+        window_evidence,
+    )
     from sgl_sparse.kernels._split import AUTO_SPLIT
     from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, topk_range
 
@@ -222,12 +264,14 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     hkv, hq, d, n = store.k.shape[2], store.q.shape[2], store.k.shape[4], 64
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     ridx, lo, hi = i32(0), i32(0), i32(n)
+    # The evidence and the packing as the refresh launches them: through the layers' address table.
+    k_pools, v_pools = LayerPools.of([k_pool]), LayerPools.of([v_pool])
     for spec in specs:
         knobs = SelectorKnobs.from_specs([spec], dev, torch.float32)
         for w in sorted({1, min(spec.w_prefill, 1 + store.q_prompt.shape[2])}):
             q = torch.zeros(1, w, hq, d, dtype=store.q.dtype, device=dev)
             qpos = torch.full((1, w), n - 1, dtype=torch.int64, device=dev)
-            u = window_evidence(q, k_pool, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
+            u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
             norms = torch.ones_like(u)
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
@@ -244,9 +288,9 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
         for splits in split_options:
             topk_range(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), lo, hi, i32(1), 1,
                        block_n=block_n, num_warps=num_warps, splits=splits)
-    sel = torch.zeros(1, hkv, store.capacity, dtype=torch.int32, device=dev)
-    pack_compact(k_pool, v_pool, req_to_token, ridx, sel, torch.zeros(1, hkv, dtype=torch.int32, device=dev),
-                 torch.zeros(1, dtype=torch.bool, device=dev), store.k[0], store.v[0], i32(0),
-                 torch.empty(1, hkv, dtype=torch.int32, device=dev))
+    sel = torch.zeros(1, hkv, 1, dtype=torch.int32, device=dev)
+    pack_compact_layers(k_pools, v_pools, req_to_token, ridx, sel, i32(0)[:, None].expand(1, hkv), i32(0),
+                        torch.zeros(1, dtype=torch.bool, device=dev), store.k[:1], store.v[:1], i32(0),
+                        torch.empty(1, hkv, dtype=torch.int32, device=dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -150,3 +150,123 @@ def test_gpu_pack_large(ctx):
         seq_lens, sel_lens, [True, False, True, True], num_kv_heads=hkv, head_dim=128, cap=cap, device="cuda", seed=1
     )
     run_and_compare(case)
+
+
+def _layered_case(seed, *, layers, bs, hkv, head_dim, cap, width, dtype, device=DEVICE):
+    """Per-layer pools (separate tensors, as SGLang keeps them), ragged rows, a sink
+    prefix per row, some empty selections and unflagged rows; outputs NaN-poisoned."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, 130) for _ in range(bs)]
+    pool = sum(seq_lens) + 7
+    k_pools = [torch.randn(pool, hkv, head_dim, generator=gen).to(dtype).to(device) for _ in range(layers)]
+    v_pools = [torch.randn(pool, hkv, head_dim, generator=gen).to(dtype).to(device) for _ in range(layers)]
+    r2t = torch.zeros(bs + 2, 140, dtype=torch.int32)
+    rows = torch.randperm(bs + 2, generator=gen)[:bs]
+    for b, n in enumerate(seq_lens):
+        r2t[rows[b], :n] = torch.randperm(pool, generator=gen)[:n].int()
+    sink = torch.tensor([min(rng.randint(0, 5), n) for n in seq_lens], dtype=torch.int32)
+    # Per (layer, row, head): ascending positions after the sink; the row's length is
+    # the same for every layer and head (as the refresh's Top-K count).
+    count = [rng.randint(0, min(width, n - int(s), cap - int(s))) for n, s in zip(seq_lens, sink.tolist())]
+    count[0] = 0  # an empty selection (sink only)
+    sel_pos = torch.zeros(layers * bs, hkv, width, dtype=torch.int32)
+    for lb in range(layers * bs):
+        b = lb % bs
+        for h in range(hkv):
+            cand = torch.arange(int(sink[b]), seq_lens[b])
+            pick = cand[torch.randperm(len(cand), generator=gen)[: count[b]]].sort().values
+            sel_pos[lb, h, : count[b]] = pick.int()
+    sel_len = (sink + torch.tensor(count, dtype=torch.int32))[:, None].expand(-1, hkv)  # stride 0 along heads
+    do_pack = torch.tensor([True] + [rng.random() < 0.7 for _ in range(bs - 1)])
+    slots = torch.randperm(bs + 1, generator=gen)[:bs].int()
+    a_k = torch.full((layers, bs + 1, hkv, cap, head_dim), float("nan"), dtype=dtype)
+    a_len = torch.full((bs, hkv), -5, dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (k_pools, v_pools, to(r2t), to(rows.int()), to(sel_pos), to(sel_len), to(sink), to(do_pack),
+            to(a_k), to(a_k.clone()), to(slots), to(a_len))
+
+
+@pytest.mark.parametrize("layers, bs, hkv, head_dim, width, block_n, max_chunks, dtype", [
+    (3, 4, 2, 64, 23, 16, 2, torch.bfloat16),
+    (2, 1, 1, 32, 40, 16, None, torch.float16),
+    (4, 5, 3, 80, 9, 32, 16, torch.bfloat16),  # head_dim not a power of two
+])
+def test_pack_layers_matches_reference(layers, bs, hkv, head_dim, width, block_n, max_chunks, dtype):
+    """One launch for every layer (address table) == pack_compact_ref per layer, bit for bit."""
+    args = _layered_case(layers * 10 + bs, layers=layers, bs=bs, hkv=hkv, head_dim=head_dim, cap=45, width=width,
+                         dtype=dtype)
+    k_pools, v_pools, rest = args[0], args[1], args[2:]
+    ref = [t.clone() for t in rest]
+    K.pack_compact_layers(K.LayerPools.of(k_pools), K.LayerPools.of(v_pools), *rest, block_n=block_n,
+                          max_chunks=max_chunks)
+    K.pack_compact_layers_ref(k_pools, v_pools, *ref)
+    a_k, a_v, a_len = rest[6], rest[7], rest[9]
+    torch.testing.assert_close(a_k, ref[6], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(a_v, ref[7], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(a_len, ref[9])
+    sel_len, do_pack, slots = rest[3], rest[5], rest[8]
+    for b in range(bs):
+        n = int(sel_len[b, 0])
+        if bool(do_pack[b]):
+            assert not a_k[:, int(slots[b]), :, :n].isnan().any() and a_k[:, int(slots[b]), :, n:].isnan().all()
+        else:
+            assert a_k[:, int(slots[b])].isnan().all() and (a_len[b] == -5).all()
+
+
+def test_pack_layers_reads_each_layers_pool():
+    """Layer l's rows come from pool l (not pool 0): pools filled with their layer index."""
+    k_pools, v_pools, *rest = _layered_case(7, layers=3, bs=2, hkv=2, head_dim=16, cap=20, width=8,
+                                            dtype=torch.float16)
+    for layer, (k, v) in enumerate(zip(k_pools, v_pools)):
+        k.fill_(layer)
+        v.fill_(-layer)
+    K.pack_compact_layers(K.LayerPools.of(k_pools), K.LayerPools.of(v_pools), *rest, block_n=16)
+    a_k, a_v, slots, sel_len = rest[6], rest[7], rest[8], rest[3]
+    n = int(sel_len[0, 0])  # row 0 is always packed
+    for layer in range(3):
+        assert (a_k[layer, int(slots[0]), :, :n] == layer).all() and (a_v[layer, int(slots[0]), :, :n] == -layer).all()
+
+
+def test_layer_pools_refuse_pools_that_cannot_share_a_launch():
+    a = torch.zeros(10, 2, 16, dtype=torch.float16)
+    with pytest.raises(AssertionError):
+        K.LayerPools.of([a, torch.zeros(10, 2, 16, dtype=torch.bfloat16)])
+    with pytest.raises(AssertionError):
+        K.LayerPools.of([a, torch.zeros(12, 2, 16, dtype=torch.float16)])
+    with pytest.raises(AssertionError):  # misaligned: an address the kernel could not assume aligned
+        K.LayerPools.of([a, torch.zeros(10 * 2 * 16 + 1, dtype=torch.float16)[1:].view(10, 2, 16)])
+    table = K.LayerPools.of([a, a.clone(), a.clone()])
+    assert len(table) == 3 and len(table.layers(1, 3)) == 2 and int(table.layers(1, 3).ptrs[0]) == int(table.ptrs[1])
+
+
+def test_pack_kernel_compiles_for_sm90_and_keeps_16_byte_loads_from_the_table():
+    """The layered variant compiles for the H100 (sm_90) and reads K/V with the same
+    16-byte vector loads as the one-pool variant (load_layer_pool's alignment hint)."""
+    from sgl_sparse.kernels.pack_compact import _pack_compact_kernel as fn
+
+    ints = ("BS", "SEL_W", "CAP")
+    counts = []
+    for layered in (False, True):
+        const = dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_D=128, LAYERED=layered, SINK_PREFIX=layered)
+        sig, divisible = {}, []
+        for name in fn.arg_names:
+            if name in ("K_POOL", "V_POOL", "A_K", "A_V"):
+                sig[name] = "*bf16"
+            elif name in ("K_PTRS", "V_PTRS"):
+                sig[name] = "*i64"
+            elif name == "DO_PACK":
+                sig[name] = "*u8"
+            elif name in const:
+                sig[name] = "constexpr"
+            elif name.isupper() and name not in ints:
+                sig[name] = "*i32"
+            else:
+                sig[name] = "i32"
+            if sig[name].startswith("*") or name.startswith(("stride_k", "stride_v", "stride_a")):
+                divisible.append(name)
+        counts.append(T.compile_sm90("sgl_sparse.kernels.pack_compact", "_pack_compact_kernel", sig, const, divisible))
+    one, layered = counts
+    assert one.get("ld.global.v4.b32", 0) > 0
+    assert layered.get("ld.global.v4.b32") == one["ld.global.v4.b32"], counts
+    assert layered.get("st.global.v4.b32") == one["st.global.v4.b32"], counts

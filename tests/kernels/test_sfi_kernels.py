@@ -119,6 +119,91 @@ def test_window_evidence_matches_the_selector_formula(dtype, group, w):
     assert T.rel_error(u, ref) < 1e-4
 
 
+def _count_refresh_ops():
+    """bench/kernels/count_refresh_ops.py: its refresh problem (per-layer pools) and op counter."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "bench", "kernels", "count_refresh_ops.py")
+    spec = importlib.util.spec_from_file_location("count_refresh_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("group, w", [(1, 1), (4, 3)])
+def test_window_evidence_over_several_layers_reads_each_layers_keys(group, w):
+    """One launch per pass for 3 layers (their pools as a LayerPools address table,
+    separate random tensors) == one call per layer, bit for bit, and == the formula
+    over that layer's keys: ragged rows, an empty range, a length off the blocks."""
+    from sgl_sparse.selector import core
+
+    gen = torch.Generator().manual_seed(group * 10 + w)
+    hkv, d, lens, layers = 2, 32, [70, 23, 41], 3
+    case = T.make_decode_case(lens, [0] * 3, [(0, n) for n in lens], num_kv_heads=hkv, group=group, head_dim=d,
+                              cap=4, dtype=torch.bfloat16, seed=group + w)
+    pools = [torch.randn(case.k_pool.shape, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    q = (torch.randn(layers, 3, w, hkv * group, d, generator=gen) * 2).to(torch.bfloat16)
+    qpos = torch.tensor([69, 22, 40])[:, None] - torch.arange(w)[None, :]
+    lo, hi = torch.tensor([4, 0, 3]), torch.tensor([60, 23, 3])  # request 2: empty range
+    nq = torch.tensor([w, 1, max(1, w - 1)], dtype=torch.int32)
+    beta = torch.tensor([0.5, 1.0, 2.0])
+    n, scale = 70, d ** -0.5
+    rep = lambda t: t.repeat(layers, *([1] * (t.dim() - 1))).contiguous()  # noqa: E731  layer-major rows
+    ridx = case.req_pool_idx.int()
+    u = torch.full((layers * 3, hkv, n), float("nan"))
+    K.window_evidence(q.flatten(0, 1), K.LayerPools.of(pools), case.req_to_token, rep(ridx), rep(qpos), rep(lo).int(),
+                      rep(hi).int(), rep(nq), rep(beta), n, scale, block_n=16, out=u)
+    assert not u.isnan().any()
+    tok = case.req_to_token[case.req_pool_idx.long(), :n].long()
+    qmask = torch.arange(w)[None, :] < nq[:, None]
+    for layer, pool in enumerate(pools):
+        one = K.window_evidence(q[layer], pool, case.req_to_token, ridx, qpos, lo, hi, nq, beta, n, scale, block_n=16)
+        assert torch.equal(u[layer * 3: (layer + 1) * 3], one)
+        ref = core.evidence_power_mean(window_logits_torch(q[layer].double(), pool.double(), tok, qpos, scale),
+                                       core.candidate_mask(lo, hi, n), qmask, beta.double())
+        assert T.rel_error(one, ref) < 1e-4
+
+
+def test_refresh_with_per_layer_pools_and_small_launch_bounds_equals_the_torch_path(monkeypatch):
+    """The kernel refresh reads layer l's keys and values from layer l's own pool (not
+    one pool shared by the layers, as the other refresh tests pass): the same packed
+    buffers as the torch path, also with the layers split over several Selector
+    chunks and several evidence launches (bounds lowered)."""
+    from sgl_sparse.selector import refresh as R
+
+    mod = _count_refresh_ops()
+    layers = 3
+    runs = []
+    # Then (rows 1-3 in one group, 2 KV heads, G 4, w 3, N 96): 2 layers a Selector
+    # chunk, 1 layer an evidence launch.
+    for bounds in ((R._MAX_SELECT_ELEMS_KERNELS, R._MAX_LOGIT_ELEMS), (2 * 3 * 2 * 96, 3 * 2 * 4 * 3 * 96)):
+        monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", bounds[0])
+        monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", bounds[1])
+        out = []
+        for use_kernels, later in ((True, mod.LATER), (True, ()), (False, ())):
+            st, k, v, r2t, rows = mod._setup(layers)
+            R.refresh(st, rows, mod.CTX, k.__getitem__, v.__getitem__, r2t, mod.D ** -0.5, use_kernels=use_kernels,
+                      later=later)
+            out.append(st)
+        runs.append(out)
+    for (a, b) in zip(*runs):  # the launch bounds change no bit
+        assert torch.equal(a.sel_count, b.sel_count)
+        assert torch.equal(a.compact.k, b.compact.k) and torch.equal(a.compact.v, b.compact.v)
+    stored_rows, keys, torch_path = runs[1]
+    assert torch.equal(keys.sel_count, torch_path.sel_count) and int(keys.sel_count[1:].min()) > 0
+    assert torch.equal(stored_rows.sel_count, keys.sel_count)
+    for row in range(1, 4):
+        slot, n = int(keys.slot[row]), int(keys.sel_count[row])
+        for buf in ("k", "v"):
+            # Same rows per layer (ties of exactly equal scores may order them differently);
+            # the torch path writes junk past n.
+            got = getattr(keys.compact, buf)[:, slot, :, :n].float().sum(-1).sort(-1).values
+            want = getattr(torch_path.compact, buf)[:, slot, :, :n].float().sum(-1).sort(-1).values
+            torch.testing.assert_close(got, want)
+
+
 def _selector_problem(seed, r, hkv, n, radii):
     """u as the evidence kernel leaves it (0 off A), key norms with ties and an outlier."""
     from sgl_sparse.config import SfiPolicy
@@ -221,3 +306,38 @@ def test_start_up_warm_up_runs_every_refresh_kernel_and_writes_nothing():
     r2t = torch.zeros(3, 96, dtype=torch.int32)
     warm_up_kernels(store, k, k.clone(), r2t, [SfiPolicy(w_prefill=4, nms_radius=3)])
     assert (store.k == 7.0).all()
+
+
+def test_refresh_host_ops_stay_few():
+    """One refresh's host work (bench/kernels/count_refresh_ops.py): the evidence, the
+    Selector and the packing run once per chunk of layers, not once per layer.
+    Measured (ops = a + b x layers): before, later rows 72 glue ops + (41 + 10 L)
+    views/allocs + (4 + 4 L) Triton launches, rows 1-3 147 + (84 + 21 L) + (8 + 8 L);
+    after, 28 + 54 + 8 and 70 + 125 + 16."""
+    mod = _count_refresh_ops()
+    later = mod.per_layer(1, 2, later_only=True)
+    assert later["triton launches"] == (8, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
+    assert later["glue ops"][0] <= 32, later
+    mixed = mod.per_layer(1, 2)
+    assert mixed["triton launches"] == (16, 0) and mixed["glue ops"][1] == 0, mixed
+    assert mixed["glue ops"][0] <= 76 and mixed["views/allocs"][1] <= 0, mixed
+
+
+def test_evidence_pass1_compiles_for_sm90_and_keeps_16_byte_key_loads_from_the_table():
+    """The layered first pass (keys through the LayerPools table) compiles for the H100
+    (sm_90) with the same 16-byte vector loads as the one-pool variant."""
+    from sgl_sparse.kernels.window_evidence import _evidence_pass1 as fn
+
+    types = {"Q": "*bf16", "K_POOL": "*bf16", "K_PTRS": "*i64", "REQ_TO_TOKEN": "*i32", "REQ_IDX": "*i32",
+             "QPOS": "*i64", "LO": "*i32", "HI": "*i32", "PART_M": "*fp32", "PART_L": "*fp32", "LOGITS": "*fp32",
+             "qk_scale": "fp32"}
+    counts = []
+    for layered in (False, True):
+        const = dict(GROUP=2, W_PAD=1, HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_N=64, FP32_DOT=False,
+                     LAYERED=layered)
+        sig = {name: "constexpr" if name in const else types.get(name, "i32") for name in fn.arg_names}
+        divisible = [name for name in fn.arg_names if sig[name].startswith("*") or name.startswith("stride_")]
+        counts.append(T.compile_sm90("sgl_sparse.kernels.window_evidence", "_evidence_pass1", sig, const, divisible))
+    one, layered = counts
+    assert one.get("ld.global.v4.b32", 0) > 0
+    assert layered.get("ld.global.v4.b32") == one["ld.global.v4.b32"], counts

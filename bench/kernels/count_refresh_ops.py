@@ -1,0 +1,104 @@
+"""Host ops of one SFI refresh (selector.refresh on the kernel path), on CPU.
+
+Counts the aten ops outside Triton launches (each one a GPU kernel or more on
+CUDA, except views), the views/allocations, and the Triton launches of one
+`refresh` of three rows -- one after its first slow step (window of its query +
+2 prompt queries, keys read), two after a later one (w = 1, evidence from the
+stored slow-step logits) -- and of the two later rows alone, as the serving path
+calls it (one KV pool tensor per layer). Run at two layer counts, the ops of one
+refresh are `a + b * layers`; the per-layer part `b` is what a 28-layer model
+pays 28 times.
+Guarded by tests/kernels/test_sfi_kernels.py::test_refresh_host_ops_stay_few.
+Run: TRITON_INTERPRET=1 python bench/kernels/count_refresh_ops.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from count_query_device_ops import OpCounter  # noqa: E402
+
+HKV, HQ, D, POOL, CTX = 2, 8, 16, 256, 96
+LENS = {1: 90, 2: 61, 3: 33}  # row -> length at its slow step
+LATER = {2, 3}  # rows whose slow step was not their first
+
+
+def _setup(layers: int, seed: int = 0):
+    """A state whose rows 1-3 are due for a refresh; per-layer K/V pools."""
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy, SparseServerConfig
+    from sgl_sparse.policies import sfi
+    from sgl_sparse.state import SparseState
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": 3, "capacity": 40},
+                                             "policies": {"sfi": {"w_prefill": 3}}})
+    st = SparseState(4, "cpu", cfg)
+    specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3),
+             SfiPolicy(budget=9, recent=8, sink=1, beta=1.0, nms_radius=1),
+             SfiPolicy(budget=12, recent=8, sink=2, beta=2.0)]
+    rows = sorted(LENS)
+    st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
+    st.compact = CompactStore(slots=3, capacity=40, num_layers=layers, num_kv_heads=HKV, num_q_heads=HQ, head_dim=D,
+                              dtype=torch.bfloat16, pool_size=POOL, prompt_queries=2, device=torch.device("cpu"),
+                              logit_len=CTX)
+    k = [torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    v = [torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(layers)]
+    r2t = torch.zeros(4, CTX, dtype=torch.int32)
+    for r, n in LENS.items():
+        r2t[r, :n] = torch.randperm(POOL, generator=gen)[:n].int()
+    store = st.compact
+    store.knorm[:] = torch.stack(k).float().norm(dim=-1)
+    store.q.normal_(generator=gen)
+    store.q_prompt.normal_(generator=gen)
+    store.logits.normal_(generator=gen)  # the later rows' slow-step logits (base 2)
+    idx = torch.tensor(rows)
+    st.saved_n[idx] = torch.tensor([LENS[r] for r in rows], dtype=torch.int32)
+    st.prompt_q[1] = 2
+    return st, k, v, r2t, rows
+
+
+def count(layers: int, later_only: bool = False) -> OpCounter:
+    """The host ops and launches of one kernel-path refresh of rows 1-3 (`later_only`:
+    of the later rows 2-3 only, the common refresh of a long decode)."""
+    from sgl_sparse.selector.refresh import refresh
+
+    st, k, v, r2t, rows = _setup(layers)
+    rows = sorted(LATER) if later_only else rows
+    with OpCounter() as c:
+        refresh(st, rows, CTX, k.__getitem__, v.__getitem__, r2t, D ** -0.5, use_kernels=True, later=LATER)
+    return c
+
+
+def _totals(c: OpCounter) -> dict[str, int]:
+    return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values())}
+
+
+def per_layer(lo: int = 2, hi: int = 4, later_only: bool = False) -> dict[str, tuple[float, float]]:
+    """{kind: (a, b)}: one refresh issues `a + b * layers` of each kind (from two layer counts)."""
+    t_lo, t_hi = _totals(count(lo, later_only)), _totals(count(hi, later_only))
+    out = {}
+    for kind in t_lo:
+        b = (t_hi[kind] - t_lo[kind]) / (hi - lo)
+        out[kind] = (t_lo[kind] - b * lo, b)
+    return out
+
+
+if __name__ == "__main__":
+    for layers in (2, 4):
+        c = count(layers)
+        print(f"layers {layers}: " + "  ".join(f"{k} {v}" for k, v in _totals(c).items()))
+        print("   ops     ", dict(c.ops.most_common()))
+        print("   free    ", dict(c.free.most_common()))
+        print("   launches", dict(c.launches.most_common()))
+    for later_only in (False, True):
+        rows = "rows 2-3 (later, stored logits)" if later_only else "rows 1-3 (first + later)"
+        for kind, (a, b) in per_layer(later_only=later_only).items():
+            print(f"{rows}: {kind} = {a:g} + {b:g} x layers")
