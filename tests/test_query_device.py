@@ -283,3 +283,5 @@ def test_ops_per_layer_stay_few():
     assert res["other"].total <= 165, dict(res["other"].ops)
     assert res["first"].total <= 335, dict(res["first"].ops)
     assert sum(res["other"].launches.values()) == 13
+    # no `t[idx] = scalar` (on CUDA a host->device copy that waits for the stream)
+    assert res["first"].host_scalar_writes == 0 and res["other"].host_scalar_writes == 0

@@ -41,6 +41,11 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.free: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
+        # `t[idx] = <python scalar>`: on CUDA the scalar becomes a pageable host tensor
+        # copied to the device, and such a copy first waits for the whole stream (a
+        # host/device sync in the middle of the step; index_fill_ takes the scalar as
+        # a kernel argument instead).
+        self.host_scalar_writes = 0
         self._in_kernel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -53,7 +58,16 @@ class OpCounter(TorchDispatchMode):
         from triton.runtime.interpreter import InterpretedFunction
 
         self._orig = InterpretedFunction.run
+        self._orig_setitem = torch.Tensor.__setitem__
         counter = self
+
+        def setitem(t, idx, value):
+            parts = idx if isinstance(idx, tuple) else (idx,)
+            if isinstance(value, (bool, int, float)) and any(isinstance(p, torch.Tensor) for p in parts):
+                counter.host_scalar_writes += 1
+            return counter._orig_setitem(t, idx, value)
+
+        torch.Tensor.__setitem__ = setitem
 
         def run(fn_self, *a, **k):
             counter.launches[fn_self.fn.__name__] += 1
@@ -70,6 +84,7 @@ class OpCounter(TorchDispatchMode):
         from triton.runtime.interpreter import InterpretedFunction
 
         InterpretedFunction.run = self._orig
+        torch.Tensor.__setitem__ = self._orig_setitem
         return super().__exit__(*exc)
 
     @property

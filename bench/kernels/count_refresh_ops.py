@@ -78,7 +78,8 @@ def count(layers: int, later_only: bool = False) -> OpCounter:
 
 
 def _totals(c: OpCounter) -> dict[str, int]:
-    return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values())}
+    return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values()),
+            "host scalar writes": c.host_scalar_writes}
 
 
 def per_layer(lo: int = 2, hi: int = 4, later_only: bool = False) -> dict[str, tuple[float, float]]:

@@ -321,6 +321,8 @@ def test_refresh_host_ops_stay_few():
     mixed = mod.per_layer(1, 2)
     assert mixed["triton launches"] == (16, 0) and mixed["glue ops"][1] == 0, mixed
     assert mixed["glue ops"][0] <= 76 and mixed["views/allocs"][1] <= 0, mixed
+    # no `t[idx] = scalar`: on CUDA a stream-wide wait (OpCounter.host_scalar_writes)
+    assert later["host scalar writes"] == (0, 0) and mixed["host scalar writes"] == (0, 0), (later, mixed)
 
 
 def test_evidence_pass1_compiles_for_sm90_and_keeps_16_byte_key_loads_from_the_table():
