@@ -313,7 +313,7 @@ def test_refresh_host_ops_stay_few():
     Selector and the packing run once per chunk of layers, not once per layer.
     Measured (ops = a + b x layers): before, later rows 72 glue ops + (41 + 10 L)
     views/allocs + (4 + 4 L) Triton launches, rows 1-3 147 + (84 + 21 L) + (8 + 8 L);
-    after, 28 + 54 + 8 and 70 + 125 + 16."""
+    after, 29 + 54 + 8 and 72 + (121-122) + 16."""
     mod = _count_refresh_ops()
     later = mod.per_layer(1, 2, later_only=True)
     assert later["triton launches"] == (8, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
