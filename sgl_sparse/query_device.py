@@ -24,6 +24,11 @@ ranges. Per layer, decode, only:
            asyncspade  push this query and predict the next one (one launch,
                        kernels/asyncspade_predict.py), score [sink, next
                        b_start) with it, Top-K -> the store, for the next step
+Under a CUDA graph every block above is a conditional node (graph_gate.only_if):
+per layer one gate on "the batch has a live quest/asyncspade/lfps row", and
+inside it one per policy, so a replay without such rows costs a few nodes per
+layer instead of the policies' kernels, and `full` traffic on a server with the
+captured path stays at stock speed. Hence the in-place outputs of select().
 Same selections as the torch path (the CPU path and this one's oracle,
 tests/test_query_device.py), listed in ascending position order: the Top pages /
 tokens come from kernels/topk_range.py, whose work per slot is bounded by the
@@ -33,10 +38,13 @@ max_context as torch.topk's is.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
+from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 
@@ -104,9 +112,8 @@ class SlotRows:
 class _QuestForward:
     """quest's per-forward tensors over its slots (nothing here depends on the layer)."""
 
-    def __init__(self, store, knobs: RowKnobs, plan: DecodePlan, indexed: torch.Tensor,
+    def __init__(self, store, sr: SlotRows, knobs: RowKnobs, plan: DecodePlan, indexed: torch.Tensor,
                  req_pool_indices: torch.Tensor, cap: int):
-        sr = SlotRows(knobs, PolicyId.QUEST, store.cfg.slots)
         self.sr = sr
         self.rpi = sr.take(req_pool_indices)
         self.n = sr.take(knobs.n)
@@ -133,14 +140,13 @@ class _AspdForward:
     """asyncspade's per-forward tensors: the batch rows reading their stored
     selection (select), and the slots computing the next one (finish)."""
 
-    def __init__(self, store, knobs: RowKnobs, indexed: torch.Tensor, req_pool_indices: torch.Tensor):
+    def __init__(self, store, sr: SlotRows, knobs: RowKnobs, indexed: torch.Tensor, req_pool_indices: torch.Tensor):
         # select: the rows that read their selection
-        sel = knobs.mine(PolicyId.ASYNCSPADE) & indexed
+        sel = sr.mine & indexed
         self.row_slot = torch.where(sel, knobs.slot, store.scratch_slot).long()
         self.sel3 = sel[:, None, None]
         self.sel2 = sel[:, None]
         # finish: over the slots
-        sr = SlotRows(knobs, PolicyId.ASYNCSPADE, store.cfg.slots)
         self.sr = sr
         self.slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
         self.push = sr.slot_or(-1)  # the prediction skips slots without a row (no push, q_hat = 0)
@@ -163,10 +169,16 @@ class QueryAwareDevice:
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
         lfps_store = state.query_stores.get(PolicyId.LFPS)
         self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
+        # one policy: its own flag is the whole gate, no inner gates (two nodes each)
+        self._inner_gates = sum(x is not None for x in (self.quest, self.aspd, self.lfps)) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
         self._fwd_lfps: LfpsForward | None = None
+        # 0-dim bool device flags of this forward (graph_gate.only_if): the policy has
+        # a live row; any of them has
+        self._on: dict[PolicyId, torch.Tensor] = {}
+        self._any: torch.Tensor | None = None
         self._aspd_arrivals = None
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
@@ -190,41 +202,69 @@ class QueryAwareDevice:
         get a new plan object, hence fresh tensors. A key that changes between
         replays on the host (a counter bumped in init_forward_metadata_out_graph)
         would NOT work: replays skip this Python, so it would never be seen. The
-        plan is held (not its id()), so a later plan cannot reuse its address."""
+        plan is held (not its id()), so a later plan cannot reuse its address.
+
+        Each policy's tensors are built under its flag (graph_gate.only_if): a
+        replay whose batch has no row of the policy skips them, and every layer's
+        work that reads them is gated on the same flag."""
         if self._plan is plan:
             return
         knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
         indexed = plan.indexed()
-        self._fwd_quest = (_QuestForward(self.quest, knobs, plan, indexed, req_pool_indices, self.cap)
-                           if self.quest is not None else None)
-        self._fwd_aspd = _AspdForward(self.aspd, knobs, indexed, req_pool_indices) if self.aspd is not None else None
-        self._fwd_lfps = None
+        self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
+        self._on = {}
+        if self.quest is not None:
+            sr = SlotRows(knobs, PolicyId.QUEST, self.quest.cfg.slots)
+            self._on[PolicyId.QUEST] = sr.valid.any()
+            with only_if(self._on[PolicyId.QUEST]):
+                self._fwd_quest = _QuestForward(self.quest, sr, knobs, plan, indexed, req_pool_indices, self.cap)
+        if self.aspd is not None:
+            sr = SlotRows(knobs, PolicyId.ASYNCSPADE, self.aspd.cfg.slots)
+            self._on[PolicyId.ASYNCSPADE] = sr.valid.any()
+            with only_if(self._on[PolicyId.ASYNCSPADE]):
+                self._fwd_aspd = _AspdForward(self.aspd, sr, knobs, indexed, req_pool_indices)
         if self.lfps is not None:
             sr = SlotRows(knobs, PolicyId.LFPS, self.lfps.store.cfg.slots)
-            self._fwd_lfps = self.lfps.forward(self.state, sr, knobs, plan, indexed, req_pool_indices)
+            self._on[PolicyId.LFPS] = sr.valid.any()
+            with only_if(self._on[PolicyId.LFPS]):
+                self._fwd_lfps = self.lfps.forward(self.state, sr, knobs, plan, indexed, req_pool_indices)
+        flags = list(self._on.values())
+        self._any = flags[0]
+        for f in flags[1:]:
+            self._any = self._any | f
         self._plan = plan
+
+    def _gate(self, policy: PolicyId):
+        """A policy's block inside the per-layer gate on any policy's flag."""
+        return only_if(self._on[policy]) if self._inner_gates else contextlib.nullcontext()
 
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                a_pos: torch.Tensor, a_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """a_pos [bs, Hkv, cap] / a_len [bs, Hkv] with this layer's quest,
-        asyncspade and lfps INDEXED rows filled in (other rows' a_len as given; their
-        a_pos entries may change: nothing reads a_pos beyond a_len)."""
+        """Fill this layer's quest, asyncspade and lfps INDEXED rows of a_pos
+        [bs, Hkv, cap] and a_len [bs, Hkv] IN PLACE (other rows' a_len as given;
+        their a_pos entries may change: nothing reads a_pos beyond a_len), and
+        return both. In place, because under a CUDA graph a skipped block (no row
+        of the policy this step) must leave valid outputs behind: the inputs."""
         self._forward(plan, req_pool_indices, seq_lens)
-        if self._fwd_quest is not None:
-            a_pos, a_len = self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
-        if self._fwd_aspd is not None:
-            f = self._fwd_aspd
-            width = self.aspd.sel_pos.shape[-1]
-            pos = self.aspd.sel_pos[li][f.row_slot]
-            a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
-            a_len = torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len)
-        if self._fwd_lfps is not None:
-            f = self._fwd_lfps
-            pos, cnt = self.lfps.select(li, f, q3, k_cache, req_to_token, scale)
-            width = pos.shape[-1]
-            a_pos[..., :width] = torch.where(f.sel3, pos[f.j], a_pos[..., :width])
-            a_len = torch.where(f.sel2, cnt[f.j], a_len)
+        with only_if(self._any):
+            if self._fwd_quest is not None:
+                with self._gate(PolicyId.QUEST):
+                    self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
+            if self._fwd_aspd is not None:
+                with self._gate(PolicyId.ASYNCSPADE):
+                    f = self._fwd_aspd
+                    width = self.aspd.sel_pos.shape[-1]
+                    pos = self.aspd.sel_pos[li][f.row_slot]
+                    a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
+                    torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
+            if self._fwd_lfps is not None:
+                with self._gate(PolicyId.LFPS):
+                    f = self._fwd_lfps
+                    pos, cnt = self.lfps.select(li, f, q3, k_cache, req_to_token, scale)
+                    width = pos.shape[-1]
+                    a_pos[..., :width] = torch.where(f.sel3, pos[f.j], a_pos[..., :width])
+                    torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
@@ -245,9 +285,8 @@ class QueryAwareDevice:
         cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
         expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
         # back to the batch rows: a_pos of the others is not read beyond their a_len
-        a_pos = pos[f.j]
-        a_len = torch.where(f.sel2, cnt[f.j], a_len)
-        return a_pos, a_len
+        torch.index_select(pos, 0, f.j, out=a_pos)
+        torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -255,10 +294,13 @@ class QueryAwareDevice:
         """After the attention: lfps's sink bypass and table update, asyncspade's
         selection of the next step. Runs after this layer's select(), whose
         forward tensors it reads."""
-        if self.lfps is not None:
-            self.lfps.finish(li, self._fwd_lfps, o3)
-        if self.aspd is not None:
-            self._aspd_finish(li, q3, k_cache, req_to_token, scale)
+        with only_if(self._any):
+            if self._fwd_lfps is not None:
+                with self._gate(PolicyId.LFPS):
+                    self.lfps.finish(li, self._fwd_lfps, o3)
+            if self._fwd_aspd is not None:
+                with self._gate(PolicyId.ASYNCSPADE):
+                    self._aspd_finish(li, q3, k_cache, req_to_token, scale)
 
     def _aspd_finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
                      scale: float) -> None:

@@ -191,8 +191,10 @@ class QueryAwareRuntime:
         """This layer's plan: a_pos / a_len_per_head of the INDEXED rows (the other
         rows keep the step plan's a_len_per_head: the kernel reads it for every row)."""
         bs, hkv = q3.shape[0], k_cache.shape[1]
-        # The device path returns fresh a_len (and, with quest, a fresh a_pos that
-        # does not read the one given): no clone / fill of its own then.
+        # The device path writes the indexed rows of a_len IN PLACE, into the step
+        # plan's tensor (every layer overwrites those rows; the others keep the plan's
+        # values), and with quest every row of a_pos: no clone / fill of its own then.
+        # In place because its blocks may be skipped at replay (graph_gate.py).
         fresh = self.device_active
         if fresh and self.device.quest is not None:
             a_pos = torch.empty(bs, hkv, self.cap, dtype=torch.int32, device=q3.device)

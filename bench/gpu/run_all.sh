@@ -26,7 +26,7 @@ kernels)
     python3 bench/kernels/bench_topk.py --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" | tail -30
     ;;
 tests)
-    python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    python3 -m pytest -q -rP -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     ;;
 selector)
     python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab --pack-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16

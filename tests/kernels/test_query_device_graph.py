@@ -7,7 +7,9 @@ queries change between replays. Each replay must equal the eager host-grouped
 torch path on a twin state: same per-head position sets (asyncspade, lfps: up to
 two cutoff ties swapped, see below) and a_len (lfps: its bypass decisions), attention
 within bf16 rounding, same selection sizes stored for the next step, lfps's tables
-within fp32 rounding."""
+within fp32 rounding. Batches with no query-aware row or one policy's rows only
+exercise the conditional nodes (sgl_sparse/graph_gate.py) both ways; a batch of
+`full` rows replays the gated graph faster than an ungated capture."""
 
 from __future__ import annotations
 
@@ -117,7 +119,11 @@ def test_capture_once_replay_mixed_batches():
     q_ext = torch.randn(sum(LENS.values()), HKV * G, D, generator=gen, device=dev).to(KV)
     ref.admit(q_ext)
     gph.admit(q_ext)
-    batches = [[1, 3, 5, 7, 0, 0, 0, 0], [4, 2, 6, 1, 3, 5, 8, 0], [6, 5, 4, 3, 2, 1, 8, 7]]
+    # batches without a query-aware row, or with one policy's rows only: the other
+    # policies' gated blocks (sgl_sparse/graph_gate.py) are skipped in those replays
+    batches = [[5, 0, 0, 0, 0, 0, 0, 0], [1, 3, 5, 7, 0, 0, 0, 0], [1, 6, 5, 0, 0, 0, 0, 0],
+               [3, 4, 0, 0, 0, 0, 0, 0], [8, 5, 0, 0, 0, 0, 0, 0], [4, 2, 6, 1, 3, 5, 8, 0],
+               [5, 0, 0, 0, 0, 0, 0, 0], [6, 5, 4, 3, 2, 1, 8, 7]]
     cur = dict(LENS)
     indexed = set()
     for batch in batches:
@@ -173,3 +179,76 @@ def test_capture_once_replay_mixed_batches():
                     torch.testing.assert_close(a.ver[0, s], g_.ver[0, s], rtol=1e-4, atol=1e-5)
                     torch.testing.assert_close(a.sla[0, s], g_.sla[0, s], rtol=1e-4, atol=1e-5)
     assert indexed == {1, 2, 3, 4, 6, 7, 8}
+
+
+def test_full_batches_skip_the_gated_work():
+    """A graph captured with the conditional nodes, replayed on a batch without a
+    query-aware row, skips the selection's kernels: its replay is much cheaper
+    than the same capture without them (SGL_SPARSE_GRAPH_CONDITIONALS=0), and a
+    quest row entering the batch runs them again (a_len filled)."""
+    from sgl_sparse import graph_gate
+
+    dev = torch.device("cuda")
+    bs, layers = 8, 8
+
+    def capture(gated: bool):
+        twin = Twin(use_kernels=True)
+        rows_t = torch.zeros(bs, dtype=torch.int64, device=dev)
+        lens_t = torch.ones(bs, dtype=torch.int32, device=dev)
+        tok_t = torch.ones(bs, dtype=torch.int64, device=dev)
+        q = torch.randn(bs, HKV * G, D, device=dev).to(KV)
+        o = torch.zeros(bs, HKV * G, D, dtype=KV, device=dev)
+        twin.rt.plan_step([0] * bs, [1] * bs, dev, graphed=True)
+        out = {}
+
+        def step():
+            plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
+            for _ in range(layers):  # one store layer, selected `layers` times: a layer's cost each
+                lp = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+                twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+            out["plan"] = lp
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        saved = graph_gate.ENABLED
+        graph_gate.ENABLED = gated
+        try:
+            with torch.cuda.graph(graph):
+                step()
+        finally:
+            graph_gate.ENABLED = saved
+        twin.admit(torch.randn(sum(LENS.values()), HKV * G, D, device=dev).to(KV))
+        rows_t[0] = 5  # a `full` request; the rest padding
+        lens_t[0] = LENS[5] + 1
+        return twin, graph, rows_t, lens_t, out
+
+    def replay_us(graph, n=50):
+        for _ in range(5):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / n
+
+    _, g_on, *_ = capture(True)
+    twin, g_off, *_ = capture(False)
+    t_on, t_off = replay_us(g_on), replay_us(g_off)
+    print(f"full-only batch, {layers} layers of select+finish: gated {t_on:.1f} us, ungated {t_off:.1f} us per replay")
+    assert t_on < 0.5 * t_off, (t_on, t_off)
+
+    # the gated graph still serves a quest row
+    twin, g_on, rows_t, lens_t, out = capture(True)
+    rows_t[1] = 1
+    lens_t[1] = LENS[1] + 1
+    g_on.replay()
+    torch.cuda.synchronize()
+    lp = out["plan"]
+    assert int(lp.a_slot[1]) == -2 and int(lp.a_len_per_head[1].min()) > 0
+    assert int(lp.a_slot[0]) != -2

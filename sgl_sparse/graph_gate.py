@@ -1,0 +1,68 @@
+"""Work inside SGLang's decode CUDA graphs that runs only when the batch needs it.
+
+A decode graph is captured once per batch size and replayed for whatever mix of
+policies the batch holds, so work captured for one policy (quest's page bounds,
+asyncspade's prediction and scoring, lfps's tables: ~10-150 small kernels per
+layer) would run, on empty inputs, in every step of every request: `full`
+traffic on a server with the captured query-aware path paid 13% of its decode
+throughput for it (bench/README.md, "Query-aware run 4").
+
+`only_if(flag)` makes the block the body of a CUDA conditional node (CUDA >= 12.4,
+through PyTorch's `CUDAGraph.begin_capture_to_if_node`): at replay the body runs
+only where the 0-dim bool `flag`, computed on the device earlier in the same
+graph, is true; skipped, it costs one tiny kernel that sets the condition plus
+the node. Outside a capture (eager forwards, CPU) the block just runs.
+
+A gated block must be safe to skip: its effects are in-place writes that nothing
+reads when the flag is false, and the tensors it creates are read only by blocks
+gated on the same flag. Bodies nest (PyTorch captures each on a child stream).
+
+SGL_SPARSE_GRAPH_CONDITIONALS=0 captures every block unconditionally (the
+behaviour before conditional nodes), for A/B runs or a driver that refuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterator, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("SGL_SPARSE_GRAPH_CONDITIONALS", "1") != "0"
+_warned = False
+
+
+def _capturing_graph() -> Optional["torch.cuda.CUDAGraph"]:
+    """The CUDA graph the current stream is capturing into, where conditional nodes
+    can be added to it; else None (not capturing, disabled, or a PyTorch without
+    the API)."""
+    global _warned
+    if not ENABLED or not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
+        return None
+    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if get is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        if not _warned:
+            _warned = True
+            logger.warning("sgl_sparse: torch %s has no CUDA-graph conditional nodes; query-aware work is "
+                           "captured unconditionally (every decode step pays it)", torch.__version__)
+        return None
+    return get()
+
+
+@contextlib.contextmanager
+def only_if(flag: torch.Tensor) -> Iterator[None]:
+    """Run the block; under CUDA-graph capture, as a conditional node on `flag`
+    (a 0-dim bool CUDA tensor), so replays skip it where `flag` is false."""
+    graph = _capturing_graph() if flag.is_cuda else None
+    if graph is None:
+        yield
+        return
+    graph.begin_capture_to_if_node(flag)
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()
