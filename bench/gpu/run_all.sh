@@ -36,6 +36,9 @@ e2e)
     python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" \
         --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config ${SPARSE_CONFIG:-bench/gpu/sparse_config.yaml}" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
         ${INTERLEAVE:+--interleave} --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
+    # what the first server's start-up compiled (FlashInfer's JIT, ~4 min on a bare
+    # machine): whether it is small enough to carry to the next lease
+    du -sh ~/.cache/* 2>/dev/null | tee -a "$OUT/e2e.log"
     ;;
 profile)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000

@@ -13,6 +13,8 @@
 #                                           # run them as three calls if one would pass the 10-minute limit
 #   bash bench/quality/run_gpu.sh all       # both (only if one command may take ~15 min)
 #   bash bench/quality/run_gpu.sh sweep     # <= ~9 min: 4 training recipes at once on the one GPU
+#   bash bench/quality/run_gpu.sh restore DIR   # the checkpoint from the ckpt.tgz.* parts a train call
+#                                           # returned in $OUT (carried back in DIR): eval without training
 #
 # sweep: one train_tiny.py process per variant, all in parallel (the model is tiny: one
 # process leaves the GPU mostly idle), each with its own checkpoint /root/sweep/NAME,
@@ -76,13 +78,17 @@ train() {
     # shellcheck disable=SC2086
     python3 "$here/train_tiny.py" --out "$CKPT" --log "$OUT/quality_train_log.txt" $TRAIN_FLAGS 2>&1 | tail -40
     cp "$OUT/quality_train_log.txt" "$here/train_log.txt"
+    # The checkpoint comes back too (15 MiB parts: the device returns files of at
+    # most 16 MiB), so a later lease can evaluate without training again:
+    # cat ckpt.tgz.* | tar xz -C /root (the weights are never committed).
+    [ -f "$CKPT/model.safetensors" ] && tar cz -C "$(dirname "$CKPT")" "$(basename "$CKPT")" | split -b 15m - "$OUT/ckpt.tgz."
 }
 
 # The default server (decode CUDA graphs on) serves eval.py's default policies but the
 # query-aware ones, which it rejects with 400 there; those get a second server with
 # --disable-cuda-graph and sparse_config_eval.yaml (query-aware max_context past 32K +
 # completion, slots = eval.py's concurrency), each row with `full` as its control.
-MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,sfi:budget=256:recent=64:prompt_evidence=every,sfi:beta=1.0,sfi:beta=1.0:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,streaming:window=1024}"
+MAIN_POLICIES="${MAIN_POLICIES:-full,sfi,sfi:budget=256:recent=64,sfi:prompt_evidence=every,sfi:budget=256:recent=64:prompt_evidence=every,sfi:beta=1.0,sfi:beta=1.0:prompt_evidence=every,sfi:budget=256:recent=64:beta=1.0,sfi:budget=256:recent=64:beta=1.0:prompt_evidence=every,sadas:window=64,sadas,streaming:window=64,streaming:window=1024}"
 QA_POLICIES="${QA_POLICIES:-full,asyncspade,lfps,quest}"
 
 need_ckpt() {
@@ -122,6 +128,7 @@ eval-qa) eval_qa ;;
 fidelity) fidelity ;;
 all) train && evaluate ;;
 sweep) sweep ;;
-*) echo "usage: $0 {train|eval|eval-main|eval-qa|fidelity|all|sweep}"; exit 2 ;;
+restore) mkdir -p "$(dirname "$CKPT")" && cat "${2:?restore DIR: the ckpt.tgz.* parts a train call returned}"/ckpt.tgz.* | tar xz -C "$(dirname "$CKPT")" && ls -l "$CKPT" ;;
+*) echo "usage: $0 {train|eval|eval-main|eval-qa|fidelity|all|sweep|restore DIR}"; exit 2 ;;
 esac
 for f in "$OUT"/quality_*.json "$OUT"/quality_*.md; do [ -f "$f" ] && cp "$f" "$results/"; done
