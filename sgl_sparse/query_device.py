@@ -39,6 +39,7 @@ max_context as torch.topk's is.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -47,6 +48,10 @@ from sgl_sparse.decision import DecodePlan
 from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
+
+#: asyncspade's next-step selection on a side CUDA stream (SGL_SPARSE_ASPD_SIDE_STREAM=0:
+#: on the main stream, after each layer's prediction; for A/B runs)
+ASPD_SIDE_STREAM = os.environ.get("SGL_SPARSE_ASPD_SIDE_STREAM", "1") != "0"
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -180,12 +185,22 @@ class QueryAwareDevice:
         self._on: dict[PolicyId, torch.Tensor] = {}
         self._any: torch.Tensor | None = None
         self._aspd_arrivals = None
+        self._side: torch.cuda.Stream | None = None
+        self._side_pending = False
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
 
+            ring = self.aspd.ring  # [L, R, W, Hq, D]
             # asyncspade_predict's per-ring-row counters: allocated here, before any
             # graph capture, and left zeroed by every launch
-            self._aspd_arrivals = make_arrivals(self.aspd.rows, self.aspd.ring.device)
+            self._aspd_arrivals = make_arrivals(self.aspd.rows, ring.device)
+            # q_hat per layer: the side stream reads layer l's while the main stream
+            # predicts layer l + 1's
+            self._qhat = torch.empty(ring.shape[0], self.aspd.cfg.slots, *ring.shape[3:], dtype=torch.float32,
+                                     device=ring.device)
+            self._last_layer = ring.shape[0] - 1
+            if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
+                self._side = torch.cuda.Stream(device=ring.device)
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -209,6 +224,8 @@ class QueryAwareDevice:
         work that reads them is gated on the same flag."""
         if self._plan is plan:
             return
+        if self._side_pending:  # a forward that stopped before its last layer
+            self._join_side()
         knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
         indexed = plan.indexed()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
@@ -300,11 +317,46 @@ class QueryAwareDevice:
                     self.lfps.finish(li, self._fwd_lfps, o3)
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
-                    self._aspd_finish(li, q3, k_cache, req_to_token, scale)
+                    self._aspd_predict(li, q3)
+        if self._fwd_aspd is not None:
+            self._aspd_next(li, k_cache, req_to_token, scale)
 
-    def _aspd_finish(self, li: int, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
-                     scale: float) -> None:
+    def _aspd_predict(self, li: int, q3: torch.Tensor) -> None:
+        """Push this query into the slot's ring and predict the next one: one launch
+        (ring_push_window + predict_next_query of the torch path), on the main
+        stream, where q3 lives."""
         from sgl_sparse.kernels.asyncspade_predict import asyncspade_predict
+
+        store, f = self.aspd, self._fwd_aspd
+        asyncspade_predict(store.ring[li], store.total[li], q3, f.push, f.ridge, q_rows=f.sr.b_any,
+                           count_cap=f.count_cap, arrivals=self._aspd_arrivals, out=self._qhat[li])
+
+    def _aspd_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
+        """The next step's selection from q_hat. On CUDA it runs on a side stream,
+        off the critical path (ALGORITHMS.md §4): forked here, after the layer's
+        prediction, it overlaps the main stream's later layers, and joins it once,
+        after the last layer (a captured graph must join every fork before it
+        ends; the next step's select of this layer reads what it writes). It reads
+        only what outlives the forward (q_hat of this layer, the KV pool,
+        req_to_token, this forward's slot tensors) and writes only the store's
+        selection of this layer, which nothing reads before the join."""
+        if self._side is None:
+            with only_if(self._on[PolicyId.ASYNCSPADE]):
+                self._aspd_select_next(li, k_cache, req_to_token, scale)
+            return
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side), only_if(self._on[PolicyId.ASYNCSPADE]):
+            self._aspd_select_next(li, k_cache, req_to_token, scale)
+        self._side_pending = True
+        if li == self._last_layer:
+            self._join_side()
+
+    def _join_side(self) -> None:
+        torch.cuda.current_stream().wait_stream(self._side)
+        self._side_pending = False
+
+    def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
+        """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores
         from sgl_sparse.kernels.topk_range import topk_range
@@ -312,10 +364,7 @@ class QueryAwareDevice:
         store = self.aspd
         f = self._fwd_aspd
         slot = f.slot
-        # push this query into the slot's ring and predict the next one: one launch
-        # for ring_push_window + predict_next_query (the torch path's chain)
-        q_hat = asyncspade_predict(store.ring[li], store.total[li], q3, f.push, f.ridge, q_rows=f.sr.b_any,
-                                   count_cap=f.count_cap, arrivals=self._aspd_arrivals)
+        q_hat = self._qhat[li]
         n_max = store.cfg.max_context
         scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
         cap = store.sel_pos.shape[-1]
@@ -323,9 +372,9 @@ class QueryAwareDevice:
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
                                 out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
-                                                device=q3.device))
-        pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q3.device)
-        cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q3.device)
+                                                device=q_hat.device))
+        pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q_hat.device)
+        cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q_hat.device)
         expand_selection(None, idx, k, f.next_b, pos, cnt, page=1, n_sink=f.sink, count=n_tok)
         store.sel_pos[li][slot] = pos
         store.sel_count[li][slot] = cnt

@@ -46,39 +46,42 @@ LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 
 class Twin:
-    def __init__(self, use_kernels: bool):
+    def __init__(self, use_kernels: bool, specs: dict | None = None, lens: dict | None = None,
+                 max_ctx: int = MAXCTX, num_layers: int = 1):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
-        store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": 64}
+        self.specs, self.lens, self.num_layers = specs or SPECS, lens or LENS, num_layers
+        store = {"slots": 4, "max_context": max_ctx, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {"quest": store, "asyncspade": store, "lfps": {**store, "candidates": MAXCTX}},
+            "query_aware": {"quest": store, "asyncspade": store, "lfps": {**store, "candidates": max_ctx}},
             "policies": {"asyncspade": {"window": 4}},
         })
         self.st = SparseState(ROWS, dev, cfg)
         qs = cfg.query_aware
-        shape = dict(num_layers=1, num_kv_heads=HKV, head_dim=D, device=dev)
+        shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, device=dev)
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=HKV * G,
                                                                     dtype=KV, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=HKV * G, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
-        pool = sum(LENS.values()) + 64 * len(LENS) + 1
+        pool = sum(self.lens.values()) + 64 * len(self.lens) + 1
         self.k = torch.randn(pool, HKV, D, generator=gen, device=dev).to(KV)
         self.v = torch.randn(pool, HKV, D, generator=gen, device=dev).to(KV)
-        self.r2t = torch.randint(0, pool, (ROWS, MAXCTX + 64), generator=gen, device=dev, dtype=torch.int32)
+        self.r2t = torch.randint(0, pool, (ROWS, max_ctx + 64), generator=gen, device=dev, dtype=torch.int32)
         perm = (torch.randperm(pool - 1, generator=gen, device=dev) + 1).to(torch.int32)
         off = 0
-        for r, n in LENS.items():
+        for r, n in self.lens.items():
             self.r2t[r, : n + 64] = perm[off: off + n + 64]
             off += n + 64
 
     def admit(self, q_ext):
-        rows = list(SPECS)
+        rows = list(self.specs)
         inits = [MODULES[s.policy if s is not None else "full"].init_row(s, [], [], (None, None))
-                 for s in SPECS.values()]
+                 for s in self.specs.values()]
         admitted = self.st.admit(rows, inits)
-        self.rt.plan_extend(rows, [LENS[r] for r in rows], [LENS[r] for r in rows], admitted)
-        self.rt.on_extend(0, q_ext, self.k, self.v, self.r2t, SCALE)
+        self.rt.plan_extend(rows, [self.lens[r] for r in rows], [self.lens[r] for r in rows], admitted)
+        for li in range(self.num_layers):
+            self.rt.on_extend(li, q_ext, self.k, self.v, self.r2t, SCALE)
 
 
 def test_capture_once_replay_mixed_batches():
@@ -252,3 +255,87 @@ def test_full_batches_skip_the_gated_work():
     lp = out["plan"]
     assert int(lp.a_slot[1]) == -2 and int(lp.a_len_per_head[1].min()) > 0
     assert int(lp.a_slot[0]) != -2
+
+
+def test_asyncspade_selection_overlaps_the_main_stream():
+    """asyncspade's next-step selection (scoring every key with q_hat, Top-K) runs
+    on a side stream forked after each layer's prediction and joined after the
+    last layer (sgl_sparse/query_device.py). Captured pipeline of 8 layers, each a
+    stand-in for the layer's other work on the main stream (a batch-8 GEMM over
+    48 MB of weights) plus select + finish, 4 asyncspade rows at 16K: the replay
+    with the side stream must not be slower than with the selection on the main
+    stream, and both must leave the same selections in the store. Prints the
+    times and the share of the shorter phase hidden."""
+    from sgl_sparse import query_device
+
+    dev = torch.device("cuda")
+    layers, n = 8, 16000
+    specs = {1: AsyncSpadePolicy(window=4, budget=2048, recent=64, sink=4),
+             2: AsyncSpadePolicy(window=4, budget=2048, recent=64, sink=4),
+             3: AsyncSpadePolicy(window=4, budget=2048, recent=64, sink=4),
+             4: AsyncSpadePolicy(window=4, budget=2048, recent=64, sink=4),
+             5: None}
+    lens = {r: n + 7 * r for r in specs}
+    w = torch.randn(2048, 12288, device=dev).to(KV)
+
+    def build(side: bool, with_main: bool = True, with_aspd: bool = True):
+        saved = query_device.ASPD_SIDE_STREAM
+        query_device.ASPD_SIDE_STREAM = side
+        try:
+            twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers)
+        finally:
+            query_device.ASPD_SIDE_STREAM = saved
+        gen = torch.Generator(device=dev).manual_seed(3)
+        twin.admit(torch.randn(sum(lens.values()), HKV * G, D, generator=gen, device=dev).to(KV))
+        rows = [1, 2, 3, 4, 5, 0, 0, 0]
+        rows_t = torch.tensor(rows, device=dev)
+        lens_t = torch.tensor([lens[r] + 1 if r else 1 for r in rows], dtype=torch.int32, device=dev)
+        tok_t = torch.ones(8, dtype=torch.int64, device=dev)
+        q = torch.randn(8, HKV * G, D, generator=gen, device=dev).to(KV)
+        o = torch.zeros(8, HKV * G, D, dtype=KV, device=dev)
+        x = torch.randn(8, 2048, device=dev).to(KV)
+        twin.rt.plan_step([0] * 8, [1] * 8, dev, graphed=True)
+
+        def step():
+            plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
+            for li in range(layers):
+                if with_aspd:
+                    lp = twin.rt.select(li, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+                    twin.rt.finish(li, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+                if with_main:
+                    for _ in range(4):
+                        torch.mm(x, w)
+
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            step()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return twin, graph
+
+    def replay_ms(graph, n_rep=20):
+        for _ in range(3):
+            graph.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n_rep):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / n_rep
+
+    t_main = replay_ms(build(False, with_aspd=False)[1])
+    t_aspd = replay_ms(build(False, with_main=False)[1])
+    tw_serial, g_serial = build(False)
+    tw_side, g_side = build(True)
+    t_serial, t_side = replay_ms(g_serial), replay_ms(g_side)
+    hidden = (t_serial - t_side) / max(min(t_main, t_aspd), 1e-9)
+    print(f"{layers} layers: main work {t_main:.3f} ms, asyncspade select+finish {t_aspd:.3f} ms; "
+          f"serial {t_serial:.3f} ms, side stream {t_side:.3f} ms: {hidden:.0%} of the shorter phase hidden")
+    assert t_side <= 1.02 * t_serial, (t_side, t_serial)
+    a, b = tw_serial.st.query_stores[PolicyId.ASYNCSPADE], tw_side.st.query_stores[PolicyId.ASYNCSPADE]
+    assert torch.equal(a.sel_count, b.sel_count)
+    assert torch.equal(a.total, b.total)
