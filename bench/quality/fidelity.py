@@ -14,7 +14,9 @@ and we compare attention restricted to that set with dense attention:
 
 * rel_err: ||o_sparse - o_dense|| / ||o_dense|| over all query heads of a layer;
 * overlap: |S ∩ top-|S| exact| / |S| (top by exact attention probability,
-  averaged over the group's query heads): the LFPS/AsyncSpade "overlap ratio";
+  averaged over the group's query heads; S includes sink and recent): a
+  whole-set overlap, not the AsyncSpade paper's Eq. 1 ratio (that one is the
+  asyncspade rows' pred_overlap);
 * mass: exact attention probability that falls inside S;
 * retention: |S| / n;
 * fact kept: fraction of KV heads whose S holds the queried fact's key and value
@@ -31,7 +33,15 @@ eval.py's job. Policies (budget B tokens per KV head):
   selection of the last slow step before the value, which in the think variant
   is the w = 1 refresh at the think block's last ".", see `sfi_later_factory`)
   and sfi-later-every (the same with prompt_evidence "every": that refresh's
-  window also holds the prompt's last queries).
+  window also holds the prompt's last queries);
+  the server's sadas (window W = B until `</think>` is consumed, then full),
+  asyncspade (Top-B by the query predicted from the last 4 + 1 queries, + sink +
+  64 recent; column pred_overlap: the paper's overlap ratio of predicted vs exact
+  Top-B) and lfps (k = B, tables from the prompt's last 32 queries evolving over
+  the completion's decode steps; columns scored: fraction of keys scored exactly,
+  Table 4, and bypassed: share of sink-bypassed heads), run through
+  sgl_sparse's own code (`asyncspade_factory`, `LfpsRun`, `sadas_factory`).
+  `--policies` picks rows (default: all, ALL_POLICIES).
 """
 
 from __future__ import annotations
