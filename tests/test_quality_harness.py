@@ -252,6 +252,154 @@ def test_fidelity_values_are_sane(smoke_ckpt):
     assert "| 200 | think | sfi-later | 8 |" in md and "fact kept" in md
 
 
+@pytest.fixture(scope="module")
+def smoke_model(smoke_ckpt):
+    import fidelity
+
+    return fidelity.load_model(str(smoke_ckpt))
+
+
+@pytest.fixture(scope="module")
+def new_policy_rows(smoke_model):
+    import fidelity
+
+    res = fidelity.evaluate(smoke_model, [200], budgets=[8, 32, 100_000], n_examples=2,
+                            policies=("full", "streaming", "sadas", "asyncspade", "lfps"))
+    return res, {(r["variant"], r["policy"], r["budget"]): r for r in res["rows"]}
+
+
+def test_fidelity_new_policies_are_dense_when_the_budget_covers(new_policy_rows):
+    import math
+
+    import fidelity
+
+    res, rows = new_policy_rows
+    assert not res["not_available"]
+    for r in res["rows"]:  # every number finite, the extra columns present on every row
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+        assert set(fidelity.EXTRA_COLUMNS) <= set(r)
+        if r["policy"] != "lfps":
+            assert r["scored"] is None and r["bypassed"] is None
+        if r["policy"] != "asyncspade":
+            assert r["pred_overlap"] is None
+    for variant in ("plain", "think"):
+        for name in ("sadas", "asyncspade", "lfps"):
+            big = rows[(variant, name, 100_000)]
+            assert big["rel_err_max"] < 1e-6 and big["overlap"] == 1.0 and big["retention"] == 1.0, name
+            assert big["fact_kept"] == 1.0, name
+        assert rows[(variant, "asyncspade", 100_000)]["pred_overlap"] == 1.0
+        assert rows[(variant, "lfps", 100_000)]["scored"] == 1.0
+        for b in (8, 32):
+            a, lf = rows[(variant, "asyncspade", b)], rows[(variant, "lfps", b)]
+            assert 0 < a["retention"] < 1 and 0 <= a["pred_overlap"] <= 1
+            assert 0 < lf["scored"] <= 1 and 0 <= lf["bypassed"] <= 1
+    # sadas: the plain completion never leaves window mode (= streaming, window = budget);
+    # the think answer comes after </think>: latched to full attention at every budget
+    for b in (8, 32):
+        plain, stream = rows[("plain", "sadas", b)], rows[("plain", "streaming", b)]
+        assert plain["rel_err"] == stream["rel_err"] and plain["retention"] == stream["retention"] < 1
+        think = rows[("think", "sadas", b)]
+        assert think["rel_err_max"] == 0.0 and think["retention"] == 1.0
+    md = fidelity.markdown(res)
+    assert "| 200 | think | lfps | 8 |" in md and "scored" in md and "pred. overlap" in md
+
+
+def _example_and_layer(model, variant="think", length=200):
+    import fidelity
+
+    ex = tasks.make_example(length, 0.25, variant, 777)
+    layers = fidelity.record_qkv(model, ex.prompt + ex.completion)
+    return ex, layers, fidelity.decode_positions(ex)[0]
+
+
+def test_fidelity_asyncspade_predicts_with_the_servers_ring(smoke_model, monkeypatch):
+    """The row's q̂_t is queryaware.asyncspade.predict_next_query's, on what the
+    server's ring holds: the prompt's last W + 1 queries loaded at the prefill
+    (ring_load), then each decode step's query pushed (ring_push_window)."""
+    import fidelity
+    from sgl_sparse.config import AsyncSpadePolicy
+    from sgl_sparse.queryaware import asyncspade as aspd
+
+    spec = AsyncSpadePolicy()
+    ex, layers, t = _example_and_layer(smoke_model)
+    P = len(ex.prompt)
+    seen = []
+    real = aspd.predict_next_query
+    monkeypatch.setattr(aspd, "predict_next_query", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    for L in layers:
+        seen.clear()
+        sel = fidelity.asyncspade_factory()(ex)(L, t, 8)
+        assert len(seen) == 1 and isinstance(sel, fidelity.Selection)
+        # the server's sequence on the same queries
+        w = spec.window + 1
+        hq, _, d = L.q.shape
+        ring, total = torch.zeros(1, w, hq, d), torch.zeros(1, dtype=torch.int64)
+        win = torch.zeros(1, w, hq, d)
+        win[0] = L.q[:, P - w: P].permute(1, 0, 2)
+        aspd.ring_load(ring, total, torch.tensor([0]), win, torch.tensor([w]))
+        for p in range(P, t):  # decode steps before t, each predicting the next query
+            window, count = aspd.ring_push_window(ring, total, L.q[:, p][None], torch.tensor([0]))
+            q_hat = real(window, count, spec.ridge)
+        assert torch.equal(seen[0], q_hat)
+        # the kept set: sink, the last `recent`, and Top-8 of q̂'s scores in between
+        keep = sel.keep
+        assert keep[:, :fidelity.SINK].all() and keep[:, t + 1 - spec.recent:].all()
+        assert (keep.sum(-1) == fidelity.SINK + 8 + spec.recent).all()
+        assert 0 <= sel.extra["pred_overlap"] <= 1
+    # the first decode step has no prediction yet: dense, as the server serves it
+    assert fidelity.asyncspade_factory()(ex)(layers[0], P, 8).all()
+
+
+def test_fidelity_lfps_scored_fraction_is_queryaware_lfps(smoke_model):
+    """The row's `scored` is queryaware.lfps.step's scored_frac on the same inputs:
+    tables from the prompt's last s queries, then step + update_tables at every
+    decode step up to t (the tables evolve as in serving)."""
+    import fidelity
+    from sgl_sparse.policies import query_aware
+    from sgl_sparse.queryaware import lfps as lf
+
+    ex, layers, t = _example_and_layer(smoke_model)
+    P, knobs, budget = len(ex.prompt), fidelity.lfps_knobs(), 8
+    pol = fidelity.lfps_factory()(ex)
+    for L in layers:
+        sel = pol(L, t, budget)
+        perm = lambda x: x.permute(1, 0, 2)[None]
+        st = lf.init_tables(perm(L.q[:, P - knobs.s: P]), perm(L.k[:, :P]), perm(L.v[:, :P]),
+                            torch.tensor([P]), L.scaling, L.k.shape[1], knobs)
+        for p in range(P, t + 1):
+            n = torch.tensor([p + 1])
+            assert not query_aware.covers(knobs.n_sink, budget, knobs.n_local + 1, p + 1)
+            res = lf.step(st, L.q[:, p][None], perm(L.k[:, : p + 1]), n, torch.tensor([budget]), budget,
+                          8192, L.scaling, knobs)
+            lf.update_tables(st, res, n, knobs)
+        frac = res.scored_frac.mean().item()
+        assert 0 < sel.extra["scored"] <= 1
+        assert sel.extra["scored"] == frac
+        assert sel.extra["bypassed"] == res.bypass.float().mean().item()
+        assert torch.equal(sel.bypass, res.bypass[0])
+
+
+def test_fidelity_nan_never_passes():
+    """A NaN anywhere in a step's metrics raises instead of entering a mean; a
+    bypassed head's empty set (its softmax is NaN) does not leak into the output."""
+    import fidelity
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 40, 8), torch.randn(2, 40, 8), torch.randn(2, 40, 8)
+    L = fidelity.LayerQKV(q, k, v, 0.35)
+    keep = fidelity.streaming_policy(L, 39, 8)
+    bypass = torch.tensor([True, False])
+    sel = fidelity.Selection(keep & ~bypass[:, None], bypass=bypass, vbar=v.mean(1))
+    m = fidelity.step_metrics(L, 39, sel, fact=[10, 11])
+    assert all(torch.isfinite(torch.tensor(x)) for x in m.values()) and m["retention"] < 0.5
+    v_nan = v.clone()
+    v_nan[1, 20] = float("nan")  # outside the streaming set: dense output is NaN
+    with pytest.raises(FloatingPointError, match="rel_err"):
+        fidelity.step_metrics(fidelity.LayerQKV(q, k, v_nan, 0.35), 39, keep)
+    with pytest.raises(FloatingPointError):
+        fidelity.step_metrics(L, 39, fidelity.Selection(keep, extra={"scored": float("nan")}))
+
+
 def test_eval_sparse_config_serves_the_longest_prompts_sparse():
     """run_gpu.sh's query-aware server: a store whose max_context is below the eval's
     longest sequence serves it dense (context_exceeds_store), and one with fewer slots
