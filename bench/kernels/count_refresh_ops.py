@@ -67,19 +67,32 @@ def _setup(layers: int, seed: int = 0):
 
 def count(layers: int, later_only: bool = False) -> OpCounter:
     """The host ops and launches of one kernel-path refresh of rows 1-3 (`later_only`:
-    of the later rows 2-3 only, the common refresh of a long decode)."""
-    from sgl_sparse.selector.refresh import refresh
+    of the later rows 2-3 only, the common refresh of a long decode), after an earlier
+    refresh over the same KV pools (their LayerPools pair cached, as in serving).
+    `c.buffer_fetches`: calls of the per-layer K/V buffer getters (SGLang's
+    get_key_buffer / get_value_buffer) during the counted refresh."""
+    from sgl_sparse.selector import refresh as R
 
     st, k, v, r2t, rows = _setup(layers)
     rows = sorted(LATER) if later_only else rows
+    fetches = [0]
+
+    def getter(pools):
+        def get(layer: int) -> torch.Tensor:
+            fetches[0] += 1
+            return pools[layer]
+        return get
+
+    R._layer_pools(k.__getitem__, v.__getitem__, layers)  # the previous refresh's
     with OpCounter() as c:
-        refresh(st, rows, CTX, k.__getitem__, v.__getitem__, r2t, D ** -0.5, use_kernels=True, later=LATER)
+        R.refresh(st, rows, CTX, getter(k), getter(v), r2t, D ** -0.5, use_kernels=True, later=LATER)
+    c.buffer_fetches = fetches[0]
     return c
 
 
 def _totals(c: OpCounter) -> dict[str, int]:
     return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values()),
-            "host scalar writes": c.host_scalar_writes}
+            "host scalar writes": c.host_scalar_writes, "KV buffer fetches": c.buffer_fetches}
 
 
 def per_layer(lo: int = 2, hi: int = 4, later_only: bool = False) -> dict[str, tuple[float, float]]:
