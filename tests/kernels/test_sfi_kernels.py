@@ -183,10 +183,10 @@ def test_refresh_with_per_layer_pools_and_small_launch_bounds_equals_the_torch_p
         monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", bounds[1])
         out = []
         for use_kernels, later in ((True, mod.LATER), (True, ()), (False, ())):
-            st, k, v, r2t, rows = mod._setup(layers)
-            R.refresh(st, rows, mod.CTX, k.__getitem__, v.__getitem__, r2t, mod.D ** -0.5, use_kernels=use_kernels,
-                      later=later)
-            out.append(st)
+            case = mod._setup(layers)
+            R.refresh(case.state, case.rows, mod.CTX, case.k_buffer, case.v_buffer, case.req_to_token, case.scaling,
+                      use_kernels=use_kernels, later=later)
+            out.append(case.state)
         runs.append(out)
     for (a, b) in zip(*runs):  # the launch bounds change no bit
         assert torch.equal(a.sel_count, b.sel_count)
