@@ -15,7 +15,9 @@ masked medians are full sorts; here it is three launches:
    by a radix select on the fp32 bit pattern (4 histogram passes of 8 bits each:
    the values are >= 0, so their bits order like the values; exact, the same
    element ``torch.nanmedian`` returns; after the top 16 bits the few values left
-   are gathered, so the last two passes read those only), then the evidence and prior
+   are gathered, so the last two passes read those only; the MAD's select takes one
+   pass over A where the median's two histograms bracket it, ``_mad_bracket.py``),
+   then the evidence and prior
    normalizers and the fusion weight ``lam`` (two passes, the reference's order
    of operations: sums of ``d = e - pi`` products, no cancellation-prone
    expansion).
@@ -36,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._mad_bracket import bracketed_mad, median_with_histograms
 from ._radix import digit_histogram, radix_select
 from ._split import STATS_RULE, resolve_splits
 from ._utils import next_pow2
@@ -99,7 +102,7 @@ def _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r):
 def _selector_stats(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS, SCRATCH,
     stride_r, stride_h, stride_sr, stride_sh,
-    BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_N: tl.constexpr, GATHER: tl.constexpr, MAD_BRACKET: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -113,8 +116,14 @@ def _selector_stats(
     u_row = U + cur_r * stride_r + cur_h * stride_h
     n_row = NORMS + cur_r * stride_r + cur_h * stride_h
     scr = SCRATCH + cur_r * stride_r + cur_h * stride_h  # a row as long as U's
-    med = _lower_median(n_row, lo, hi, 0.0, scr, False, GATHER, BLOCK_N)
-    mad = _lower_median(n_row, lo, hi, med, scr, True, GATHER, BLOCK_N)
+    if MAD_BRACKET:  # the MAD's one pass over the row bracketed by the median's histograms (_mad_bracket.py)
+        med_bits, h_top, top, h_next = median_with_histograms(n_row, lo, hi, scr, BLOCK_N)
+        med = med_bits.to(tl.float32, bitcast=True)
+        mad_bits, _ = bracketed_mad(n_row, lo, hi, med_bits, h_top, top, h_next, scr, BLOCK_N)
+        mad = mad_bits.to(tl.float32, bitcast=True)
+    else:
+        med = _lower_median(n_row, lo, hi, 0.0, scr, False, GATHER, BLOCK_N)
+        mad = _lower_median(n_row, lo, hi, med, scr, True, GATHER, BLOCK_N)
     inv_beta, alpha, kappa, zeta, eps = _prior_knobs(BETA, ALPHA, KAPPA, ZETA, EPS, cur_r)
     span = hi - 1 - lo
     se = tl.zeros([BLOCK_N], tl.float32)
@@ -235,7 +244,7 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
                    *, block_n: int = 1024, gather: bool = True, num_warps: int = 4,
-                   splits: int | None = None) -> torch.Tensor:
+                   splits: int | None = None, mad_bracket: bool = True) -> torch.Tensor:
     """Per (row, KV head): [evidence sum, prior sum, lam, norm median, norm MAD] as ``[R, H, 5]`` fp32.
 
     ``knobs``: a ``sgl_sparse.selector.core.SelectorKnobs`` with ``[R]`` tensors.
@@ -246,6 +255,9 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
     medians, the sums to fp32 rounding); default ``_split.resolve_splits``: ``split_count`` of ``N`` and
     ``R x H`` under ``_split.STATS_RULE`` (1 unless the rows are long and few; always 1
     with ``SGL_SPARSE_SPLIT_ROWS=0``); ``gather=False`` runs unsplit.
+    ``mad_bracket`` (single program, with ``gather``): the MAD's select in one pass
+    over the row, bracketed by the median's histograms (``_mad_bracket.py``; the same
+    element); ``False``: its three passes as the median's (the previous kernel).
     """
     r, h, n = u.shape
     assert u.is_contiguous() and u.dtype == torch.float32 and norms.shape == u.shape
@@ -267,7 +279,7 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
         u, norms, _i32(lo), _i32(hi), _f32(knobs.beta), _f32(knobs.alpha), _f32(knobs.kappa), _f32(knobs.zeta),
         _f32(knobs.clip), _f32(knobs.eps), stats, scratch,
         u.stride(0), u.stride(1), stats.stride(0), stats.stride(1),
-        BLOCK_N=block_n, GATHER=gather, num_warps=num_warps,
+        BLOCK_N=block_n, GATHER=gather, MAD_BRACKET=gather and mad_bracket, num_warps=num_warps,
     )
     return stats
 

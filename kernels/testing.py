@@ -19,8 +19,10 @@ import torch
 __all__ = [
     "DecodeCase",
     "PackCase",
+    "SfiRefreshCase",
     "make_decode_case",
     "make_pack_case",
+    "make_sfi_refresh_case",
     "policy_segments",
     "set_indexed_rows",
     "rel_error",
@@ -428,3 +430,102 @@ def make_pack_case(
         a_len=a_len,
         seq_lens=torch.tensor([int(n) for n in seq_lens], dtype=torch.int32, device=device),
     )
+
+
+@dataclass
+class SfiRefreshCase:
+    """A ``SparseState`` whose SFI rows ``rows`` (1-3 of 4) are due for a refresh
+    (``sgl_sparse.selector.refresh.refresh``), with one K and V pool per layer."""
+
+    state: object  # sgl_sparse.state.SparseState
+    k: List[torch.Tensor]  # [layers] x [pool, Hkv, D]
+    v: List[torch.Tensor]
+    req_to_token: torch.Tensor  # [4, ctx] int32
+    rows: List[int]
+    scaling: float
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
+
+def make_sfi_refresh_case(
+    layers: int = 2,
+    *,
+    lens: Sequence[int] = (90, 61, 33),
+    num_kv_heads: int = 2,
+    num_q_heads: int = 8,
+    head_dim: int = 32,
+    logit_len: int = 0,
+    shared_pools: bool = False,
+    slow_step: bool = True,
+    prompt_queries: Optional[dict] = None,
+    pool_size: int = 256,
+    ctx: int = 96,
+    seed: int = 0,
+) -> SfiRefreshCase:
+    """Three SFI rows (per-row knobs: budgets 20/9/12, sinks, beta, a Soft-NMS radius)
+    after a slow step at lengths ``lens``, as the refresh tests and
+    ``bench/kernels/count_refresh_ops.py`` build them.
+
+    ``shared_pools``: every layer reads one K and one V pool (else one each);
+    ``slow_step``: each layer's dense attention (``two_segment_decode``) saves the
+    slow query and, with ``logit_len``, its logits, as serving does -- else the saved
+    queries and logits are random (enough for op counts, and no decode launches);
+    ``prompt_queries``: {row: number of prompt queries saved} (the first slow step's
+    window; the saved prompt queries are random, stale for the other rows).
+    """
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy, SparseServerConfig
+    from sgl_sparse.policies import sfi
+    from sgl_sparse.state import SparseState
+
+    from .two_segment_decode import two_segment_decode
+
+    assert len(lens) == 3 and max(lens) <= ctx
+    gen = torch.Generator().manual_seed(seed)
+    pools = 1 if shared_pools else layers
+    shape = (pool_size, num_kv_heads, head_dim)
+    k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(pools)] * (layers // pools)
+    v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(pools)] * (layers // pools)
+    rows = [1, 2, 3]
+    r2t = torch.zeros(4, ctx, dtype=torch.int32)
+    for r, n in zip(rows, lens):
+        r2t[r, :n] = torch.randperm(pool_size, generator=gen)[:n].int()
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": 3, "capacity": 40},
+                                             "policies": {"sfi": {"w_prefill": 3}}})
+    st = SparseState(4, "cpu", cfg)
+    specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3),
+             SfiPolicy(budget=9, recent=8, sink=1, beta=1.0, nms_radius=1),
+             SfiPolicy(budget=12, recent=8, sink=2, beta=2.0)]
+    st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
+    store = st.compact = CompactStore(slots=3, capacity=40, num_layers=layers, num_kv_heads=num_kv_heads,
+                                      num_q_heads=num_q_heads, head_dim=head_dim, dtype=torch.bfloat16,
+                                      pool_size=pool_size, prompt_queries=2, device=torch.device("cpu"),
+                                      logit_len=logit_len)
+    store.knorm[:] = torch.stack(k).float().norm(dim=-1)
+    store.q_prompt.normal_(generator=gen)
+    idx = torch.tensor(rows)
+    lens_t = torch.tensor(list(lens), dtype=torch.int32)
+    st.saved_n[idx] = lens_t
+    for r, n in (prompt_queries or {}).items():
+        st.prompt_q[r] = n
+    scaling = head_dim ** -0.5
+    if not slow_step:
+        store.q.normal_(generator=gen)
+        if store.logits is not None:
+            store.logits.normal_(generator=gen)  # base-2 logits
+        return SfiRefreshCase(st, k, v, r2t, rows, scaling)
+    # The slow step: each layer's dense attention saves its query (and its logits).
+    slots = st.slot[idx].int()
+    zero, a_len = torch.zeros(3, dtype=torch.int32), torch.zeros(3, num_kv_heads, dtype=torch.int32)
+    for layer in range(layers):
+        q = (torch.randn(3, num_q_heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+        kw = dict(logits_out=store.logits[layer]) if store.logits is not None else {}
+        two_segment_decode(q, store.k[layer], store.v[layer], zero - 1, a_len, k[layer], v[layer], r2t, idx, zero,
+                           lens_t, scaling, q_save=store.q[layer], q_save_slot=slots, num_splits=2, block_n=16,
+                           min_split_len=16, **kw)
+    return SfiRefreshCase(st, k, v, r2t, rows, scaling)
+

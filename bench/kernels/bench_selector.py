@@ -157,7 +157,8 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     """The Selector's stats kernel (medians of the key norms, then the sums) on one
     layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
     medians' last two radix passes over the gathered survivors (the default) and
-    over all of A (the previous kernel)."""
+    over all of A (the previous kernel); single program, the MAD bracketed by the
+    median's histograms (``stats_split1_ms``, the default) or not (``stats_mad_radix_ms``)."""
     from sgl_sparse.config import SfiPolicy
     from sgl_sparse.kernels import selector_stats
     from sgl_sparse.selector.core import SelectorKnobs
@@ -175,9 +176,14 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev, STATS_RULE)}
     for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
         out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
+    # The MAD's select bracketed by the median's histograms (one pass over the row;
+    # the default) or as the median's (three passes): kernels/_mad_bracket.py.
+    out["stats_mad_radix_ms"] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, splits=1,
+                                                                     mad_bracket=False), reps), 3)
     a = selector_stats(u, norms, lo, hi, knobs, gather=True)
     b = selector_stats(u, norms, lo, hi, knobs, gather=False)
-    out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]))
+    c = selector_stats(u, norms, lo, hi, knobs, splits=1, mad_bracket=False)
+    out["same_medians"] = bool(torch.equal(a[..., 3:], b[..., 3:]) and torch.equal(b[..., 3:], c[..., 3:]))
     # Each (row, head) over S programs (kernels/selector_stats_split.py; the
     # default picks auto_splits): the same medians, the sums to fp32 rounding.
     one = selector_stats(u, norms, lo, hi, knobs, splits=1)

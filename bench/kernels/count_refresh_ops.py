@@ -31,55 +31,46 @@ LATER = {2, 3}  # rows whose slow step was not their first
 
 
 def _setup(layers: int, seed: int = 0):
-    """A state whose rows 1-3 are due for a refresh; per-layer K/V pools."""
-    from sgl_sparse.compact import CompactStore
-    from sgl_sparse.config import SfiPolicy, SparseServerConfig
-    from sgl_sparse.policies import sfi
-    from sgl_sparse.state import SparseState
+    """A case whose rows 1-3 are due for a refresh (kernels.testing.make_sfi_refresh_case,
+    shared with tests/kernels/test_slow_step_logits.py); per-layer K/V pools; random
+    saved queries and slow-step logits (no decode launches: the counts do not depend
+    on the values)."""
+    from sgl_sparse.kernels.testing import make_sfi_refresh_case
 
-    gen = torch.Generator().manual_seed(seed)
-    cfg = SparseServerConfig.model_validate({"compact": {"slots": 3, "capacity": 40},
-                                             "policies": {"sfi": {"w_prefill": 3}}})
-    st = SparseState(4, "cpu", cfg)
-    specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3),
-             SfiPolicy(budget=9, recent=8, sink=1, beta=1.0, nms_radius=1),
-             SfiPolicy(budget=12, recent=8, sink=2, beta=2.0)]
-    rows = sorted(LENS)
-    st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
-    st.compact = CompactStore(slots=3, capacity=40, num_layers=layers, num_kv_heads=HKV, num_q_heads=HQ, head_dim=D,
-                              dtype=torch.bfloat16, pool_size=POOL, prompt_queries=2, device=torch.device("cpu"),
-                              logit_len=CTX)
-    k = [torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(layers)]
-    v = [torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(layers)]
-    r2t = torch.zeros(4, CTX, dtype=torch.int32)
-    for r, n in LENS.items():
-        r2t[r, :n] = torch.randperm(POOL, generator=gen)[:n].int()
-    store = st.compact
-    store.knorm[:] = torch.stack(k).float().norm(dim=-1)
-    store.q.normal_(generator=gen)
-    store.q_prompt.normal_(generator=gen)
-    store.logits.normal_(generator=gen)  # the later rows' slow-step logits (base 2)
-    idx = torch.tensor(rows)
-    st.saved_n[idx] = torch.tensor([LENS[r] for r in rows], dtype=torch.int32)
-    st.prompt_q[1] = 2
-    return st, k, v, r2t, rows
+    return make_sfi_refresh_case(layers, lens=[LENS[r] for r in sorted(LENS)], num_kv_heads=HKV, num_q_heads=HQ,
+                                 head_dim=D, logit_len=CTX, slow_step=False, prompt_queries={1: 2},
+                                 pool_size=POOL, ctx=CTX, seed=seed)
 
 
 def count(layers: int, later_only: bool = False) -> OpCounter:
     """The host ops and launches of one kernel-path refresh of rows 1-3 (`later_only`:
-    of the later rows 2-3 only, the common refresh of a long decode)."""
-    from sgl_sparse.selector.refresh import refresh
+    of the later rows 2-3 only, the common refresh of a long decode), after an earlier
+    refresh over the same KV pools (their LayerPools pair cached, as in serving).
+    `c.buffer_fetches`: calls of the per-layer K/V buffer getters (SGLang's
+    get_key_buffer / get_value_buffer) during the counted refresh."""
+    from sgl_sparse.selector import refresh as R
 
-    st, k, v, r2t, rows = _setup(layers)
-    rows = sorted(LATER) if later_only else rows
+    case = _setup(layers)
+    rows = sorted(LATER) if later_only else case.rows
+    fetches = [0]
+
+    def getter(pools):
+        def get(layer: int) -> torch.Tensor:
+            fetches[0] += 1
+            return pools[layer]
+        return get
+
+    R._layer_pools(case.k_buffer, case.v_buffer, layers)  # the previous refresh's
     with OpCounter() as c:
-        refresh(st, rows, CTX, k.__getitem__, v.__getitem__, r2t, D ** -0.5, use_kernels=True, later=LATER)
+        R.refresh(case.state, rows, CTX, getter(case.k), getter(case.v), case.req_to_token, case.scaling,
+                  use_kernels=True, later=LATER)
+    c.buffer_fetches = fetches[0]
     return c
 
 
 def _totals(c: OpCounter) -> dict[str, int]:
     return {"glue ops": c.total, "views/allocs": sum(c.free.values()), "triton launches": sum(c.launches.values()),
-            "host scalar writes": c.host_scalar_writes}
+            "host scalar writes": c.host_scalar_writes, "KV buffer fetches": c.buffer_fetches}
 
 
 def per_layer(lo: int = 2, hi: int = 4, later_only: bool = False) -> dict[str, tuple[float, float]]:

@@ -104,7 +104,7 @@ def refresh(
     if not rows or store is None:
         return
     stored = use_kernels and 0 < min(n_bound, req_to_token.shape[1]) <= store.logit_len
-    pools = _Pools(k_buffer, v_buffer, store.num_layers) if use_kernels else None
+    pools = _layer_pools(k_buffer, v_buffer, store.num_layers) if use_kernels else None
     one = [r for r in rows if r in later]
     _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, 1, stored)
     _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
@@ -113,16 +113,57 @@ def refresh(
 
 class _Pools:
     """Every layer's K and V pools as address tables (kernels.LayerPools): the
-    packing runs once per refresh for all layers instead of once per layer."""
+    packing runs once per refresh for all layers instead of once per layer.
 
-    def __init__(self, k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[int], torch.Tensor],
-                 layers: int):
+    Keeps every layer's pool tensor referenced (``k_all``, ``v_all``) for as long as
+    it is cached: see :func:`_layer_pools`."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
         from sgl_sparse.kernels import LayerPools
 
-        k = [k_buffer(i) for i in range(layers)]
-        v = [v_buffer(i) for i in range(layers)]
+        self.k_all, self.v_all = k, v
         self.k = LayerPools.of(k, _address_table(tuple(t.data_ptr() for t in k), k[0].device))
         self.v = LayerPools.of(v, _address_table(tuple(t.data_ptr() for t in v), v[0].device))
+        self.key = (len(k), _pool_key(k[0]), _pool_key(v[0]))
+
+
+def _pool_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+_cached_pools: _Pools | None = None
+
+
+def _layer_pools(k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[int], torch.Tensor],
+                 layers: int) -> _Pools:
+    """The refresh's LayerPools pair, built once for the life of the KV pools.
+
+    A refresh used to fetch all 2 x layers buffers (SGLang's get_key_buffer /
+    get_value_buffer) and re-check their addresses, shapes and strides each time.
+    Now layer 0's K and V are fetched and compared (address, shape, strides, dtype,
+    device, and the layer count) with the cached pair's; anything else rebuilds it.
+    Why layer 0 is enough: SGLang allocates every layer's buffers together, once per
+    pool, and the cached pair holds a reference to each layer's tensor, so while it
+    is cached none of those addresses can be handed to a new tensor. A reallocated
+    pool therefore has a new layer-0 address (or shape, dtype, ...), and so does a
+    getter that returns a fresh tensor on each call (e.g. a dequantizing read: then
+    every refresh rebuilds, as before). Not detected: a getter that replaces some
+    layer's tensor but not layer 0's, which SGLang's pools never do. Nor are the
+    other layers' getters called on every refresh any more: SGLang's also wait for a
+    layer-wise KV load in flight (hierarchical cache), which writes the slots of
+    requests being prefilled, never those of the decoding rows a refresh reads.
+    The cost: the last pools' memory stays referenced until the next refresh sees
+    new ones. One entry: a process serves one model's pools (a second set, e.g. a
+    draft model's, would rebuild on each alternation, no worse than before).
+    """
+    global _cached_pools
+    k0, v0 = k_buffer(0), v_buffer(0)
+    key = (layers, _pool_key(k0), _pool_key(v0))
+    if _cached_pools is None or _cached_pools.key != key:
+        _cached_pools = None  # drop the old references before the new tensors are fetched
+        _cached_pools = _Pools([k0] + [k_buffer(i) for i in range(1, layers)],
+                               [v0] + [v_buffer(i) for i in range(1, layers)])
+    return _cached_pools
 
 
 @functools.lru_cache(maxsize=8)

@@ -5,9 +5,12 @@ equal, zeros, values over many binades, |A| = 1 and 2, ranges over many blocks."
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sgl_sparse import kernels as K  # TRITON_INTERPRET is set in tests/conftest.py
 from sgl_sparse.config import SfiPolicy
+from sgl_sparse.kernels._mad_bracket import bracketed_mad, median_with_histograms
 from sgl_sparse.selector import core
 
 
@@ -15,8 +18,9 @@ def _lower_median(x: torch.Tensor) -> torch.Tensor:
     return x.sort(dim=-1).values[..., (x.shape[-1] - 1) // 2]
 
 
-@pytest.mark.parametrize("block_n, gather", [(16, True), (256, True), (64, False)])
-def test_medians_are_exact_on_adversarial_values(block_n, gather):
+@pytest.mark.parametrize("block_n, gather, mad_bracket", [(16, True, True), (256, True, True), (16, True, False),
+                                                         (64, False, False)])
+def test_medians_are_exact_on_adversarial_values(block_n, gather, mad_bracket):
     gen = torch.Generator().manual_seed(block_n)
     n, hkv = 700, 2
     rows = [
@@ -36,7 +40,7 @@ def test_medians_are_exact_on_adversarial_values(block_n, gather):
     hi = torch.tensor([n, n, 7, n - 3, 513, n, 11])
     u = torch.rand(r, hkv, n, generator=gen).masked_fill(~core.candidate_mask(lo, hi, n), 0.0)
     knobs = core.SelectorKnobs.from_specs([SfiPolicy()] * r, "cpu", torch.float32)
-    stats = K.selector_stats(u, norms, lo, hi, knobs, block_n=block_n, gather=gather)
+    stats = K.selector_stats(u, norms, lo, hi, knobs, block_n=block_n, gather=gather, mad_bracket=mad_bracket)
     for b in range(r):
         on = norms[b, :, int(lo[b]): int(hi[b])]
         med = _lower_median(on)
@@ -46,6 +50,82 @@ def test_medians_are_exact_on_adversarial_values(block_n, gather):
         # the reference's own definition (nanmedian over the masked row)
         ref = core._masked_lower_median(norms[b: b + 1], core.candidate_mask(lo[b: b + 1], hi[b: b + 1], n))
         assert torch.equal(stats[b, :, 3], ref[0, :, 0])
+
+
+@triton.jit
+def _mad_probe(X, LO, HI, SCR, OUT, stride, BLOCK_N: tl.constexpr):
+    """Per row: the median's and the bracketed MAD's key bits, and whether it fell back."""
+    r = tl.program_id(0)
+    lo, hi = tl.load(LO + r), tl.load(HI + r)
+    x, scr = X + r * stride, SCR + r * stride
+    med, h_top, top, h_next = median_with_histograms(x, lo, hi, scr, BLOCK_N)
+    mad, fallback = bracketed_mad(x, lo, hi, med, h_top, top, h_next, scr, BLOCK_N)
+    tl.store(OUT + r * 3, med)
+    tl.store(OUT + r * 3 + 1, mad)
+    tl.store(OUT + r * 3 + 2, fallback.to(tl.int32))
+
+
+def _key_lower_median(x: torch.Tensor) -> torch.Tensor:
+    """The radix select's lower median: by the keys fp32 bits & 0x7FFFFFFF (|x| for
+    x >= 0, +inf below NaN), returned as the key's float."""
+    keys = x.float().contiguous().view(torch.int32) & 0x7FFFFFFF
+    return keys.sort().values[(x.numel() - 1) // 2].view(torch.float32)
+
+
+def test_bracketed_mad_is_the_exact_lower_mad_and_takes_one_pass_where_the_bins_allow():
+    """_mad_bracket: the MAD from the median's histograms == the sorted lower MAD, bit
+    for bit, whether its bracket holds (norms within the median's top-digit bin) or it
+    falls back (all equal; a median near a power of 4 with a wide spread; negative
+    values, outside the bracket's premises); NaN / inf among the values, ties,
+    subnormals, |A| = 1 and 2, ranges ending mid-block."""
+    gen = torch.Generator().manual_seed(11)
+    n = 600
+    lognormal = torch.exp(torch.randn(n, generator=gen) * 0.3) * 20
+    with_nan = lognormal.clone()
+    with_nan[::37] = float("nan")
+    with_nan[5::53] = float("inf")
+    rows = [
+        (lognormal, False),  # the bracket holds: one pass
+        ((lognormal * 4).round() / 4, False),  # ties
+        (with_nan, False),
+        (torch.exp(torch.randn(n, generator=gen) * 0.1) * 1e-39, None),  # subnormals (bins of 2^16 keys: coarse)
+        (torch.full((n,), 3.25), True),  # MAD 0: every value gathered -> the radix select
+        ((torch.randn(n, generator=gen) + 8).abs(), True),  # median at 8: the MAD's ends in coarse bins
+        (torch.randn(n, generator=gen) * 5, None),  # negative values: exact either way
+        (lognormal, None),  # |A| = 1
+        (lognormal, None),  # |A| = 2
+    ]
+    x = torch.stack([v for v, _ in rows]).float()
+    lo = torch.tensor([0, 3, 1, 0, 0, 7, 2, 100, 40], dtype=torch.int32)
+    hi = torch.tensor([n, n - 5, n, 571, n, n, n - 1, 101, 42], dtype=torch.int32)
+    out = torch.zeros(len(rows), 3, dtype=torch.int32)
+    for block_n in (16, 128):
+        _mad_probe[(len(rows),)](x, lo, hi, torch.empty_like(x), out, x.stride(0), BLOCK_N=block_n)
+        for b, (_, fallback) in enumerate(rows):
+            on = x[b, int(lo[b]): int(hi[b])]
+            med = _key_lower_median(on)
+            mad = _key_lower_median((on - med).abs())
+            assert int(out[b, 0]) == int(med.view(torch.int32)), (b, block_n)
+            assert int(out[b, 1]) == int(mad.view(torch.int32)), (b, block_n)
+            if fallback is not None:
+                assert bool(out[b, 2]) == fallback, (b, block_n)
+    assert torch.equal(_key_lower_median(x[0]), _lower_median(x[0]))  # keys order like the values here
+
+
+def test_stats_kernel_with_the_bracketed_mad_compiles_for_sm90():
+    """The interpreter runs the tests; the GPU compiles the MAD's branches (bracket,
+    fallbacks) and the bisection loop: compiled here for the H100 (no GPU needed)."""
+    from sgl_sparse.kernels import testing as T
+    from sgl_sparse.kernels.selector_scores import _selector_stats as fn
+
+    types = {name: "*fp32" for name in ("U", "NORMS", "BETA", "ALPHA", "KAPPA", "ZETA", "CLIP", "EPS", "STATS",
+                                        "SCRATCH")}
+    types.update(LO="*i32", HI="*i32")
+    const = dict(BLOCK_N=1024, GATHER=True, MAD_BRACKET=True)
+    sig = {name: "constexpr" if name in const else types.get(name, "i32") for name in fn.arg_names}
+    counts = T.compile_sm90("sgl_sparse.kernels.selector_scores", "_selector_stats", sig, const,
+                            [name for name in fn.arg_names if sig[name].startswith("*")])
+    assert counts.get("ld.global.b32", 0) > 0, counts
 
 
 def test_split_stats_match_the_single_program():

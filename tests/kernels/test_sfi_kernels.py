@@ -183,10 +183,10 @@ def test_refresh_with_per_layer_pools_and_small_launch_bounds_equals_the_torch_p
         monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", bounds[1])
         out = []
         for use_kernels, later in ((True, mod.LATER), (True, ()), (False, ())):
-            st, k, v, r2t, rows = mod._setup(layers)
-            R.refresh(st, rows, mod.CTX, k.__getitem__, v.__getitem__, r2t, mod.D ** -0.5, use_kernels=use_kernels,
-                      later=later)
-            out.append(st)
+            case = mod._setup(layers)
+            R.refresh(case.state, case.rows, mod.CTX, case.k_buffer, case.v_buffer, case.req_to_token, case.scaling,
+                      use_kernels=use_kernels, later=later)
+            out.append(case.state)
         runs.append(out)
     for (a, b) in zip(*runs):  # the launch bounds change no bit
         assert torch.equal(a.sel_count, b.sel_count)
@@ -308,12 +308,52 @@ def test_start_up_warm_up_runs_every_refresh_kernel_and_writes_nothing():
     assert (store.k == 7.0).all()
 
 
+def test_refresh_caches_the_layer_pools_until_the_kv_pools_change():
+    """selector.refresh._layer_pools: the same LayerPools pair while the KV pools are
+    the same (layer 0's K and V fetched only); rebuilt, with the new addresses, for
+    reallocated pools, another layer count, a dtype view, and a getter returning a
+    fresh tensor on every call."""
+    from sgl_sparse.selector import refresh as R
+
+    def pools(layers, dtype=torch.bfloat16):
+        return [torch.zeros(64, 2, 16, dtype=dtype) for _ in range(layers)]
+
+    def getter(ts, calls):
+        def get(layer):
+            calls.append(layer)
+            return ts[layer]
+        return get
+
+    def addresses(lp):
+        return lp.ptrs.tolist()
+
+    k, v, calls = pools(3), pools(3), []
+    first = R._layer_pools(getter(k, calls), getter(v, calls), 3)
+    assert addresses(first.k) == [t.data_ptr() for t in k] and addresses(first.v) == [t.data_ptr() for t in v]
+    calls.clear()
+    assert R._layer_pools(getter(k, calls), getter(v, calls), 3) is first and calls == [0, 0]
+    k2 = pools(3)  # a reallocated pool (the old one still referenced: new addresses)
+    again = R._layer_pools(getter(k2, []), getter(v, []), 3)
+    assert again is not first and addresses(again.k) == [t.data_ptr() for t in k2]
+    assert addresses(R._layer_pools(getter(k2, []), getter(v, []), 2).k) == [t.data_ptr() for t in k2[:2]]
+    half = [t.view(torch.float16) for t in k2]  # same addresses, another dtype
+    assert R._layer_pools(getter(half, []), getter(v, []), 2).k.pool.dtype == torch.float16
+    fresh = lambda layer: k2[layer].clone()  # noqa: E731  e.g. a dequantizing read
+    a = R._layer_pools(fresh, getter(v, []), 3)
+    b = R._layer_pools(fresh, getter(v, []), 3)
+    assert a is not b and addresses(b.k) == [t.data_ptr() for t in b.k_all]
+
+
 def test_refresh_host_ops_stay_few():
     """One refresh's host work (bench/kernels/count_refresh_ops.py): the evidence, the
     Selector and the packing run once per chunk of layers, not once per layer.
     Measured (ops = a + b x layers): before, later rows 72 glue ops + (41 + 10 L)
     views/allocs + (4 + 4 L) Triton launches, rows 1-3 147 + (84 + 21 L) + (8 + 8 L);
-    after, 29 + 54 + 8 and 72 + (121-122) + 16."""
+    after, 29 + 54 + 8 and 72 + (121-122) + 16. With the pools' LayerPools pair cached
+    across refreshes (counted after a first refresh over the same pools): 2 x layers
+    KV buffer fetches -> 2 (layer 0's K and V, compared with the cache), the same glue
+    ops and launches, views/allocs 52 and 120-121 at 2-4 layers (the address tables'
+    two tensor copies, counted before for pools the counter had not seen, gone)."""
     mod = _count_refresh_ops()
     later = mod.per_layer(1, 2, later_only=True)
     assert later["triton launches"] == (8, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
@@ -321,6 +361,8 @@ def test_refresh_host_ops_stay_few():
     mixed = mod.per_layer(1, 2)
     assert mixed["triton launches"] == (16, 0) and mixed["glue ops"][1] == 0, mixed
     assert mixed["glue ops"][0] <= 76 and mixed["views/allocs"][1] <= 0, mixed
+    # the pools' address tables from the cache: layer 0's K and V fetched, not every layer's
+    assert later["KV buffer fetches"] == (2, 0) and mixed["KV buffer fetches"] == (2, 0), (later, mixed)
     # no `t[idx] = scalar`: on CUDA a stream-wide wait (OpCounter.host_scalar_writes)
     assert later["host scalar writes"] == (0, 0) and mixed["host scalar writes"] == (0, 0), (later, mixed)
 

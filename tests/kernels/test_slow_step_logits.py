@@ -107,59 +107,26 @@ def test_stored_evidence_equals_window_evidence_and_the_formula(dtype, group):
     assert T.rel_error(u, old) < 1e-5
 
 
-def _sfi_setup(logit_len, hkv=2, hq=8, d=32, lens=(90, 61, 33), seed=0):
-    """A state with three SFI rows after a slow step at `lens` (per-row knobs), keys in a pool."""
-    from sgl_sparse.compact import CompactStore
-    from sgl_sparse.config import SfiPolicy, SparseServerConfig
-    from sgl_sparse.policies import sfi
-    from sgl_sparse.state import SparseState
+def _sfi_setup(logit_len):
+    """Three SFI rows after a slow step at lengths 90, 61, 33 (per-row knobs), keys in
+    one pool shared by the 2 layers, each layer's query (and logits) saved by its
+    dense attention (kernels.testing.make_sfi_refresh_case)."""
+    return T.make_sfi_refresh_case(2, logit_len=logit_len, shared_pools=True)
 
-    gen = torch.Generator().manual_seed(seed)
-    pool = 256
-    k = torch.randn(pool, hkv, d, generator=gen).to(torch.bfloat16)
-    v = torch.randn(pool, hkv, d, generator=gen).to(torch.bfloat16)
-    rows = [1, 2, 3]
-    r2t = torch.zeros(4, 96, dtype=torch.int32)
-    for r, n in zip(rows, lens):
-        r2t[r, :n] = torch.randperm(pool, generator=gen)[:n].int()
-    q = (torch.randn(3, hq, d, generator=gen) * 2).to(torch.bfloat16)
-    cfg = SparseServerConfig.model_validate({"compact": {"slots": 3, "capacity": 40},
-                                             "policies": {"sfi": {"w_prefill": 3}}})
-    st = SparseState(4, "cpu", cfg)
-    specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3),
-             SfiPolicy(budget=9, recent=8, sink=1, beta=1.0, nms_radius=1),
-             SfiPolicy(budget=12, recent=8, sink=2, beta=2.0)]
-    st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
-    st.compact = CompactStore(slots=3, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
-                              dtype=torch.bfloat16, pool_size=pool, prompt_queries=2, device=torch.device("cpu"),
-                              logit_len=logit_len)
-    st.compact.knorm[:] = k.float().norm(dim=-1)
-    st.compact.q_prompt.normal_(generator=gen)  # stale prompt queries: a later slow step must ignore them
-    idx = torch.tensor(rows)
-    st.saved_n[idx] = torch.tensor(lens, dtype=torch.int32)
-    slots = st.slot[idx].int()
-    # The slow step: each layer's dense attention saves the query (and the logits).
-    zero, a_len = torch.zeros(3, dtype=torch.int32), torch.zeros(3, hkv, dtype=torch.int32)
-    for layer in range(2):
-        ql = q.roll(layer, dims=1)  # a different query per layer
-        kw = dict(logits_out=st.compact.logits[layer]) if logit_len else {}
-        K.two_segment_decode(ql, st.compact.k[layer], st.compact.v[layer], zero - 1, a_len,
-                             k, v, r2t, idx, zero, torch.tensor(lens, dtype=torch.int32), d ** -0.5,
-                             q_save=st.compact.q[layer], q_save_slot=slots, num_splits=2, block_n=16,
-                             min_split_len=16, **kw)
-    return st, k, v, r2t, rows, d ** -0.5
+
+def _refresh(case, **kw):
+    from sgl_sparse.selector.refresh import refresh
+
+    refresh(case.state, case.rows, 96, case.k_buffer, case.v_buffer, case.req_to_token, case.scaling, **kw)
+    return case.state
 
 
 def test_refresh_from_stored_logits_packs_what_the_key_reading_path_packs():
     """End to end: a later slow step's refresh from the stored logits selects and
     packs the same tokens as the kernels re-reading the keys and as the torch path."""
-    from sgl_sparse.selector.refresh import refresh
-
     results = []
     for logit_len, use_kernels, later in ((96, True, {1, 2, 3}), (0, True, set()), (0, False, set())):
-        st, k, v, r2t, rows, scale = _sfi_setup(logit_len)
-        refresh(st, rows, 96, lambda i: k, lambda i: v, r2t, scale, use_kernels=use_kernels, later=later)
-        results.append(st)
+        results.append(_refresh(_sfi_setup(logit_len), use_kernels=use_kernels, later=later))
     new, old, torch_path = results
     assert torch.equal(new.sel_count, old.sel_count) and torch.equal(new.sel_count, torch_path.sel_count)
     for slot in range(3):
@@ -176,29 +143,21 @@ def test_refresh_from_stored_logits_packs_what_the_key_reading_path_packs():
 
 def test_refresh_falls_back_to_the_keys_beyond_the_stored_context():
     """A bound past the stored logits, or a first slow step, reads the keys: same result."""
-    from sgl_sparse.selector.refresh import refresh
-
-    ref, _, _, _, _, _ = _sfi_setup(0)
-    st_ref, k, v, r2t, rows, scale = _sfi_setup(0)
-    refresh(st_ref, rows, 96, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=set(rows))
-    st, k, v, r2t, rows, scale = _sfi_setup(64)  # 96 > 64: the keys
-    st.compact.logits.fill_(float("nan"))  # never read
-    refresh(st, rows, 96, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=set(rows))
+    st_ref = _refresh(_sfi_setup(0), use_kernels=True, later={1, 2, 3})
+    case = _sfi_setup(64)  # 96 > 64: the keys
+    case.state.compact.logits.fill_(float("nan"))  # never read
+    st = _refresh(case, use_kernels=True, later={1, 2, 3})
     assert torch.equal(st.sel_count, st_ref.sel_count)
     assert torch.equal(st.compact.k, st_ref.compact.k) and torch.equal(st.compact.v, st_ref.compact.v)
 
 
 def test_first_slow_step_keeps_its_prompt_window():
     """Rows not in `later` use the prompt queries (w > 1): the stored logits do not apply."""
-    from sgl_sparse.selector.refresh import refresh
-
-    st_a, k, v, r2t, rows, scale = _sfi_setup(96)
-    st_b, *_ = _sfi_setup(0)
-    for st in (st_a, st_b):
-        st.prompt_q[torch.tensor(rows)] = 2
-    st_a.compact.logits.fill_(float("nan"))
-    refresh(st_a, rows, 96, lambda i: k, lambda i: v, r2t, scale, use_kernels=True)
-    refresh(st_b, rows, 96, lambda i: k, lambda i: v, r2t, scale, use_kernels=True)
+    a, b = _sfi_setup(96), _sfi_setup(0)
+    for case in (a, b):
+        case.state.prompt_q[torch.tensor(case.rows)] = 2
+    a.state.compact.logits.fill_(float("nan"))
+    st_a, st_b = _refresh(a, use_kernels=True), _refresh(b, use_kernels=True)
     assert torch.equal(st_a.compact.k, st_b.compact.k) and torch.equal(st_a.sel_count, st_b.sel_count)
 
 
