@@ -231,6 +231,7 @@ def test_full_batches_skip_the_gated_work():
         twin.admit(torch.randn(sum(LENS.values()), HKV * G, D, device=dev).to(KV))
         rows_t[0] = 5  # a `full` request; the rest padding
         lens_t[0] = LENS[5] + 1
+        twin.keep = (q, o, tok_t)  # the graph's inputs live as long as the twin
         return twin, graph, rows_t, lens_t, out
 
     def replay_us(graph, n=50):
@@ -244,13 +245,14 @@ def test_full_batches_skip_the_gated_work():
         torch.cuda.synchronize()
         return start.elapsed_time(end) * 1e3 / n
 
-    _, g_on, *_ = capture(True)
+    tw_on, g_on, *_ = capture(True)  # a graph replays over its twin's tensors: both stay alive
     twin, g_off, *_ = capture(False)
     t_on, t_off = replay_us(g_on), replay_us(g_off)
     print(f"full-only batch, {layers} layers of select+finish: gated {t_on:.1f} us, ungated {t_off:.1f} us per replay")
     assert t_on < 0.5 * t_off, (t_on, t_off)
 
     # the gated graph still serves a quest row
+    del tw_on, g_on, twin, g_off
     twin, g_on, rows_t, lens_t, out = capture(True)
     rows_t[1] = 1
     lens_t[1] = LENS[1] + 1
@@ -302,6 +304,7 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         q = torch.randn(8, HKV * G, D, generator=gen, device=dev).to(KV)
         o = torch.zeros(8, HKV * G, D, dtype=KV, device=dev)
         x = torch.randn(8, 2048, device=dev).to(KV)
+        twin.keep = (x, q, o, rows_t, lens_t, tok_t)  # the graph's inputs live as long as the twin
         twin.rt.plan_step([0] * 8, [1] * 8, dev, graphed=True)
 
         def step():
@@ -335,8 +338,12 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         torch.cuda.synchronize()
         return a.elapsed_time(b) / n_rep
 
-    t_main = replay_ms(build(False, with_aspd=False)[1])
-    t_aspd = replay_ms(build(False, with_main=False)[1])
+    # each graph replays over its twin's tensors: keep the twin alive while it does
+    tw_main, g_main = build(False, with_aspd=False)
+    t_main = replay_ms(g_main)
+    tw_aspd, g_aspd = build(False, with_main=False)
+    t_aspd = replay_ms(g_aspd)
+    del tw_main, g_main, tw_aspd, g_aspd
     tw_serial, g_serial = build(False)
     tw_side, g_side = build(True)
     t_serial, t_side = replay_ms(g_serial), replay_ms(g_side)
