@@ -26,8 +26,10 @@ the venvs, as .ci/run computes them after installing every version.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import subprocess  # noqa: F401  (its audit events are what the guard watches)
 import sys
 import tempfile
@@ -109,6 +111,8 @@ class Guard:
         self.blocked = tuple(blocked_modules())
         self.blocker = ImportBlocker(self.blocked)
         self.site_dir = tempfile.mkdtemp(prefix="sgl-sparse-guard-")
+        atexit.register(shutil.rmtree, self.site_dir, True)
+        self.extended = []
         Path(self.site_dir, "sitecustomize.py").write_text(_SITECUSTOMIZE)
         self.active = False
         self.python = {os.path.realpath(sys.executable)}
@@ -124,9 +128,14 @@ class Guard:
         if is_python and env is not None:
             # An environment of its own (server_env(), ...): the mapping Popen is about
             # to pass on gets the import block too.
+            # (undone when the test ends: the caller may reuse the mapping).
             try:
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.site_dir, env.get("PYTHONPATH")]))
+                before = {k: env.get(k) for k in ("PYTHONPATH", ENV_BLOCKED)}
+                paths = (env.get("PYTHONPATH") or "").split(os.pathsep)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.site_dir] + [
+                    p for p in paths if p != self.site_dir]))
                 env[ENV_BLOCKED] = ",".join(self.blocked)
+                self.extended.append((env, before))
             except TypeError as e:  # a read-only mapping
                 raise RuntimeError(f"a test marked {MARK} starts {argv!r} with an environment the import guard "
                                    "cannot extend (tests/ci_legs.py)") from e
@@ -175,6 +184,13 @@ class Guard:
     def __exit__(self, *exc):
         self.active = False
         sys.meta_path.remove(self.blocker)
+        for env, before in self.extended:
+            for k, v in before.items():
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = v
+        self.extended.clear()
         for k, v in self.env.items():
             if v is None:
                 os.environ.pop(k, None)
