@@ -36,10 +36,10 @@ log() { echo "[install_sglang] $*" >&2; }
 
 # pip, minus known noise: the dependency-resolver report that lists every
 # (CUDA) requirement of sglang we skip on purpose, and index-location warnings.
-# --no-compile: no .pyc for the thousands of modules never imported here (torch alone:
-# ~30 s of a 45 s install on 2 cores); Python writes them for what gets imported.
+# (pip byte-compiles what it installs: with PYTHONDONTWRITEBYTECODE=1, as on the CI
+# machine, nothing else would, and every server start would compile sglang again.)
 pip_i() {
-    "${PIP[@]}" install -q --no-compile "$@" 2>&1 | {
+    "${PIP[@]}" install -q "$@" 2>&1 | {
         grep -v -E "^ERROR: pip's dependency resolver|^sglang [^ ]+ requires |^WARNING: Location '" || true
     } >&2
     return "${PIPESTATUS[0]}"
