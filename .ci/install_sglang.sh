@@ -36,6 +36,8 @@ log() { echo "[install_sglang] $*" >&2; }
 
 # pip, minus known noise: the dependency-resolver report that lists every
 # (CUDA) requirement of sglang we skip on purpose, and index-location warnings.
+# (pip byte-compiles what it installs: with PYTHONDONTWRITEBYTECODE=1, as on the CI
+# machine, nothing else would, and every server start would compile sglang again.)
 pip_i() {
     "${PIP[@]}" install -q "$@" 2>&1 | {
         grep -v -E "^ERROR: pip's dependency resolver|^sglang [^ ]+ requires |^WARNING: Location '" || true

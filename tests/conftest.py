@@ -14,3 +14,8 @@ except ImportError:
 # before any kernel module is imported (@triton.jit decides at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The sglang_independent mark (tests run under one SGLang version in CI) and its guard.
+from tests.ci_legs import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_call,  # noqa: E402,F401
+                           pytest_runtest_setup, pytest_runtest_teardown)
+

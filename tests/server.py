@@ -60,6 +60,9 @@ DEFAULT_CPU_ARGS: tuple[str, ...] = (
     "--disable-cuda-graph",
     "--random-seed", "0",
     "--log-level", "info",
+    # An idle scheduler otherwise polls in a busy loop: one of CI's two cores per
+    # server, taken from the tests and servers running beside it.
+    "--sleep-on-idle",
 )
 
 

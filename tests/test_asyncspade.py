@@ -10,6 +10,9 @@ import torch
 
 from sgl_sparse.queryaware import asyncspade as aspd
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 
 # ---- the formulas, written out ---------------------------------------------------
 def ref_predict(qs: list, eps: float) -> np.ndarray:

@@ -12,6 +12,9 @@ from sgl_sparse.config import (
     parse_request_policy,
 )
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 CFG = SparseServerConfig(think_start_id=5, think_end_id=6)
 ROOT = Path(__file__).resolve().parent.parent
 

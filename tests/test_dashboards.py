@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
 TYPECHECK = DASHBOARDS / "typecheck"

@@ -1,5 +1,6 @@
 """Per-step decisions of full / streaming / sadas, against hand-written expectations."""
 
+import pytest
 import torch
 
 from sgl_sparse.config import SadasPolicy, SparseServerConfig, StreamingPolicy
@@ -7,6 +8,9 @@ from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId, RowInit
 from sgl_sparse.policies import sadas
 from sgl_sparse.state import SparseState
+
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
 
 THINK, END = 7, 8
 IDS = (THINK, END)

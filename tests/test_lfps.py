@@ -13,6 +13,9 @@ import torch
 
 from sgl_sparse.queryaware import lfps
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 KN = lfps.LfpsKnobs(s=6, r=0.95, eps=0.85, a=0.2, n_local=6, n_sink=2)
 
 

@@ -19,6 +19,9 @@ import torch
 from sgl_sparse.config import LfpsPolicy, QuestPolicy
 from tests.test_query_device import HKV, KV, MAXCTX, D, Twin, compare_steps
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 SPECS = {
     # small a: the reference's κ is not normalized by the count (queryaware.lfps.kurtosis_threshold),
     # so a = 0.2 leaves C1 empty on most steps of random data

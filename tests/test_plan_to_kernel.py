@@ -12,6 +12,9 @@ from sgl_sparse.kernels import two_segment_decode  # interpreted on CPU: tests/c
 from sgl_sparse.policies import PolicyId, RowInit
 from sgl_sparse.state import SparseState
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 THINK, END = 3, 4
 
 

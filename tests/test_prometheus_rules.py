@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")
 

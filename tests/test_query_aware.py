@@ -22,6 +22,9 @@ from sgl_sparse.queryaware import lfps as lfps_math
 from sgl_sparse.state import SparseState
 from tests.test_quest import ref_positions
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 HKV, D, MAXCTX, CAP = 2, 16, 256, 96
 SCALE = 1 / math.sqrt(D)
 

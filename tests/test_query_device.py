@@ -27,6 +27,9 @@ from sgl_sparse.query_serving import QueryAwareRuntime
 from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
 from sgl_sparse.state import SparseState
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 HKV, D, MAXCTX, CAP = 2, 16, 160, 80
 SCALE = 1 / math.sqrt(D)
 KV = torch.float16

@@ -10,6 +10,9 @@ import torch
 
 from sgl_sparse.policies import quest
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 PAGE = 16
 
 

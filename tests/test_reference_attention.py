@@ -9,6 +9,9 @@ import torch
 from sgl_sparse import reference
 from sgl_sparse.decision import DecodePlan
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 
 def _pool(seq_lens, hkv, d, dtype, gen):
     total = sum(seq_lens) + 7

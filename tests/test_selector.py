@@ -13,6 +13,9 @@ import torch
 from sgl_sparse.config import SfiPolicy
 from sgl_sparse.selector import core
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 
 # ---- the formulas, written out ---------------------------------------------------
 def ref_evidence(logits, lo, hi, nq, beta):

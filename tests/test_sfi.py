@@ -18,6 +18,9 @@ from sgl_sparse.selector import core
 from sgl_sparse.selector.refresh import refresh, window_logits_torch
 from sgl_sparse.state import SparseState
 
+# Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
+pytestmark = pytest.mark.sglang_independent
+
 DOT = 9  # a sentence-ending id in these tests
 VOCAB = 32
 
