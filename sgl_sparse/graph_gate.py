@@ -33,31 +33,37 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("SGL_SPARSE_GRAPH_CONDITIONALS", "1") != "0"
+# PyTorch's API for conditional nodes (absent from e.g. the H100 image's torch 2.11)
+_HAS_API = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and hasattr(
+    torch.cuda.CUDAGraph, "get_currently_capturing_graph")
 _warned = False
 
 
-def _capturing_graph() -> Optional["torch.cuda.CUDAGraph"]:
-    """The CUDA graph the current stream is capturing into, where conditional nodes
-    can be added to it; else None (not capturing, disabled, or a PyTorch without
-    the API)."""
+def flag(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x.any()`` as a gate flag for :func:`only_if`; None (no op, the gate always
+    runs) where no conditional node can be captured: a CPU tensor, gates
+    disabled, or a PyTorch without the API. The flag is computed once per forward
+    and read by every layer's gates, so where it cannot be used it is not computed."""
     global _warned
-    if not ENABLED or not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
+    if not (x.is_cuda and ENABLED):
         return None
-    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    if get is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+    if not _HAS_API:
         if not _warned:
             _warned = True
-            logger.warning("sgl_sparse: torch %s has no CUDA-graph conditional nodes; query-aware work is "
-                           "captured unconditionally (every decode step pays it)", torch.__version__)
+            logger.warning("sgl_sparse: torch %s has no CUDA-graph conditional nodes; query-aware work inside "
+                           "decode CUDA graphs runs at every step, whatever the batch holds", torch.__version__)
         return None
-    return get()
+    return x.any()
 
 
 @contextlib.contextmanager
-def only_if(flag: torch.Tensor) -> Iterator[None]:
+def only_if(flag: Optional[torch.Tensor]) -> Iterator[None]:
     """Run the block; under CUDA-graph capture, as a conditional node on `flag`
-    (a 0-dim bool CUDA tensor), so replays skip it where `flag` is false."""
-    graph = _capturing_graph() if flag.is_cuda else None
+    (a 0-dim bool CUDA tensor from :func:`flag`), so replays skip it where `flag`
+    is false. `flag` None: the block just runs."""
+    graph = None
+    if flag is not None and ENABLED and torch.cuda.is_current_stream_capturing():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
     if graph is None:
         yield
         return

@@ -39,12 +39,15 @@ max_context as torch.topk's is.
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import os
 
 import torch
 
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
+from sgl_sparse import graph_gate
 from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
@@ -183,9 +186,9 @@ class QueryAwareDevice:
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
         self._fwd_lfps: LfpsForward | None = None
-        # 0-dim bool device flags of this forward (graph_gate.only_if): the policy has
-        # a live row; any of them has
-        self._on: dict[PolicyId, torch.Tensor] = {}
+        # 0-dim bool device flags of this forward (graph_gate.flag): the policy has
+        # a live row; any of them has (None where conditional nodes are unavailable)
+        self._on: dict[PolicyId, torch.Tensor | None] = {}
         self._any: torch.Tensor | None = None
         self._aspd_arrivals = None
         self._side: torch.cuda.Stream | None = None
@@ -235,23 +238,21 @@ class QueryAwareDevice:
         self._on = {}
         if self.quest is not None:
             sr = SlotRows(knobs, PolicyId.QUEST, self.quest.cfg.slots)
-            self._on[PolicyId.QUEST] = sr.valid.any()
+            self._on[PolicyId.QUEST] = graph_gate.flag(sr.valid)
             with only_if(self._on[PolicyId.QUEST]):
                 self._fwd_quest = _QuestForward(self.quest, sr, knobs, plan, indexed, req_pool_indices, self.cap)
         if self.aspd is not None:
             sr = SlotRows(knobs, PolicyId.ASYNCSPADE, self.aspd.cfg.slots)
-            self._on[PolicyId.ASYNCSPADE] = sr.valid.any()
+            self._on[PolicyId.ASYNCSPADE] = graph_gate.flag(sr.valid)
             with only_if(self._on[PolicyId.ASYNCSPADE]):
                 self._fwd_aspd = _AspdForward(self.aspd, sr, knobs, indexed, req_pool_indices)
         if self.lfps is not None:
             sr = SlotRows(knobs, PolicyId.LFPS, self.lfps.store.cfg.slots)
-            self._on[PolicyId.LFPS] = sr.valid.any()
+            self._on[PolicyId.LFPS] = graph_gate.flag(sr.valid)
             with only_if(self._on[PolicyId.LFPS]):
                 self._fwd_lfps = self.lfps.forward(self.state, sr, knobs, plan, indexed, req_pool_indices)
-        flags = list(self._on.values())
-        self._any = flags[0]
-        for f in flags[1:]:
-            self._any = self._any | f
+        flags = list(self._on.values())  # all None or none (graph_gate.flag)
+        self._any = None if flags[0] is None else functools.reduce(operator.or_, flags)
         self._plan = plan
 
     def _gate(self, policy: PolicyId):
