@@ -85,6 +85,33 @@ class Twin:
             self.rt.on_extend(li, q_ext, self.k, self.v, self.r2t, SCALE)
 
 
+def _capture(step) -> torch.cuda.CUDAGraph:
+    """`step` run once eagerly on a side stream (compiles the kernels; padding rows
+    change no state), then captured, as SGLang's graph runner does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, n: int, warmup: int) -> float:
+    """Mean time of one replay over `n` back-to-back replays (CUDA events)."""
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def test_capture_once_replay_mixed_batches():
     from sgl_sparse.kernels import two_segment_decode
 
@@ -110,14 +137,7 @@ def test_capture_once_replay_mixed_batches():
         rt.finish(0, lp, q, o, gph.k, gph.r2t, rows_t, lens_t, SCALE)
         out["plan"] = lp
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernels; padding rows change no state
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
     lp = out["plan"]
 
     q_ext = torch.randn(sum(LENS.values()), HKV * G, D, generator=gen, device=dev).to(KV)
@@ -215,17 +235,10 @@ def test_full_batches_skip_the_gated_work():
                 twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
             out["plan"] = lp
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         saved = graph_gate.ENABLED
         graph_gate.ENABLED = gated
         try:
-            with torch.cuda.graph(graph):
-                step()
+            graph = _capture(step)
         finally:
             graph_gate.ENABLED = saved
         twin.admit(torch.randn(sum(LENS.values()), HKV * G, D, device=dev).to(KV))
@@ -234,20 +247,9 @@ def test_full_batches_skip_the_gated_work():
         twin.keep = (q, o, tok_t)  # the graph's inputs live as long as the twin
         return twin, graph, rows_t, lens_t, out
 
-    def replay_us(graph, n=50):
-        for _ in range(5):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / n
-
     tw_on, g_on, *_ = capture(True)  # a graph replays over its twin's tensors: both stay alive
     twin, g_off, *_ = capture(False)
-    t_on, t_off = replay_us(g_on), replay_us(g_off)
+    t_on, t_off = (1e3 * _replay_ms(g, n=50, warmup=5) for g in (g_on, g_off))
     print(f"full-only batch, {layers} layers of select+finish: gated {t_on:.1f} us, ungated {t_off:.1f} us per replay")
     assert t_on < 0.5 * t_off, (t_on, t_off)
 
@@ -317,26 +319,10 @@ def test_asyncspade_selection_overlaps_the_main_stream():
                     for _ in range(4):
                         torch.mm(x, w)
 
-        s_ = torch.cuda.Stream()
-        s_.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s_):
-            step()
-        torch.cuda.current_stream().wait_stream(s_)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return twin, graph
+        return twin, _capture(step)
 
-    def replay_ms(graph, n_rep=20):
-        for _ in range(3):
-            graph.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n_rep):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / n_rep
+    def replay_ms(graph):
+        return _replay_ms(graph, n=20, warmup=3)
 
     # each graph replays over its twin's tensors: keep the twin alive while it does
     tw_main, g_main = build(False, with_aspd=False)
