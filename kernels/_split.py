@@ -36,7 +36,6 @@ rows that are all empty still take its launches (graph replay, 64 programs of 40
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._radix import _pick_digit, digit_histogram, gather_prefix16, select_low16
-from ._utils import device_num_sms
+from ._utils import device_num_sms, env_switch
 
 @dataclass(frozen=True)
 class SplitRule:
@@ -69,9 +68,9 @@ TOPK_RULE = SplitRule(per_sm=8, min_splits=2, max_splits=4)
 # A slice shorter than this is not worth its re-read histograms and survivors.
 MIN_SLICE = 4096
 # Whether a call without an explicit ``splits`` splits long rows at all (on since the
-# H100 A/B above; SGL_SPARSE_SPLIT_ROWS=0 turns it off for an A/B of a whole server).
+# H100 A/B above; SGLANG_SPARSE_SPLIT_ROWS=0 turns it off for an A/B of a whole server).
 # An explicit ``splits`` always applies (tests, benchmarks).
-AUTO_SPLIT = os.environ.get("SGL_SPARSE_SPLIT_ROWS", "1") != "0"
+AUTO_SPLIT = env_switch("SPLIT_ROWS", True)
 # Histograms summed BLOCK_S slices at a time.
 BLOCK_S = tl.constexpr(8)
 

@@ -22,6 +22,21 @@ QUEST_PAGE_SIZE = 16
 CPU_FAKE_NUM_SMS = 4
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off operator switch ``SGLANG_SPARSE_<name>`` (``SGL_SPARSE_<name>`` too).
+
+    SGLang rewrites every ``SGL_*`` variable of its processes to ``SGLANG_*`` and
+    warns that the old name is deprecated, so both spellings are honoured and the
+    ``SGLANG_`` one wins: following that warning must not silently drop a switch.
+    "0", "false", "no", "off" (any case) mean off; any other value means on.
+    """
+    for key in (f"SGLANG_SPARSE_{name}", f"SGL_SPARSE_{name}"):
+        value = os.environ.get(key)
+        if value is not None:
+            return value.strip().lower() not in ("0", "false", "no", "off")
+    return default
+
+
 def is_interpreter() -> bool:
     """True when Triton kernels run in the numpy interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")

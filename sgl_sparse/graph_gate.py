@@ -17,7 +17,7 @@ A gated block must be safe to skip: its effects are in-place writes that nothing
 reads when the flag is false, and the tensors it creates are read only by blocks
 gated on the same flag. Bodies nest (PyTorch captures each on a child stream).
 
-SGL_SPARSE_GRAPH_CONDITIONALS=0 captures every block unconditionally (the
+SGLANG_SPARSE_GRAPH_CONDITIONALS=0 captures every block unconditionally (the
 behaviour before conditional nodes), for A/B runs or a driver that refuses them.
 """
 
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Iterator, Optional
 
 import torch
 
+from kernels._utils import env_switch
+
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("SGL_SPARSE_GRAPH_CONDITIONALS", "1") != "0"
+ENABLED = env_switch("GRAPH_CONDITIONALS", True)
 # PyTorch's API for conditional nodes (absent from e.g. the H100 image's torch 2.11)
 _HAS_API = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and hasattr(
     torch.cuda.CUDAGraph, "get_currently_capturing_graph")

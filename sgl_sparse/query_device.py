@@ -45,6 +45,7 @@ import os
 
 import torch
 
+from kernels._utils import env_switch
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -52,12 +53,13 @@ from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 
-#: asyncspade's next-step selection on a side CUDA stream: opt-in
-#: (SGL_SPARSE_ASPD_SIDE_STREAM=1). Off by default since its first H100 run: the
-#: 8-layer overlap test (tests/kernels/test_query_device_graph.py) hit an illegal
-#: memory access with it on, cause not yet found (the 1-layer mixed-batch graph
-#: test passed with it on); bench/README.md, "Session 6".
-ASPD_SIDE_STREAM = os.environ.get("SGL_SPARSE_ASPD_SIDE_STREAM", "0") == "1"
+#: asyncspade's next-step selection on a side CUDA stream (on unless
+#: SGLANG_SPARSE_ASPD_SIDE_STREAM=0). Its first H100 run (session 6) hit an illegal
+#: memory access in the 8-layer overlap test, whose timing replays then ran graphs
+#: over freed tensors; with that test fixed it passed on the H100 (same selections
+#: as the main-stream path, 66% of the shorter phase hidden) and served a 32768 x 8
+#: e2e without error (bench/README.md, "Session 7").
+ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
