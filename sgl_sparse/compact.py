@@ -37,6 +37,9 @@ class CompactStore:
         # Uninitialized: a refresh reads only positions its slow step wrote.
         self.logits = (torch.empty(num_layers, slots, num_kv_heads, num_q_heads // num_kv_heads, logit_len,
                                    dtype=torch.float32, device=device) if logit_len > 0 and slots > 0 else None)
+        # The refresh's LayerPools pair for the KV pools it last read
+        # (selector.refresh._layer_pools): it lives and dies with this store.
+        self.pools_cache = None
 
     @property
     def logit_len(self) -> int:

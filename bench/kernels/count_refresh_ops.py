@@ -60,7 +60,7 @@ def count(layers: int, later_only: bool = False) -> OpCounter:
             return pools[layer]
         return get
 
-    R._layer_pools(case.k_buffer, case.v_buffer, layers)  # the previous refresh's
+    R._layer_pools(case.state.compact, case.k_buffer, case.v_buffer, layers)  # the previous refresh's
     with OpCounter() as c:
         R.refresh(case.state, rows, CTX, getter(case.k), getter(case.v), case.req_to_token, case.scaling,
                   use_kernels=True, later=LATER)

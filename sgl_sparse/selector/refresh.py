@@ -104,7 +104,7 @@ def refresh(
     if not rows or store is None:
         return
     stored = use_kernels and 0 < min(n_bound, req_to_token.shape[1]) <= store.logit_len
-    pools = _layer_pools(k_buffer, v_buffer, store.num_layers) if use_kernels else None
+    pools = _layer_pools(store, k_buffer, v_buffer, store.num_layers) if use_kernels else None
     one = [r for r in rows if r in later]
     _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, 1, stored)
     _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
@@ -131,12 +131,10 @@ def _pool_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
-_cached_pools: _Pools | None = None
-
-
-def _layer_pools(k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[int], torch.Tensor],
+def _layer_pools(owner, k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[int], torch.Tensor],
                  layers: int) -> _Pools:
-    """The refresh's LayerPools pair, built once for the life of the KV pools.
+    """The refresh's LayerPools pair, built once for the life of the KV pools and
+    cached on `owner` (the compact store, as `pools_cache`).
 
     A refresh used to fetch all 2 x layers buffers (SGLang's get_key_buffer /
     get_value_buffer) and re-check their addresses, shapes and strides each time.
@@ -153,17 +151,17 @@ def _layer_pools(k_buffer: Callable[[int], torch.Tensor], v_buffer: Callable[[in
     layer-wise KV load in flight (hierarchical cache), which writes the slots of
     requests being prefilled, never those of the decoding rows a refresh reads.
     The cost: the last pools' memory stays referenced until the next refresh sees
-    new ones. One entry: a process serves one model's pools (a second set, e.g. a
-    draft model's, would rebuild on each alternation, no worse than before).
+    new ones or the store is freed. One entry per store: a store serves one model's
+    pools.
     """
-    global _cached_pools
     k0, v0 = k_buffer(0), v_buffer(0)
     key = (layers, _pool_key(k0), _pool_key(v0))
-    if _cached_pools is None or _cached_pools.key != key:
-        _cached_pools = None  # drop the old references before the new tensors are fetched
-        _cached_pools = _Pools([k0] + [k_buffer(i) for i in range(1, layers)],
-                               [v0] + [v_buffer(i) for i in range(1, layers)])
-    return _cached_pools
+    cached = owner.pools_cache
+    if cached is None or cached.key != key:
+        owner.pools_cache = cached = None  # drop the old references before the new tensors are fetched
+        owner.pools_cache = cached = _Pools([k0] + [k_buffer(i) for i in range(1, layers)],
+                                            [v0] + [v_buffer(i) for i in range(1, layers)])
+    return cached
 
 
 @functools.lru_cache(maxsize=8)

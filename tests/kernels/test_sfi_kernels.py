@@ -312,8 +312,15 @@ def test_refresh_caches_the_layer_pools_until_the_kv_pools_change():
     """selector.refresh._layer_pools: the same LayerPools pair while the KV pools are
     the same (layer 0's K and V fetched only); rebuilt, with the new addresses, for
     reallocated pools, another layer count, a dtype view, and a getter returning a
-    fresh tensor on every call."""
+    fresh tensor on every call. The pair is cached on its owner (the compact store):
+    another owner builds its own, and a dropped owner frees it."""
+    import gc
+    import types
+    import weakref
+
     from sgl_sparse.selector import refresh as R
+
+    owner = types.SimpleNamespace(pools_cache=None)
 
     def pools(layers, dtype=torch.bfloat16):
         return [torch.zeros(64, 2, 16, dtype=dtype) for _ in range(layers)]
@@ -328,20 +335,27 @@ def test_refresh_caches_the_layer_pools_until_the_kv_pools_change():
         return lp.ptrs.tolist()
 
     k, v, calls = pools(3), pools(3), []
-    first = R._layer_pools(getter(k, calls), getter(v, calls), 3)
+    first = R._layer_pools(owner, getter(k, calls), getter(v, calls), 3)
     assert addresses(first.k) == [t.data_ptr() for t in k] and addresses(first.v) == [t.data_ptr() for t in v]
     calls.clear()
-    assert R._layer_pools(getter(k, calls), getter(v, calls), 3) is first and calls == [0, 0]
+    assert R._layer_pools(owner, getter(k, calls), getter(v, calls), 3) is first and calls == [0, 0]
     k2 = pools(3)  # a reallocated pool (the old one still referenced: new addresses)
-    again = R._layer_pools(getter(k2, []), getter(v, []), 3)
+    again = R._layer_pools(owner, getter(k2, []), getter(v, []), 3)
     assert again is not first and addresses(again.k) == [t.data_ptr() for t in k2]
-    assert addresses(R._layer_pools(getter(k2, []), getter(v, []), 2).k) == [t.data_ptr() for t in k2[:2]]
+    assert addresses(R._layer_pools(owner, getter(k2, []), getter(v, []), 2).k) == [t.data_ptr() for t in k2[:2]]
     half = [t.view(torch.float16) for t in k2]  # same addresses, another dtype
-    assert R._layer_pools(getter(half, []), getter(v, []), 2).k.pool.dtype == torch.float16
+    assert R._layer_pools(owner, getter(half, []), getter(v, []), 2).k.pool.dtype == torch.float16
     fresh = lambda layer: k2[layer].clone()  # noqa: E731  e.g. a dequantizing read
-    a = R._layer_pools(fresh, getter(v, []), 3)
-    b = R._layer_pools(fresh, getter(v, []), 3)
+    a = R._layer_pools(owner, fresh, getter(v, []), 3)
+    b = R._layer_pools(owner, fresh, getter(v, []), 3)
     assert a is not b and addresses(b.k) == [t.data_ptr() for t in b.k_all]
+    other = types.SimpleNamespace(pools_cache=None)
+    mine = R._layer_pools(other, getter(k, []), getter(v, []), 3)
+    assert mine is not R._layer_pools(owner, getter(k, []), getter(v, []), 3)
+    gone = weakref.ref(mine)
+    del mine, other
+    gc.collect()
+    assert gone() is None
 
 
 def test_refresh_host_ops_stay_few():
