@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # ------------------------------------------------------------------ tasks
 @pytest.mark.parametrize("length", [128, 300, 1000, 4096])
-@pytest.mark.parametrize("variant", ["plain", "think"])
+@pytest.mark.parametrize("variant", ["plain", "think", "think-long"])
 def test_examples_have_exact_length_and_one_recoverable_fact(length, variant):
     for seed in range(3):
         ex = tasks.make_example(length, 0.5, variant, seed)
@@ -38,9 +38,32 @@ def test_examples_have_exact_length_and_one_recoverable_fact(length, variant):
         assert ex.prompt[ex.fact_pos + 1 + tasks.VALUE_LEN] == tasks.ID["."]
         assert tasks.answer_correct(ex, ex.completion)
         assert len(ex.loss_mask) == len(ex.prompt) + len(ex.completion)
-        if variant == "think":
+        if variant in tasks.THINK_VARIANTS:
             assert ex.prompt[-1] == tasks.ID[tasks.THINK]
-            assert not set(ex.answer) & set(ex.completion[: ex.completion.index(tasks.ID[tasks.END_THINK])])
+            body = ex.completion[: ex.completion.index(tasks.ID[tasks.END_THINK])]
+            assert not set(ex.answer) & set(body) and key not in body
+        assert ex == tasks.make_example(length, 0.5, variant, seed)  # deterministic per seed
+
+
+def test_think_long_is_a_long_sentence_structured_answer():
+    """think-long: tens of decode tokens before the value, sentence ends inside the
+    think block (SFI's triggers), the fact only before it; its own question word, so
+    the prompt says which block to write; every token of the block (with the
+    question's tail and `</think>`) determined by the two before it (learnable)."""
+    ex, short = tasks.make_example(2048, 0.5, "think-long", 4), tasks.make_example(2048, 0.5, "think", 4)
+    end = ex.completion.index(tasks.ID[tasks.END_THINK])
+    assert end == len(tasks.THINK_LONG_BODY.split()) >= 40
+    assert ex.completion[end + 1:] == tasks.answer_prefix(ex.prompt[ex.fact_pos]) + ex.answer + [tasks.ID[tasks.EOS]]
+    assert sum(t in tasks.TRIGGER_IDS for t in ex.completion[:end]) >= 4
+    assert tasks.ids("the code of") not in [ex.completion[i:i + 3] for i in range(end)]
+    assert ex.prompt[-9:] == tasks.ids("question : recall the code of") + [ex.prompt[ex.fact_pos]] + tasks.ids("? <think>")
+    assert short.prompt[-10:-6] == tasks.ids("question : what is")
+    seq = ex.prompt[-3:] + ex.completion[:end + 5]
+    nxt = {}
+    for i in range(2, len(seq)):
+        assert nxt.setdefault(tuple(seq[i - 2:i]), seq[i]) == seq[i], tasks.decode(seq[i - 2:i + 1])
+    with pytest.raises(ValueError):
+        tasks.make_example(256, 0.5, "think-longer", 0)
 
 
 def test_depth_is_controlled_and_filler_is_sentences():
@@ -79,6 +102,16 @@ def test_answer_correct_is_exact_match():
     assert not tasks.answer_correct(plain, plain.answer)  # the key must be restated first
     other = next(v for v in tasks.VALUE_IDS if v != plain.answer[0])
     assert not tasks.answer_correct(plain, prefix + [other, tasks.ID[tasks.EOS]])
+    long = tasks.make_example(256, 0.5, "think-long", 1)
+    prefix = tasks.answer_prefix(long.prompt[long.fact_pos])
+    assert tasks.answer_correct(long, long.completion)
+    assert tasks.answer_correct(long, tasks.ids("i found it .") + [end] + prefix + long.answer)  # any think text
+    assert not tasks.answer_correct(long, prefix + long.answer)  # no </think>: no answer
+    wrong = next(v for v in tasks.VALUE_IDS if v != long.answer[0])
+    bad = list(long.completion)
+    bad[-2] = wrong  # the value before <eos>
+    assert not tasks.answer_correct(long, bad)
+    assert not tasks.answer_correct(long, long.completion[:-3])  # cut before the value
 
 
 @pytest.mark.parametrize("length", [96, 256, 2048])
@@ -99,6 +132,39 @@ def test_training_sequences_are_mqar_in_the_eval_format(length):
         n_supervised_values = sum(m and t in tasks.VALUE_IDS for t, m in zip(toks, mask))
         assert n_supervised_values >= 2  # many queries per sequence
         assert sum(t in tasks.TRIGGER_IDS for t in toks) > length / 20  # still sentences
+
+
+@pytest.mark.parametrize("length", [96, 256, 2048])
+def test_training_sequences_supervise_think_long(length):
+    """think_long > 0 mixes think-long questions in (from the plain share), each a
+    supervised recall after the whole supervised think block; think_long = 0 leaves the
+    sequences exactly as before (same draws)."""
+    body, n_long = tasks.ids(tasks.THINK_LONG_BODY), 0
+    for seed in range(6):
+        toks, mask = tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25, think_long=0.5)
+        assert len(toks) == len(mask) == length
+        assert (toks, mask) == tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25,
+                                                            think_long=0.5)
+        assert tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25) == \
+            tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25, think_long=0.0)
+        facts = {}
+        for i in range(3, length - 1):
+            if toks[i - 3:i] == tasks.ids("the code of") and toks[i] in tasks.KEY_IDS and \
+                    toks[i + 1] in tasks.VALUE_IDS and not mask[i + 1]:
+                facts.setdefault(toks[i], toks[i + 1])
+        for i in range(length - 8):
+            if toks[i:i + 4] == tasks.ids("question : recall the"):
+                n_long += 1
+                key, b0 = toks[i + 6], i + 9  # "question : recall the code of KEY ? <think>" then the block
+                assert toks[b0 - 1] == tasks.ID[tasks.THINK] and toks[b0:b0 + len(body)] == body
+                a0 = b0 + len(body) + 1  # after </think>: "the code of KEY V"
+                assert toks[a0 - 1] == tasks.ID[tasks.END_THINK]
+                assert toks[a0:a0 + 4] == tasks.answer_prefix(key) and toks[a0 + 4] == facts[key]
+                assert all(mask[b0:a0 + 5]) and not any(mask[i:b0])  # completion supervised, question not
+    if length >= 256:
+        assert n_long >= 6  # several per sequence
+    else:  # too short for one with a quarter of filler left: the final question falls back to think
+        assert n_long == 0
 
 
 @pytest.mark.parametrize("length", [64, 256, 1024])
