@@ -215,6 +215,51 @@ def test_failure_records_say_what_the_model_generated():
     assert len(quality_eval.pick_failures([(e, []) for e in plain], 5)) == 3
 
 
+def test_eval_reports_per_variant_retention_from_meta_info():
+    """A row mixing variants gets each variant's retention, slow-step ratio and decode
+    steps from the responses' meta_info["sgl_sparse"] (decode-step weighted), and the
+    markdown labels its columns with the variants in the order asked."""
+    import eval as quality_eval
+
+    summary = lambda steps, ret, slow: {"meta_info": {"sgl_sparse": [  # noqa: E731
+        {"policy": "sfi", "decode_steps": steps, "mean_retention": ret, "slow_step_ratio": slow}]}}
+    assert quality_eval.request_summary({"meta_info": {}}) is None
+    assert quality_eval.request_summary({"meta_info": {"sgl_sparse": []}}) is None
+    got = quality_eval.request_summary(summary(53, 0.1, 0.094))
+    st = quality_eval.variant_stats([got, quality_eval.request_summary(summary(47, 0.2, 0.106)), None])
+    assert st["requests"] == 2 and st["decode_steps_mean"] == 50
+    assert st["retention"] == pytest.approx((53 * 0.1 + 47 * 0.2) / 100)
+    assert st["slow_ratio"] == pytest.approx((53 * 0.094 + 47 * 0.106) / 100)
+    none = quality_eval.variant_stats([None])
+    assert none["requests"] == 0 and none["retention"] is None
+    exs = quality_eval.examples_for(256, [0.5], ["think-long", "plain"], 2, 0)
+    assert [e.variant for e in exs] == ["think-long"] * 2 + ["plain"] * 2
+    res = {"rows": [{"policy": "sfi", "length": 256, "accuracy": 0.75, "by_variant": {"think-long": 1.0, "plain": 0.5},
+                     "retention": 0.15, "slow_ratio": 0.1, "by_variant_stats": {"think-long": st, "plain": none}}],
+           "errors": [], "not_available": {},
+           "settings": {"lengths": [256], "variants": ["think-long", "plain"], "n_per_cell": 2, "depths": [0.5]}}
+    md = quality_eval.markdown(res)
+    assert "Exact match (think-long / plain)" in md and "(1.00 / 0.50)" in md
+    assert "| policy | length | think-long | plain |" in md
+    assert f"| `sfi` | 256 | 1.00 · ret {st['retention']:.3f} · slow {st['slow_ratio']:.3f} · 50.0 steps | 0.50 · - |" in md
+
+
+def test_run_gpu_eval_long_target():
+    """run_gpu.sh trains think-long by default and eval-long evaluates it on the
+    issue's policies, decode CUDA graphs on (no --disable-cuda-graph)."""
+    sh = (QUALITY / "run_gpu.sh").read_text()
+    train_flags = next(l for l in sh.splitlines() if l.startswith("TRAIN_FLAGS="))
+    assert "--think-long 0.15" in train_flags and "--recipe kv-easy" in train_flags
+    assert "eval-long) eval_long ;;" in sh
+    body = sh[sh.index("eval_long() {"):]
+    body = body[:body.index("\n}")]
+    assert "--variants \"${LONG_VARIANTS:-think-long}\"" in body and "--disable-cuda-graph" not in body
+    pols = next(l for l in sh.splitlines() if l.startswith("LONG_POLICIES="))
+    for p in ("full", "sfi", "sfi:beta=1.0:prompt_evidence=every", "sfi:budget=256:recent=64:beta=1.0:prompt_evidence=every",
+              "sfi:budget=512:recent=64:beta=1.0:prompt_evidence=every", "sadas", "streaming:window=64"):
+        assert f",{p}," in "," + pols.split("-")[1].strip("}\"") + ",", p
+
+
 # ----------------------------------------------------------- train + load
 @pytest.fixture(scope="module")
 def smoke_ckpt(tmp_path_factory) -> Path:
@@ -476,8 +521,9 @@ def test_eval_sparse_config_serves_the_longest_prompts_sparse():
 
     cfg = load_server_config(str(QUALITY / "sparse_config_eval.yaml"))
     longest = max(int(x) for x in quality_eval.DEFAULT_LENGTHS.split(","))
-    ex = tasks.make_example(256, 0.5, "think", 0)
-    seq = longest + len(ex.completion) + 4  # eval.py asks for len(completion) + 4 new tokens
+    completion = max(len(tasks.make_example(256, 0.5, v, 0).completion) for v in tasks.VARIANTS)
+    seq = longest + completion + 4  # eval.py asks for len(completion) + 4 new tokens
+    assert completion + 4 <= 64  # eval.py --launch: --context-length max(lengths) + 64
     for name in QUERY_AWARE:
         store = getattr(cfg.query_aware, name)
         assert store.max_context >= seq and store.slots >= quality_eval.DEFAULT_CONCURRENCY, name
