@@ -551,6 +551,11 @@ def test_eval_through_sgl_sparse_server(smoke_ckpt):
     assert rows["quest"]["decode_steps"] > 0  # its default budget covers 160 tokens: dense
     assert rows["full"]["retention"] == 1.0 and rows["full"]["slow_ratio"] == 0.0
     assert rows["full"]["decode_steps"] > 0
+    # per variant, from the responses' meta_info summaries: full attends everything
+    for v in ("plain", "think"):
+        st = rows["full"]["by_variant_stats"][v]
+        assert st["requests"] == 1 and st["retention"] == 1.0 and st["decode_steps_mean"] > 0
+    assert 0 < rows["streaming:window=16"]["by_variant_stats"]["think"]["retention"] < 0.2
     assert 0 < rows["streaming:window=16"]["retention"] < 0.2
     assert 0 < rows["sfi:budget=16:recent=8"]["slow_ratio"] < 1
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows.values())
