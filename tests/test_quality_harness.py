@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # ------------------------------------------------------------------ tasks
 @pytest.mark.parametrize("length", [128, 300, 1000, 4096])
-@pytest.mark.parametrize("variant", ["plain", "think"])
+@pytest.mark.parametrize("variant", ["plain", "think", "think-long"])
 def test_examples_have_exact_length_and_one_recoverable_fact(length, variant):
     for seed in range(3):
         ex = tasks.make_example(length, 0.5, variant, seed)
@@ -38,9 +38,32 @@ def test_examples_have_exact_length_and_one_recoverable_fact(length, variant):
         assert ex.prompt[ex.fact_pos + 1 + tasks.VALUE_LEN] == tasks.ID["."]
         assert tasks.answer_correct(ex, ex.completion)
         assert len(ex.loss_mask) == len(ex.prompt) + len(ex.completion)
-        if variant == "think":
+        if variant in tasks.THINK_VARIANTS:
             assert ex.prompt[-1] == tasks.ID[tasks.THINK]
-            assert not set(ex.answer) & set(ex.completion[: ex.completion.index(tasks.ID[tasks.END_THINK])])
+            body = ex.completion[: ex.completion.index(tasks.ID[tasks.END_THINK])]
+            assert not set(ex.answer) & set(body) and key not in body
+        assert ex == tasks.make_example(length, 0.5, variant, seed)  # deterministic per seed
+
+
+def test_think_long_is_a_long_sentence_structured_answer():
+    """think-long: tens of decode tokens before the value, sentence ends inside the
+    think block (SFI's triggers), the fact only before it; its own question word, so
+    the prompt says which block to write; every token of the block (with the
+    question's tail and `</think>`) determined by the two before it (learnable)."""
+    ex, short = tasks.make_example(2048, 0.5, "think-long", 4), tasks.make_example(2048, 0.5, "think", 4)
+    end = ex.completion.index(tasks.ID[tasks.END_THINK])
+    assert end == len(tasks.THINK_LONG_BODY.split()) >= 40
+    assert ex.completion[end + 1:] == tasks.answer_prefix(ex.prompt[ex.fact_pos]) + ex.answer + [tasks.ID[tasks.EOS]]
+    assert sum(t in tasks.TRIGGER_IDS for t in ex.completion[:end]) >= 4
+    assert tasks.ids("the code of") not in [ex.completion[i:i + 3] for i in range(end)]
+    assert ex.prompt[-9:] == tasks.ids("question : recall the code of") + [ex.prompt[ex.fact_pos]] + tasks.ids("? <think>")
+    assert short.prompt[-10:-6] == tasks.ids("question : what is")
+    seq = ex.prompt[-3:] + ex.completion[:end + 5]
+    nxt = {}
+    for i in range(2, len(seq)):
+        assert nxt.setdefault(tuple(seq[i - 2:i]), seq[i]) == seq[i], tasks.decode(seq[i - 2:i + 1])
+    with pytest.raises(ValueError):
+        tasks.make_example(256, 0.5, "think-longer", 0)
 
 
 def test_depth_is_controlled_and_filler_is_sentences():
@@ -79,6 +102,16 @@ def test_answer_correct_is_exact_match():
     assert not tasks.answer_correct(plain, plain.answer)  # the key must be restated first
     other = next(v for v in tasks.VALUE_IDS if v != plain.answer[0])
     assert not tasks.answer_correct(plain, prefix + [other, tasks.ID[tasks.EOS]])
+    long = tasks.make_example(256, 0.5, "think-long", 1)
+    prefix = tasks.answer_prefix(long.prompt[long.fact_pos])
+    assert tasks.answer_correct(long, long.completion)
+    assert tasks.answer_correct(long, tasks.ids("i found it .") + [end] + prefix + long.answer)  # any think text
+    assert not tasks.answer_correct(long, prefix + long.answer)  # no </think>: no answer
+    wrong = next(v for v in tasks.VALUE_IDS if v != long.answer[0])
+    bad = list(long.completion)
+    bad[-2] = wrong  # the value before <eos>
+    assert not tasks.answer_correct(long, bad)
+    assert not tasks.answer_correct(long, long.completion[:-3])  # cut before the value
 
 
 @pytest.mark.parametrize("length", [96, 256, 2048])
@@ -99,6 +132,39 @@ def test_training_sequences_are_mqar_in_the_eval_format(length):
         n_supervised_values = sum(m and t in tasks.VALUE_IDS for t, m in zip(toks, mask))
         assert n_supervised_values >= 2  # many queries per sequence
         assert sum(t in tasks.TRIGGER_IDS for t in toks) > length / 20  # still sentences
+
+
+@pytest.mark.parametrize("length", [96, 256, 2048])
+def test_training_sequences_supervise_think_long(length):
+    """think_long > 0 mixes think-long questions in (from the plain share), each a
+    supervised recall after the whole supervised think block; think_long = 0 leaves the
+    sequences exactly as before (same draws)."""
+    body, n_long = tasks.ids(tasks.THINK_LONG_BODY), 0
+    for seed in range(6):
+        toks, mask = tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25, think_long=0.5)
+        assert len(toks) == len(mask) == length
+        assert (toks, mask) == tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25,
+                                                            think_long=0.5)
+        assert tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25) == \
+            tasks.make_training_sequence(length, seed, facts_every=(8, 32), think=0.25, think_long=0.0)
+        facts = {}
+        for i in range(3, length - 1):
+            if toks[i - 3:i] == tasks.ids("the code of") and toks[i] in tasks.KEY_IDS and \
+                    toks[i + 1] in tasks.VALUE_IDS and not mask[i + 1]:
+                facts.setdefault(toks[i], toks[i + 1])
+        for i in range(length - 8):
+            if toks[i:i + 4] == tasks.ids("question : recall the"):
+                n_long += 1
+                key, b0 = toks[i + 6], i + 9  # "question : recall the code of KEY ? <think>" then the block
+                assert toks[b0 - 1] == tasks.ID[tasks.THINK] and toks[b0:b0 + len(body)] == body
+                a0 = b0 + len(body) + 1  # after </think>: "the code of KEY V"
+                assert toks[a0 - 1] == tasks.ID[tasks.END_THINK]
+                assert toks[a0:a0 + 4] == tasks.answer_prefix(key) and toks[a0 + 4] == facts[key]
+                assert all(mask[b0:a0 + 5]) and not any(mask[i:b0])  # completion supervised, question not
+    if length >= 256:
+        assert n_long >= 6  # several per sequence
+    else:  # too short for one with a quarter of filler left: the final question falls back to think
+        assert n_long == 0
 
 
 @pytest.mark.parametrize("length", [64, 256, 1024])
@@ -147,6 +213,51 @@ def test_failure_records_say_what_the_model_generated():
     picked = quality_eval.pick_failures([(e, []) for e in plain + think], 2)
     assert [r["variant"] for r in picked] == ["plain", "think"]
     assert len(quality_eval.pick_failures([(e, []) for e in plain], 5)) == 3
+
+
+def test_eval_reports_per_variant_retention_from_meta_info():
+    """A row mixing variants gets each variant's retention, slow-step ratio and decode
+    steps from the responses' meta_info["sgl_sparse"] (decode-step weighted), and the
+    markdown labels its columns with the variants in the order asked."""
+    import eval as quality_eval
+
+    summary = lambda steps, ret, slow: {"meta_info": {"sgl_sparse": [  # noqa: E731
+        {"policy": "sfi", "decode_steps": steps, "mean_retention": ret, "slow_step_ratio": slow}]}}
+    assert quality_eval.request_summary({"meta_info": {}}) is None
+    assert quality_eval.request_summary({"meta_info": {"sgl_sparse": []}}) is None
+    got = quality_eval.request_summary(summary(53, 0.1, 0.094))
+    st = quality_eval.variant_stats([got, quality_eval.request_summary(summary(47, 0.2, 0.106)), None])
+    assert st["requests"] == 2 and st["decode_steps_mean"] == 50
+    assert st["retention"] == pytest.approx((53 * 0.1 + 47 * 0.2) / 100)
+    assert st["slow_ratio"] == pytest.approx((53 * 0.094 + 47 * 0.106) / 100)
+    none = quality_eval.variant_stats([None])
+    assert none["requests"] == 0 and none["retention"] is None
+    exs = quality_eval.examples_for(256, [0.5], ["think-long", "plain"], 2, 0)
+    assert [e.variant for e in exs] == ["think-long"] * 2 + ["plain"] * 2
+    res = {"rows": [{"policy": "sfi", "length": 256, "accuracy": 0.75, "by_variant": {"think-long": 1.0, "plain": 0.5},
+                     "retention": 0.15, "slow_ratio": 0.1, "by_variant_stats": {"think-long": st, "plain": none}}],
+           "errors": [], "not_available": {},
+           "settings": {"lengths": [256], "variants": ["think-long", "plain"], "n_per_cell": 2, "depths": [0.5]}}
+    md = quality_eval.markdown(res)
+    assert "Exact match (think-long / plain)" in md and "(1.00 / 0.50)" in md
+    assert "| policy | length | think-long | plain |" in md
+    assert f"| `sfi` | 256 | 1.00 · ret {st['retention']:.3f} · slow {st['slow_ratio']:.3f} · 50.0 steps | 0.50 · - |" in md
+
+
+def test_run_gpu_eval_long_target():
+    """run_gpu.sh trains think-long by default and eval-long evaluates it on the
+    issue's policies, decode CUDA graphs on (no --disable-cuda-graph)."""
+    sh = (QUALITY / "run_gpu.sh").read_text()
+    train_flags = next(l for l in sh.splitlines() if l.startswith("TRAIN_FLAGS="))
+    assert "--think-long 0.15" in train_flags and "--recipe kv-easy" in train_flags
+    assert "eval-long) eval_long ;;" in sh
+    body = sh[sh.index("eval_long() {"):]
+    body = body[:body.index("\n}")]
+    assert "--variants \"${LONG_VARIANTS:-think-long}\"" in body and "--disable-cuda-graph" not in body
+    pols = next(l for l in sh.splitlines() if l.startswith("LONG_POLICIES="))
+    for p in ("full", "sfi", "sfi:beta=1.0:prompt_evidence=every", "sfi:budget=256:recent=64:beta=1.0:prompt_evidence=every",
+              "sfi:budget=512:recent=64:beta=1.0:prompt_evidence=every", "sadas", "streaming:window=64"):
+        assert f",{p}," in "," + pols.split("-")[1].strip("}\"") + ",", p
 
 
 # ----------------------------------------------------------- train + load
@@ -410,8 +521,9 @@ def test_eval_sparse_config_serves_the_longest_prompts_sparse():
 
     cfg = load_server_config(str(QUALITY / "sparse_config_eval.yaml"))
     longest = max(int(x) for x in quality_eval.DEFAULT_LENGTHS.split(","))
-    ex = tasks.make_example(256, 0.5, "think", 0)
-    seq = longest + len(ex.completion) + 4  # eval.py asks for len(completion) + 4 new tokens
+    completion = max(len(tasks.make_example(256, 0.5, v, 0).completion) for v in tasks.VARIANTS)
+    seq = longest + completion + 4  # eval.py asks for len(completion) + 4 new tokens
+    assert completion + 4 <= 64  # eval.py --launch: --context-length max(lengths) + 64
     for name in QUERY_AWARE:
         store = getattr(cfg.query_aware, name)
         assert store.max_context >= seq and store.slots >= quality_eval.DEFAULT_CONCURRENCY, name
@@ -439,6 +551,11 @@ def test_eval_through_sgl_sparse_server(smoke_ckpt):
     assert rows["quest"]["decode_steps"] > 0  # its default budget covers 160 tokens: dense
     assert rows["full"]["retention"] == 1.0 and rows["full"]["slow_ratio"] == 0.0
     assert rows["full"]["decode_steps"] > 0
+    # per variant, from the responses' meta_info summaries: full attends everything
+    for v in ("plain", "think"):
+        st = rows["full"]["by_variant_stats"][v]
+        assert st["requests"] == 1 and st["retention"] == 1.0 and st["decode_steps_mean"] > 0
+    assert 0 < rows["streaming:window=16"]["by_variant_stats"]["think"]["retention"] < 0.2
     assert 0 < rows["streaming:window=16"]["retention"] < 0.2
     assert 0 < rows["sfi:budget=16:recent=8"]["slow_ratio"] < 1
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows.values())

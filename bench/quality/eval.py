@@ -158,9 +158,11 @@ def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
                 "error": bad[0].text[:500]}
     time.sleep(1.0)  # metrics are flushed by the scheduler process shortly after the step
     after = scrape(url)
-    hits, by_cell, failed = [], {}, []
+    hits, by_cell, failed, summaries = [], {}, [], []
     for ex, r in zip(exs, resps):
-        out_ids = r.json()["output_ids"]
+        body = r.json()
+        out_ids = body["output_ids"]
+        summaries.append(request_summary(body))
         ok = tasks.answer_correct(ex, out_ids)
         hits.append(ok)
         if not ok:
@@ -173,15 +175,44 @@ def run_row(url: str, spec: PolicySpec, length: int, exs: list[tasks.Example],
         "policy": spec.label, "length": length, "status": 200, "n": len(exs),
         "accuracy": sum(hits) / len(hits),
         "by_variant": {v: _mean([h for e, h in zip(exs, hits) if e.variant == v])
-                       for v in sorted({e.variant for e in exs})},
+                       for v in dict.fromkeys(e.variant for e in exs)},
         "by_cell": {k: _mean(v) for k, v in sorted(by_cell.items())},
         "retention": att / cac if cac else None,
         "slow_ratio": slow / steps if steps else None,
         "decode_steps": steps, "wall_s": wall,
+        # per variant, from each response's meta_info["sgl_sparse"] (the /metrics counters
+        # above mix the variants of a row; a long answer's retention is not a short one's)
+        "by_variant_stats": {v: variant_stats([s for e, s in zip(exs, summaries) if e.variant == v])
+                             for v in dict.fromkeys(e.variant for e in exs)},
     }
     if dump_failures:
         row["failures"] = pick_failures(failed, dump_failures)
     return row
+
+
+def request_summary(body: dict) -> Optional[dict]:
+    """The request's sgl_sparse summary (README "Per request"): policy, decode_steps,
+    slow_step_ratio, mean_retention; None where the response has none."""
+    got = (body.get("meta_info") or {}).get("sgl_sparse") or []
+    got = [x for x in got if isinstance(x, dict)]
+    return got[-1] if got else None
+
+
+def variant_stats(summaries: Sequence[Optional[dict]]) -> dict:
+    """Decode-step-weighted mean retention and slow-step ratio over requests (within a
+    row every prompt has the same length, so this is the token-weighted mean of the
+    /metrics counters up to the few completion tokens), and the mean decode steps per
+    request; None where no request carried a summary."""
+    got = [s for s in summaries if s and s.get("decode_steps")]
+    steps = sum(s["decode_steps"] for s in got)
+
+    def weighted(key: str) -> Optional[float]:
+        have = [s for s in got if s.get(key) is not None]
+        n = sum(s["decode_steps"] for s in have)
+        return sum(s[key] * s["decode_steps"] for s in have) / n if n else None
+
+    return {"requests": len(got), "decode_steps_mean": steps / len(got) if got else None,
+            "retention": weighted("mean_retention"), "slow_ratio": weighted("slow_step_ratio")}
 
 
 def _mean(xs: Sequence[bool]) -> float:
@@ -208,8 +239,10 @@ def evaluate(url: str, policies: Sequence[str], lengths: Sequence[int], depths: 
                 log(f"{length:6d} {spec.label}: HTTP {row['status']}: {row['error'][:300]}")
                 continue
             rows.append(row)
+            per = {v: _fmt(st["retention"]) for v, st in row["by_variant_stats"].items()}
             log(f"{length:6d} {spec.label:28s} acc {row['accuracy']:.3f} {row['by_variant']} "
-                f"retention {_fmt(row['retention'])} slow {_fmt(row['slow_ratio'])} ({row['wall_s']:.1f}s)")
+                f"retention {_fmt(row['retention'])} slow {_fmt(row['slow_ratio'])} ({row['wall_s']:.1f}s)"
+                + (f" retention by variant {per}" if len(per) > 1 else ""))
     return {"rows": rows, "errors": errors, "not_available": not_available,
             "settings": {"policies": list(policies), "lengths": list(lengths), "depths": list(depths),
                          "variants": list(variants), "n_per_cell": n, "seed": seed}}
@@ -224,7 +257,8 @@ def markdown(result: dict, title: str = "") -> str:
     labels = list(dict.fromkeys(r["policy"] for r in result["rows"]))
     cell = {(r["policy"], r["length"]): r for r in result["rows"]}
     lines = [title, ""] if title else []
-    lines += ["Exact match (plain / think) · mean retention · slow-step ratio, per context length.", "",
+    variants = result["settings"].get("variants", ["plain", "think"])
+    lines += [f"Exact match ({' / '.join(variants)}) · mean retention · slow-step ratio, per context length.", "",
               "| policy | " + " | ".join(f"{l}" for l in lengths) + " |",
               "|---|" + "---|" * len(lengths)]
     for p in labels:
@@ -241,6 +275,25 @@ def markdown(result: dict, title: str = "") -> str:
         lines.append(f"| `{r['policy']}` | error at {r['length']}: HTTP {r['status']} |" + " |" * (len(lengths) - 1))
     for p, why in result["not_available"].items():
         lines.append(f"| `{p}` | not available: {why[:120].strip()} |" + " |" * (len(lengths) - 1))
+    per_variant = [r for r in result["rows"] if any(st.get("requests") for st in r.get("by_variant_stats", {}).values())]
+    if per_variant:
+        lines += ["", "Per variant: exact match · mean retention · slow-step ratio · decode steps per request "
+                  "(from each response's `meta_info[\"sgl_sparse\"]`, decode-step weighted).", "",
+                  "| policy | length | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+        for r in per_variant:
+            parts = []
+            for v in variants:
+                st, acc = r["by_variant_stats"].get(v), r["by_variant"].get(v)
+                if acc is None:
+                    parts.append("-")
+                    continue
+                if not st or not st.get("requests"):  # no response carried a summary
+                    parts.append(f"{acc:.2f} · -")
+                    continue
+                steps = st["decode_steps_mean"]
+                parts.append(f"{acc:.2f} · ret {_fmt(st['retention'])} · slow {_fmt(st['slow_ratio'])} · "
+                             f"{'-' if steps is None else f'{steps:.1f}'} steps")
+            lines.append(f"| `{r['policy']}` | {r['length']} | " + " | ".join(parts) + " |")
     s = result["settings"]
     lines += ["", f"n = {s['n_per_cell']} per (variant, depth) cell; depths {s['depths']}; "
               f"variants {s['variants']}; greedy; prompts sent as token ids."]
@@ -305,7 +358,8 @@ def main() -> None:
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--lengths", default=DEFAULT_LENGTHS)
     ap.add_argument("--depths", default="0.1,0.5,0.9")
-    ap.add_argument("--variants", default="plain,think")
+    ap.add_argument("--variants", default="plain,think",
+                    help=f"comma-separated, from {','.join(tasks.VARIANTS)} (think-long: a 47-token think block)")
     ap.add_argument("--n", type=int, default=8, help="examples per (variant, depth) cell")
     ap.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
     ap.add_argument("--seed", type=int, default=1000)

@@ -598,7 +598,7 @@ def decode_positions(ex: tasks.Example, which: str = "answer") -> list[int]:
     return first[: len(ex.answer)]
 
 
-# Every policy, in table order. sfi-later(-every) apply to think examples only (plain
+# Every policy, in table order. sfi-later(-every) apply to think and think-long examples only (plain
 # completions have no sentence end before the value, so their last slow step is the
 # first decode step: `sfi`'s case).
 ALL_POLICIES = ("full", "streaming", "sadas", "sfi", "sfi-later", "sfi-later-every", "quest",
@@ -642,7 +642,7 @@ def evaluate(model, lengths: Sequence[int], budgets: Sequence[int], n_examples: 
             ex = tasks.make_example(length, depth, variants[i % len(variants)], seed + i)
             pols: dict[str, Policy] = {}
             for name in policies:  # in ALL_POLICIES' order whatever the caller's
-                if name in missing or (name in THINK_ONLY and ex.variant != "think"):
+                if name in missing or (name in THINK_ONLY and ex.variant not in tasks.THINK_VARIANTS):
                     continue
                 pols[name] = fixed[name] if name in fixed else per_example[name](ex)
             fact = [ex.fact_pos + j for j in range(1 + tasks.VALUE_LEN)]

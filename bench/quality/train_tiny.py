@@ -65,6 +65,9 @@ class Stage:
     kv: float = 0.0
     kv_lo: int = 4
     kv_hi: int = 64
+    # fraction of the questions in the think-long variant (tasks.THINK_LONG_BODY: a
+    # 47-token think block), taken from the plain share; 0 = the sequences of before
+    think_long: float = 0.0
 
     @property
     def kv_rows(self) -> int:
@@ -123,9 +126,9 @@ SMOKE_EVAL_LENGTHS = [96, 192]
 
 
 def parse_stage(text: str) -> Stage:
-    """'len:batch:steps:time_share[:facts_lo[:facts_hi[:think[:kv[:kv_lo[:kv_hi]]]]]]'"""
+    """'len:batch:steps:time_share[:facts_lo[:facts_hi[:think[:kv[:kv_lo[:kv_hi[:think_long]]]]]]]'"""
     f = text.split(":")
-    types = [int, int, int, float, int, int, float, float, int, int]
+    types = [int, int, int, float, int, int, float, float, int, int, float]
     return Stage(*(t(x) for t, x in zip(types, f)))
 
 
@@ -201,7 +204,7 @@ def make_batch(stage: Stage, step: int, seed: int) -> tuple[torch.Tensor, torch.
             seq, m = tasks.make_kv_sequence(stage.length, s, pairs=(stage.kv_lo, stage.kv_hi))
         else:
             seq, m = tasks.make_training_sequence(stage.length, s, facts_every=(stage.facts_lo, stage.facts_hi),
-                                                  think=stage.think)
+                                                  think=stage.think, think_long=stage.think_long)
         rows.append(seq)
         masks.append(m)
     return torch.tensor(rows), torch.tensor(masks)
@@ -237,20 +240,22 @@ def supervised_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
 
 
 @torch.no_grad()
-def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed: int = 12345) -> dict:
+def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed: int = 12345,
+                  variants: Sequence[str] = ("plain", "think")) -> dict:
     """Held-out exact match per prompt length on eval.py's prompts (tasks.make_example:
-    one fact per 128 tokens, one question at the end, depths 0.1/0.5/0.9, both
-    variants): the completion up to its value token(s) argmax-correct under teacher
+    one fact per 128 tokens, one question at the end, depths 0.1/0.5/0.9, the variants
+    in turn): the completion up to its value token(s) argmax-correct under teacher
     forcing (== greedy decoding reproduces it; what follows the value is not scored,
     as in eval.py's tasks.answer_correct). Also the value-token accuracy alone per
-    variant."""
+    variant. The n prompts are split over the variants (plain and think only: the
+    prompts of before; think-long when trained)."""
     model.eval()
     out = {}
     for length in lengths:
-        hits, val_hits = [], {"plain": [], "think": []}
+        hits, val_hits, var_hits = [], {v: [] for v in variants}, {v: [] for v in variants}
         for i in range(n):
             depth = (0.1, 0.5, 0.9)[i % 3]
-            variant = ("plain", "think")[(i // 3) % 2]
+            variant = variants[(i // 3) % len(variants)]
             ex = tasks.make_example(length, depth, variant, seed + i)
             ids = torch.tensor([ex.prompt + ex.completion], device=device)
             mask = torch.tensor([[False] * len(ex.prompt) + [True] * len(ex.completion)], device=device)
@@ -258,16 +263,23 @@ def eval_accuracy(model, lengths: Sequence[int], n: int, device, amp: bool, seed
                 logits, tgt = supervised_logits(model, ids, mask)
             ok = logits.argmax(-1) == tgt
             hits.append(bool(ok[:-1].all()))  # all but the final <eos>
+            var_hits[variant].append(hits[-1])
             val_hits[variant].append(bool(ok[-1 - tasks.VALUE_LEN:-1].all()))  # the value token(s) before <eos>
-        out[length] = {"exact": sum(hits) / n,
-                       **{f"value_{v}": (sum(h) / len(h) if h else float("nan")) for v, h in val_hits.items()}}
+        rate = lambda h: sum(h) / len(h) if h else float("nan")  # noqa: E731
+        out[length] = {"exact": sum(hits) / n, **{f"value_{v}": rate(h) for v, h in val_hits.items()},
+                       # exact match per variant, where more than plain and think are evaluated
+                       **({f"exact_{v}": rate(h) for v, h in var_hits.items()} if len(variants) > 2 else {})}
     model.train()
     return out
 
 
 def fmt_acc(acc: dict) -> str:
-    return ", ".join(f"{l}: {a['exact']:.3f} (value plain {a['value_plain']:.2f} think {a['value_think']:.2f})"
-                     for l, a in acc.items())
+    def one(a: dict) -> str:
+        vs = [k[len("value_"):] for k in a if k.startswith("value_")]
+        value = " ".join(f"{v} {a['value_' + v]:.2f}" for v in vs)
+        exact = " ".join(f"{v} {a['exact_' + v]:.2f}" for v in vs if "exact_" + v in a)
+        return f"{a['exact']:.3f} (value {value}" + (f"; exact {exact})" if exact else ")")
+    return ", ".join(f"{l}: {one(a)}" for l, a in acc.items())
 
 
 def copy_baseline(ids: torch.Tensor, mask: torch.Tensor) -> float:
@@ -360,6 +372,9 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
             w = [p.abs().mean().item() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n]
         return sum(a * b for a, b in zip(w[0::2], w[1::2])) / max(1, len(w) // 2)
 
+    # held-out prompts: plain and think as before, think-long too when any stage trains it
+    eval_variants = tuple(tasks.VARIANTS) if any(s.think_long > 0 for s in stages) else ("plain", "think")
+
     def stage_lengths(stage: Stage) -> list[int]:
         return [l for l in eval_lengths if l <= max(stage.length * 2, eval_lengths[0])]
 
@@ -423,15 +438,16 @@ def train(out: Path, log_path: Path, shape: ModelShape, stages: list[Stage], eva
                     f"answer-token loss {vl:.3f} (ema {vema:.3f}) acc {va:.3f}{split} copy-baseline {base:.3f} "
                     f"lr {opt.param_groups[0]['lr']:.2e} qk-norm {qk_scale():.2f} t {time.monotonic() - t_start:.0f}s")
             if eval_every and step % eval_every == 0 and step != end:
-                acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp)
+                acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp, variants=eval_variants)
                 say(f"  held-out at step {step}: exact match {fmt_acc(acc)}")
         step = end  # a cut stage skips ahead so the LR schedule stays aligned
-        acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp)
+        acc = eval_accuracy(model, stage_lengths(stage), eval_n, device, amp, variants=eval_variants)
         say(f"eval after stage {si} (len {stage.length}, step {step}, t {time.monotonic() - t_start:.0f}s): "
             f"exact match {fmt_acc(acc)}")
         history.append({"stage": si, "length": stage.length, "acc": acc})
     # the last stage's eval already covers every length (same prompts): not run twice
-    final = acc if history and list(acc) == list(eval_lengths) else eval_accuracy(model, eval_lengths, eval_n, device, amp)
+    final = acc if history and list(acc) == list(eval_lengths) else eval_accuracy(model, eval_lengths, eval_n, device, amp,
+                                                                                  variants=eval_variants)
     wall = time.monotonic() - t_start
     say("final exact match (teacher-forced, completion up to the value) by prompt length: " + fmt_acc(final))
     say(f"# wall {wall:.0f}s")
@@ -459,6 +475,9 @@ def main() -> None:
                          "(kv: fraction of pure key-value MQAR rows per batch)")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default=None,
                     help="named GPU curriculum (default: run3's stages); --stages overrides it")
+    ap.add_argument("--think-long", type=float, default=None,
+                    help="fraction of every stage's questions in the think-long variant (a 47-token think block, "
+                         "tasks.THINK_LONG_BODY), taken from the plain share; default: the stages' own (0 in every recipe)")
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--shape", default=None, help="ModelShape overrides, e.g. 'heads=4,kv_heads=2,head_dim=32,rope_theta=1e6'")
     ap.add_argument("--eval-every", type=int, default=0, help="also evaluate held-out exact match every N steps")
@@ -491,6 +510,8 @@ def main() -> None:
         stages = RECIPES[a.recipe]
     if a.stages:
         stages = [parse_stage(st) for st in a.stages.split(",")]
+    if a.think_long is not None:
+        stages = [Stage(**{**asdict(st), "think_long": a.think_long}) for st in stages]
     if a.layers or a.hidden:
         shape = ModelShape(**{**asdict(shape), **({"layers": a.layers} if a.layers else {}),
                               **({"hidden": a.hidden, "intermediate": 3 * a.hidden} if a.hidden else {})})
