@@ -281,11 +281,7 @@ class QueryAwareDevice:
                     torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
-                    f = self._fwd_lfps
-                    pos, cnt = self.lfps.select(li, f, q3, k_cache, req_to_token, scale)
-                    width = pos.shape[-1]
-                    a_pos[..., :width] = torch.where(f.sel3, pos[f.j], a_pos[..., :width])
-                    torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+                    self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
@@ -318,7 +314,7 @@ class QueryAwareDevice:
         with only_if(self._any):
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
-                    self.lfps.finish(li, self._fwd_lfps, o3)
+                    self.lfps.finish(li, self._fwd_lfps, q3, o3, k_cache, req_to_token, scale)
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     self._aspd_predict(li, q3)
