@@ -289,6 +289,7 @@ def _quest_page_scores_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -297,6 +298,10 @@ def _quest_page_scores_kernel(
     slot = tl.load(SLOT + cur_b).to(tl.int64)
     first = tl.maximum(tl.load(FIRST_PAGE + cur_b), 0)
     last = tl.minimum(tl.load(LAST_PAGE + cur_b), MAX_PAGES)
+    if not FILL:
+        # only [first, last) of live rows is read: a block outside it has nothing to do
+        if (slot < 0) | (last <= first) | (blk * BLOCK_P >= last) | (blk * BLOCK_P + BLOCK_P <= first):
+            return
     in_range = (offs_p >= first) & (offs_p < last) & (slot >= 0)
     out_ptr = OUT + cur_b * stride_ob + cur_h * stride_oh + offs_p
     score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
@@ -336,6 +341,7 @@ def quest_page_scores(
     out: Optional[torch.Tensor] = None,
     block_p: int = 64,
     num_warps: int = 4,
+    fill: bool = True,
 ) -> torch.Tensor:
     """Quest upper bounds of the attention logits per page, fp32 ``[bs, Hkv, max_pages]``.
 
@@ -343,7 +349,9 @@ def quest_page_scores(
     q[b,g,d] * kmax[s,h,p,d])`` with ``s = slot[b]``, for ``first_page[b] <= p <
     last_page[b]``; ``-inf`` for every other page and for rows with ``slot < 0``.
     Unscaled (no ``sm_scale``): only the ranking matters. ``q``: ``[bs, Hq, D]``
-    in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``.
+    in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``. ``fill=False``:
+    only ``[first_page, last_page)`` of rows with ``slot >= 0`` is written (what
+    ``topk_range`` over that range reads); every other program returns at once.
     """
     bs, num_q_heads, head_dim = q.shape
     num_kv_heads, max_pages = kmin.shape[1], kmin.shape[2]
@@ -363,7 +371,7 @@ def quest_page_scores(
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
         max_pages,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_P=block_p,
-        BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype),
+        BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype), FILL=bool(fill),
         num_warps=num_warps,
     )
     return out

@@ -293,7 +293,8 @@ class QueryAwareDevice:
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
         quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
-        scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
+        scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last,
+                                   fill=False)  # [first, last) of the selected slots only: what topk_range reads
         # the best `pages` pages, ascending; slots not selected this step: an empty range
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
@@ -366,7 +367,8 @@ class QueryAwareDevice:
         slot = f.slot
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
-        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
+        # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
+        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)

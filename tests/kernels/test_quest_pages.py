@@ -108,6 +108,14 @@ def test_page_scores_vs_float64(idx):
     fin = torch.isfinite(ref)
     assert fin.sum() == 2 * (68 + 70)
     torch.testing.assert_close(s[fin], ref[fin], rtol=1e-5, atol=1e-4)
+    if idx == 0:  # fill=False: [first, last) of the live rows only, the same values there
+        out.fill_(float("nan"))
+        s2 = K.quest_page_scores(q, kmin, kmax, slot, first, last, out=out, block_p=16, fill=False)
+        pos = torch.arange(max_pages, device=DEVICE)
+        live = ((pos >= first[:, None]) & (pos < last[:, None]) & (slot[:, None] >= 0))[:, None, :].expand_as(s2)
+        assert torch.equal(s2[live], s[live])  # outside: -inf in the page blocks overlapping the range, or unwritten
+        assert (torch.isnan(s2[~live]) | torch.isneginf(s2[~live])).all()
+        assert torch.isnan(s2[2]).all() and torch.isnan(s2[3]).all()  # no slot; an empty range
 
 
 def test_page_scores_bound_real_logits():
