@@ -150,7 +150,7 @@ def _lfps_priority_kernel(
 
 def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: torch.Tensor, sla: torch.Tensor,
                   n: torch.Tensor, sink: torch.Tensor, *, prio: torch.Tensor | None = None,
-                  bypass: torch.Tensor | None = None, block_m: int = 256, num_warps: int = 4):
+                  bypass: torch.Tensor | None = None, block_m: int = 1024, num_warps: int = 4):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -385,7 +385,7 @@ def _lfps_finish_kernel(
 def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, row: torch.Tensor, n: torch.Tensor, r: torch.Tensor, cand: torch.Tensor,
                 idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
-                sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 256) -> None:
+                sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024) -> None:
     """The module docstring's third kernel, in place on ``o`` (bypassed heads of the
     live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``)."""
     s, hkv, _ = idx.shape

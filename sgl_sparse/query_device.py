@@ -59,6 +59,12 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: test passed with it on); bench/README.md, "Session 6".
 ASPD_SIDE_STREAM = os.environ.get("SGL_SPARSE_ASPD_SIDE_STREAM", "0") == "1"
 
+#: A/B baseline (SGL_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
+#: lfps's table work as torch ops (sgl_sparse/lfps_device_legacy.py) and the
+#: quest / asyncspade scores written over their whole width, as before the
+#: early-exit kernels; for tests/kernels/test_query_device_graph.py's timings only.
+LEGACY = os.environ.get("SGL_SPARSE_QA_LEGACY", "0") == "1"
+
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
 POLICIES = tuple(QUERY_AWARE_IDS)
@@ -143,6 +149,7 @@ class _QuestForward:
         # page clipped by the sink leaves room for one more)
         self.k = max(1, min(store.max_pages, cap // QUEST_PAGE + 1))
         self.j = torch.where(self.sel, knobs.slot, 0).long()  # slot rows -> batch rows
+        self.src = torch.where(self.sel, knobs.slot, -1).to(torch.int32)  # batch row -> its slot, -1: none
         self.sel3 = self.sel[:, None, None]
         self.sel2 = self.sel[:, None]
 
@@ -155,6 +162,7 @@ class _AspdForward:
         # select: the rows that read their selection
         sel = sr.mine & indexed
         self.row_slot = torch.where(sel, knobs.slot, store.scratch_slot).long()
+        self.src = torch.where(sel, knobs.slot, -1).to(torch.int32)  # -1: the row keeps its a_pos / a_len
         self.sel3 = sel[:, None, None]
         self.sel2 = sel[:, None]
         # finish: over the slots
@@ -179,7 +187,11 @@ class QueryAwareDevice:
         self.quest = state.query_stores.get(PolicyId.QUEST)
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
         lfps_store = state.query_stores.get(PolicyId.LFPS)
-        self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
+        self._legacy = LEGACY
+        lfps_cls = LfpsDevice
+        if self._legacy:
+            from sgl_sparse.lfps_device_legacy import LegacyLfpsDevice as lfps_cls
+        self.lfps = lfps_cls(lfps_store) if lfps_store is not None else None
         # one policy: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner_gates = sum(x is not None for x in (self.quest, self.aspd, self.lfps)) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
@@ -275,16 +287,22 @@ class QueryAwareDevice:
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     f = self._fwd_aspd
-                    width = self.aspd.sel_pos.shape[-1]
-                    pos = self.aspd.sel_pos[li][f.row_slot]
-                    a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
-                    torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
+                    if self._legacy:
+                        width = self.aspd.sel_pos.shape[-1]
+                        pos = self.aspd.sel_pos[li][f.row_slot]
+                        a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
+                        torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
+                    else:  # one launch; rows without a selection return at once
+                        from sgl_sparse.kernels.gather_selection import gather_selection
+
+                        gather_selection(f.src, self.aspd.sel_pos[li], self.aspd.sel_count[li], a_pos, a_len)
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
                     self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
+        from sgl_sparse.kernels.gather_selection import gather_selection
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
         from sgl_sparse.kernels.topk_range import topk_range
 
@@ -294,7 +312,7 @@ class QueryAwareDevice:
         # row whose budget covered it at first must find all its pages current later.
         quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
         scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last,
-                                   fill=False)  # [first, last) of the selected slots only: what topk_range reads
+                                   fill=self._legacy)  # [first, last) of the selected slots only: what topk_range reads
         # the best `pages` pages, ascending; slots not selected this step: an empty range
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
@@ -303,8 +321,11 @@ class QueryAwareDevice:
         cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
         expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
         # back to the batch rows: a_pos of the others is not read beyond their a_len
-        torch.index_select(pos, 0, f.j, out=a_pos)
-        torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+        if self._legacy:
+            torch.index_select(pos, 0, f.j, out=a_pos)
+            torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+        else:  # one launch; rows without a selection return at once
+            gather_selection(f.src, pos, cnt, a_pos, a_len)
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -368,7 +389,7 @@ class QueryAwareDevice:
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
-        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
+        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=self._legacy)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
