@@ -392,6 +392,7 @@ def _expand_selection_kernel(
     B_START,  # [bs] int32
     A_POS,  # [bs, Hkv, WIDTH] int32 out (WIDTH >= n_sink + PAGE K unless HAS_SINK)
     A_LEN,  # [bs, Hkv] int32 out
+    OUT_ROWS,  # [bs] int: the row of A_POS / A_LEN that row b writes, < 0: none (only if HAS_ROWS)
     stride_vb,
     stride_vh,
     stride_ib,
@@ -412,6 +413,7 @@ def _expand_selection_kernel(
     HAS_CAND: tl.constexpr,
     HAS_SINK: tl.constexpr,
     HAS_COUNT: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
 
@@ -426,6 +428,11 @@ def _expand_selection_kernel(
     """
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
+    out_b = cur_b.to(tl.int64)
+    if HAS_ROWS:
+        out_b = tl.load(OUT_ROWS + cur_b).to(tl.int64)
+        if out_b < 0:  # nothing to write for this row
+            return
     b_start = tl.load(B_START + cur_b)
     budget = budget_all
     if HAS_BUDGET:
@@ -449,7 +456,7 @@ def _expand_selection_kernel(
     cnt = tl.where(chosen, tl.maximum(tl.minimum(page * PAGE + PAGE, b_start) - start, 0), 0)
     n_sink = tl.minimum(sink_all, tl.maximum(b_start, 0))
     off = n_sink + tl.cumsum(cnt, 0) - cnt  # exclusive prefix sum: where each page's run goes
-    pos_base = A_POS + cur_b * stride_pb + cur_h * stride_ph
+    pos_base = A_POS + out_b * stride_pb + cur_h * stride_ph
     offs_s = tl.arange(0, BLOCK_S)
     if HAS_SINK:
         for s0 in range(0, n_sink, BLOCK_S):
@@ -463,7 +470,7 @@ def _expand_selection_kernel(
         dst = off[:, None] + offs_j[None, :]
         tl.store(pos_base + dst, start[:, None] + offs_j[None, :],
                  mask=(offs_j[None, :] < cnt[:, None]) & (dst < WIDTH))
-    tl.store(A_LEN + cur_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
+    tl.store(A_LEN + out_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
 
 
 def quest_select_positions(
@@ -531,6 +538,7 @@ def expand_selection(
     n_sink: Union[int, torch.Tensor],
     cand_pos: Optional[torch.Tensor] = None,
     count: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections).
 
@@ -540,7 +548,12 @@ def expand_selection(
 
     ``count`` (int32 ``[bs, Hkv]``, ``vals`` then ``None``): ``idx`` is a
     :func:`~.topk_range.topk_range` output, its first ``count`` entries listed
-    (ascending indices give ascending positions)."""
+    (ascending indices give ascending positions).
+
+    ``out_rows`` (int ``[bs]``): row ``b`` writes row ``out_rows[b]`` of ``out_pos`` /
+    ``out_len`` (which may have any number of rows), nothing where it is ``< 0``
+    (its program returns at once): the CUDA-graph path writes the slots'
+    selections straight into the batch rows or the store that hold them."""
     if count is not None:
         assert vals is None and count.shape == idx.shape[:2] and count.dtype == torch.int32 and count.stride(1) == 1
         vals = count[..., None]  # only its strides are read below
@@ -555,15 +568,21 @@ def expand_selection(
         assert budget.shape == (bs,) and budget.dtype == torch.int32
     if cand_pos is not None:
         assert cand_pos.shape[:2] == (bs, num_kv_heads) and cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
+    if out_rows is not None:
+        assert out_rows.shape == (bs,) and out_rows.is_contiguous()
+        assert out_pos.shape[1] == num_kv_heads and out_len.shape == (out_pos.shape[0], num_kv_heads)
+    else:
+        assert out_pos.shape[0] == bs and out_len.shape[0] == bs
     _expand_selection_kernel[(bs, num_kv_heads)](
         vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start,
         n_sink if has_sink else b_start, b_start,
-        out_pos, out_len,
+        out_pos, out_len, out_rows if out_rows is not None else b_start,
         vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1),
         cand_pos.stride(0) if cand_pos is not None else 0, cand_pos.stride(1) if cand_pos is not None else 0,
         out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
         0 if has_budget else int(budget), k, 0 if has_sink else int(n_sink), out_pos.shape[2],
         PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=16 if has_sink else max(2, next_pow2(n_sink)),
         HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink, HAS_COUNT=count is not None,
+        HAS_ROWS=out_rows is not None,
         num_warps=1 if k <= 64 else 4,
     )

@@ -29,6 +29,13 @@ per layer one gate on "the batch has a live quest/asyncspade/lfps row", and
 inside it one per policy, so a replay without such rows costs a few nodes per
 layer instead of the policies' kernels, and `full` traffic on a server with the
 captured path stays at stock speed. Hence the in-place outputs of select().
+Where no conditional node can be captured (torch without the API, e.g. the H100
+image's 2.11; graph_gate.flag) every block runs at every step, so every kernel on
+these paths takes the slots' / rows' liveness (n = 0, an empty range, slot or
+source row -1) and its programs for a slot or row without a live one return at
+once: a replay without quest / asyncspade / lfps rows costs per layer 16
+near-empty launches and 2 small torch ops (bench/kernels/count_query_aware_ops.py;
+it was 13 launches and 159 ops, lfps's tables over [slots, Hkv, max_context]).
 Same selections as the torch path (the CPU path and this one's oracle,
 tests/test_query_device.py), listed in ascending position order: the Top pages /
 tokens come from kernels/topk_range.py, whose work per slot is bounded by the
@@ -149,7 +156,7 @@ class _QuestForward:
         # page clipped by the sink leaves room for one more)
         self.k = max(1, min(store.max_pages, cap // QUEST_PAGE + 1))
         self.j = torch.where(self.sel, knobs.slot, 0).long()  # slot rows -> batch rows
-        self.src = torch.where(self.sel, knobs.slot, -1).to(torch.int32)  # batch row -> its slot, -1: none
+        self.out_row = torch.where(self.slot_sel >= 0, sr.b, -1)  # slot -> the batch row it writes, -1: none
         self.sel3 = self.sel[:, None, None]
         self.sel2 = self.sel[:, None]
 
@@ -302,7 +309,6 @@ class QueryAwareDevice:
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
-        from sgl_sparse.kernels.gather_selection import gather_selection
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
         from sgl_sparse.kernels.topk_range import topk_range
 
@@ -317,15 +323,16 @@ class QueryAwareDevice:
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
                                                   device=scores.device))
-        pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
-        cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
-        expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
-        # back to the batch rows: a_pos of the others is not read beyond their a_len
         if self._legacy:
+            pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
+            cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
+            expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
+            # back to the batch rows: a_pos of the others is not read beyond their a_len
             torch.index_select(pos, 0, f.j, out=a_pos)
             torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
-        else:  # one launch; rows without a selection return at once
-            gather_selection(f.src, pos, cnt, a_pos, a_len)
+        else:  # straight into the selected slots' batch rows; the other slots' programs return at once
+            expand_selection(None, idx, f.k, f.b_start, a_pos, a_len, page=QUEST_PAGE, n_sink=f.sink, count=n_pages,
+                             out_rows=f.out_row)
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -396,6 +403,10 @@ class QueryAwareDevice:
         idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
                                 out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
                                                 device=q_hat.device))
+        if not self._legacy:  # straight into the store; slots without a row: their programs return at once
+            expand_selection(None, idx, k, f.next_b, store.sel_pos[li], store.sel_count[li], page=1, n_sink=f.sink,
+                             count=n_tok, out_rows=f.push)
+            return
         pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q_hat.device)
         cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q_hat.device)
         expand_selection(None, idx, k, f.next_b, pos, cnt, page=1, n_sink=f.sink, count=n_tok)

@@ -277,7 +277,9 @@ def test_ops_per_layer_stay_few():
     whose programs of slots without a row return at once (kernels/lfps_tables.py):
     12 / 162 + 15 launches (lfps alone: 2 ops + 7 launches); quest's and
     asyncspade's selections copied to their batch rows by one launch each
-    (kernels/gather_selection.py): 4 / 158 + 17 launches."""
+    (kernels/gather_selection.py): 4 / 158 + 17 launches; quest's and the next
+    asyncspade selection written by expand_selection straight into the batch rows /
+    the store (out_rows): 2 / 157 + 16 launches."""
     import importlib.util
     import os
 
@@ -287,8 +289,8 @@ def test_ops_per_layer_stay_few():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.count()
-    assert res["other"].total <= 6, dict(res["other"].ops)
+    assert res["other"].total <= 4, dict(res["other"].ops)
     assert res["first"].total <= 165, dict(res["first"].ops)
-    assert sum(res["other"].launches.values()) == 17
+    assert sum(res["other"].launches.values()) == 16
     # no `t[idx] = scalar` (on CUDA a host->device copy that waits for the stream)
     assert res["first"].host_scalar_writes == 0 and res["other"].host_scalar_writes == 0
