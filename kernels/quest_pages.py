@@ -275,6 +275,7 @@ def _quest_page_scores_kernel(
     FIRST_PAGE,  # [bs] int32
     LAST_PAGE,  # [bs] int32
     OUT,  # [bs, Hkv, max_pages] fp32
+    Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
     stride_qb,
     stride_qh,
     stride_bs,
@@ -290,6 +291,7 @@ def _quest_page_scores_kernel(
     BLOCK_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
     FILL: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -311,7 +313,10 @@ def _quest_page_scores_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        q_b = cur_b.to(tl.int64)
+        if HAS_Q_ROWS:
+            q_b = tl.load(Q_ROWS + cur_b).to(tl.int64)
+        q = tl.load(Q + q_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         # max(q*kmin, q*kmax) summed over d == relu(q).kmax + min(q,0).kmin;
         # both halves of q are exact in q's dtype, so two tensor-core dots.
@@ -342,6 +347,7 @@ def quest_page_scores(
     block_p: int = 64,
     num_warps: int = 4,
     fill: bool = True,
+    q_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Quest upper bounds of the attention logits per page, fp32 ``[bs, Hkv, max_pages]``.
 
@@ -352,8 +358,13 @@ def quest_page_scores(
     in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``. ``fill=False``:
     only ``[first_page, last_page)`` of rows with ``slot >= 0`` is written (what
     ``topk_range`` over that range reads); every other program returns at once.
+    ``q_rows`` (int ``[bs]``): row ``b`` reads ``q[q_rows[b]]`` (``q`` then has any
+    number of rows).
     """
-    bs, num_q_heads, head_dim = q.shape
+    _, num_q_heads, head_dim = q.shape
+    bs = q.shape[0] if q_rows is None else q_rows.shape[0]
+    if q_rows is not None:
+        assert not q_rows.is_floating_point() and q_rows.is_contiguous()
     num_kv_heads, max_pages = kmin.shape[1], kmin.shape[2]
     assert num_q_heads % num_kv_heads == 0
     group = num_q_heads // num_kv_heads
@@ -367,11 +378,12 @@ def quest_page_scores(
     block_p = max(16, min(int(block_p), next_pow2(max_pages)))  # tl.dot needs N >= 16
     grid = (bs, num_kv_heads, cdiv(max_pages, block_p))
     _quest_page_scores_kernel[grid](
-        q, kmin, kmax, slot, first_page, last_page, out,
+        q, kmin, kmax, slot, first_page, last_page, out, q_rows if q_rows is not None else slot,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
         max_pages,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_P=block_p,
         BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype), FILL=bool(fill),
+        HAS_Q_ROWS=q_rows is not None,
         num_warps=num_warps,
     )
     return out

@@ -240,6 +240,7 @@ def _token_scores_at_kernel(
     LO,  # [bs] int32 (only if HAS_RANGE)
     HI,
     OUT,  # [bs, Hkv, C] fp32
+    Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
     sm_scale,
     stride_qb,
     stride_qh,
@@ -262,6 +263,7 @@ def _token_scores_at_kernel(
     FP32_DOT: tl.constexpr,
     HAS_LEN: tl.constexpr,
     HAS_RANGE: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -283,7 +285,10 @@ def _token_scores_at_kernel(
     score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     if blk * BLOCK_N < n:
         req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
-        q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+        q_b = cur_b.to(tl.int64)
+        if HAS_Q_ROWS:
+            q_b = tl.load(Q_ROWS + cur_b).to(tl.int64)
+        q_hi, q_lo = _load_q_parts(Q, q_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                    BLOCK_H, BLOCK_D, Q_SPLIT)
         mask_h = tl.arange(0, BLOCK_H) < GROUP
         offs_d = tl.arange(0, BLOCK_D)
@@ -307,6 +312,7 @@ def token_scores_at(
     lo: Optional[torch.Tensor] = None,
     hi: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    q_rows: Optional[torch.Tensor] = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -317,9 +323,14 @@ def token_scores_at(
     ``cand_len``) whose position lies in ``[lo[b], hi[b])`` (default
     ``[0, max_ctx)``); ``-inf`` for every other entry, which is never read from
     the pool -- pad lists with ``-1``. Each KV head has its own list (LFPS's
-    candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``.
+    candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``. ``q_rows``
+    (int ``[bs]``): row ``b`` scores with ``q_hat[q_rows[b]]`` (``q_hat`` then has any
+    number of rows; the CUDA-graph path reads its batch rows' queries in place).
     """
-    bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
+    _, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
+    bs = cand_pos.shape[0] if q_rows is not None else q_hat.shape[0]
+    if q_rows is not None:
+        assert q_rows.shape == (bs,) and not q_rows.is_floating_point() and q_rows.is_contiguous()
     assert cand_pos.dim() == 3 and cand_pos.shape[:2] == (bs, num_kv_heads), "cand_pos: [bs, Hkv, C]"
     assert cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
     c = cand_pos.shape[2]
@@ -337,12 +348,12 @@ def token_scores_at(
         cand_len if cand_len is not None else cand_pos,
         lo if lo is not None else cand_pos,
         hi if hi is not None else cand_pos,
-        out, float(sm_scale),
+        out, q_rows if q_rows is not None else cand_pos, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         cand_pos.stride(0), cand_pos.stride(1), cand_len.stride(0) if cand_len is not None else 0,
         out.stride(0), out.stride(1), c, req_to_token.shape[1],
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
-        HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None,
+        HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None, HAS_Q_ROWS=q_rows is not None,
         num_warps=num_warps,
     )
     return out

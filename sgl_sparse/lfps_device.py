@@ -21,7 +21,7 @@ program per (slot, KV head) in every launch:
 Slots without an indexed row this step get n = 0 and budget 0: every program of
 theirs returns at once (reads nothing, writes nothing), so a step pays for its
 live slots only, and a batch without an lfps row pays seven near-empty launches
-and one gather per layer (it was ~150 torch ops over [slots, Hkv, max_context]:
+per layer, the queries read in place by the slots' batch rows (it was ~150 torch ops over [slots, Hkv, max_context]:
 bench/kernels/count_query_aware_ops.py).
 """
 
@@ -95,15 +95,15 @@ class LfpsDevice:
         store = self.store
         s, hkv = f.n.shape[0], k_cache.shape[1]
         dev = q3.device
-        q = f.sr.take_any(q3)  # [S, Hq, D]; slots without a row: masked (n = 0)
+        # each slot reads its row's query in place (slots without a row: row 0's, unused: n = 0)
         # 1. ρ; 2-3. the bypass, C0, C1 and the priorities from the tables
-        rho = lfps_head_sparsity(q, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
-                                 store.sigma_hat2[li], scale)
+        rho = lfps_head_sparsity(q3, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
+                                 store.sigma_hat2[li], scale, q_rows=f.sr.b_any)
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink)
         cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=dev)  # read below n_c1 only
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
-        rank = token_scores_at(q, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1)
+        rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any)
         idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
         idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx)
         self._sel = LfpsSelection(bypass, cand, idx, count)

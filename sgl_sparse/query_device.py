@@ -34,7 +34,7 @@ image's 2.11; graph_gate.flag) every block runs at every step, so every kernel o
 these paths takes the slots' / rows' liveness (n = 0, an empty range, slot or
 source row -1) and its programs for a slot or row without a live one return at
 once: a replay without quest / asyncspade / lfps rows costs per layer 16
-near-empty launches and 2 small torch ops (bench/kernels/count_query_aware_ops.py;
+near-empty launches and no torch op (bench/kernels/count_query_aware_ops.py;
 it was 13 launches and 159 ops, lfps's tables over [slots, Hkv, max_context]).
 Same selections as the torch path (the CPU path and this one's oracle,
 tests/test_query_device.py), listed in ascending position order: the Top pages /
@@ -317,8 +317,11 @@ class QueryAwareDevice:
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
         quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
-        scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last,
-                                   fill=self._legacy)  # [first, last) of the selected slots only: what topk_range reads
+        if self._legacy:
+            scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
+        else:  # [first, last) of the selected slots only (what topk_range reads); queries read in place
+            scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last, fill=False,
+                                       q_rows=f.sr.b_any)
         # the best `pages` pages, ascending; slots not selected this step: an empty range
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,

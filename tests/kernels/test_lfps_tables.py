@@ -157,3 +157,38 @@ def test_select_out_and_finish(group, o_dtype):
     # no row, bypassed, or an empty C2: the tables as they were, bit for bit
     for i, h in [(1, 0), (1, 1), (2, 1)] + [(i, h) for i in range(s) for h in range(HKV) if count[i, h] == 0]:
         assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (i, h)
+
+
+def test_q_rows_read_in_place():
+    """q_rows (lfps_head_sparsity, token_scores_at, quest_page_scores): each row reads
+    its query from another row of q, bit for bit what the gathered q gives; rows
+    with nothing to do never read theirs."""
+    from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
+    from sgl_sparse.kernels.quest_pages import quest_page_scores
+    from sgl_sparse.kernels.token_scores import token_scores_at
+
+    gen = torch.Generator().manual_seed(5)
+    group, bs, s, pool = 3, 6, 4, 300
+    q3 = torch.randn(bs, HKV * group, D, generator=gen).half()
+    rows = torch.tensor([4, 0, 2, 5])
+    q = q3[rows]
+    k_pool = torch.randn(pool, HKV, D, generator=gen).half()
+    r2t = torch.randint(0, pool, (5, 128), generator=gen, dtype=torch.int32)
+    rpi = torch.tensor([1, 0, 3, 4])
+    n = torch.tensor([90, 0, 40, 120], dtype=torch.int32)
+    sink = torch.tensor([4, 0, 2, 3], dtype=torch.int32)
+    local = torch.tensor([6, 0, 30, 5], dtype=torch.int32)
+    kbar = torch.randn(s, HKV, D, generator=gen)
+    sig = torch.rand(s, HKV * group, generator=gen)
+    args = (k_pool, r2t, rpi, n, sink, local, kbar, sig, 0.25)
+    assert torch.equal(lfps_head_sparsity(q3, *args, q_rows=rows), lfps_head_sparsity(q, *args))
+    cand = torch.randint(0, 90, (s, HKV, 40), generator=gen, dtype=torch.int32)
+    clen = torch.tensor([[40, 7], [0, 0], [13, 40], [1, 22]], dtype=torch.int32)
+    a = token_scores_at(q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16)
+    assert torch.equal(a, token_scores_at(q, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, block_n=16))
+    kmin = torch.randn(5, HKV, 9, D, generator=gen).half()
+    kmax = kmin + torch.rand(5, HKV, 9, D, generator=gen).half()
+    slot = torch.tensor([3, -1, 0, 4], dtype=torch.int32)
+    first, last = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([6, 9, 9, 5], dtype=torch.int32)
+    p = quest_page_scores(q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
+    assert torch.equal(p, quest_page_scores(q, kmin, kmax, slot, first, last, block_p=16))
