@@ -241,6 +241,7 @@ def _token_scores_at_kernel(
     HI,
     OUT,  # [bs, Hkv, C] fp32
     Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
+    ROW_ON,  # [bs] int: <= 0: the row's programs write nothing (only if HAS_ON)
     sm_scale,
     stride_qb,
     stride_qh,
@@ -264,10 +265,14 @@ def _token_scores_at_kernel(
     HAS_LEN: tl.constexpr,
     HAS_RANGE: tl.constexpr,
     HAS_Q_ROWS: tl.constexpr,
+    HAS_ON: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
     blk = tl.program_id(2)
+    if HAS_ON:
+        if tl.load(ROW_ON + cur_b) <= 0:  # nobody reads this row: nothing to do
+            return
     offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     n = C
     if HAS_LEN:
@@ -313,6 +318,7 @@ def token_scores_at(
     hi: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     q_rows: Optional[torch.Tensor] = None,
+    row_on: Optional[torch.Tensor] = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -326,11 +332,16 @@ def token_scores_at(
     candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``. ``q_rows``
     (int ``[bs]``): row ``b`` scores with ``q_hat[q_rows[b]]`` (``q_hat`` then has any
     number of rows; the CUDA-graph path reads its batch rows' queries in place).
+    ``row_on`` (int ``[bs]``): rows with ``row_on[b] <= 0`` are not written at all
+    (their programs return at once: the CUDA-graph path's slots without a row,
+    whose Top-k has budget 0 and reads nothing).
     """
     _, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     bs = cand_pos.shape[0] if q_rows is not None else q_hat.shape[0]
     if q_rows is not None:
         assert q_rows.shape == (bs,) and not q_rows.is_floating_point() and q_rows.is_contiguous()
+    if row_on is not None:
+        assert row_on.shape == (bs,) and not row_on.is_floating_point() and row_on.is_contiguous()
     assert cand_pos.dim() == 3 and cand_pos.shape[:2] == (bs, num_kv_heads), "cand_pos: [bs, Hkv, C]"
     assert cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
     c = cand_pos.shape[2]
@@ -348,13 +359,13 @@ def token_scores_at(
         cand_len if cand_len is not None else cand_pos,
         lo if lo is not None else cand_pos,
         hi if hi is not None else cand_pos,
-        out, q_rows if q_rows is not None else cand_pos, float(sm_scale),
+        out, q_rows if q_rows is not None else cand_pos, row_on if row_on is not None else cand_pos, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         cand_pos.stride(0), cand_pos.stride(1), cand_len.stride(0) if cand_len is not None else 0,
         out.stride(0), out.stride(1), c, req_to_token.shape[1],
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
         HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None, HAS_Q_ROWS=q_rows is not None,
-        num_warps=num_warps,
+        HAS_ON=row_on is not None, num_warps=num_warps,
     )
     return out
 

@@ -103,7 +103,9 @@ class LfpsDevice:
         cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=dev)  # read below n_c1 only
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
-        rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any)
+        # slots without a row (budget 0: their Top-k reads nothing) write nothing
+        rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any,
+                               row_on=f.budget)
         idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
         idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx)
         self._sel = LfpsSelection(bypass, cand, idx, count)
