@@ -75,6 +75,7 @@ def _lfps_head_sparsity_kernel(
     KBAR,  # [bs, Hkv, D] fp32
     SIGMA_HAT2,  # [bs, Hq] fp32
     OUT,  # [bs, Hq] fp32
+    Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
     sm_scale,
     stride_qb,
     stride_qh,
@@ -92,6 +93,7 @@ def _lfps_head_sparsity_kernel(
     BLOCK_D: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -106,7 +108,10 @@ def _lfps_head_sparsity_kernel(
     sink = tl.maximum(tl.load(SINK + cur_b), 0)
     local = tl.maximum(tl.load(LOCAL + cur_b), 0)
     tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_b).to(tl.int64) * stride_r2t
-    q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+    q_b = cur_b.to(tl.int64)
+    if HAS_Q_ROWS:
+        q_b = tl.load(Q_ROWS + cur_b).to(tl.int64)
+    q_hi, q_lo = _load_q_parts(Q, q_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                BLOCK_H, BLOCK_D, Q_SPLIT)
     ls = _range_lse(q_hi, q_lo, K_POOL, tok_row, cur_h, stride_kt, stride_kh, 0, tl.minimum(sink, n), sm_scale,
                     HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, Q_SPLIT, FP32_DOT)
@@ -114,7 +119,7 @@ def _lfps_head_sparsity_kernel(
                     n - 1, sm_scale, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, Q_SPLIT, FP32_DOT)
     # log w_global: the log-normal estimate over the n - sink offloaded keys (Eq. 5)
     mask_qd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(Q + q_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_qd, other=0.0).to(tl.float32)
     kbar = tl.load(KBAR + cur_b * stride_kbb + cur_h * stride_kbh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
     sig = tl.load(SIGMA_HAT2 + cur_b * stride_sb + cur_h * GROUP + offs_h, mask=mask_h, other=0.0)
@@ -140,6 +145,7 @@ def lfps_head_sparsity(
     sm_scale: float,
     *,
     out: Optional[torch.Tensor] = None,
+    q_rows: Optional[torch.Tensor] = None,
     block_n: int = 16,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -151,8 +157,14 @@ def lfps_head_sparsity(
         n, sink, local: ``[bs]`` int32: keys of the row (the current one included;
             ``<= 0``: ρ = 0, nothing read), its sink tokens and local keys.
         kbar: ``[bs, Hkv, D]`` fp32 (rows may be strided); sigma_hat2 ``[bs, Hq]`` fp32.
+        q_rows: ``[bs]`` int: row ``b`` reads the query ``q[q_rows[b]]`` (``q`` then has
+            any number of rows): the CUDA-graph path's slots read their batch rows'
+            queries in place, no gather.
     """
-    bs, num_kv_heads, head_dim, group = _common_checks(q, k_pool, req_to_token)
+    _, num_kv_heads, head_dim, group = _common_checks(q, k_pool, req_to_token)
+    bs = q.shape[0] if q_rows is None else q_rows.shape[0]
+    if q_rows is not None:
+        assert not q_rows.is_floating_point() and q_rows.is_contiguous()
     for name, t in (("n", n), ("sink", sink), ("local", local), ("req_pool_idx", req_pool_idx)):
         assert t.shape == (bs,) and t.is_contiguous(), f"{name}: [bs]"
     assert kbar.shape == (bs, num_kv_heads, head_dim) and kbar.dtype == torch.float32 and kbar.stride(2) == 1
@@ -164,9 +176,10 @@ def lfps_head_sparsity(
     if bs == 0:
         return out
     _lfps_head_sparsity_kernel[(bs, num_kv_heads)](
-        q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out, float(sm_scale),
+        q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out,
+        q_rows if q_rows is not None else n, float(sm_scale),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         kbar.stride(0), kbar.stride(1), sigma_hat2.stride(0), out.stride(0),
-        BLOCK_N=block_n, num_warps=num_warps, **group_tile_meta(q, k_pool),
+        BLOCK_N=block_n, num_warps=num_warps, HAS_Q_ROWS=q_rows is not None, **group_tile_meta(q, k_pool),
     )
     return out

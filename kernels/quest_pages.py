@@ -275,6 +275,7 @@ def _quest_page_scores_kernel(
     FIRST_PAGE,  # [bs] int32
     LAST_PAGE,  # [bs] int32
     OUT,  # [bs, Hkv, max_pages] fp32
+    Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
     stride_qb,
     stride_qh,
     stride_bs,
@@ -289,6 +290,8 @@ def _quest_page_scores_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    FILL: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -297,6 +300,10 @@ def _quest_page_scores_kernel(
     slot = tl.load(SLOT + cur_b).to(tl.int64)
     first = tl.maximum(tl.load(FIRST_PAGE + cur_b), 0)
     last = tl.minimum(tl.load(LAST_PAGE + cur_b), MAX_PAGES)
+    if not FILL:
+        # only [first, last) of live rows is read: a block outside it has nothing to do
+        if (slot < 0) | (last <= first) | (blk * BLOCK_P >= last) | (blk * BLOCK_P + BLOCK_P <= first):
+            return
     in_range = (offs_p >= first) & (offs_p < last) & (slot >= 0)
     out_ptr = OUT + cur_b * stride_ob + cur_h * stride_oh + offs_p
     score = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
@@ -306,7 +313,10 @@ def _quest_page_scores_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        q_b = cur_b.to(tl.int64)
+        if HAS_Q_ROWS:
+            q_b = tl.load(Q_ROWS + cur_b).to(tl.int64)
+        q = tl.load(Q + q_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         # max(q*kmin, q*kmax) summed over d == relu(q).kmax + min(q,0).kmin;
         # both halves of q are exact in q's dtype, so two tensor-core dots.
@@ -336,6 +346,8 @@ def quest_page_scores(
     out: Optional[torch.Tensor] = None,
     block_p: int = 64,
     num_warps: int = 4,
+    fill: bool = True,
+    q_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Quest upper bounds of the attention logits per page, fp32 ``[bs, Hkv, max_pages]``.
 
@@ -343,9 +355,16 @@ def quest_page_scores(
     q[b,g,d] * kmax[s,h,p,d])`` with ``s = slot[b]``, for ``first_page[b] <= p <
     last_page[b]``; ``-inf`` for every other page and for rows with ``slot < 0``.
     Unscaled (no ``sm_scale``): only the ranking matters. ``q``: ``[bs, Hq, D]``
-    in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``.
+    in the KV dtype. Grid ``(bs, Hkv, ceil(max_pages / block_p))``. ``fill=False``:
+    only ``[first_page, last_page)`` of rows with ``slot >= 0`` is written (what
+    ``topk_range`` over that range reads); every other program returns at once.
+    ``q_rows`` (int ``[bs]``): row ``b`` reads ``q[q_rows[b]]`` (``q`` then has any
+    number of rows).
     """
-    bs, num_q_heads, head_dim = q.shape
+    _, num_q_heads, head_dim = q.shape
+    bs = q.shape[0] if q_rows is None else q_rows.shape[0]
+    if q_rows is not None:
+        assert not q_rows.is_floating_point() and q_rows.is_contiguous()
     num_kv_heads, max_pages = kmin.shape[1], kmin.shape[2]
     assert num_q_heads % num_kv_heads == 0
     group = num_q_heads // num_kv_heads
@@ -359,11 +378,12 @@ def quest_page_scores(
     block_p = max(16, min(int(block_p), next_pow2(max_pages)))  # tl.dot needs N >= 16
     grid = (bs, num_kv_heads, cdiv(max_pages, block_p))
     _quest_page_scores_kernel[grid](
-        q, kmin, kmax, slot, first_page, last_page, out,
+        q, kmin, kmax, slot, first_page, last_page, out, q_rows if q_rows is not None else slot,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
         max_pages,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_P=block_p,
-        BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype),
+        BLOCK_D=next_pow2(head_dim), FP32_DOT=needs_fp32_dot(q.dtype), FILL=bool(fill),
+        HAS_Q_ROWS=q_rows is not None,
         num_warps=num_warps,
     )
     return out
@@ -384,6 +404,7 @@ def _expand_selection_kernel(
     B_START,  # [bs] int32
     A_POS,  # [bs, Hkv, WIDTH] int32 out (WIDTH >= n_sink + PAGE K unless HAS_SINK)
     A_LEN,  # [bs, Hkv] int32 out
+    OUT_ROWS,  # [bs] int: the row of A_POS / A_LEN that row b writes, < 0: none (only if HAS_ROWS)
     stride_vb,
     stride_vh,
     stride_ib,
@@ -404,6 +425,7 @@ def _expand_selection_kernel(
     HAS_CAND: tl.constexpr,
     HAS_SINK: tl.constexpr,
     HAS_COUNT: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
 
@@ -418,6 +440,11 @@ def _expand_selection_kernel(
     """
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
+    out_b = cur_b.to(tl.int64)
+    if HAS_ROWS:
+        out_b = tl.load(OUT_ROWS + cur_b).to(tl.int64)
+        if out_b < 0:  # nothing to write for this row
+            return
     b_start = tl.load(B_START + cur_b)
     budget = budget_all
     if HAS_BUDGET:
@@ -441,7 +468,7 @@ def _expand_selection_kernel(
     cnt = tl.where(chosen, tl.maximum(tl.minimum(page * PAGE + PAGE, b_start) - start, 0), 0)
     n_sink = tl.minimum(sink_all, tl.maximum(b_start, 0))
     off = n_sink + tl.cumsum(cnt, 0) - cnt  # exclusive prefix sum: where each page's run goes
-    pos_base = A_POS + cur_b * stride_pb + cur_h * stride_ph
+    pos_base = A_POS + out_b * stride_pb + cur_h * stride_ph
     offs_s = tl.arange(0, BLOCK_S)
     if HAS_SINK:
         for s0 in range(0, n_sink, BLOCK_S):
@@ -455,7 +482,7 @@ def _expand_selection_kernel(
         dst = off[:, None] + offs_j[None, :]
         tl.store(pos_base + dst, start[:, None] + offs_j[None, :],
                  mask=(offs_j[None, :] < cnt[:, None]) & (dst < WIDTH))
-    tl.store(A_LEN + cur_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
+    tl.store(A_LEN + out_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
 
 
 def quest_select_positions(
@@ -523,6 +550,7 @@ def expand_selection(
     n_sink: Union[int, torch.Tensor],
     cand_pos: Optional[torch.Tensor] = None,
     count: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections).
 
@@ -532,7 +560,12 @@ def expand_selection(
 
     ``count`` (int32 ``[bs, Hkv]``, ``vals`` then ``None``): ``idx`` is a
     :func:`~.topk_range.topk_range` output, its first ``count`` entries listed
-    (ascending indices give ascending positions)."""
+    (ascending indices give ascending positions).
+
+    ``out_rows`` (int ``[bs]``): row ``b`` writes row ``out_rows[b]`` of ``out_pos`` /
+    ``out_len`` (which may have any number of rows), nothing where it is ``< 0``
+    (its program returns at once): the CUDA-graph path writes the slots'
+    selections straight into the batch rows or the store that hold them."""
     if count is not None:
         assert vals is None and count.shape == idx.shape[:2] and count.dtype == torch.int32 and count.stride(1) == 1
         vals = count[..., None]  # only its strides are read below
@@ -547,15 +580,21 @@ def expand_selection(
         assert budget.shape == (bs,) and budget.dtype == torch.int32
     if cand_pos is not None:
         assert cand_pos.shape[:2] == (bs, num_kv_heads) and cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
+    if out_rows is not None:
+        assert out_rows.shape == (bs,) and out_rows.is_contiguous()
+        assert out_pos.shape[1] == num_kv_heads and out_len.shape == (out_pos.shape[0], num_kv_heads)
+    else:
+        assert out_pos.shape[0] == bs and out_len.shape[0] == bs
     _expand_selection_kernel[(bs, num_kv_heads)](
         vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start,
         n_sink if has_sink else b_start, b_start,
-        out_pos, out_len,
+        out_pos, out_len, out_rows if out_rows is not None else b_start,
         vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1),
         cand_pos.stride(0) if cand_pos is not None else 0, cand_pos.stride(1) if cand_pos is not None else 0,
         out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
         0 if has_budget else int(budget), k, 0 if has_sink else int(n_sink), out_pos.shape[2],
         PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=16 if has_sink else max(2, next_pow2(n_sink)),
         HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink, HAS_COUNT=count is not None,
+        HAS_ROWS=out_rows is not None,
         num_warps=1 if k <= 64 else 4,
     )

@@ -104,13 +104,18 @@ def _token_scores_kernel(
     BLOCK_D: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
     pid = tl.program_id(2)
     nprog = tl.num_programs(2)
     lo = tl.minimum(tl.maximum(tl.load(LO + cur_b), 0), N_MAX)
-    hi = tl.minimum(tl.minimum(tl.load(HI + cur_b), N_MAX), MAX_CTX)  # never past req_to_token's row
+    hi_req = tl.minimum(tl.load(HI + cur_b), N_MAX)
+    hi = tl.minimum(hi_req, MAX_CTX)  # never past req_to_token's row
+    if not FILL:
+        if hi_req <= lo:  # an empty range and nothing to fill: the program has nothing to do
+            return
     req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
     q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                BLOCK_H, BLOCK_D, Q_SPLIT)
@@ -122,7 +127,8 @@ def _token_scores_kernel(
     # Blocks are strided over the programs of this (row, head) for balance.
     # The blocks overlapping [lo, hi) are scored in a loop free of branches (so
     # Triton can software-pipeline its gathers); the rest of the row is filled
-    # with -inf by two store-only loops.
+    # with -inf by two store-only loops (FILL), or only the part of [lo, hi) past
+    # req_to_token's row (not FILL).
     blk_lo = lo // BLOCK_N
     blk_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), blk_lo)
     for blk in range(blk_lo + pid, blk_hi, nprog):
@@ -134,11 +140,16 @@ def _token_scores_kernel(
         s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
         tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for blk in range(pid, blk_lo, nprog):
-        tl.store(out_base + blk * BLOCK_N + offs_n, neg_inf)  # blk < blk_lo: entirely below lo <= N_MAX
-    for blk in range(blk_hi + pid, tl.cdiv(N_MAX, BLOCK_N), nprog):
-        offs = blk * BLOCK_N + offs_n
-        tl.store(out_base + offs, neg_inf, mask=offs < N_MAX)
+    if not FILL:  # the range's part past req_to_token's row (if any) holds -inf
+        for blk in range(blk_hi + pid, tl.cdiv(hi_req, BLOCK_N), nprog):
+            offs = blk * BLOCK_N + offs_n
+            tl.store(out_base + offs, neg_inf, mask=(offs >= tl.maximum(hi, lo)) & (offs < hi_req))
+    if FILL:
+        for blk in range(pid, blk_lo, nprog):
+            tl.store(out_base + blk * BLOCK_N + offs_n, neg_inf)  # blk < blk_lo: entirely below lo <= N_MAX
+        for blk in range(blk_hi + pid, tl.cdiv(N_MAX, BLOCK_N), nprog):
+            offs = blk * BLOCK_N + offs_n
+            tl.store(out_base + offs, neg_inf, mask=offs < N_MAX)
 
 
 def group_tile_meta(q, k_pool) -> dict:
@@ -176,6 +187,7 @@ def token_scores(
     num_sms: Optional[int] = None,
     block_n: int = 64,
     num_warps: int = 4,
+    fill: bool = True,
 ) -> torch.Tensor:
     """Scaled logits of ``q_hat`` over positions ``[lo[b], hi[b])``, fp32 ``[bs, Hkv, n_max]``.
 
@@ -190,6 +202,10 @@ def token_scores(
             ``>= max_ctx`` (the width of ``req_to_token``) are never read: -inf.
         num_programs: programs per (row, KV head) (default: about two waves of
             the GPU from static shapes only).
+        fill: write ``-inf`` outside the range. ``False``: only ``[lo, hi)`` is
+            written (what ``topk_range`` over the same range reads) and the
+            programs of a row with an empty range return at once -- the
+            CUDA-graph path's slots without a request cost O(1), not ``n_max``.
     """
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
@@ -207,7 +223,7 @@ def token_scores(
         q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), n_max, req_to_token.shape[1],
-        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill),
         num_warps=num_warps,
     )
     return out
@@ -224,6 +240,8 @@ def _token_scores_at_kernel(
     LO,  # [bs] int32 (only if HAS_RANGE)
     HI,
     OUT,  # [bs, Hkv, C] fp32
+    Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
+    ROW_ON,  # [bs] int: <= 0: the row's programs write nothing (only if HAS_ON)
     sm_scale,
     stride_qb,
     stride_qh,
@@ -246,10 +264,15 @@ def _token_scores_at_kernel(
     FP32_DOT: tl.constexpr,
     HAS_LEN: tl.constexpr,
     HAS_RANGE: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
+    HAS_ON: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
     blk = tl.program_id(2)
+    if HAS_ON:
+        if tl.load(ROW_ON + cur_b) <= 0:  # nobody reads this row: nothing to do
+            return
     offs = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     n = C
     if HAS_LEN:
@@ -267,7 +290,10 @@ def _token_scores_at_kernel(
     score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     if blk * BLOCK_N < n:
         req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
-        q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+        q_b = cur_b.to(tl.int64)
+        if HAS_Q_ROWS:
+            q_b = tl.load(Q_ROWS + cur_b).to(tl.int64)
+        q_hi, q_lo = _load_q_parts(Q, q_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                    BLOCK_H, BLOCK_D, Q_SPLIT)
         mask_h = tl.arange(0, BLOCK_H) < GROUP
         offs_d = tl.arange(0, BLOCK_D)
@@ -291,6 +317,8 @@ def token_scores_at(
     lo: Optional[torch.Tensor] = None,
     hi: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    q_rows: Optional[torch.Tensor] = None,
+    row_on: Optional[torch.Tensor] = None,
     block_n: int = 64,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -301,9 +329,19 @@ def token_scores_at(
     ``cand_len``) whose position lies in ``[lo[b], hi[b])`` (default
     ``[0, max_ctx)``); ``-inf`` for every other entry, which is never read from
     the pool -- pad lists with ``-1``. Each KV head has its own list (LFPS's
-    candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``.
+    candidates differ per head). Grid ``(bs, Hkv, ceil(C / block_n))``. ``q_rows``
+    (int ``[bs]``): row ``b`` scores with ``q_hat[q_rows[b]]`` (``q_hat`` then has any
+    number of rows; the CUDA-graph path reads its batch rows' queries in place).
+    ``row_on`` (int ``[bs]``): rows with ``row_on[b] <= 0`` are not written at all
+    (their programs return at once: the CUDA-graph path's slots without a row,
+    whose Top-k has budget 0 and reads nothing).
     """
-    bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
+    _, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
+    bs = cand_pos.shape[0] if q_rows is not None else q_hat.shape[0]
+    if q_rows is not None:
+        assert q_rows.shape == (bs,) and not q_rows.is_floating_point() and q_rows.is_contiguous()
+    if row_on is not None:
+        assert row_on.shape == (bs,) and not row_on.is_floating_point() and row_on.is_contiguous()
     assert cand_pos.dim() == 3 and cand_pos.shape[:2] == (bs, num_kv_heads), "cand_pos: [bs, Hkv, C]"
     assert cand_pos.dtype == torch.int32 and cand_pos.stride(2) == 1
     c = cand_pos.shape[2]
@@ -321,13 +359,13 @@ def token_scores_at(
         cand_len if cand_len is not None else cand_pos,
         lo if lo is not None else cand_pos,
         hi if hi is not None else cand_pos,
-        out, float(sm_scale),
+        out, q_rows if q_rows is not None else cand_pos, row_on if row_on is not None else cand_pos, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         cand_pos.stride(0), cand_pos.stride(1), cand_len.stride(0) if cand_len is not None else 0,
         out.stride(0), out.stride(1), c, req_to_token.shape[1],
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
-        HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None,
-        num_warps=num_warps,
+        HAS_LEN=cand_len is not None, HAS_RANGE=lo is not None, HAS_Q_ROWS=q_rows is not None,
+        HAS_ON=row_on is not None, num_warps=num_warps,
     )
     return out
 

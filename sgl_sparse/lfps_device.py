@@ -4,20 +4,25 @@ update_tables, driven by query_serving.py), over the policy's store slots with
 static shapes only, so that SGLang's decode CUDA graphs can capture it.
 
 The torch path sizes its work by the group's longest sequence and reads a dense
-[g, n_max, Hkv, D] view of the keys, both host-decided. Here:
-  knobs       per slot, gathered on the device (sink, budget, local = window - 1,
-              and r / eps / a from SparseState's lfps columns)
+[g, n_max, Hkv, D] view of the keys, both host-decided. Here, per layer, one
+program per (slot, KV head) in every launch:
   ρ           kernels/lfps_sparsity.py: the sink and local keys read in place
-  tables      [slots, Hkv, max_context] torch ops (the valid range [sink, n) as
-              a mask): thresholds and C0 / C1 by queryaware.lfps.candidates itself
+  tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
+              above eps), Eq. (8)'s thresholds, C0 / C1 and the priorities
+              Φ_ver + Φ_sla over the valid range [sink, n) only
   C1 buffer   kernels/topk_range.py over [sink, n): the `candidates` best by
               Φ_ver + Φ_sla, ascending (the torch path's topk of the same set)
   exact q.k   kernels/token_scores.token_scores_at on C1 only (group max)
   C2          topk_range of those scores, Top-`budget`, ascending
-  segment A   kernels/quest_pages.expand_selection: sinks, then C2 below b_start
-  finish      bypassed heads output V̄; Eq. (10) in place on the slots' tables
-Slots without an indexed row this step get n = 0 and budget 0: the kernels read
-nothing for them, and their tables are multiplied by 1 and added 0 (unchanged).
+  segment A   kernels/lfps_tables.lfps_select_out: sinks, then C2 below
+              b_start, straight into the slot's batch row of a_pos / a_len
+  finish      kernels/lfps_tables.lfps_finish: bypassed heads output V̄;
+              Eq. (10) in place on the slots' tables
+Slots without an indexed row this step get n = 0 and budget 0: every program of
+theirs returns at once (reads nothing, writes nothing), so a step pays for its
+live slots only, and a batch without an lfps row pays seven near-empty launches
+per layer, the queries read in place by the slots' batch rows (it was ~150 torch ops over [slots, Hkv, max_context]:
+bench/kernels/count_query_aware_ops.py).
 """
 
 from __future__ import annotations
@@ -27,8 +32,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sgl_sparse.decision import DecodePlan
-from sgl_sparse.policies.base import PolicyId
-from sgl_sparse.queryaware.lfps import candidates
 
 if TYPE_CHECKING:
     from sgl_sparse.query_device import RowKnobs, SlotRows
@@ -42,42 +45,30 @@ class LfpsForward:
                  indexed: torch.Tensor, req_pool_indices: torch.Tensor):
         self.sr = sr
         sel = sr.mine & indexed  # [bs]: the batch rows selected by lfps this step
-        self.sel2 = sel[:, None]
-        self.sel3 = sel[:, None, None]
-        self.j = torch.where(sel, knobs.slot, 0).long()  # batch row -> its slot
         on = sr.take(sel, False)  # [S]: the slot's row is selected this step
-        self.on2 = on[:, None]
+        self.row = sr.b  # [S] the slot's batch row (read where on only)
         self.rpi = sr.take(req_pool_indices)  # 0 (the padding row) where none
         i32 = torch.int32
-        self.n = torch.where(on, sr.take(knobs.n), 0).to(i32)  # 0: nothing read
+        self.n = torch.where(on, sr.take(knobs.n), 0).to(i32)  # 0: no program of the slot does anything
         self.sink = sr.take(knobs.sink).to(i32)
         self.local = (sr.take(knobs.recent) - 1).clamp(min=0).to(i32)  # window = local + 1 (policies/lfps.py)
         self.budget = torch.where(on, sr.take(knobs.budget), 0).to(i32)
         self.b_start = sr.take(plan.b_start).to(i32)
         self.zero = torch.zeros_like(self.n)
         # float knobs by request row: the padding row's are 0 (its slots are off)
-        self.r = state.lfps_r[self.rpi][:, None, None]
-        self.eps = state.lfps_eps[self.rpi][:, None]
-        self.a = state.lfps_a[self.rpi][:, None, None]
-        # the tables' valid positions [sink, n) and Φ_sla(i) = sla[n - 2 - i] (queryaware.lfps.table_views)
-        m = store.cfg.max_context
-        pos = torch.arange(m, device=self.n.device)
-        n = self.n.long()[:, None]
-        self.valid = ((pos[None, :] >= self.sink.long()[:, None]) & (pos[None, :] < n))[:, None, :]
-        off = n - 2 - pos[None, :]
-        self.sla_idx = off.clamp(0, m - 1)[:, None, :]
-        self.sla_ok = (off >= 0)[:, None, :]
+        self.r = state.lfps_r[self.rpi]
+        self.eps = state.lfps_eps[self.rpi]
+        self.a = state.lfps_a[self.rpi]
         self.c_max = torch.full_like(self.n, store.cfg.candidates)
-        self.last = self.n.long()[:, None, None] - 1  # the current query's index
 
 
 class LfpsSelection(NamedTuple):
     """One layer's select -> finish hand-over (per slot)."""
 
-    bypass: torch.Tensor  # [S, Hkv] bool
-    positions: torch.Tensor  # [S, Hkv, K] int64: C2 ascending, 0 past count
+    bypass: torch.Tensor  # [S, Hkv] int8
+    cand: torch.Tensor  # [S, Hkv, C] int32: C1 positions, ascending
+    idx: torch.Tensor  # [S, Hkv, K] int32: C2 as indices into cand, ascending, the first `count`
     count: torch.Tensor  # [S, Hkv] int32: |C2| (0 on bypassed heads)
-    weights: torch.Tensor  # [S, Hkv, K] fp32: w_i on C2 (group mean softmax over C2)
 
 
 class LfpsDevice:
@@ -93,60 +84,40 @@ class LfpsDevice:
         return LfpsForward(self.store, state, sr, knobs, plan, indexed, req_pool_indices)
 
     def select(self, li: int, f: LfpsForward, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Segment A per slot: (positions [S, Hkv, capacity] int32, a_len [S, Hkv] int32)."""
+               scale: float, a_pos: torch.Tensor, a_len: torch.Tensor) -> None:
+        """Segment A of the live slots' batch rows, IN PLACE into a_pos [bs, Hkv, >= capacity]
+        and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention)."""
         from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
-        from sgl_sparse.kernels.quest_pages import expand_selection
+        from sgl_sparse.kernels.lfps_tables import lfps_priority, lfps_select_out
         from sgl_sparse.kernels.token_scores import token_scores_at
         from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.store
         s, hkv = f.n.shape[0], k_cache.shape[1]
-        q = f.sr.take_any(q3)  # [S, Hq, D]; slots without a row: masked (n = 0)
-        # 1. sink bypass: group mean of ρ above eps [ours: GQA aggregation]
-        rho = lfps_head_sparsity(q, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
-                                 store.sigma_hat2[li], scale)
-        bypass = rho.view(s, hkv, -1).mean(-1) > f.eps
-        # 2-3. C0, C1 from the tables
-        ver = store.ver[li]
-        sla = torch.where(f.sla_ok, torch.gather(store.sla[li], -1, f.sla_idx.expand(-1, hkv, -1)), 0.0)
-        _, c1 = candidates(ver, sla, f.valid, f.a)
-        prio = torch.where(c1 & ~bypass[..., None], ver + sla, float("-inf"))
-        cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=q.device)  # read below n_c1 only
+        dev = q3.device
+        # each slot reads its row's query in place (slots without a row: row 0's, unused: n = 0)
+        # 1. ρ; 2-3. the bypass, C0, C1 and the priorities from the tables
+        rho = lfps_head_sparsity(q3, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
+                                 store.sigma_hat2[li], scale, q_rows=f.sr.b_any)
+        prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink)
+        cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=dev)  # read below n_c1 only
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand)
-        # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending)
-        rank = token_scores_at(q, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1)
-        idx, count = topk_range(rank, f.zero, n_c1.amax(1), f.budget, self.k)  # idx zero past count
-        keep = torch.arange(self.k, device=q.device) < count[..., None]
-        pos = torch.where(keep, torch.gather(cand, -1, idx).long(), 0)
-        # Eq. (10)'s w_i: each query head's softmax over C2, the group's mean [ours]
-        tok = req_to_token[f.rpi[:, None, None], pos].long()
-        keys = k_cache[tok, torch.arange(hkv, device=q.device)[None, :, None]]  # [S, Hkv, K, D]
-        lg = torch.einsum("shgd,shkd->shgk", q.float().view(s, hkv, -1, q.shape[-1]), keys.float()) * scale
-        w = torch.softmax(lg.masked_fill(~keep[:, :, None, :], float("-inf")), -1).nan_to_num(0.0).mean(2)
-        self._sel = LfpsSelection(bypass, pos, count, w)
-        a_pos = torch.empty(s, hkv, store.cfg.capacity, dtype=torch.int32, device=q.device)
-        a_len = torch.empty(s, hkv, dtype=torch.int32, device=q.device)
-        expand_selection(None, idx, self.k, f.b_start, a_pos, a_len, page=1, n_sink=f.sink, cand_pos=cand,
-                         count=count)
-        return a_pos, torch.where(bypass, 0, a_len)  # bypassed heads: V̄ after the attention
+        # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
+        # slots without a row (budget 0: their Top-k reads nothing) write nothing
+        rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any,
+                               row_on=f.budget)
+        idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
+        idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx)
+        self._sel = LfpsSelection(bypass, cand, idx, count)
+        lfps_select_out(f.row, f.n, f.sink, f.b_start, cand, idx, count, bypass, a_pos, a_len, store.cfg.capacity)
 
-    def finish(self, li: int, f: LfpsForward, o3: torch.Tensor) -> None:
+    def finish(self, li: int, f: LfpsForward, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
+               req_to_token: torch.Tensor, scale: float) -> None:
         """After this layer's attention (and its select): V̄ on the bypassed heads
-        of the batch rows, then Eq. (10) on the slots' tables."""
+        of the live slots' rows, then Eq. (10) on their tables [ours: the tables
+        learn from the steps that used them]."""
+        from sgl_sparse.kernels.lfps_tables import lfps_finish
+
         store, sel = self.store, self._sel
-        hkv = sel.bypass.shape[1]
-        grp = o3.shape[1] // hkv
-        bypass = (sel.bypass[f.j] & f.sel2).repeat_interleave(grp, dim=1)[..., None]  # [bs, Hq, 1]
-        vbar = store.vbar[li][f.j].to(o3.dtype).repeat_interleave(grp, dim=1)
-        o3.copy_(torch.where(bypass, vbar, o3))
-        # Tables learn from the steps that used them [ours]: other slots are multiplied by 1, added 0.
-        active = f.on2 & ~sel.bypass & (sel.count > 0)  # [S, Hkv]
-        keep = (torch.arange(sel.positions.shape[-1], device=o3.device) < sel.count[..., None]) & active[..., None]
-        inc = torch.where(keep, sel.weights - 0.5 / sel.count.clamp(min=1)[..., None], 0.0)
-        decay = torch.where(active[..., None], f.r, 1.0)
-        ver, sla = store.ver[li], store.sla[li]
-        ver.mul_(decay).scatter_add_(-1, sel.positions, inc)
-        off = f.last - sel.positions  # the slash offset of each C2 position
-        ok = keep & (off >= 0) & (off < sla.shape[-1])
-        sla.mul_(decay).scatter_add_(-1, torch.where(ok, off, 0), torch.where(ok, inc, 0.0))
+        lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
+                    sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale)

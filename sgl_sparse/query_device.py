@@ -29,6 +29,13 @@ per layer one gate on "the batch has a live quest/asyncspade/lfps row", and
 inside it one per policy, so a replay without such rows costs a few nodes per
 layer instead of the policies' kernels, and `full` traffic on a server with the
 captured path stays at stock speed. Hence the in-place outputs of select().
+Where no conditional node can be captured (torch without the API, e.g. the H100
+image's 2.11; graph_gate.flag) every block runs at every step, so every kernel on
+these paths takes the slots' / rows' liveness (n = 0, an empty range, slot or
+source row -1) and its programs for a slot or row without a live one return at
+once: a replay without quest / asyncspade / lfps rows costs per layer 16
+near-empty launches and no torch op (bench/kernels/count_query_aware_ops.py;
+it was 13 launches and 159 ops, lfps's tables over [slots, Hkv, max_context]).
 Same selections as the torch path (the CPU path and this one's oracle,
 tests/test_query_device.py), listed in ascending position order: the Top pages /
 tokens come from kernels/topk_range.py, whose work per slot is bounded by the
@@ -60,6 +67,12 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: as the main-stream path, 66% of the shorter phase hidden) and served a 32768 x 8
 #: e2e without error (bench/README.md, "Session 7").
 ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
+
+#: A/B baseline (SGL_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
+#: lfps's table work as torch ops (sgl_sparse/lfps_device_legacy.py) and the
+#: quest / asyncspade scores written over their whole width, as before the
+#: early-exit kernels; for tests/kernels/test_query_device_graph.py's timings only.
+LEGACY = os.environ.get("SGL_SPARSE_QA_LEGACY", "0") == "1"
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -145,6 +158,7 @@ class _QuestForward:
         # page clipped by the sink leaves room for one more)
         self.k = max(1, min(store.max_pages, cap // QUEST_PAGE + 1))
         self.j = torch.where(self.sel, knobs.slot, 0).long()  # slot rows -> batch rows
+        self.out_row = torch.where(self.slot_sel >= 0, sr.b, -1)  # slot -> the batch row it writes, -1: none
         self.sel3 = self.sel[:, None, None]
         self.sel2 = self.sel[:, None]
 
@@ -157,6 +171,7 @@ class _AspdForward:
         # select: the rows that read their selection
         sel = sr.mine & indexed
         self.row_slot = torch.where(sel, knobs.slot, store.scratch_slot).long()
+        self.src = torch.where(sel, knobs.slot, -1).to(torch.int32)  # -1: the row keeps its a_pos / a_len
         self.sel3 = sel[:, None, None]
         self.sel2 = sel[:, None]
         # finish: over the slots
@@ -181,7 +196,11 @@ class QueryAwareDevice:
         self.quest = state.query_stores.get(PolicyId.QUEST)
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
         lfps_store = state.query_stores.get(PolicyId.LFPS)
-        self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
+        self._legacy = LEGACY
+        lfps_cls = LfpsDevice
+        if self._legacy:
+            from sgl_sparse.lfps_device_legacy import LegacyLfpsDevice as lfps_cls
+        self.lfps = lfps_cls(lfps_store) if lfps_store is not None else None
         # one policy: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner_gates = sum(x is not None for x in (self.quest, self.aspd, self.lfps)) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
@@ -277,17 +296,18 @@ class QueryAwareDevice:
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     f = self._fwd_aspd
-                    width = self.aspd.sel_pos.shape[-1]
-                    pos = self.aspd.sel_pos[li][f.row_slot]
-                    a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
-                    torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
+                    if self._legacy:
+                        width = self.aspd.sel_pos.shape[-1]
+                        pos = self.aspd.sel_pos[li][f.row_slot]
+                        a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
+                        torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
+                    else:  # one launch; rows without a selection return at once
+                        from sgl_sparse.kernels.gather_selection import gather_selection
+
+                        gather_selection(f.src, self.aspd.sel_pos[li], self.aspd.sel_count[li], a_pos, a_len)
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
-                    f = self._fwd_lfps
-                    pos, cnt = self.lfps.select(li, f, q3, k_cache, req_to_token, scale)
-                    width = pos.shape[-1]
-                    a_pos[..., :width] = torch.where(f.sel3, pos[f.j], a_pos[..., :width])
-                    torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+                    self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
         return a_pos, a_len
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
@@ -299,17 +319,25 @@ class QueryAwareDevice:
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
         quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
-        scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
+        if self._legacy:
+            scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
+        else:  # [first, last) of the selected slots only (what topk_range reads); queries read in place
+            scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last, fill=False,
+                                       q_rows=f.sr.b_any)
         # the best `pages` pages, ascending; slots not selected this step: an empty range
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
                                                   device=scores.device))
-        pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
-        cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
-        expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
-        # back to the batch rows: a_pos of the others is not read beyond their a_len
-        torch.index_select(pos, 0, f.j, out=a_pos)
-        torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+        if self._legacy:
+            pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
+            cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
+            expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
+            # back to the batch rows: a_pos of the others is not read beyond their a_len
+            torch.index_select(pos, 0, f.j, out=a_pos)
+            torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
+        else:  # straight into the selected slots' batch rows; the other slots' programs return at once
+            expand_selection(None, idx, f.k, f.b_start, a_pos, a_len, page=QUEST_PAGE, n_sink=f.sink, count=n_pages,
+                             out_rows=f.out_row)
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -320,7 +348,7 @@ class QueryAwareDevice:
         with only_if(self._any):
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
-                    self.lfps.finish(li, self._fwd_lfps, o3)
+                    self.lfps.finish(li, self._fwd_lfps, q3, o3, k_cache, req_to_token, scale)
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     self._aspd_predict(li, q3)
@@ -372,13 +400,18 @@ class QueryAwareDevice:
         slot = f.slot
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
-        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max)
+        # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
+        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=self._legacy)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
                                 out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
                                                 device=q_hat.device))
+        if not self._legacy:  # straight into the store; slots without a row: their programs return at once
+            expand_selection(None, idx, k, f.next_b, store.sel_pos[li], store.sel_count[li], page=1, n_sink=f.sink,
+                             count=n_tok, out_rows=f.push)
+            return
         pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q_hat.device)
         cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q_hat.device)
         expand_selection(None, idx, k, f.next_b, pos, cnt, page=1, n_sink=f.sink, count=n_tok)

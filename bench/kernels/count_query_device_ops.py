@@ -6,9 +6,12 @@ asyncspade and lfps rows, 4 slots per store (tests/test_query_device.py's twin):
   first  the first layer of a forward (per-forward work + per-layer work)
   other  any further layer of the same forward (the per-layer work only)
 Guarded by tests/test_query_device.py::test_ops_per_layer_stay_few (last
-measured: first 326 ops, other 159 ops, 13 Triton launches on every layer, of
-which lfps ~148 ops and 5 launches; other <= 165, first <= 335, launches == 13;
-before lfps joined: 119 / 11 / 8).
+measured: first 155 ops, other 0 ops, 16 Triton launches on every layer, of
+which lfps 7 launches (kernels/lfps_tables.py); other <= 2, first <= 160,
+launches == 16; 157 / 2 / 16 with the slots' queries gathered; 162 / 12 / 15 with quest's and asyncspade's a_pos / a_len /
+store write-backs as torch ops; with lfps's table work in torch ops: 326 / 159 / 13, lfps
+~148 ops and 5 launches; before lfps joined: 119 / 11 / 8). The same counts for a
+`full`-only batch, per policy: count_query_aware_ops.py.
 Run: TRITON_INTERPRET=1 python bench/kernels/count_query_device_ops.py
 """
 

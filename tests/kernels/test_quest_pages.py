@@ -108,6 +108,14 @@ def test_page_scores_vs_float64(idx):
     fin = torch.isfinite(ref)
     assert fin.sum() == 2 * (68 + 70)
     torch.testing.assert_close(s[fin], ref[fin], rtol=1e-5, atol=1e-4)
+    if idx == 0:  # fill=False: [first, last) of the live rows only, the same values there
+        out.fill_(float("nan"))
+        s2 = K.quest_page_scores(q, kmin, kmax, slot, first, last, out=out, block_p=16, fill=False)
+        pos = torch.arange(max_pages, device=DEVICE)
+        live = ((pos >= first[:, None]) & (pos < last[:, None]) & (slot[:, None] >= 0))[:, None, :].expand_as(s2)
+        assert torch.equal(s2[live], s[live])  # outside: -inf in the page blocks overlapping the range, or unwritten
+        assert (torch.isnan(s2[~live]) | torch.isneginf(s2[~live])).all()
+        assert torch.isnan(s2[2]).all() and torch.isnan(s2[3]).all()  # no slot; an empty range
 
 
 def test_page_scores_bound_real_logits():
@@ -245,3 +253,35 @@ def test_decode_kernel_folds_bounds():
     ref = K.two_segment_decode_ref(*case.args(), row_mask=row_mask)
     on = row_mask == 1
     assert T.rel_error(out[on].float(), ref[on]) < 1e-2
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_expand_selection_out_rows(page):
+    """out_rows: each row's listing lands in row out_rows[b] of the outputs (another
+    height), bit for bit what the plain launch writes in row b; rows with
+    out_rows[b] < 0 write nothing (the CUDA-graph path's slots without a row)."""
+    from sgl_sparse.kernels.quest_pages import expand_selection
+    from sgl_sparse.kernels.topk_range import topk_range
+
+    gen = torch.Generator().manual_seed(page)
+    r, h, n, k, width = 5, 2, 40, 8, 48 if page == 1 else 160
+    scores = torch.randn(r, h, n, generator=gen).to(DEVICE)
+    lo = torch.tensor([0, 3, 1, 0, 5], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([40, 30, 1, 17, 40], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    budget = torch.tensor([8, 5, 8, 3, 6], dtype=torch.int32, device=DEVICE)
+    idx, count = topk_range(scores, lo, hi, budget, k)
+    sink = torch.tensor([4, 0, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    b_start = torch.tensor([600, 300, 20, 9, 500], dtype=torch.int32, device=DEVICE) // (16 // page)
+    ref_pos = torch.full((r, h, width), -7, dtype=torch.int32, device=DEVICE)
+    ref_len = torch.full((r, h), -7, dtype=torch.int32, device=DEVICE)
+    expand_selection(None, idx, k, b_start, ref_pos, ref_len, page=page, n_sink=sink, count=count)
+    rows = torch.tensor([6, -1, 0, 3, -1], device=DEVICE)
+    pos = torch.full((7, h, width), -7, dtype=torch.int32, device=DEVICE)
+    length = torch.full((7, h), -7, dtype=torch.int32, device=DEVICE)
+    expand_selection(None, idx, k, b_start, pos, length, page=page, n_sink=sink, count=count, out_rows=rows)
+    for b, o in enumerate(rows.tolist()):
+        if o >= 0:
+            assert torch.equal(pos[o], ref_pos[b]) and torch.equal(length[o], ref_len[b]), b
+    untouched = [o for o in range(7) if o not in rows.tolist()]
+    assert (pos[untouched] == -7).all() and (length[untouched] == -7).all()
+    assert int((ref_len > 0).sum()) >= 4  # rows list something

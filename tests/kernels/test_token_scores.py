@@ -56,6 +56,33 @@ def test_token_scores_ranges(idx):
     assert fin.sum() == 2 * (129 + 47 + 0 + (10 if idx == 1 else 13))
 
 
+def test_token_scores_no_fill():
+    """fill=False (the CUDA-graph path, whose topk_range reads [lo, hi) only): the
+    same scores in range (-inf in range past req_to_token's row), nothing written
+    outside the key blocks overlapping it, and rows with an empty range untouched."""
+    seq_lens = [150, 47, 90, 33]
+    case = _case(seq_lens, 4, torch.float16, seed=11)
+    lo = torch.tensor([4, 0, 60, 20], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([145, 47, 60, 33], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    n_max = 150
+    r2t = case.req_to_token[:, :140]  # row 0's range runs past req_to_token's row: -inf there
+    args = (case.q, case.k_pool, r2t, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
+    ref = K.token_scores_ref(*args)
+    for programs in (1, 3):
+        out = torch.full((4, 2, n_max), float("nan"), device=DEVICE)
+        s = K.token_scores(*args, out=out, num_programs=programs, block_n=16, fill=False)
+        pos = torch.arange(n_max, device=DEVICE)
+        live = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :].expand_as(s)
+        # outside the range: only -inf in the key blocks overlapping it, nothing past them
+        assert (torch.isnan(s[~live]) | torch.isneginf(s[~live])).all()
+        assert torch.isnan(s[2]).all() and torch.isnan(s[1, :, 48:]).all() and torch.isnan(s[3, :, 48:]).all()
+        assert not torch.isnan(s[live]).any()
+        assert torch.equal(torch.isneginf(s[live]), torch.isneginf(ref[live]))
+        fin = torch.isfinite(ref) & live
+        torch.testing.assert_close(s[fin], ref[fin], rtol=2e-5, atol=1e-4)
+        assert fin[0].sum() == 2 * (140 - 4) and torch.isneginf(s[0, :, 140:145]).all()
+
+
 def test_token_scores_fp32_query_split():
     """fp32 q_hat: the hi+lo split matches float64 ~100x better than rounding q_hat."""
     case = _case([120, 70], 4, torch.bfloat16, seed=11, head_dim=128)

@@ -1,0 +1,408 @@
+"""
+LFPS's table work on the CUDA-graph path, one program per (slot, KV head)
+=========================================================================
+
+``sgl_sparse/lfps_device.py`` runs LFPS's decode step over the policy's store
+slots with static shapes (so SGLang's decode CUDA graphs can capture it). Its
+table work was ~150 small torch ops per layer over ``[slots, Hkv, max_context]``
+(Eq. 8's thresholds, C0 / C1 with the position shifts, the priorities, Eq. 10's
+decay and scatter), paid by every slot at every step, rows or not. Here it is
+three kernels, grid ``(S, Hkv)``, whose programs for a slot without a row this
+step (``n <= 0``) return at once, so a step pays for its live slots only and a
+batch without an lfps row pays three near-empty launches:
+
+* :func:`lfps_priority`: the group-mean ρ against ε (the sink bypass), Eq. (8)'s
+  thresholds of both tables over the valid range ``[sink, n)``, C0 / C1 (Eqs. 7,
+  9) and the priority ``Φ_ver + Φ_sla`` on C1 (``-inf`` elsewhere and on bypassed
+  heads), written over ``[sink, n)`` only (what ``topk_range`` reads).
+  ``Φ_sla(i) = sla[n - 2 - i]`` (0 for ``i = n - 1``), as
+  ``queryaware.lfps.table_views``. The same math as ``queryaware.lfps.candidates``
+  (fp32 sums in another order).
+* :func:`lfps_select_out`: C2 (``cand[idx[i]]``, ``i < count``, ascending) ->
+  the slot's batch row of ``a_pos`` / ``a_len``: its sinks, then the C2
+  positions in ``[sink, b_start)`` (``expand_selection``'s listing), ``a_len``
+  0 on a bypassed head (V̄ replaces its output).
+* :func:`lfps_finish`: after the attention, a bypassed head's output rows get
+  V̄; otherwise, with ``|C2| > 0``, Eq. (10): the weights ``w_i`` (each query
+  head's softmax over C2 of ``scale q.k_i``, the group's mean), the tables
+  multiplied by ``r`` and ``w_i - 0.5 / |C2|`` added at ``i`` (``Φ_ver``) and at
+  ``n - 1 - i`` (``Φ_sla``). The decay pass and the scatter pass are ordered by a
+  block barrier (C2's positions are distinct, so the scatter has no conflicts).
+
+No host sync, grids from static shapes only (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import needs_bf16_rtne, next_pow2
+from .asyncspade_predict import _round_bf16_rtne
+from .token_scores import _load_q_parts, group_tile_meta
+from .two_segment_decode import _dot
+
+__all__ = ["lfps_priority", "lfps_select_out", "lfps_finish"]
+
+
+@triton.jit
+def _sla_at(SLA_ROW, pos, ok, n, M):
+    """Φ_sla at positions `pos` (sla[n - 2 - pos], 0 where that is < 0), 0 where not ok."""
+    off = n - 2 - pos
+    return tl.load(SLA_ROW + tl.minimum(tl.maximum(off, 0), M - 1), mask=ok & (off >= 0), other=0.0)
+
+
+@triton.jit
+def _c0(VER_ROW, SLA_ROW, i, lo, n, M, tv, ts):
+    ok = (i >= lo) & (i < n)
+    v = tl.load(VER_ROW + i, mask=ok, other=0.0)
+    s = _sla_at(SLA_ROW, i, ok, n, M)
+    return ok & ((v > tv) | (s > ts))
+
+
+@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh", "stride_ps", "stride_ph"])
+def _lfps_priority_kernel(
+    RHO,  # [S, Hq] fp32
+    EPS,  # [S] fp32
+    A,  # [S] fp32
+    VER,  # [S, Hkv, M] fp32
+    SLA,  # [S, Hkv, M] fp32
+    N,  # [S] int32 (<= 0: no row)
+    SINK,  # [S] int32
+    PRIO,  # [S, Hkv, M] fp32 out, written over [sink, n) only
+    BYPASS,  # [S, Hkv] int8 out
+    stride_rs,
+    stride_vs,
+    stride_vh,
+    stride_ss,
+    stride_sh,
+    stride_ps,
+    stride_ph,
+    M,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    nh = tl.num_programs(1)
+    n = tl.load(N + cur_s)
+    if n <= 0:  # no row this step: nothing read, nothing bypassed
+        tl.store(BYPASS + cur_s * nh + cur_h, (n < 0).to(tl.int8))
+        return
+    n = tl.minimum(n, M)
+    offs_g = tl.arange(0, BLOCK_G)
+    rho = tl.load(RHO + cur_s * stride_rs + cur_h * GROUP + offs_g, mask=offs_g < GROUP, other=0.0)
+    bypass = tl.sum(rho, 0) / GROUP > tl.load(EPS + cur_s)
+    tl.store(BYPASS + cur_s * nh + cur_h, bypass.to(tl.int8))
+    lo = tl.maximum(tl.load(SINK + cur_s), 0)
+    a = tl.load(A + cur_s)
+    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    prio = PRIO + cur_s.to(tl.int64) * stride_ps + cur_h.to(tl.int64) * stride_ph
+    offs = tl.arange(0, BLOCK_M)
+    # Eq. (8) over [lo, n): means, then the central moments (kurtosis_threshold)
+    sv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(lo, n, BLOCK_M):
+        pos = start + offs
+        ok = pos < n
+        sv += tl.load(ver + pos, mask=ok, other=0.0)
+        ss += _sla_at(sla, pos, ok, n, M)
+    cnt = tl.maximum(n - lo, 1).to(tl.float32)
+    mv = tl.sum(sv, 0) / cnt
+    ms = tl.sum(ss, 0) / cnt
+    v2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    v4 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s4 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(lo, n, BLOCK_M):
+        pos = start + offs
+        ok = pos < n
+        dv = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - mv, 0.0)
+        ds = tl.where(ok, _sla_at(sla, pos, ok, n, M) - ms, 0.0)
+        dv2 = dv * dv
+        ds2 = ds * ds
+        v2 += dv2
+        v4 += dv2 * dv2
+        s2 += ds2
+        s4 += ds2 * ds2
+    m2v = tl.sum(v2, 0)
+    m4v = tl.sum(v4, 0)
+    m2s = tl.sum(s2, 0)
+    m4s = tl.sum(s4, 0)
+    kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
+    ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
+    tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
+    ts = tl.where((m2s > 0) & (ks > 0), a * ms / tl.where(ks > 0, ks, 1.0), float("inf"))
+    # C1 (Eq. 9): j with some i in {j + 1, j, j - 1, j - 2} in C0, above a table's mean
+    for start in range(lo, n, BLOCK_M):
+        pos = start + offs
+        ok = pos < n
+        v = tl.load(ver + pos, mask=ok, other=0.0)
+        s = _sla_at(sla, pos, ok, n, M)
+        grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | _c0(ver, sla, pos, lo, n, M, tv, ts)
+        grow = grow | _c0(ver, sla, pos - 1, lo, n, M, tv, ts) | _c0(ver, sla, pos - 2, lo, n, M, tv, ts)
+        c1 = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
+        tl.store(prio + pos, tl.where(c1, v + s, float("-inf")), mask=ok)
+
+
+def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: torch.Tensor, sla: torch.Tensor,
+                  n: torch.Tensor, sink: torch.Tensor, *, prio: torch.Tensor | None = None,
+                  bypass: torch.Tensor | None = None, block_m: int = 1024, num_warps: int = 4):
+    """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
+
+    rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
+    ``[S, Hkv, M]`` fp32 (one layer of the store), n / sink ``[S]`` int32 (``n <= 0``:
+    no row, bypass 0, nothing read or written)."""
+    s, hkv, m = ver.shape
+    assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
+    assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
+    for name, t in (("n", n), ("sink", sink)):
+        assert t.shape == (s,) and t.dtype == torch.int32 and t.is_contiguous(), name
+    for name, t in (("eps", eps), ("a", a)):
+        assert t.shape == (s,) and t.dtype == torch.float32 and t.is_contiguous(), name
+    if prio is None:
+        prio = torch.empty(s, hkv, m, dtype=torch.float32, device=ver.device)
+    if bypass is None:
+        bypass = torch.empty(s, hkv, dtype=torch.int8, device=ver.device)
+    assert prio.shape == ver.shape and prio.stride(2) == 1 and bypass.shape == (s, hkv) and bypass.is_contiguous()
+    if s == 0 or hkv == 0:
+        return prio, bypass
+    group = rho.shape[1] // hkv
+    _lfps_priority_kernel[(s, hkv)](
+        rho, eps, a, ver, sla, n, sink, prio, bypass,
+        rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
+        GROUP=group, BLOCK_G=max(2, next_pow2(group)), BLOCK_M=block_m, num_warps=num_warps,
+    )
+    return prio, bypass
+
+
+@triton.jit
+def _lfps_select_out_kernel(
+    ROW,  # [S] int64: the slot's batch row
+    N,  # [S] int32 (<= 0: no row)
+    SINK,  # [S] int32
+    B_START,  # [S] int32
+    CAND,  # [S, Hkv, C] int32 candidate positions
+    IDX,  # [S, Hkv, K] int32 C2 as indices into CAND, ascending
+    COUNT,  # [S, Hkv] int32 |C2|
+    BYPASS,  # [S, Hkv] int8
+    A_POS,  # [bs, Hkv, >= WIDTH] int32 out
+    A_LEN,  # [bs, Hkv] int32 out
+    stride_cs,
+    stride_ch,
+    stride_is,
+    stride_ih,
+    stride_pb,
+    stride_ph,
+    stride_lb,
+    K,
+    WIDTH,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    nh = tl.num_programs(1)
+    n = tl.load(N + cur_s)
+    if n <= 0:
+        return
+    row = tl.load(ROW + cur_s).to(tl.int64)
+    sink = tl.maximum(tl.load(SINK + cur_s), 0)
+    b_start = tl.load(B_START + cur_s)
+    count = tl.load(COUNT + cur_s * nh + cur_h)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_k = (offs_k < K) & (offs_k < count)
+    i = tl.load(IDX + cur_s * stride_is + cur_h * stride_ih + offs_k, mask=in_k, other=0)
+    pos = tl.load(CAND + cur_s * stride_cs + cur_h * stride_ch + i, mask=in_k, other=0)
+    listed = in_k & (pos >= sink) & (pos < b_start)
+    cnt = listed.to(tl.int32)
+    n_sink = tl.minimum(sink, tl.maximum(b_start, 0))
+    off = n_sink + tl.cumsum(cnt, 0) - cnt
+    base = A_POS + row * stride_pb + cur_h * stride_ph
+    offs_s = tl.arange(0, BLOCK_S)
+    for s0 in range(0, n_sink, BLOCK_S):
+        tl.store(base + s0 + offs_s, s0 + offs_s, mask=(s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH))
+    tl.store(base + off, pos, mask=listed & (off < WIDTH))
+    a_len = tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH)
+    byp = tl.load(BYPASS + cur_s * nh + cur_h)
+    tl.store(A_LEN + row * stride_lb + cur_h, tl.where(byp != 0, 0, a_len))
+
+
+def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
+                    cand: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor,
+                    a_pos: torch.Tensor, a_len: torch.Tensor, width: int) -> None:
+    """C2 of each live slot -> its batch row ``row[s]`` of ``a_pos`` (first ``width``
+    entries: sinks, then C2 in ``[sink, b_start)``) and ``a_len`` (0 if bypassed), in place."""
+    s, hkv, k = idx.shape
+    assert cand.shape[:2] == (s, hkv) and cand.dtype == torch.int32 and cand.stride(2) == 1
+    assert idx.dtype == torch.int32 and idx.stride(2) == 1 and count.shape == (s, hkv) and count.is_contiguous()
+    assert row.shape == (s,) and bypass.shape == (s, hkv) and bypass.is_contiguous()
+    assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1 and a_len.stride(1) == 1
+    assert width <= a_pos.shape[2]
+    if s == 0 or hkv == 0:
+        return
+    _lfps_select_out_kernel[(s, hkv)](
+        row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len,
+        cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1), a_pos.stride(0), a_pos.stride(1),
+        a_len.stride(0), k, int(width), BLOCK_K=max(16, next_pow2(k)), BLOCK_S=16, num_warps=1 if k <= 64 else 4,
+    )
+
+
+@triton.jit
+def _c2_logits(q_hi, q_lo, CAND_ROW, IDX_ROW, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, count, sm_scale,
+               mask_h, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+               Q_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """C2 entries [start, start + BLOCK_K): (positions, in C2, logits [BLOCK_H, BLOCK_K] (-inf outside))."""
+    offs_k = start + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_k = offs_k < count
+    i = tl.load(IDX_ROW + offs_k, mask=in_k, other=0)
+    pos = tl.load(CAND_ROW + i, mask=in_k, other=0)
+    tok = tl.load(tok_row + pos, mask=in_k, other=0).to(tl.int64)
+    k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                mask=in_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    lg = _dot(q_hi, tl.trans(k), FP32_DOT)
+    if Q_SPLIT:
+        lg += _dot(q_lo, tl.trans(k), FP32_DOT)
+    lg = tl.where(mask_h[:, None] & in_k[None, :], lg * sm_scale, float("-inf"))
+    return pos, in_k, lg
+
+
+@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
+def _lfps_finish_kernel(
+    Q,  # [bs, Hq, D] this layer's queries
+    O,  # [bs, Hq, Dv] the attention's output (V̄ on bypassed heads, in place)
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,  # [S]
+    ROW,  # [S] int64 the slot's batch row
+    N,  # [S] int32 (<= 0: no row)
+    R,  # [S] fp32 decay
+    CAND,
+    IDX,
+    COUNT,
+    BYPASS,
+    VBAR,  # [S, Hkv, Dv] fp32
+    VER,  # [S, Hkv, M] fp32, in place
+    SLA,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_cs,
+    stride_ch,
+    stride_is,
+    stride_ih,
+    stride_bs,
+    stride_bh,
+    stride_vs,
+    stride_vh,
+    stride_ss,
+    stride_sh,
+    M,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BF16_RTNE: tl.constexpr,
+):
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    nh = tl.num_programs(1)
+    n = tl.load(N + cur_s)
+    if n <= 0:
+        return
+    row = tl.load(ROW + cur_s).to(tl.int64)
+    byp = tl.load(BYPASS + cur_s * nh + cur_h)
+    count = tl.load(COUNT + cur_s * nh + cur_h)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    if byp != 0:
+        offs_v = tl.arange(0, BLOCK_DV)
+        vb = tl.load(VBAR + cur_s * stride_bs + cur_h * stride_bh + offs_v, mask=offs_v < V_DIM, other=0.0)
+        if BF16_RTNE:
+            vb = _round_bf16_rtne(vb)
+        o = O + row * stride_ob + (cur_h * GROUP + offs_h)[:, None] * stride_oh + offs_v[None, :]
+        tl.store(o, tl.broadcast_to(vb[None, :], [BLOCK_H, BLOCK_DV]).to(O.dtype.element_ty),
+                 mask=mask_h[:, None] & (offs_v < V_DIM)[None, :])
+    elif count > 0:
+        tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_s).to(tl.int64) * stride_r2t
+        q_hi, q_lo = _load_q_parts(Q, row, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                                   BLOCK_H, BLOCK_D, Q_SPLIT)
+        cand = CAND + cur_s * stride_cs + cur_h * stride_ch
+        idx = IDX + cur_s * stride_is + cur_h * stride_ih
+        # 1. each query head's softmax over C2: max and normalizer (online)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, count, BLOCK_K):
+            _, _, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, count,
+                                  sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+            m_new = tl.maximum(m_i, tl.max(lg, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
+            m_i = m_new
+        m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        # 2. Eq. (10)'s decay of both tables
+        r = tl.load(R + cur_s)
+        ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+        sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+        offs_m = tl.arange(0, BLOCK_M)
+        for start in range(0, M, BLOCK_M):
+            pos = start + offs_m
+            ok = pos < M
+            tl.store(ver + pos, tl.load(ver + pos, mask=ok, other=0.0) * r, mask=ok)
+            tl.store(sla + pos, tl.load(sla + pos, mask=ok, other=0.0) * r, mask=ok)
+        tl.debug_barrier()  # the scatter below reads the decayed entries
+        # 3. + (w_i - 0.5 / |C2|) at i (Φ_ver) and at n - 1 - i (Φ_sla); C2's entries are distinct
+        half = 0.5 / count.to(tl.float32)
+        last = n - 1
+        for start in range(0, count, BLOCK_K):
+            pos, in_k, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start,
+                                       count, sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+            p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
+            w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
+            inc = w - half
+            tl.store(ver + pos, tl.load(ver + pos, mask=in_k, other=0.0) + inc, mask=in_k)
+            off = last - pos
+            ok = in_k & (off >= 0) & (off < M)
+            tl.store(sla + off, tl.load(sla + off, mask=ok, other=0.0) + inc, mask=ok)
+
+
+def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor,
+                req_pool_idx: torch.Tensor, row: torch.Tensor, n: torch.Tensor, r: torch.Tensor, cand: torch.Tensor,
+                idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
+                sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024) -> None:
+    """The module docstring's third kernel, in place on ``o`` (bypassed heads of the
+    live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``)."""
+    s, hkv, _ = idx.shape
+    m = ver.shape[2]
+    assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
+    assert vbar.shape[:2] == (s, hkv) and vbar.stride(2) == 1 and vbar.dtype == torch.float32
+    assert o.stride(2) == 1 and q.stride(2) == 1 and o.shape[1] == q.shape[1] and o.shape[2] == vbar.shape[2]
+    assert r.shape == (s,) and r.dtype == torch.float32 and row.shape == (s,) and req_pool_idx.shape == (s,)
+    assert count.is_contiguous() and bypass.is_contiguous() and cand.stride(2) == 1 and idx.stride(2) == 1
+    if s == 0 or hkv == 0:
+        return
+    dv = vbar.shape[2]
+    _lfps_finish_kernel[(s, hkv)](
+        q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla,
+        float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0), k_pool.stride(1),
+        req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
+        vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m,
+        V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), num_warps=4, **group_tile_meta(q, k_pool),
+    )

@@ -1,0 +1,225 @@
+"""kernels/lfps_tables.py (LFPS's table work on the CUDA-graph path, one program per
+(slot, KV head)) against the torch ops it replaced in sgl_sparse/lfps_device.py
+(queryaware.lfps.candidates over the masked [slots, Hkv, max_context] tables, the
+einsum / softmax weights, Eq. (10)'s decay and scatter_add): slots without a row
+(n = 0: nothing read, nothing written), a slot whose sink covers its sequence,
+a sequence filling the whole table, bypassed heads, GQA 1 / 3 (a group not a power
+of two), ragged lengths, an fp32 and a bf16 output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out
+from sgl_sparse.queryaware.lfps import candidates
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(fn, *args, **kw):
+    """Run a kernel launcher on DEVICE (the GPU where there is one, else the Triton
+    interpreter on CPU): tensor arguments copied there, and copied back in place
+    afterwards (the launchers write their outputs in place); outputs back on CPU."""
+    if DEVICE == "cpu":
+        return fn(*args, **kw)
+    pairs = []
+
+    def there(x):
+        if isinstance(x, torch.Tensor):
+            pairs.append((x, x.to(DEVICE)))
+            return pairs[-1][1]
+        return x
+
+    out = fn(*[there(x) for x in args], **{k: there(v) for k, v in kw.items()})
+    for x, y in pairs:
+        x.copy_(y.cpu())
+
+    def back(o):
+        return tuple(back(v) for v in o) if isinstance(o, tuple) else o.cpu() if isinstance(o, torch.Tensor) else o
+
+    return back(out)
+
+HKV, D, M = 2, 16, 96
+N = [70, 0, 33, 96, 5]  # slot 1: no row; slot 4: its sink covers it
+SINK = [4, 2, 0, 3, 6]
+
+
+def _tables(gen, s):
+    # peaked tables (a few large entries), as the learned Φ's are
+    ver = torch.randn(s, HKV, M, generator=gen).exp() * (torch.rand(s, HKV, M, generator=gen) < 0.2)
+    sla = torch.randn(s, HKV, M, generator=gen).exp() * (torch.rand(s, HKV, M, generator=gen) < 0.2)
+    return ver, sla
+
+
+def _prio_ref(rho, eps, a, ver, sla, n, sink):
+    s = ver.shape[0]
+    pos = torch.arange(M)
+    nl = n.long()[:, None]
+    valid = ((pos[None, :] >= sink.long()[:, None]) & (pos[None, :] < nl))[:, None, :]
+    off = nl - 2 - pos[None, :]
+    gathered = torch.gather(sla, -1, off.clamp(0, M - 1)[:, None, :].expand(-1, HKV, -1))
+    sla_v = torch.where((off >= 0)[:, None, :], gathered, 0.0)
+    _, c1 = candidates(ver, sla_v, valid, a[:, None, None])
+    bypass = rho.view(s, HKV, -1).mean(-1) > eps[:, None]
+    return torch.where(c1 & ~bypass[..., None], ver + sla_v, float("-inf")), bypass
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_priority(group):
+    gen = torch.Generator().manual_seed(group)
+    s = len(N)
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    ver, sla = _tables(gen, s)
+    rho = torch.rand(s, HKV * group, generator=gen) * 0.1
+    rho[0, :group] = 0.9  # slot 0, head 0 bypasses
+    eps = torch.full((s,), 0.2)
+    a = torch.tensor([0.02, 0.05, 0.2, 0.05, 0.02])
+    prio = torch.full((s, HKV, M), float("nan"))
+    prio, bypass = _run(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, block_m=32)
+    ref, byp_ref = _prio_ref(rho, eps, a, ver, sla, n, sink)
+    pos = torch.arange(M)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand_as(prio)
+    assert torch.isnan(prio[~live]).all(), "written outside [sink, n)"
+    assert torch.equal(prio[live], ref[live])  # the same C1 (thresholds: fp32 sums in another order)
+    on = n > 0
+    assert torch.equal(bypass[on].bool(), byp_ref[on]) and not bypass[~on].any()
+    assert bypass[0, 0] and torch.isneginf(prio[0, 0, 4:70]).all()
+    assert torch.isfinite(prio[live]).sum() > 10  # C1 is not empty
+
+
+def _c2(gen, n, sink, c, k):
+    """Random C1 lists (ascending distinct positions in [sink, n)) and C2 (ascending distinct indices)."""
+    s = len(n)
+    cand = torch.zeros(s, HKV, c, dtype=torch.int32)
+    idx = torch.zeros(s, HKV, k, dtype=torch.int32)
+    count = torch.zeros(s, HKV, dtype=torch.int32)
+    for i in range(s):
+        for h in range(HKV):
+            span = max(int(n[i]) - int(sink[i]), 0)
+            c1 = min(span, c, 3 + 7 * (i + h))
+            if c1 == 0:
+                continue
+            p = torch.randperm(span, generator=gen)[:c1].sort().values + int(sink[i])
+            cand[i, h, :c1] = p.to(torch.int32)
+            kk = min(c1, k, 2 + 5 * h + i)
+            idx[i, h, :kk] = torch.randperm(c1, generator=gen)[:kk].sort().values.to(torch.int32)
+            count[i, h] = kk
+    return cand, idx, count
+
+
+@pytest.mark.parametrize("group, o_dtype", [(1, torch.float32), (3, torch.bfloat16)])
+def test_select_out_and_finish(group, o_dtype):
+    gen = torch.Generator().manual_seed(10 + group)
+    s, hq, bs, pool, width = len(N), HKV * group, 7, 400, 40
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    row = torch.tensor([3, 7, 0, 5, 1])  # slot -> batch row (7 = bs: none, as SlotRows; slot 1 has n = 0)
+    b_start = torch.tensor([60, 0, 20, 90, 5], dtype=torch.int32)
+    c, k = 24, 12
+    cand, idx, count = _c2(gen, n, sink, c, k)
+    bypass = torch.zeros(s, HKV, dtype=torch.int8)
+    bypass[2, 1] = 1
+    count[2, 1] = 0  # a bypassed head scores nothing (its priorities are -inf)
+    k_pool = torch.randn(pool, HKV, D, generator=gen).half()
+    r2t = torch.randint(0, pool, (6, 128), generator=gen, dtype=torch.int32)
+    rpi = torch.tensor([2, 0, 4, 1, 5])
+    q = torch.randn(bs, hq, D, generator=gen).half()
+    o = torch.randn(bs, hq, D, generator=gen).to(o_dtype)
+    vbar = torch.randn(s, HKV, D, generator=gen)
+    ver, sla = _tables(gen, s)
+    ver0, sla0 = ver.clone(), sla.clone()
+    r = torch.tensor([0.9, 0.5, 0.99, 0.8, 0.7])
+    scale = 1 / math.sqrt(D)
+
+    # select_out: the live slots' rows of a_pos / a_len
+    a_pos = torch.full((bs, HKV, width + 8), -7, dtype=torch.int32)
+    a_len = torch.full((bs, HKV), -7, dtype=torch.int32)
+    _run(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, width)
+    on = (n > 0).tolist()
+    for i in range(s):
+        b = int(row[i])
+        if not on[i]:
+            continue
+        for h in range(HKV):
+            pos = cand[i, h][idx[i, h, : int(count[i, h])].long()].tolist()
+            ns = min(int(sink[i]), max(int(b_start[i]), 0))
+            want = (list(range(ns)) + [p for p in pos if int(sink[i]) <= p < int(b_start[i])])[:width]
+            assert a_pos[b, h, : len(want)].tolist() == want, (i, h)
+            assert int(a_len[b, h]) == (0 if bypass[i, h] else len(want)), (i, h)
+    untouched = [b for b in range(bs) if b not in row[torch.tensor(on)].tolist()]
+    assert (a_len[untouched] == -7).all() and (a_pos[untouched] == -7).all()
+    assert (a_pos[:, :, width:] == -7).all()
+
+    # finish: the old torch ops (lfps_device.py before the kernels), per slot
+    o_ref, ver_ref, sla_ref = o.clone(), ver.clone(), sla.clone()
+    for i in range(s):
+        if not on[i]:
+            continue
+        b = int(row[i])
+        for h in range(HKV):
+            heads = slice(h * group, (h + 1) * group)
+            if bypass[i, h]:
+                o_ref[b, heads] = vbar[i, h].to(o_dtype)
+                continue
+            cnt = int(count[i, h])
+            if cnt == 0:
+                continue
+            pos = cand[i, h][idx[i, h, :cnt].long()].long()
+            keys = k_pool[r2t[rpi[i], pos].long(), h].float()  # [cnt, D]
+            lg = torch.einsum("gd,kd->gk", q[b, heads].float(), keys) * scale
+            w = torch.softmax(lg, -1).mean(0)
+            inc = w - 0.5 / cnt
+            ver_ref[i, h].mul_(r[i]).scatter_add_(-1, pos, inc)
+            off = int(n[i]) - 1 - pos
+            ok = (off >= 0) & (off < M)
+            sla_ref[i, h].mul_(r[i]).scatter_add_(-1, off[ok], inc[ok])
+    _run(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale, block_k=16,
+                block_m=32)
+    assert torch.equal(o, o_ref)
+    torch.testing.assert_close(ver, ver_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sla, sla_ref, rtol=1e-5, atol=1e-6)
+    # no row, bypassed, or an empty C2: the tables as they were, bit for bit
+    for i, h in [(1, 0), (1, 1), (2, 1)] + [(i, h) for i in range(s) for h in range(HKV) if count[i, h] == 0]:
+        assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (i, h)
+
+
+def test_q_rows_read_in_place():
+    """q_rows (lfps_head_sparsity, token_scores_at, quest_page_scores): each row reads
+    its query from another row of q, bit for bit what the gathered q gives; rows
+    with nothing to do never read theirs."""
+    from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
+    from sgl_sparse.kernels.quest_pages import quest_page_scores
+    from sgl_sparse.kernels.token_scores import token_scores_at
+
+    gen = torch.Generator().manual_seed(5)
+    group, bs, s, pool = 3, 6, 4, 300
+    q3 = torch.randn(bs, HKV * group, D, generator=gen).half()
+    rows = torch.tensor([4, 0, 2, 5])
+    q = q3[rows]
+    k_pool = torch.randn(pool, HKV, D, generator=gen).half()
+    r2t = torch.randint(0, pool, (5, 128), generator=gen, dtype=torch.int32)
+    rpi = torch.tensor([1, 0, 3, 4])
+    n = torch.tensor([90, 0, 40, 120], dtype=torch.int32)
+    sink = torch.tensor([4, 0, 2, 3], dtype=torch.int32)
+    local = torch.tensor([6, 0, 30, 5], dtype=torch.int32)
+    kbar = torch.randn(s, HKV, D, generator=gen)
+    sig = torch.rand(s, HKV * group, generator=gen)
+    args = (k_pool, r2t, rpi, n, sink, local, kbar, sig, 0.25)
+    assert torch.equal(_run(lfps_head_sparsity, q3, *args, q_rows=rows), _run(lfps_head_sparsity, q, *args))
+    cand = torch.randint(0, 90, (s, HKV, 40), generator=gen, dtype=torch.int32)
+    clen = torch.tensor([[40, 7], [0, 0], [13, 40], [1, 22]], dtype=torch.int32)
+    a = _run(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16)
+    assert torch.equal(a, _run(token_scores_at, q, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, block_n=16))
+    on = torch.tensor([3, 0, 0, 1], dtype=torch.int32)  # rows 1, 2: not written at all
+    out = torch.full_like(a, float("nan"))
+    _run(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16, out=out, row_on=on)
+    assert torch.equal(out[[0, 3]], a[[0, 3]]) and torch.isnan(out[[1, 2]]).all()
+    kmin = torch.randn(5, HKV, 9, D, generator=gen).half()
+    kmax = kmin + torch.rand(5, HKV, 9, D, generator=gen).half()
+    slot = torch.tensor([3, -1, 0, 4], dtype=torch.int32)
+    first, last = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([6, 9, 9, 5], dtype=torch.int32)
+    p = _run(quest_page_scores, q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
+    assert torch.equal(p, _run(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
