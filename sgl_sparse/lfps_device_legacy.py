@@ -1,7 +1,7 @@
 """A/B baseline only: lfps's device path as it was before kernels/lfps_tables.py
 (the table work as ~150 torch ops over [slots, Hkv, max_context] per layer), kept
 so that one GPU run can time both (tests/kernels/test_query_device_graph.py::
-test_query_aware_replay_cost_per_layer); selected by SGL_SPARSE_QA_LEGACY=1
+test_query_aware_replay_cost_per_layer); selected by SGLANG_SPARSE_QA_LEGACY=1
 (query_device.LEGACY). Not used otherwise; delete once the GPU numbers are in.
 """
 

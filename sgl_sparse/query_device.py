@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import os
 
 import torch
 
@@ -68,11 +67,11 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: e2e without error (bench/README.md, "Session 7").
 ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
 
-#: A/B baseline (SGL_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
+#: A/B baseline (SGLANG_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
 #: lfps's table work as torch ops (sgl_sparse/lfps_device_legacy.py) and the
 #: quest / asyncspade scores written over their whole width, as before the
 #: early-exit kernels; for tests/kernels/test_query_device_graph.py's timings only.
-LEGACY = os.environ.get("SGL_SPARSE_QA_LEGACY", "0") == "1"
+LEGACY = env_switch("QA_LEGACY", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).

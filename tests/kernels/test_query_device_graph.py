@@ -347,7 +347,7 @@ def test_query_aware_replay_cost_per_layer(max_ctx):
     for a `full`-only batch and for a batch with a live row of each policy, with the
     early-exit kernels (programs of slots without a row return at once; lfps's
     table work in kernels/lfps_tables.py) and with the legacy path
-    (query_device.LEGACY, SGL_SPARSE_QA_LEGACY=1: lfps's tables as ~150 torch ops
+    (query_device.LEGACY, SGLANG_SPARSE_QA_LEGACY=1: lfps's tables as ~150 torch ops
     per layer, the scores written over their whole width). Prints the four times;
     the `full`-only batch must cost well under half of what it did."""
     from sgl_sparse import graph_gate, query_device
