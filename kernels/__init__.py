@@ -29,6 +29,8 @@ Public API:
   :func:`asyncspade_predict_ref`.
 * :func:`lfps_head_sparsity` (:mod:`.lfps_sparsity`) -- LFPS's head sparsity ρ
   (sink bypass) per query head from the sink and local keys read in place.
+* :func:`qa_forward` (:mod:`.qa_forward`) -- quest / asyncspade / lfps's
+  per-forward tensors (slot -> row maps, knobs, masks, ranges) in one launch.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """

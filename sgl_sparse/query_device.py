@@ -14,7 +14,8 @@ range) and their store writes go to a scratch slot.
 
 Per forward (at its first layer, QueryAwareDevice._forward; see there why that is
 safe under CUDA graphs): the knobs by row, the slot -> row maps, the masks and
-ranges. Per layer, decode, only:
+ranges, in one launch (kernels/qa_forward.py; the torch classes below are its
+oracle and the legacy path). Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
@@ -70,7 +71,8 @@ ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
 #: A/B baseline (SGLANG_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
 #: lfps's table work as torch ops (sgl_sparse/lfps_device_legacy.py) and the
 #: quest / asyncspade scores written over their whole width, as before the
-#: early-exit kernels; for tests/kernels/test_query_device_graph.py's timings only.
+#: early-exit kernels, and the per-forward tensors as torch ops; for
+#: tests/kernels/test_query_device_graph.py's timings only.
 LEGACY = env_switch("QA_LEGACY", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
@@ -245,17 +247,61 @@ class QueryAwareDevice:
         would NOT work: replays skip this Python, so it would never be seen. The
         plan is held (not its id()), so a later plan cannot reuse its address.
 
-        Each policy's tensors are built under its flag (graph_gate.only_if): a
-        replay whose batch has no row of the policy skips them, and every layer's
-        work that reads them is gated on the same flag."""
+        One launch builds all of them (_forward_fused), ungated: the policies'
+        flags are computed from its output, and every layer's work that reads a
+        policy's tensors is gated on that policy's flag. The legacy path
+        (_forward_torch) builds each policy's tensors under its flag."""
         if self._plan is plan:
             return
         if self._side_pending:  # a forward that stopped before its last layer
             self._join_side()
-        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
-        indexed = plan.indexed()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
         self._on = {}
+        if not self._legacy:
+            self._forward_fused(plan, req_pool_indices, seq_lens)
+        else:
+            self._forward_torch(plan, req_pool_indices, seq_lens)
+        flags = list(self._on.values())  # all None or none (graph_gate.flag)
+        self._any = None if flags[0] is None else functools.reduce(operator.or_, flags)
+        self._plan = plan
+
+    def _forward_fused(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """All three policies' per-forward tensors in one launch (kernels/qa_forward.py:
+        one program per store slot finds the slot's batch row and writes its fields),
+        instead of ~155 small torch ops that every captured replay ran whatever the
+        batch held. Same values as _forward_torch's classes (its oracle, and the
+        legacy path). The flags are read from the kernel's `valid` rows, so the
+        gates (where conditional nodes exist) wait for it like every later block."""
+        from sgl_sparse.kernels.qa_forward import qa_forward
+        from sgl_sparse.policies import query_aware
+
+        fw = qa_forward(
+            self.state, req_pool_indices.contiguous(), seq_lens.contiguous(), plan.b_start.contiguous(),
+            plan.a_slot.contiguous() if plan.a_slot is not None else None, indexed_id=query_aware.INDEXED,
+            page=QUEST_PAGE, quest_slots=self.quest.cfg.slots if self.quest is not None else None,
+            aspd_slots=self.aspd.cfg.slots if self.aspd is not None else None,
+            aspd_scratch=self.aspd.scratch_slot if self.aspd is not None else 0,
+            aspd_ring_w=self.aspd.ring.shape[2] if self.aspd is not None else 1,
+            lfps_slots=self.lfps.store.cfg.slots if self.lfps is not None else None,
+            lfps_candidates=self.lfps.store.cfg.candidates if self.lfps is not None else 0)
+        for pid, key, attr in ((PolicyId.QUEST, "quest", "_fwd_quest"),
+                               (PolicyId.ASYNCSPADE, "asyncspade", "_fwd_aspd"),
+                               (PolicyId.LFPS, "lfps", "_fwd_lfps")):
+            if key not in fw:
+                continue
+            f = fw[key]
+            f.sr = f  # the per-layer code reads the slot -> row map as f.sr.b_any
+            f.row = f.b  # lfps: the slot's batch row (bs: none)
+            if pid == PolicyId.QUEST:
+                # static k: as _QuestForward
+                f.k = max(1, min(self.quest.max_pages, self.cap // QUEST_PAGE + 1))
+            self._on[pid] = graph_gate.flag(f.valid)
+            setattr(self, attr, f)
+
+    def _forward_torch(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """The per-forward tensors as torch ops (the legacy path; the fused kernel's oracle)."""
+        knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
+        indexed = plan.indexed()
         if self.quest is not None:
             sr = SlotRows(knobs, PolicyId.QUEST, self.quest.cfg.slots)
             self._on[PolicyId.QUEST] = graph_gate.flag(sr.valid)
@@ -271,9 +317,6 @@ class QueryAwareDevice:
             self._on[PolicyId.LFPS] = graph_gate.flag(sr.valid)
             with only_if(self._on[PolicyId.LFPS]):
                 self._fwd_lfps = self.lfps.forward(self.state, sr, knobs, plan, indexed, req_pool_indices)
-        flags = list(self._on.values())  # all None or none (graph_gate.flag)
-        self._any = None if flags[0] is None else functools.reduce(operator.or_, flags)
-        self._plan = plan
 
     def _gate(self, policy: PolicyId):
         """A policy's block inside the per-layer gate on any policy's flag."""
