@@ -68,6 +68,32 @@ def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_on_device(fn, *args, device=None, **kw):
+    """Run a kernel launcher on `device` (default: the GPU where there is one, else
+    the Triton interpreter on CPU): tensor arguments copied there and copied back in
+    place afterwards (the launchers write their outputs in place); outputs back on
+    CPU. Lets one kernel test run compiled on the lent GPU and interpreted in CI."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return fn(*args, **kw)
+    pairs = []
+
+    def there(x):
+        if isinstance(x, torch.Tensor):
+            pairs.append((x, x.to(device)))
+            return pairs[-1][1]
+        return x
+
+    out = fn(*[there(x) for x in args], **{k: there(v) for k, v in kw.items()})
+    for x, y in pairs:
+        x.copy_(y.cpu())
+
+    def back(o):
+        return tuple(back(v) for v in o) if isinstance(o, tuple) else o.cpu() if isinstance(o, torch.Tensor) else o
+
+    return back(out)
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (0 when both are exactly zero)."""
     out = out.double()

@@ -4,33 +4,7 @@ a_len, rows without a selection untouched) against the torch ops it replaced."""
 import torch
 
 from sgl_sparse.kernels.gather_selection import gather_selection
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _run(fn, *args, **kw):
-    """Run a kernel launcher on DEVICE (the GPU where there is one, else the Triton
-    interpreter on CPU): tensor arguments copied there, and copied back in place
-    afterwards (the launchers write their outputs in place); outputs back on CPU."""
-    if DEVICE == "cpu":
-        return fn(*args, **kw)
-    pairs = []
-
-    def there(x):
-        if isinstance(x, torch.Tensor):
-            pairs.append((x, x.to(DEVICE)))
-            return pairs[-1][1]
-        return x
-
-    out = fn(*[there(x) for x in args], **{k: there(v) for k, v in kw.items()})
-    for x, y in pairs:
-        x.copy_(y.cpu())
-
-    def back(o):
-        return tuple(back(v) for v in o) if isinstance(o, tuple) else o.cpu() if isinstance(o, torch.Tensor) else o
-
-    return back(out)
+from sgl_sparse.kernels.testing import run_on_device
 
 
 def test_gather_selection():
@@ -43,7 +17,7 @@ def test_gather_selection():
     src = torch.tensor([2, -1, 4, 0, -1, 1], dtype=torch.int32)
     a_pos = torch.full((bs, hkv, cap), -7, dtype=torch.int32)
     a_len = torch.full((bs, hkv), -7, dtype=torch.int32)
-    _run(gather_selection, src, pos, length, a_pos, a_len, block=16)
+    run_on_device(gather_selection, src, pos, length, a_pos, a_len, block=16)
     for b in range(bs):
         if src[b] < 0:
             assert (a_pos[b] == -7).all() and (a_len[b] == -7).all()

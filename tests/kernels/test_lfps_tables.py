@@ -14,34 +14,9 @@ import pytest
 import torch
 
 from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out
+from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.queryaware.lfps import candidates
 
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _run(fn, *args, **kw):
-    """Run a kernel launcher on DEVICE (the GPU where there is one, else the Triton
-    interpreter on CPU): tensor arguments copied there, and copied back in place
-    afterwards (the launchers write their outputs in place); outputs back on CPU."""
-    if DEVICE == "cpu":
-        return fn(*args, **kw)
-    pairs = []
-
-    def there(x):
-        if isinstance(x, torch.Tensor):
-            pairs.append((x, x.to(DEVICE)))
-            return pairs[-1][1]
-        return x
-
-    out = fn(*[there(x) for x in args], **{k: there(v) for k, v in kw.items()})
-    for x, y in pairs:
-        x.copy_(y.cpu())
-
-    def back(o):
-        return tuple(back(v) for v in o) if isinstance(o, tuple) else o.cpu() if isinstance(o, torch.Tensor) else o
-
-    return back(out)
 
 HKV, D, M = 2, 16, 96
 N = [70, 0, 33, 96, 5]  # slot 1: no row; slot 4: its sink covers it
@@ -79,7 +54,7 @@ def test_priority(group):
     eps = torch.full((s,), 0.2)
     a = torch.tensor([0.02, 0.05, 0.2, 0.05, 0.02])
     prio = torch.full((s, HKV, M), float("nan"))
-    prio, bypass = _run(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, block_m=32)
+    prio, bypass = run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, block_m=32)
     ref, byp_ref = _prio_ref(rho, eps, a, ver, sla, n, sink)
     pos = torch.arange(M)
     live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand_as(prio)
@@ -137,7 +112,7 @@ def test_select_out_and_finish(group, o_dtype):
     # select_out: the live slots' rows of a_pos / a_len
     a_pos = torch.full((bs, HKV, width + 8), -7, dtype=torch.int32)
     a_len = torch.full((bs, HKV), -7, dtype=torch.int32)
-    _run(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, width)
+    run_on_device(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, width)
     on = (n > 0).tolist()
     for i in range(s):
         b = int(row[i])
@@ -176,7 +151,7 @@ def test_select_out_and_finish(group, o_dtype):
             off = int(n[i]) - 1 - pos
             ok = (off >= 0) & (off < M)
             sla_ref[i, h].mul_(r[i]).scatter_add_(-1, off[ok], inc[ok])
-    _run(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale, block_k=16,
+    run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale, block_k=16,
                 block_m=32)
     assert torch.equal(o, o_ref)
     torch.testing.assert_close(ver, ver_ref, rtol=1e-5, atol=1e-6)
@@ -208,18 +183,18 @@ def test_q_rows_read_in_place():
     kbar = torch.randn(s, HKV, D, generator=gen)
     sig = torch.rand(s, HKV * group, generator=gen)
     args = (k_pool, r2t, rpi, n, sink, local, kbar, sig, 0.25)
-    assert torch.equal(_run(lfps_head_sparsity, q3, *args, q_rows=rows), _run(lfps_head_sparsity, q, *args))
+    assert torch.equal(run_on_device(lfps_head_sparsity, q3, *args, q_rows=rows), run_on_device(lfps_head_sparsity, q, *args))
     cand = torch.randint(0, 90, (s, HKV, 40), generator=gen, dtype=torch.int32)
     clen = torch.tensor([[40, 7], [0, 0], [13, 40], [1, 22]], dtype=torch.int32)
-    a = _run(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16)
-    assert torch.equal(a, _run(token_scores_at, q, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, block_n=16))
+    a = run_on_device(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16)
+    assert torch.equal(a, run_on_device(token_scores_at, q, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, block_n=16))
     on = torch.tensor([3, 0, 0, 1], dtype=torch.int32)  # rows 1, 2: not written at all
     out = torch.full_like(a, float("nan"))
-    _run(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16, out=out, row_on=on)
+    run_on_device(token_scores_at, q3, k_pool, r2t, rpi, cand, 0.25, cand_len=clen, q_rows=rows, block_n=16, out=out, row_on=on)
     assert torch.equal(out[[0, 3]], a[[0, 3]]) and torch.isnan(out[[1, 2]]).all()
     kmin = torch.randn(5, HKV, 9, D, generator=gen).half()
     kmax = kmin + torch.rand(5, HKV, 9, D, generator=gen).half()
     slot = torch.tensor([3, -1, 0, 4], dtype=torch.int32)
     first, last = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([6, 9, 9, 5], dtype=torch.int32)
-    p = _run(quest_page_scores, q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
-    assert torch.equal(p, _run(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
+    p = run_on_device(quest_page_scores, q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
+    assert torch.equal(p, run_on_device(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
