@@ -85,6 +85,9 @@ def _topk_range_kernel(
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
+    if k <= 0:  # an empty range or budget (a slot without a live request): no pass over the row
+        tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
+        return
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.

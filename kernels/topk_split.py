@@ -17,6 +17,8 @@ order, which cutoff ties are kept, counts) from four launches over a grid
   its write offset and its count of ties seen, exactly what the single program
   had when its serial walk reached ``a``.
 
+Rows with nothing to select (``k = 0``: an empty range or budget, the slots
+without a live request under a captured graph) return at once in every phase.
 Slice 0 stores the count. Graph capturable: the grid and buffers depend on
 shapes only.
 """
@@ -61,6 +63,14 @@ def _topk_split_kernel(
     cur_h = tl.program_id(1)
     cur_s = tl.program_id(2)
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
+    if k <= 0:
+        # Nothing to select (a slot without a live request under a captured graph):
+        # every phase returns at once, before the histogram reads that cost O(S x 256)
+        # per program; the count is 0, as the passes would have found.
+        if PHASE == 3:
+            if cur_s == 0:
+                tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
+        return
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     h0 = HIST + (cur_r * tl.num_programs(1) + cur_h).to(tl.int64) * (2 * NSPLIT * 256)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
+from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.queryaware.lfps import LfpsKnobs, head_sparsity
 
 
@@ -41,7 +42,7 @@ def test_matches_the_dense_reference(group, kv_dtype, q_dtype):
     sink = torch.tensor([r[1] for r in rows], dtype=torch.int32)
     local = torch.tensor([r[2] for r in rows], dtype=torch.int32)
     rpi = torch.arange(len(rows))
-    got = lfps_head_sparsity(q, k, r2t, rpi, n, sink, local, kbar, sig, scale)
+    got = run_on_device(lfps_head_sparsity, q, k, r2t, rpi, n, sink, local, kbar, sig, scale)
     for b, (nb, sb, lb) in enumerate(rows):
         keys = k[r2t[b, :nb].long()][None]
         # the reference in float64 (its inputs rounded as the kernel reads them)
@@ -60,7 +61,7 @@ def test_rows_without_a_request_read_nothing():
     local = torch.full((5,), 6, dtype=torch.int32)
     r2t_bad = r2t.clone()
     r2t_bad[[1, 2, 4]] = 10 ** 8  # would fault if read
-    got = lfps_head_sparsity(q, k, r2t_bad, torch.arange(5), n, sink, local, kbar, sig, scale)
+    got = run_on_device(lfps_head_sparsity, q, k, r2t_bad, torch.arange(5), n, sink, local, kbar, sig, scale)
     assert torch.equal(got[[1, 2, 4]], torch.zeros(3, got.shape[1]))
-    ref = lfps_head_sparsity(q, k, r2t, torch.arange(5), n, sink, local, kbar, sig, scale)
+    ref = run_on_device(lfps_head_sparsity, q, k, r2t, torch.arange(5), n, sink, local, kbar, sig, scale)
     assert torch.equal(got[[0, 3]], ref[[0, 3]])
