@@ -9,8 +9,8 @@ and the masks / ranges derived from them. As torch ops (``RowKnobs``,
 ``SlotRows``, ``_QuestForward``, ``_AspdForward``, ``LfpsForward``) that was
 ~155 small kernels per forward, and under a decode CUDA graph without
 conditional nodes every replay ran them, whatever the batch held. Here one
-launch computes the same values (the torch classes stay as the legacy path and
-this kernel's oracle, tests/kernels/test_qa_forward.py).
+launch computes the same values (the torch classes stay as this kernel's
+reference, tests/kernels/test_qa_forward.py).
 
 Data flow per program (one per store slot; the programs past a policy's slot
 count do nothing for it):

@@ -15,7 +15,7 @@ range) and their store writes go to a scratch slot.
 Per forward (at its first layer, QueryAwareDevice._forward; see there why that is
 safe under CUDA graphs): the knobs by row, the slot -> row maps, the masks and
 ranges, in one launch (kernels/qa_forward.py; the torch classes below are its
-oracle and the legacy path). Per layer, decode, only:
+reference, tests/kernels/test_qa_forward.py). Per layer, decode, only:
   select   quest       fold the key at n - 1 into its page's bounds, page scores of
                        this query (group max), Top pages -> a_pos (sinks first)
            asyncspade  the selection its previous step stored for this one
@@ -68,13 +68,6 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: e2e without error (bench/README.md, "Session 7").
 ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
 
-#: A/B baseline (SGLANG_SPARSE_QA_LEGACY=1, read when a QueryAwareDevice is built):
-#: lfps's table work as torch ops (sgl_sparse/lfps_device_legacy.py) and the
-#: quest / asyncspade scores written over their whole width, as before the
-#: early-exit kernels, and the per-forward tensors as torch ops; for
-#: tests/kernels/test_query_device_graph.py's timings only.
-LEGACY = env_switch("QA_LEGACY", False)
-
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
 POLICIES = tuple(QUERY_AWARE_IDS)
@@ -125,11 +118,6 @@ class SlotRows:
         """x [bs, ...] -> [S, ...]: each slot's row (fill where none)."""
         return torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])[self.b]
 
-    def take_any(self, x: torch.Tensor) -> torch.Tensor:
-        """x [bs, ...] -> [S, ...]: each slot's row, garbage (a real row's) where
-        none: one gather, for per-layer inputs whose rowless slots are masked."""
-        return x[self.b_any]
-
     def slot_or(self, other: int, where: torch.Tensor | None = None) -> torch.Tensor:
         """[S] int32: the slot index where it has a row (and `where`), else `other`."""
         ok = self.valid if where is None else self.valid & where
@@ -158,10 +146,7 @@ class _QuestForward:
         # static k: enough pages for any budget the store's capacity admits (+1: a
         # page clipped by the sink leaves room for one more)
         self.k = max(1, min(store.max_pages, cap // QUEST_PAGE + 1))
-        self.j = torch.where(self.sel, knobs.slot, 0).long()  # slot rows -> batch rows
         self.out_row = torch.where(self.slot_sel >= 0, sr.b, -1)  # slot -> the batch row it writes, -1: none
-        self.sel3 = self.sel[:, None, None]
-        self.sel2 = self.sel[:, None]
 
 
 class _AspdForward:
@@ -171,10 +156,7 @@ class _AspdForward:
     def __init__(self, store, sr: SlotRows, knobs: RowKnobs, indexed: torch.Tensor, req_pool_indices: torch.Tensor):
         # select: the rows that read their selection
         sel = sr.mine & indexed
-        self.row_slot = torch.where(sel, knobs.slot, store.scratch_slot).long()
         self.src = torch.where(sel, knobs.slot, -1).to(torch.int32)  # -1: the row keeps its a_pos / a_len
-        self.sel3 = sel[:, None, None]
-        self.sel2 = sel[:, None]
         # finish: over the slots
         self.sr = sr
         self.slot = sr.slot_or(store.scratch_slot).long()  # slots without a row write the scratch slot
@@ -197,11 +179,7 @@ class QueryAwareDevice:
         self.quest = state.query_stores.get(PolicyId.QUEST)
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
         lfps_store = state.query_stores.get(PolicyId.LFPS)
-        self._legacy = LEGACY
-        lfps_cls = LfpsDevice
-        if self._legacy:
-            from sgl_sparse.lfps_device_legacy import LegacyLfpsDevice as lfps_cls
-        self.lfps = lfps_cls(lfps_store) if lfps_store is not None else None
+        self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
         # one policy: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner_gates = sum(x is not None for x in (self.quest, self.aspd, self.lfps)) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
@@ -249,18 +227,14 @@ class QueryAwareDevice:
 
         One launch builds all of them (_forward_fused), ungated: the policies'
         flags are computed from its output, and every layer's work that reads a
-        policy's tensors is gated on that policy's flag. The legacy path
-        (_forward_torch) builds each policy's tensors under its flag."""
+        policy's tensors is gated on that policy's flag."""
         if self._plan is plan:
             return
         if self._side_pending:  # a forward that stopped before its last layer
             self._join_side()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
         self._on = {}
-        if not self._legacy:
-            self._forward_fused(plan, req_pool_indices, seq_lens)
-        else:
-            self._forward_torch(plan, req_pool_indices, seq_lens)
+        self._forward_fused(plan, req_pool_indices, seq_lens)
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
         self._any = None if flags[0] is None else functools.reduce(operator.or_, flags)
         self._plan = plan
@@ -269,9 +243,9 @@ class QueryAwareDevice:
         """All three policies' per-forward tensors in one launch (kernels/qa_forward.py:
         one program per store slot finds the slot's batch row and writes its fields),
         instead of ~155 small torch ops that every captured replay ran whatever the
-        batch held. Same values as _forward_torch's classes (its oracle, and the
-        legacy path). The flags are read from the kernel's `valid` rows, so the
-        gates (where conditional nodes exist) wait for it like every later block."""
+        batch held. Same values as _forward_torch's classes (its reference). The
+        flags are read from the kernel's `valid` rows, so the gates (where
+        conditional nodes exist) wait for it like every later block."""
         from sgl_sparse.kernels.qa_forward import qa_forward
         from sgl_sparse.policies import query_aware
 
@@ -299,7 +273,9 @@ class QueryAwareDevice:
             setattr(self, attr, f)
 
     def _forward_torch(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """The per-forward tensors as torch ops (the legacy path; the fused kernel's oracle)."""
+        """The per-forward tensors as torch ops: the reference that
+        tests/kernels/test_qa_forward.py checks _forward_fused against (serving
+        never calls it)."""
         knobs = RowKnobs(self.state, req_pool_indices, seq_lens)
         indexed = plan.indexed()
         if self.quest is not None:
@@ -337,16 +313,11 @@ class QueryAwareDevice:
                     self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
-                    f = self._fwd_aspd
-                    if self._legacy:
-                        width = self.aspd.sel_pos.shape[-1]
-                        pos = self.aspd.sel_pos[li][f.row_slot]
-                        a_pos[..., :width] = torch.where(f.sel3, pos, a_pos[..., :width])
-                        torch.where(f.sel2, self.aspd.sel_count[li][f.row_slot], a_len, out=a_len)
-                    else:  # one launch; rows without a selection return at once
-                        from sgl_sparse.kernels.gather_selection import gather_selection
+                    from sgl_sparse.kernels.gather_selection import gather_selection
 
-                        gather_selection(f.src, self.aspd.sel_pos[li], self.aspd.sel_count[li], a_pos, a_len)
+                    # one launch; rows without a selection return at once
+                    gather_selection(self._fwd_aspd.src, self.aspd.sel_pos[li], self.aspd.sel_count[li], a_pos,
+                                     a_len)
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
                     self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
@@ -361,25 +332,16 @@ class QueryAwareDevice:
         # Every step of a live row folds its new key in, covered steps included: a
         # row whose budget covered it at first must find all its pages current later.
         quest_bounds_decode(k_cache, req_to_token, f.rpi, f.slot_live, f.n, kmin, kmax)
-        if self._legacy:
-            scores = quest_page_scores(f.sr.take_any(q3).to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last)
-        else:  # [first, last) of the selected slots only (what topk_range reads); queries read in place
-            scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last, fill=False,
-                                       q_rows=f.sr.b_any)
+        # [first, last) of the selected slots only (what topk_range reads); queries read in place
+        scores = quest_page_scores(q3.to(kmin.dtype), kmin, kmax, f.slot_sel, f.first, f.last, fill=False,
+                                   q_rows=f.sr.b_any)
         # the best `pages` pages, ascending; slots not selected this step: an empty range
         idx, n_pages = topk_range(scores, f.first, f.last_sel, f.pages, f.k,
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
                                                   device=scores.device))
-        if self._legacy:
-            pos = a_pos.new_empty((f.sr.b.shape[0], *a_pos.shape[1:]))
-            cnt = a_len.new_empty((f.sr.b.shape[0], a_len.shape[1]))
-            expand_selection(None, idx, f.k, f.b_start, pos, cnt, page=QUEST_PAGE, n_sink=f.sink, count=n_pages)
-            # back to the batch rows: a_pos of the others is not read beyond their a_len
-            torch.index_select(pos, 0, f.j, out=a_pos)
-            torch.where(f.sel2, cnt[f.j], a_len, out=a_len)
-        else:  # straight into the selected slots' batch rows; the other slots' programs return at once
-            expand_selection(None, idx, f.k, f.b_start, a_pos, a_len, page=QUEST_PAGE, n_sink=f.sink, count=n_pages,
-                             out_rows=f.out_row)
+        # straight into the selected slots' batch rows; the other slots' programs return at once
+        expand_selection(None, idx, f.k, f.b_start, a_pos, a_len, page=QUEST_PAGE, n_sink=f.sink, count=n_pages,
+                         out_rows=f.out_row)
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -443,19 +405,13 @@ class QueryAwareDevice:
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
-        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=self._legacy)
+        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
                                 out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
                                                 device=q_hat.device))
-        if not self._legacy:  # straight into the store; slots without a row: their programs return at once
-            expand_selection(None, idx, k, f.next_b, store.sel_pos[li], store.sel_count[li], page=1, n_sink=f.sink,
-                             count=n_tok, out_rows=f.push)
-            return
-        pos = torch.empty(slot.shape[0], k_cache.shape[1], cap, dtype=torch.int32, device=q_hat.device)
-        cnt = torch.empty(slot.shape[0], k_cache.shape[1], dtype=torch.int32, device=q_hat.device)
-        expand_selection(None, idx, k, f.next_b, pos, cnt, page=1, n_sink=f.sink, count=n_tok)
-        store.sel_pos[li][slot] = pos
-        store.sel_count[li][slot] = cnt
+        # straight into the store; slots without a row: their programs return at once
+        expand_selection(None, idx, k, f.next_b, store.sel_pos[li], store.sel_count[li], page=1, n_sink=f.sink,
+                         count=n_tok, out_rows=f.push)
