@@ -63,6 +63,21 @@ def _floordiv(x, d: tl.constexpr):
 
 
 @triton.jit
+def _live(pol, slot, n, mc, P: tl.constexpr):
+    """The row is policy P's and its store serves it: a slot, a sequence that fits (RowKnobs.live)."""
+    return (pol == P) & (slot >= 0) & (n <= mc)
+
+
+@triton.jit
+def _indexed(A_SLOT, r, ok, INDEXED: tl.constexpr, HAS_ASLOT: tl.constexpr):
+    """Batch row r is INDEXED this step (and ok)."""
+    if HAS_ASLOT:
+        return ok & (tl.load(A_SLOT + r, mask=ok, other=0).to(tl.int32) == INDEXED)
+    else:
+        return ok & (r < 0)  # no plan a_slot: no row is indexed (r >= 0)
+
+
+@triton.jit
 def _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P: tl.constexpr, s, BLOCK_B: tl.constexpr):
     """The batch row holding slot s of policy P this step (bs: none): the lowest
     row whose request is P's, has the slot and fits the store (RowKnobs.live)."""
@@ -76,9 +91,36 @@ def _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P: tl.constexpr, s, BLOCK_B: tl.con
         slot = tl.load(SLOT + req, mask=ok, other=-1).to(tl.int32)
         n = tl.load(SEQ + r, mask=ok, other=0).to(tl.int32)
         mc = tl.load(MAXC + req, mask=ok, other=0).to(tl.int32)
-        hit = ok & (pol == P) & (slot >= 0) & (n <= mc) & (slot == s)
+        hit = ok & _live(pol, slot, n, mc, P) & (slot == s)
         best = tl.minimum(best, tl.min(tl.where(hit, r, bs), axis=0))
     return best
+
+
+@triton.jit
+def _slot_knobs(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDOW, MAXC, bs, P: tl.constexpr, s,
+                INDEXED: tl.constexpr, HAS_ASLOT: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Slot s of policy P: its batch row b (bs: none), whether it has one, and the
+    row's knobs, 0 where none (the torch path's fill). One lookup for the three
+    policies, so they cannot drift apart; the knobs a policy ignores are dead loads."""
+    b = _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P, s, BLOCK_B)
+    valid = b < bs
+    bb = tl.where(valid, b, 0)
+    req = tl.load(RPI + bb, mask=valid, other=0).to(tl.int64)
+    n = tl.load(SEQ + bb, mask=valid, other=0).to(tl.int32)
+    sink = tl.load(SINK + req, mask=valid, other=0).to(tl.int32)
+    budget = tl.load(BUDGET + req, mask=valid, other=0).to(tl.int32)
+    recent = tl.load(WINDOW + req, mask=valid, other=0).to(tl.int32)
+    b_start = tl.load(B_START + bb, mask=valid, other=0).to(tl.int32)
+    on = _indexed(A_SLOT, bb, valid, INDEXED, HAS_ASLOT)
+    return b, valid, req, n, sink, budget, recent, b_start, on
+
+
+@triton.jit
+def _store_i64(O64, S, i, b, last_row, req):
+    """The I64 rows every policy has: b, b_any, rpi."""
+    tl.store(O64 + 0 * S + i, b.to(tl.int64))
+    tl.store(O64 + 1 * S + i, tl.minimum(b, last_row).to(tl.int64))
+    tl.store(O64 + 2 * S + i, req)
 
 
 @triton.jit(do_not_specialize=["bs"])
@@ -93,19 +135,9 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
     last_row = tl.maximum(bs - 1, 0)
     if HAS_Q:
         if i < SQ:
-            b = _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P_Q, i, BLOCK_B)
-            valid = b < bs
-            bb = tl.where(valid, b, 0)
-            req = tl.load(RPI + bb, mask=valid, other=0).to(tl.int64)
-            n = tl.load(SEQ + bb, mask=valid, other=0).to(tl.int32)
-            sink = tl.load(SINK + req, mask=valid, other=0).to(tl.int32)
-            budget = tl.load(BUDGET + req, mask=valid, other=0).to(tl.int32)
-            b_start = tl.load(B_START + bb, mask=valid, other=0).to(tl.int32)
-            on = valid
-            if HAS_ASLOT:
-                on = valid & (tl.load(A_SLOT + bb, mask=valid, other=0).to(tl.int32) == INDEXED)
-            else:
-                on = b < 0  # no plan a_slot: no row is indexed
+            b, valid, req, n, sink, budget, recent, b_start, on = _slot_knobs(
+                RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDOW, MAXC, bs, P_Q, i, INDEXED, HAS_ASLOT,
+                BLOCK_B)
             first = _floordiv(sink, PAGE)
             last = _floordiv(b_start + PAGE - 1, PAGE)
             slot_sel = tl.where(on, i, -1)
@@ -119,20 +151,13 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
             tl.store(Q32 + 7 * SQ + i, tl.where(on, last, first))  # not selected: an empty range
             tl.store(Q32 + 8 * SQ + i, _floordiv(budget, PAGE))
             tl.store(Q32 + 9 * SQ + i, valid.to(tl.int32))
-            tl.store(Q64 + 0 * SQ + i, b.to(tl.int64))
-            tl.store(Q64 + 1 * SQ + i, tl.minimum(b, last_row).to(tl.int64))
-            tl.store(Q64 + 2 * SQ + i, req)
+            _store_i64(Q64, SQ, i, b, last_row, req)
             tl.store(Q64 + 3 * SQ + i, tl.where(on, b, -1).to(tl.int64))  # out_row
     if HAS_A:
         if i < SA:
-            b = _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P_A, i, BLOCK_B)
-            valid = b < bs
-            bb = tl.where(valid, b, 0)
-            req = tl.load(RPI + bb, mask=valid, other=0).to(tl.int64)
-            n = tl.load(SEQ + bb, mask=valid, other=0).to(tl.int32)
-            sink = tl.load(SINK + req, mask=valid, other=0).to(tl.int32)
-            budget = tl.load(BUDGET + req, mask=valid, other=0).to(tl.int32)
-            recent = tl.load(WINDOW + req, mask=valid, other=0).to(tl.int32)
+            b, valid, req, n, sink, budget, recent, b_start, on = _slot_knobs(
+                RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDOW, MAXC, bs, P_A, i, INDEXED, HAS_ASLOT,
+                BLOCK_B)
             qa_w = tl.load(QA_W + req, mask=valid, other=0).to(tl.int64)
             ridge = tl.load(QA_RIDGE + req, mask=valid, other=0.0)
             next_b = tl.maximum(n + 1 - recent, 0)
@@ -142,9 +167,7 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
             tl.store(A32 + 3 * SA + i, tl.where(valid, next_b, 0))  # hi: no row, nothing scored
             tl.store(A32 + 4 * SA + i, budget)
             tl.store(A32 + 5 * SA + i, valid.to(tl.int32))
-            tl.store(A64 + 0 * SA + i, b.to(tl.int64))
-            tl.store(A64 + 1 * SA + i, tl.minimum(b, last_row).to(tl.int64))
-            tl.store(A64 + 2 * SA + i, req)
+            _store_i64(A64, SA, i, b, last_row, req)
             tl.store(A64 + 3 * SA + i, tl.where(valid, i, scratch).to(tl.int64))  # no row: the scratch slot
             tl.store(A64 + 4 * SA + i, tl.minimum(qa_w + 1, ring_w))  # count_cap: the request's W + 1 queries
             tl.store(AF + i, ridge)
@@ -154,28 +177,13 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
             slot = tl.load(SLOT + req).to(tl.int32)
             n = tl.load(SEQ + i).to(tl.int32)
             mc = tl.load(MAXC + req).to(tl.int32)
-            sel = (pol == P_A) & (slot >= 0) & (n <= mc)
-            if HAS_ASLOT:
-                sel = sel & (tl.load(A_SLOT + i).to(tl.int32) == INDEXED)
-            else:
-                sel = sel & (i < 0)  # no plan a_slot: no row is indexed
+            sel = _indexed(A_SLOT, i, _live(pol, slot, n, mc, P_A), INDEXED, HAS_ASLOT)
             tl.store(A_SRC + i, tl.where(sel, slot, -1))
     if HAS_L:
         if i < SL:
-            b = _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P_L, i, BLOCK_B)
-            valid = b < bs
-            bb = tl.where(valid, b, 0)
-            req = tl.load(RPI + bb, mask=valid, other=0).to(tl.int64)
-            n = tl.load(SEQ + bb, mask=valid, other=0).to(tl.int32)
-            sink = tl.load(SINK + req, mask=valid, other=0).to(tl.int32)
-            budget = tl.load(BUDGET + req, mask=valid, other=0).to(tl.int32)
-            recent = tl.load(WINDOW + req, mask=valid, other=0).to(tl.int32)
-            b_start = tl.load(B_START + bb, mask=valid, other=0).to(tl.int32)
-            on = valid
-            if HAS_ASLOT:
-                on = valid & (tl.load(A_SLOT + bb, mask=valid, other=0).to(tl.int32) == INDEXED)
-            else:
-                on = b < 0  # no plan a_slot: no row is indexed
+            b, valid, req, n, sink, budget, recent, b_start, on = _slot_knobs(
+                RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDOW, MAXC, bs, P_L, i, INDEXED, HAS_ASLOT,
+                BLOCK_B)
             tl.store(L32 + 0 * SL + i, tl.where(on, n, 0))  # 0: no program of the slot does anything
             tl.store(L32 + 1 * SL + i, sink)
             tl.store(L32 + 2 * SL + i, tl.maximum(recent - 1, 0))  # window = local + 1 (policies/lfps.py)
@@ -184,9 +192,7 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
             tl.store(L32 + 5 * SL + i, tl.zeros([], tl.int32))
             tl.store(L32 + 6 * SL + i, tl.zeros([], tl.int32) + candidates)
             tl.store(L32 + 7 * SL + i, valid.to(tl.int32))
-            tl.store(L64 + 0 * SL + i, b.to(tl.int64))
-            tl.store(L64 + 1 * SL + i, tl.minimum(b, last_row).to(tl.int64))
-            tl.store(L64 + 2 * SL + i, req)
+            _store_i64(L64, SL, i, b, last_row, req)
             # float knobs by request row: no row reads the padding row 0's (its slot is off)
             tl.store(LF + 0 * SL + i, tl.load(L_R + req))
             tl.store(LF + 1 * SL + i, tl.load(L_EPS + req))
