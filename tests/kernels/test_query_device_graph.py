@@ -113,6 +113,46 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, n: int, warmup: int) -> float:
     return start.elapsed_time(end) / n
 
 
+def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None = None, max_ctx: int = MAXCTX):
+    """`layers` x select + finish of one store layer (a layer's cost each) captured on
+    a padding-only batch with the conditional nodes on or off (graph_gate.ENABLED),
+    then the twin admitted and the batch `rows` (0: padding) written into the
+    graph's inputs. Returns (twin, graph, rows_t, lens_t, out); out["plan"]: the
+    captured plan. A graph replays over its twin's tensors: keep the twin alive."""
+    from sgl_sparse import graph_gate
+
+    dev = torch.device("cuda")
+    bs, lens = len(rows), lens or LENS
+    twin = Twin(use_kernels=True, lens=lens, max_ctx=max_ctx)
+    rows_t = torch.zeros(bs, dtype=torch.int64, device=dev)
+    lens_t = torch.ones(bs, dtype=torch.int32, device=dev)
+    tok_t = torch.ones(bs, dtype=torch.int64, device=dev)
+    q = torch.randn(bs, HKV * G, D, device=dev).to(KV)
+    o = torch.zeros(bs, HKV * G, D, dtype=KV, device=dev)
+    twin.rt.plan_step([0] * bs, [1] * bs, dev, graphed=True)
+    out = {}
+
+    def step():
+        plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
+        for _ in range(layers):
+            lp = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+            twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
+        out["plan"] = lp
+
+    saved = graph_gate.ENABLED
+    graph_gate.ENABLED = gated
+    try:
+        graph = _capture(step)
+    finally:
+        graph_gate.ENABLED = saved
+    twin.admit(torch.randn(sum(lens.values()), HKV * G, D, device=dev).to(KV))
+    for b, r in enumerate(rows):
+        rows_t[b] = r
+        lens_t[b] = lens[r] + 1 if r else 1
+    twin.keep = (q, o, tok_t)  # the graph's inputs live as long as the twin
+    return twin, graph, rows_t, lens_t, out
+
+
 def test_capture_once_replay_mixed_batches():
     from sgl_sparse.kernels import two_segment_decode
 
@@ -211,54 +251,20 @@ def test_full_batches_skip_the_gated_work():
     query-aware row, skips the selection's kernels: its replay is much cheaper
     than the same capture without them (SGLANG_SPARSE_GRAPH_CONDITIONALS=0), and a
     quest row entering the batch runs them again (a_len filled)."""
-    from sgl_sparse import graph_gate
-
     if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
         pytest.skip(f"torch {torch.__version__} has no CUDA-graph conditional nodes (the H100 image's 2.11: "
                     "the captured path then runs every block, bench/README 'Session 6')")
-    dev = torch.device("cuda")
-    bs, layers = 8, 8
-
-    def capture(gated: bool):
-        twin = Twin(use_kernels=True)
-        rows_t = torch.zeros(bs, dtype=torch.int64, device=dev)
-        lens_t = torch.ones(bs, dtype=torch.int32, device=dev)
-        tok_t = torch.ones(bs, dtype=torch.int64, device=dev)
-        q = torch.randn(bs, HKV * G, D, device=dev).to(KV)
-        o = torch.zeros(bs, HKV * G, D, dtype=KV, device=dev)
-        twin.rt.plan_step([0] * bs, [1] * bs, dev, graphed=True)
-        out = {}
-
-        def step():
-            plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
-            for _ in range(layers):  # one store layer, selected `layers` times: a layer's cost each
-                lp = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-                twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-            out["plan"] = lp
-
-        saved = graph_gate.ENABLED
-        graph_gate.ENABLED = gated
-        try:
-            graph = _capture(step)
-        finally:
-            graph_gate.ENABLED = saved
-        twin.admit(torch.randn(sum(LENS.values()), HKV * G, D, device=dev).to(KV))
-        rows_t[0] = 5  # a `full` request; the rest padding
-        lens_t[0] = LENS[5] + 1
-        twin.keep = (q, o, tok_t)  # the graph's inputs live as long as the twin
-        return twin, graph, rows_t, lens_t, out
-
-    tw_on, g_on, *_ = capture(True)  # a graph replays over its twin's tensors: both stay alive
-    twin, g_off, *_ = capture(False)
+    layers = 8
+    full_only = [5, 0, 0, 0, 0, 0, 0, 0]  # a `full` request; the rest padding
+    tw_on, g_on, *_ = _capture_layers(full_only, layers, gated=True)  # both twins stay alive: their graphs replay
+    twin, g_off, *_ = _capture_layers(full_only, layers, gated=False)
     t_on, t_off = (1e3 * _replay_ms(g, n=50, warmup=5) for g in (g_on, g_off))
     print(f"full-only batch, {layers} layers of select+finish: gated {t_on:.1f} us, ungated {t_off:.1f} us per replay")
     assert t_on < 0.5 * t_off, (t_on, t_off)
 
     # the gated graph still serves a quest row
     del tw_on, g_on, twin, g_off
-    twin, g_on, rows_t, lens_t, out = capture(True)
-    rows_t[1] = 1
-    lens_t[1] = LENS[1] + 1
+    twin, g_on, rows_t, lens_t, out = _capture_layers([5, 1, 0, 0, 0, 0, 0, 0], layers, gated=True)
     g_on.replay()
     torch.cuda.synchronize()
     lp = out["plan"]
@@ -350,38 +356,11 @@ def test_query_aware_replay_cost_per_layer(max_ctx):
     33 / 92 us at max_context 1024 and 116 / 180 us at 32768; the path before the
     early-exit kernels (since removed) had 354 / 441 and 496 / 547, ratios of 0.80
     and 0.91, which the bound below rejects."""
-    from sgl_sparse import graph_gate
-
-    dev = torch.device("cuda")
-    bs, layers = 8, 8
     batches = {"full-only": [5, 0, 0, 0, 0, 0, 0, 0], "live q+a+l": [1, 3, 7, 5, 0, 0, 0, 0]}
     lens = {r: n + 7 * r for r, n in LENS.items()} if max_ctx > MAXCTX else LENS
-    us = {}
+    layers, us = 8, {}
     for name, rows in batches.items():
-        saved = graph_gate.ENABLED
-        graph_gate.ENABLED = False
-        try:
-            twin = Twin(use_kernels=True, lens=lens, max_ctx=max_ctx)
-            rows_t = torch.zeros(bs, dtype=torch.int64, device=dev)
-            lens_t = torch.ones(bs, dtype=torch.int32, device=dev)
-            tok_t = torch.ones(bs, dtype=torch.int64, device=dev)
-            q = torch.randn(bs, HKV * G, D, device=dev).to(KV)
-            o = torch.zeros(bs, HKV * G, D, dtype=KV, device=dev)
-            twin.rt.plan_step([0] * bs, [1] * bs, dev, graphed=True)
-
-            def step():
-                plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
-                for _ in range(layers):  # one store layer, selected `layers` times: a layer's cost each
-                    lp = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-                    twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-
-            graph = _capture(step)
-        finally:
-            graph_gate.ENABLED = saved
-        twin.admit(torch.randn(sum(lens.values()), HKV * G, D, device=dev).to(KV))
-        for b, r in enumerate(rows):
-            rows_t[b] = r
-            lens_t[b] = lens[r] + 1 if r else 1
+        twin, graph, *_ = _capture_layers(rows, layers, gated=False, lens=lens, max_ctx=max_ctx)
         us[name] = 1e3 * _replay_ms(graph, n=30, warmup=5) / layers
         del graph, twin
     full, live = us["full-only"], us["live q+a+l"]
