@@ -23,50 +23,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-from count_query_device_ops import OpCounter  # noqa: E402
+from count_query_device_ops import MIXED, count_forward  # noqa: E402
 
 POLICIES = ("quest", "asyncspade", "lfps")
 FULL_ONLY = [7, 0, 0, 0, 0, 0, 0, 0]  # a `full` row, padding
-MIXED = [5, 1, 7, 3, 0, 4, 2, 6]  # quest 1-3, asyncspade 4-5, lfps 6, full 7, padding 0
 
 
 def count(policies=POLICIES, rows=FULL_ONLY, group: int = 2) -> dict:
     """{'first': OpCounter, 'other': OpCounter} of one decode forward's select + finish
     calls with only `policies`' stores on the device path."""
-    from sgl_sparse.decision import plan_decode
     from sgl_sparse.policies import PolicyId
-    from tests.test_query_device import HKV, LENS, SCALE, Twin
 
-    twin = Twin(group, use_kernels=True)
-    gen = torch.Generator().manual_seed(0)
-    twin.admit(torch.randn(sum(LENS.values()), HKV * group, 16, generator=gen).half())
-    dev = twin.rt.device
-    ids = {"quest": PolicyId.QUEST, "asyncspade": PolicyId.ASYNCSPADE, "lfps": PolicyId.LFPS}
-    if "quest" not in policies:
-        dev.quest = None
-    if "asyncspade" not in policies:
-        dev.aspd = None
-    if "lfps" not in policies:
-        dev.lfps = None
-    dev._inner_gates = len(policies) > 1
-    for p in POLICIES:  # the host path must not serve a dropped policy's rows either
-        if p not in policies:
-            twin.rt.stores.pop(ids[p], None)
-    lens = [LENS[r] + 1 if r else 1 for r in rows]
-    rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
-    twin.rt.plan_step(rows, lens, torch.device("cpu"), graphed=True)
-    plan = plan_decode(twin.st, rows_t, torch.ones(len(rows), dtype=torch.long), lens_t, (None, None),
-                       num_kv_heads=HKV)
-    q = torch.randn(len(rows), HKV * group, 16, generator=gen).half()
-    o = torch.zeros(q.shape[0], q.shape[1], 16)
-    out = {}
-    for name in ("first", "other"):
-        with OpCounter() as c:
-            lplan = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-            twin.rt.finish(0, lplan, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-        out[name] = c
-    return out
+    def keep_only(twin):
+        dev = twin.rt.device
+        ids = {"quest": PolicyId.QUEST, "asyncspade": PolicyId.ASYNCSPADE, "lfps": PolicyId.LFPS}
+        if "quest" not in policies:
+            dev.quest = None
+        if "asyncspade" not in policies:
+            dev.aspd = None
+        if "lfps" not in policies:
+            dev.lfps = None
+        dev._inner_gates = len(policies) > 1
+        for p in POLICIES:  # the host path must not serve a dropped policy's rows either
+            if p not in policies:
+                twin.rt.stores.pop(ids[p], None)
+
+    return count_forward(rows, group, prepare=keep_only)
 
 
 def table(rows=FULL_ONLY) -> dict:

@@ -95,15 +95,21 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def count(group: int = 2) -> dict:
-    """{'first': OpCounter, 'other': OpCounter} of one decode forward's layer calls."""
+MIXED = [5, 1, 7, 3, 0, 4, 2, 6]  # quest 1-3, asyncspade 4-5, lfps 6, full 7, padding 0
+
+
+def count_forward(rows=MIXED, group: int = 2, prepare=None) -> dict:
+    """{'first': OpCounter, 'other': OpCounter} of one decode forward's layer calls
+    on the batch `rows` of tests/test_query_device.py's twin; `prepare(twin)` runs
+    after its admission, before the step is planned."""
     from sgl_sparse.decision import plan_decode
     from tests.test_query_device import HKV, LENS, SCALE, Twin
 
     twin = Twin(group, use_kernels=True)
     gen = torch.Generator().manual_seed(0)
     twin.admit(torch.randn(sum(LENS.values()), HKV * group, 16, generator=gen).half())
-    rows = [5, 1, 7, 3, 0, 4, 2, 6]  # quest 1-3, asyncspade 4-5, lfps 6, full 7, padding 0
+    if prepare is not None:
+        prepare(twin)
     lens = [LENS[r] + 1 if r else 1 for r in rows]
     rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
     twin.rt.plan_step(rows, lens, torch.device("cpu"), graphed=True)
@@ -118,6 +124,11 @@ def count(group: int = 2) -> dict:
             twin.rt.finish(0, lplan, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
         out[name] = c
     return out
+
+
+def count(group: int = 2) -> dict:
+    """count_forward of the mixed batch."""
+    return count_forward(MIXED, group)
 
 
 if __name__ == "__main__":
