@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_sparse import reference
+from sgl_sparse import compat, graph_variants, reference
 from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
@@ -109,6 +109,12 @@ class SparseAttnBackend(AttentionBackend):
             self._split_counters = make_split_counters(
                 self.req_to_token_pool.req_to_token.shape[0], self._num_kv_heads, self.device
             )
+        # Decode CUDA graphs in two variants per batch size when the query-aware
+        # device path is on (graph_variants.py): without its blocks for batches that
+        # hold no quest/asyncspade/lfps row, with them otherwise.
+        self.graph_variants = graph_variants.wanted(self)
+        self._graph_qa: Optional[bool] = None  # the variant being captured
+        self._dense_graph_wrappers: dict[tuple[bool, int], object] = {}
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -151,8 +157,35 @@ class SparseAttnBackend(AttentionBackend):
             forward_batch = self._route_decode_rows(forward_batch)
         if eager:
             self.dense.init_forward_metadata(forward_batch)
+            return
+        variant = self.graph_variants and forward_batch.forward_mode.is_decode_or_idle()
+        if variant and not in_capture:
+            # Plan into the FlashInfer wrappers of the variant the runner replays.
+            self.dense_graph_wrappers(forward_batch.batch_size, self.state.step_query_aware(), install=True)
+        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if variant and in_capture:
+            self.dense_graph_wrappers(forward_batch.batch_size, self._graph_qa, install=False)
+
+    def dense_graph_wrappers(self, bs: int, query_aware: Optional[bool], install: bool) -> None:
+        """FlashInfer makes new decode wrappers (each with its own plan buffers) at
+        every capture of a batch size and plans into the latest at replay; with two
+        variants per size, each graph keeps its own: remembered after its capture,
+        put back before its replay's plan."""
+        key = (bool(query_aware), bs)
+        if install:
+            if key in self._dense_graph_wrappers:
+                compat.set_dense_decode_graph_wrappers(self.dense, bs, self._dense_graph_wrappers[key])
         else:
-            self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+            self._dense_graph_wrappers[key] = compat.dense_decode_graph_wrappers(self.dense, bs)
+
+    @contextlib.contextmanager
+    def capturing_graph_variant(self, query_aware: bool):
+        """Within: decode graph captures are of the given variant."""
+        self._graph_qa = query_aware
+        try:
+            yield
+        finally:
+            self._graph_qa = None
 
     def _refresh_selections(self) -> None:
         pending, later = self.state.take_refresh()
@@ -376,7 +409,7 @@ class SparseAttnBackend(AttentionBackend):
     def _layer_plan(self, layer, forward_batch, q3) -> DecodePlan:
         """The step's plan, with this layer's indexed segment A when the batch has
         query-aware rows."""
-        if self.qa is None or not self.qa.active():
+        if self.qa is None or not self.qa.active() or self._graph_qa is False:
             return self.plan
         return self.qa.select(
             layer.layer_id - self._layer0, self.plan, q3,
@@ -385,7 +418,7 @@ class SparseAttnBackend(AttentionBackend):
         )
 
     def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
-        if self.qa is None or not self.qa.active():
+        if self.qa is None or not self.qa.active() or self._graph_qa is False:
             return
         self.qa.finish(
             layer.layer_id - self._layer0, plan, q3, o3,

@@ -92,3 +92,25 @@ def decode_cuda_graphs_enabled(server_args: Any) -> bool:
         return str(getattr(backend, "value", backend)) != "disabled"
     return not (getattr(server_args, "disable_cuda_graph", False)
                 or getattr(server_args, "disable_decode_cuda_graph", False))
+
+
+# ---- decode CUDA-graph variants (sgl_sparse/graph_variants.py) ----------------------
+# Both releases: DecodeCudaGraphRunner.capture_one_shape(size, forward, stream_idx,
+# variant_label, ...) and _resolve_lora_variant(forward_batch) key the graphs; the
+# FlashInfer backend keeps each batch size's captured decode wrappers in
+# decode_cuda_graph_metadata[bs] and plans into them before a replay.
+DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+CAPTURE_ONE_SHAPE_TARGET = DECODE_GRAPH_RUNNER + ".capture_one_shape"
+RESOLVE_VARIANT_TARGET = DECODE_GRAPH_RUNNER + "._resolve_lora_variant"
+
+
+def has_dense_decode_graph_wrappers(dense: Any) -> bool:
+    return isinstance(getattr(dense, "decode_cuda_graph_metadata", None), dict)
+
+
+def dense_decode_graph_wrappers(dense: Any, bs: int) -> Any:
+    return dense.decode_cuda_graph_metadata[bs]
+
+
+def set_dense_decode_graph_wrappers(dense: Any, bs: int, wrappers: Any) -> None:
+    dense.decode_cuda_graph_metadata[bs] = wrappers

@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from kernels._utils import env_switch
+from sgl_sparse.kernels._utils import env_switch
 
 logger = logging.getLogger(__name__)
 

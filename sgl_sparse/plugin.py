@@ -62,6 +62,12 @@ def register() -> None:
         ("sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
          compact_request_info, HookType.BEFORE),
     ]
+    from sgl_sparse import graph_variants
+
+    hooks += [
+        (compat.CAPTURE_ONE_SHAPE_TARGET, graph_variants.capture_one_shape, HookType.AROUND),
+        (compat.RESOLVE_VARIANT_TARGET, graph_variants.resolve_variant, HookType.AROUND),
+    ]
     if compat.SUPPORT_TRITON_TARGET:
         hooks.append((compat.SUPPORT_TRITON_TARGET, support_triton, HookType.AROUND))
     for target, fn, kind in hooks:

@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from kernels._utils import env_switch
+from sgl_sparse.kernels._utils import env_switch
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate

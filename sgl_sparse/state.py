@@ -106,6 +106,9 @@ class SparseState:
         self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
+        # Whether the last decode batch set up holds a quest/asyncspade/lfps row: the
+        # decode CUDA-graph variant its forward replays (step_query_aware).
+        self._step_query_aware: bool | None = None
         self._step_rows: list[int] | None = None  # rows of the decode batch, in order
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
@@ -245,6 +248,7 @@ class SparseState:
                 st[1] += attended / max(n, 1)
 
         active = self._active
+        query_aware = False
         with self._lock:
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
@@ -257,6 +261,7 @@ class SparseState:
                     mask.append(self._sfi_step(r, n, toks, count, fallbacks))
                     continue
                 if pol in _QUERY_AWARE:
+                    query_aware = True
                     mask.append(self._query_aware_step(r, row, n, count, fallbacks))
                     continue
                 # full / streaming / sadas
@@ -279,6 +284,7 @@ class SparseState:
                 count(_POLICY_NAMES[pol], row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
             self._step_rows = list(map(int, rows))
+            self._step_query_aware = query_aware
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
 
@@ -395,6 +401,15 @@ class SparseState:
     def active_count(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def step_query_aware(self) -> bool:
+        """Whether the decode forward about to run needs the query-aware blocks: its
+        batch holds a quest/asyncspade/lfps row. Read (not taken) by the decode graph
+        runner's variant choice and by the backend's metadata init of the same forward,
+        which must agree; before any decode batch, any live such request counts."""
+        with self._lock:
+            v = self._step_query_aware
+        return self.has_active(_QUERY_AWARE) if v is None else v
 
     def has_active(self, policies) -> bool:
         """Whether any live request uses one of ``policies`` (per-step fast path)."""
