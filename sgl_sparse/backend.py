@@ -163,7 +163,7 @@ class SparseAttnBackend(AttentionBackend):
             # Plan into the FlashInfer wrappers of the variant the runner replays.
             self.dense_graph_wrappers(forward_batch.batch_size, self.state.step_query_aware(), install=True)
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if variant and in_capture:
+        if variant and in_capture and self._graph_qa is not None:  # a capture of graph_variants' hook
             self.dense_graph_wrappers(forward_batch.batch_size, self._graph_qa, install=False)
 
     def dense_graph_wrappers(self, bs: int, query_aware: Optional[bool], install: bool) -> None:
