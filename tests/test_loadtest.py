@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.server import REPO_ROOT, running_server
-from tests.tiny_model import make_tiny_qwen3
+from tests.server import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "loadtest"))
 
@@ -214,10 +213,10 @@ def locust_python() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(locust_python, tmp_path_factory):
-    model = make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
-    with running_server(model, "sgl_sparse") as h:
-        yield h
+def server(locust_python, sparse_server):
+    """The session's shared sgl_sparse server (tests/shared_servers.py), requested after
+    locust_python: without locust the tests skip before a server is started."""
+    return sparse_server
 
 
 def _run_locust(python: str, url: str, out: Path, run_time: str, *args: str,
