@@ -207,15 +207,17 @@ def _locust_python() -> str:
                 f"{LOCUST_PYTHON_ENV}=V/bin/python; .ci/run does this)")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped like the shared server it guards: pytest sets up session fixtures before
+# module ones, and in the order asked, so without locust the tests skip before the
+# shared server is started for them.
+@pytest.fixture(scope="session")
 def locust_python() -> str:
     return _locust_python()
 
 
 @pytest.fixture(scope="module")
 def server(locust_python, sparse_server):
-    """The session's shared sgl_sparse server (tests/shared_servers.py), requested after
-    locust_python: without locust the tests skip before a server is started."""
+    """The session's shared sgl_sparse server (tests/shared_servers.py)."""
     return sparse_server
 
 
