@@ -25,9 +25,11 @@ flags, another model or a fresh state starts its own (``tests.server.running_ser
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import pytest
 
-from tests.server import running_server
+from tests.server import launch_server
 from tests.tiny_model import make_tiny_qwen3
 
 # Small prefill chunks: prompts of a few hundred tokens are admitted over several extend
@@ -48,15 +50,27 @@ def stand_in_trace(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def stock_server(tiny_qwen3, stand_in_trace):
-    env = {"SGL_SPARSE_STAND_IN_TRACE": str(stand_in_trace)}
-    with running_server(tiny_qwen3, "torch_native", extra_args=SHARED_ARGS, env_extra=env) as h:
-        print(f"\n[stock server] started in {h.startup_s:.1f}s, log {h.log_path}")
-        yield h
+def _shared_servers():
+    """The shared servers started this session, stopped together at its end: SGLang
+    drains and exits ~7 s after SIGTERM, and the servers do that side by side."""
+    handles = []
+    yield handles
+    with cf.ThreadPoolExecutor(max(1, len(handles))) as ex:
+        list(ex.map(lambda h: h.stop(), handles))
 
 
 @pytest.fixture(scope="session")
-def sparse_server(tiny_qwen3):
-    with running_server(tiny_qwen3, "sgl_sparse", extra_args=SHARED_ARGS + ["--enable-metrics"]) as h:
-        print(f"\n[sgl_sparse server] started in {h.startup_s:.1f}s, log {h.log_path}")
-        yield h
+def stock_server(_shared_servers, tiny_qwen3, stand_in_trace):
+    env = {"SGL_SPARSE_STAND_IN_TRACE": str(stand_in_trace)}
+    h = launch_server(tiny_qwen3, "torch_native", extra_args=SHARED_ARGS, env_extra=env)
+    _shared_servers.append(h)
+    print(f"\n[stock server] started in {h.startup_s:.1f}s, log {h.log_path}")
+    return h
+
+
+@pytest.fixture(scope="session")
+def sparse_server(_shared_servers, tiny_qwen3):
+    h = launch_server(tiny_qwen3, "sgl_sparse", extra_args=SHARED_ARGS + ["--enable-metrics"])
+    _shared_servers.append(h)
+    print(f"\n[sgl_sparse server] started in {h.startup_s:.1f}s, log {h.log_path}")
+    return h
