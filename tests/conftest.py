@@ -18,4 +18,7 @@ if not torch.cuda.is_available():
 # The sglang_independent mark (tests run under one SGLang version in CI) and its guard.
 from tests.ci_legs import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_call,  # noqa: E402,F401
                            pytest_runtest_setup, pytest_runtest_teardown)
+# The CPU SGLang servers the test modules share (one start per kind and session).
+from tests.shared_servers import (_shared_servers, sparse_server, stand_in_trace, stock_server,  # noqa: E402,F401
+                                  tiny_qwen3)
 

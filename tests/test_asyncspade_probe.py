@@ -17,6 +17,9 @@ import asyncspade_recall_probe as probe  # noqa: E402
 import fidelity  # noqa: E402
 from sgl_sparse.queryaware import asyncspade as aspd  # noqa: E402
 
+# torch and this package's pure-torch math only: CI runs it under one SGLang version.
+pytestmark = pytest.mark.sglang_independent
+
 
 def _ref_rank(q: torch.Tensor, k: torch.Tensor, t: int, lo: int, hi: int, pos: int, scale: float) -> list[int]:
     """float64: rank of `pos` among keys [lo, hi) by max over the group of scale q.k."""

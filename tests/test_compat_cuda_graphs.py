@@ -1,16 +1,16 @@
 """compat.decode_cuda_graphs_enabled on real ServerArgs records of the installed
 SGLang (0.5.17 resolves flags into cuda_graph_config; 0.5.23 may keep raw fields):
-the query-aware policies are offered on CUDA only when decode graphs are off."""
+the query-aware policies are offered on CUDA only when decode graphs are off. Each flag
+set is resolved in a process of its own, forked after one import of SGLang's server args
+(tests/forked_runs.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.server import server_env
+from tests.forked_runs import Run, run_forked
 from tests.tiny_model import make_tiny_qwen3
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,14 +28,24 @@ print(json.dumps(compat.decode_cuda_graphs_enabled(sa)))
 """
 
 
-@pytest.mark.parametrize("flags, enabled", [
+CASES = [
     ([], True),
     (["--disable-cuda-graph"], False),
     (["--cuda-graph-backend-decode", "disabled"], False),
-])
-def test_decode_cuda_graphs_enabled(tmp_path, flags, enabled):
-    model = make_tiny_qwen3(tmp_path / "m", seed=2)
-    out = subprocess.run([sys.executable, "-c", SNIPPET, str(model), *flags], env=server_env(), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=240)
+]
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory):
+    """SNIPPET's output for each flag set of CASES, each run in its own directory."""
+    model = make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2)
+    runs = [Run(args=["-c", str(model), *flags], cwd=tmp_path_factory.mktemp("run"), code=SNIPPET)
+            for flags, _ in CASES]
+    return run_forked(runs, preload=["sglang.srt.server_args"])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["default", "disable-cuda-graph", "backend-decode-disabled"])
+def test_decode_cuda_graphs_enabled(resolved, case):
+    out, (_, enabled) = resolved[case], CASES[case]
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) is enabled

@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.server import REPO_ROOT, running_server
-from tests.tiny_model import make_tiny_qwen3
+from tests.server import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "loadtest"))
 
@@ -208,16 +207,18 @@ def _locust_python() -> str:
                 f"{LOCUST_PYTHON_ENV}=V/bin/python; .ci/run does this)")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped like the shared server it guards: pytest sets up session fixtures before
+# module ones, and in the order asked, so without locust the tests skip before the
+# shared server is started for them.
+@pytest.fixture(scope="session")
 def locust_python() -> str:
     return _locust_python()
 
 
 @pytest.fixture(scope="module")
-def server(locust_python, tmp_path_factory):
-    model = make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
-    with running_server(model, "sgl_sparse") as h:
-        yield h
+def server(locust_python, sparse_server):
+    """The session's shared sgl_sparse server (tests/shared_servers.py)."""
+    return sparse_server
 
 
 def _run_locust(python: str, url: str, out: Path, run_time: str, *args: str,

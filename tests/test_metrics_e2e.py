@@ -1,6 +1,7 @@
 """Observability end to end: a real Prometheus scrapes a real SGLang CPU server.
 
-The server runs `--attention-backend sgl_sparse --enable-metrics`; mixed-policy
+The server (the session's shared one, tests/shared_servers.py: other modules' traffic
+may precede this one's) runs `--attention-backend sgl_sparse --enable-metrics`; mixed-policy
 traffic (full, streaming, sadas, sfi, and a request refused for its metadata)
 goes through it; Prometheus (Debian's `prometheus` binary) scrapes /metrics every
 second and evaluates deploy/prometheus's rules every second. Then EVERY PromQL
@@ -27,8 +28,7 @@ import requests
 import yaml
 
 from tests.promql_sources import RULES, dashboard_exprs, recorded_names, rule_exprs
-from tests.server import find_free_port, running_server
-from tests.tiny_model import make_tiny_qwen3
+from tests.server import find_free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 
@@ -105,21 +105,20 @@ def _server_sum(url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    model = make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
-    with running_server(model, "sgl_sparse", extra_args=["--enable-metrics"]) as server:
-        prom, prom_url, log = _start_prometheus(tmp_path_factory.mktemp("prometheus"), server.port)
-        try:
-            # Scraping starts a few seconds after start-up (target discovery): the
-            # traffic must come after a first scrape, or no rate sees it grow.
-            deadline = time.time() + 60
-            while _scraped(prom_url, 'up{job="sglang"}') != 1:
-                assert time.time() < deadline, f"Prometheus never scraped the server:\n{log.read_text()[-3000:]}"
-                time.sleep(0.5)
-            yield server, prom_url
-        finally:
-            os.killpg(prom.pid, signal.SIGTERM)  # its own session: only this Prometheus
-            prom.wait(timeout=30)
+def stack(sparse_server, tmp_path_factory):
+    server = sparse_server
+    prom, prom_url, log = _start_prometheus(tmp_path_factory.mktemp("prometheus"), server.port)
+    try:
+        # Scraping starts a few seconds after start-up (target discovery): the
+        # traffic must come after a first scrape, or no rate sees it grow.
+        deadline = time.time() + 60
+        while _scraped(prom_url, 'up{job="sglang"}') != 1:
+            assert time.time() < deadline, f"Prometheus never scraped the server:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield server, prom_url
+    finally:
+        os.killpg(prom.pid, signal.SIGTERM)  # its own session: only this Prometheus
+        prom.wait(timeout=30)
 
 
 def _generate(url: str, ids: list[int], sparse) -> requests.Response:

@@ -3,7 +3,9 @@
 The stock `torch_native` server gives the reference greedy tokens; the
 `sgl_sparse` server must reproduce them for `full` and for window policies whose
 window covers the sequence, differ with a small window, answer bad metadata with
-HTTP 400 while serving everything else, and keep radix-cache hits exact.
+HTTP 400 while serving everything else, and keep radix-cache hits exact. Both are the
+session's shared servers (tests/shared_servers.py: same model, same small prefill
+chunks, so prompts are admitted over several extend chunks and requests queue).
 """
 
 from __future__ import annotations
@@ -15,28 +17,17 @@ import time
 import pytest
 import requests
 
-from tests.server import running_server
-from tests.tiny_model import make_tiny_qwen3
-
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 NEW_TOKENS = 24
-# Small prefill chunks: prompts are admitted over several extend chunks (state rows
-# rewritten per chunk) and requests queue; both servers chunk the same way.
-SERVER_ARGS = ["--chunked-prefill-size", "64"]
 THINK, END_THINK = "<think>", "</think>"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def think_ids(model_dir):
+def think_ids(tiny_qwen3):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     return tok.convert_tokens_to_ids(THINK), tok.convert_tokens_to_ids(END_THINK)
 
 
@@ -68,16 +59,8 @@ def _ids(resp: requests.Response) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def stock_outputs(model_dir, think_ids):
-    prompts = _prompts(think_ids)
-    with running_server(model_dir, "torch_native", extra_args=SERVER_ARGS) as h:
-        return {name: _ids(_generate(h.url, ids)) for name, ids in prompts.items()}
-
-
-@pytest.fixture(scope="module")
-def sparse_server(model_dir):
-    with running_server(model_dir, "sgl_sparse", extra_args=SERVER_ARGS + ["--enable-metrics"]) as h:
-        yield h
+def stock_outputs(stock_server, think_ids):
+    return {name: _ids(_generate(stock_server.url, ids)) for name, ids in _prompts(think_ids).items()}
 
 
 def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
@@ -199,7 +182,8 @@ def _sparse_internal_state(url: str) -> dict:
 
 
 def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
-    """Runs last in this module: every request above finished or was aborted."""
+    """Runs after the tests above in this module (and after the other modules sharing
+    the server): every request they sent finished or was aborted."""
     ids = _prompts(think_ids)["plain_c"]
     sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True,
           "custom_params": {"sparse": {"policy": "streaming", "window": 8}}}
@@ -234,7 +218,9 @@ def _value(samples, name, **labels) -> float:
 
 
 def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
-    """Runs after the traffic above: per-policy steps, retention, fallbacks, rejects."""
+    """Runs after the traffic above: per-policy steps, retention, fallbacks, rejects.
+    (The shared server's counters also hold the other modules' traffic: only lower
+    bounds, ratios and gauges are asserted.)"""
     ids = _prompts(think_ids)["plain_a"]
     _ids(_generate(sparse_server.url, ids, {"policy": "streaming", "window": 8, "sink": 4}))
     _ids(_generate(sparse_server.url, ids, {"policy": "full"}))

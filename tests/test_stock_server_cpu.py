@@ -1,8 +1,9 @@
 """Stock SGLang on CPU: the harness itself works for the installed sglang.
 
-Starts one real ``sglang.launch_server`` with the stock
+Uses one real ``sglang.launch_server`` with the stock
 ``--attention-backend torch_native`` on the tiny random Qwen3 model made by
-tests/tiny_model.py, and checks what the sgl-sparse tests rely on:
+tests/tiny_model.py (the session's shared stock server, tests/shared_servers.py),
+and checks what the sgl-sparse tests rely on:
 
 * ``/generate`` with ``text`` and with ``input_ids`` (greedy, deterministic,
   same tokens either way), batched prompts;
@@ -14,7 +15,8 @@ tests/tiny_model.py, and checks what the sgl-sparse tests rely on:
   visible);
 * the spawned scheduler/detokenizer processes import the CPU stand-ins.
 
-One server start costs ~40-90 s on the 2-core CI machine.  The first tests
+One server start costs ~40-90 s on the 2-core CI machine (hence the shared one;
+tests/test_server_e2e.py takes its reference tokens from it too).  The first tests
 (no server) check the pure-torch ``sgl_kernel`` stand-in ops against reference
 loops; they load tests/cpu_stand_ins by file path so that this pytest process
 does not get the stand-ins on its own ``sys.path``.
@@ -30,14 +32,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.server import running_server
-from tests.tiny_model import make_tiny_qwen3
-
 STAND_INS = Path(__file__).resolve().parent / "cpu_stand_ins"
 
 
 def server_test(fn):
-    """Marks a test that uses the (module-scoped) real SGLang server."""
+    """Marks a test that uses the (session-scoped) real SGLang server."""
     return pytest.mark.server(pytest.mark.timeout(900)(fn))
 
 SP = {"max_new_tokens": 16, "temperature": 0}
@@ -126,21 +125,14 @@ def test_torchvision_stub_imports():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-stock"), seed=0)
+def model_dir(tiny_qwen3):
+    return tiny_qwen3
 
 
 @pytest.fixture(scope="module")
-def stand_in_trace(tmp_path_factory):
-    return tmp_path_factory.mktemp("trace") / "stand_in_loads.txt"
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, stand_in_trace):
-    env = {"SGL_SPARSE_STAND_IN_TRACE": str(stand_in_trace)}
-    with running_server(model_dir, "torch_native", env_extra=env) as h:
-        print(f"\n[stock server] started in {h.startup_s:.1f}s, log {h.log_path}")
-        yield h
+def server(stock_server):
+    """The shared stock server: it runs with SGL_SPARSE_STAND_IN_TRACE=stand_in_trace."""
+    return stock_server
 
 
 def _generate(server, payload, timeout=120):
