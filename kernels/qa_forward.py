@@ -78,6 +78,17 @@ def _indexed(A_SLOT, r, ok, INDEXED: tl.constexpr, HAS_ASLOT: tl.constexpr):
 
 
 @triton.jit
+def _row_slot(RPI, SEQ, POL, SLOT, MAXC, r, ok, P: tl.constexpr):
+    """Batch row(s) r (where ok): whether policy P's store serves the row, and its slot."""
+    req = tl.load(RPI + r, mask=ok, other=0).to(tl.int64)
+    pol = tl.load(POL + req, mask=ok, other=-1).to(tl.int32)
+    slot = tl.load(SLOT + req, mask=ok, other=-1).to(tl.int32)
+    n = tl.load(SEQ + r, mask=ok, other=0).to(tl.int32)
+    mc = tl.load(MAXC + req, mask=ok, other=0).to(tl.int32)
+    return ok & _live(pol, slot, n, mc, P), slot
+
+
+@triton.jit
 def _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P: tl.constexpr, s, BLOCK_B: tl.constexpr):
     """The batch row holding slot s of policy P this step (bs: none): the lowest
     row whose request is P's, has the slot and fits the store (RowKnobs.live)."""
@@ -85,13 +96,8 @@ def _slot_row(RPI, SEQ, POL, SLOT, MAXC, bs, P: tl.constexpr, s, BLOCK_B: tl.con
     offs = tl.arange(0, BLOCK_B)
     for start in range(0, bs, BLOCK_B):
         r = start + offs
-        ok = r < bs
-        req = tl.load(RPI + r, mask=ok, other=0).to(tl.int64)
-        pol = tl.load(POL + req, mask=ok, other=-1).to(tl.int32)
-        slot = tl.load(SLOT + req, mask=ok, other=-1).to(tl.int32)
-        n = tl.load(SEQ + r, mask=ok, other=0).to(tl.int32)
-        mc = tl.load(MAXC + req, mask=ok, other=0).to(tl.int32)
-        hit = ok & _live(pol, slot, n, mc, P) & (slot == s)
+        live, slot = _row_slot(RPI, SEQ, POL, SLOT, MAXC, r, r < bs, P)
+        hit = live & (slot == s)
         best = tl.minimum(best, tl.min(tl.where(hit, r, bs), axis=0))
     return best
 
@@ -172,12 +178,8 @@ def _qa_forward_kernel(RPI, SEQ, B_START, A_SLOT, POL, SLOT, SINK, BUDGET, WINDO
             tl.store(A64 + 4 * SA + i, tl.minimum(qa_w + 1, ring_w))  # count_cap: the request's W + 1 queries
             tl.store(AF + i, ridge)
         if i < bs:  # the batch row's source slot for its stored selection (-1: keeps its a_pos / a_len)
-            req = tl.load(RPI + i).to(tl.int64)
-            pol = tl.load(POL + req).to(tl.int32)
-            slot = tl.load(SLOT + req).to(tl.int32)
-            n = tl.load(SEQ + i).to(tl.int32)
-            mc = tl.load(MAXC + req).to(tl.int32)
-            sel = _indexed(A_SLOT, i, _live(pol, slot, n, mc, P_A), INDEXED, HAS_ASLOT)
+            live, slot = _row_slot(RPI, SEQ, POL, SLOT, MAXC, i, i < bs, P_A)
+            sel = _indexed(A_SLOT, i, live, INDEXED, HAS_ASLOT)
             tl.store(A_SRC + i, tl.where(sel, slot, -1))
     if HAS_L:
         if i < SL:
