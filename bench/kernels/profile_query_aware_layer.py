@@ -28,29 +28,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
     from sgl_sparse import graph_gate
-    from sgl_sparse.decision import plan_decode
-    from tests.kernels.test_query_device_graph import HKV, LENS, MAXCTX, SCALE, G, D, KV, Twin
+    from tests.kernels.test_query_device_graph import LENS, MAXCTX, layer_step
 
-    graph_gate.ENABLED = False
-    dev = torch.device("cuda")
-    bs = 8
+    graph_gate.ENABLED = False  # as torch 2.11 captures it: every block, whatever the batch holds
     lens = {r: n + 7 * r for r, n in LENS.items()} if args.max_context > MAXCTX else LENS
     for name, rows in {"full-only": [5, 0, 0, 0, 0, 0, 0, 0], "live q+a+l": [1, 3, 7, 5, 0, 0, 0, 0]}.items():
-        twin = Twin(use_kernels=True, lens=lens, max_ctx=args.max_context)
-        twin.admit(torch.randn(sum(lens.values()), HKV * G, D, device=dev).to(KV))
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        lens_t = torch.tensor([lens[r] + 1 if r else 1 for r in rows], dtype=torch.int32, device=dev)
-        tok_t = torch.ones(bs, dtype=torch.int64, device=dev)
-        q = torch.randn(bs, HKV * G, D, device=dev).to(KV)
-        o = torch.zeros(bs, HKV * G, D, dtype=KV, device=dev)
-        twin.rt.plan_step([0] * bs, [1] * bs, dev, graphed=True)
-
-        def step():
-            plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
-            for _ in range(args.layers):
-                lp = twin.rt.select(0, plan, q, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-                twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
-
+        # the replay-cost test's step, run eagerly after the rows are placed
+        twin, step, place, *_ = layer_step(rows, args.layers, lens, args.max_context)
+        place()
         for _ in range(3):
             step()
         torch.cuda.synchronize()

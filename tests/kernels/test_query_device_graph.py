@@ -113,14 +113,11 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, n: int, warmup: int) -> float:
     return start.elapsed_time(end) / n
 
 
-def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None = None, max_ctx: int = MAXCTX):
-    """`layers` x select + finish of one store layer (a layer's cost each) captured on
-    a padding-only batch with the conditional nodes on or off (graph_gate.ENABLED),
-    then the twin admitted and the batch `rows` (0: padding) written into the
-    graph's inputs. Returns (twin, graph, rows_t, lens_t, out); out["plan"]: the
-    captured plan. A graph replays over its twin's tensors: keep the twin alive."""
-    from sgl_sparse import graph_gate
-
+def layer_step(rows: list[int], layers: int, lens: dict | None = None, max_ctx: int = MAXCTX):
+    """`layers` x select + finish of one store layer (a layer's cost each) on a
+    padding-only batch, and what then admits the twin and writes the batch `rows`
+    (0: padding) into the step's inputs. Returns (twin, step, place, rows_t, lens_t,
+    out); out["plan"]: the last step's plan. Also bench/kernels/profile_query_aware_layer.py's."""
     dev = torch.device("cuda")
     bs, lens = len(rows), lens or LENS
     twin = Twin(use_kernels=True, lens=lens, max_ctx=max_ctx)
@@ -139,17 +136,30 @@ def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None
             twin.rt.finish(0, lp, q, o, twin.k, twin.r2t, rows_t, lens_t, SCALE)
         out["plan"] = lp
 
+    def place():
+        twin.admit(torch.randn(sum(lens.values()), HKV * G, D, device=dev).to(KV))
+        for b, r in enumerate(rows):
+            rows_t[b] = r
+            lens_t[b] = lens[r] + 1 if r else 1
+
+    twin.keep = (q, o, tok_t)  # the step's inputs live as long as the twin
+    return twin, step, place, rows_t, lens_t, out
+
+
+def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None = None, max_ctx: int = MAXCTX):
+    """layer_step's step captured with the conditional nodes on or off
+    (graph_gate.ENABLED), then the rows placed. Returns (twin, graph, rows_t, lens_t,
+    out). A graph replays over its twin's tensors: keep the twin alive."""
+    from sgl_sparse import graph_gate
+
+    twin, step, place, rows_t, lens_t, out = layer_step(rows, layers, lens, max_ctx)
     saved = graph_gate.ENABLED
     graph_gate.ENABLED = gated
     try:
         graph = _capture(step)
     finally:
         graph_gate.ENABLED = saved
-    twin.admit(torch.randn(sum(lens.values()), HKV * G, D, device=dev).to(KV))
-    for b, r in enumerate(rows):
-        rows_t[b] = r
-        lens_t[b] = lens[r] + 1 if r else 1
-    twin.keep = (q, o, tok_t)  # the graph's inputs live as long as the twin
+    place()
     return twin, graph, rows_t, lens_t, out
 
 
@@ -353,7 +363,8 @@ def test_query_aware_replay_cost_per_layer(max_ctx):
     both; the `full`-only batch must cost well under the live one, as it can only
     when the programs of slots without a row return at once. On the H100 (session 8,
     bench/results/gpu_tests_h100_session8_qa_early_exit.log) full-only / live was
-    33 / 92 us at max_context 1024 and 116 / 180 us at 32768; the path before the
+    33 / 92 us at max_context 1024 and 116 / 180 us at 32768 (20 / 96 and 37 / 181
+    once the split Top-K returned at once for empty slots); the path before the
     early-exit kernels (since removed) had 354 / 441 and 496 / 547, ratios of 0.80
     and 0.91, which the bound below rejects."""
     batches = {"full-only": [5, 0, 0, 0, 0, 0, 0, 0], "live q+a+l": [1, 3, 7, 5, 0, 0, 0, 0]}
