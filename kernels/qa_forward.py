@@ -225,7 +225,7 @@ def qa_forward(state, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, b_
     assert req_pool_indices.shape == (bs,) and b_start.shape == (bs,)
     for t in (req_pool_indices, seq_lens, b_start) + ((a_slot,) if a_slot is not None else ()):
         assert t.is_contiguous()
-    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+    i32, i64 = torch.int32, torch.int64
     out, dummy = {}, seq_lens
     sq, sa, sl = quest_slots or 0, aspd_slots or 0, lfps_slots or 0
     q32 = torch.empty(len(QUEST_I32), sq, dtype=i32, device=dev)
