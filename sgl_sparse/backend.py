@@ -161,22 +161,22 @@ class SparseAttnBackend(AttentionBackend):
         variant = self.graph_variants and forward_batch.forward_mode.is_decode_or_idle()
         if variant and not in_capture:
             # Plan into the FlashInfer wrappers of the variant the runner replays.
-            self.dense_graph_wrappers(forward_batch.batch_size, self.state.step_query_aware(), install=True)
+            self.use_dense_graph_wrappers(forward_batch.batch_size, self.state.step_query_aware())
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if variant and in_capture and self._graph_qa is not None:  # a capture of graph_variants' hook
-            self.dense_graph_wrappers(forward_batch.batch_size, self._graph_qa, install=False)
+            self.keep_dense_graph_wrappers(forward_batch.batch_size, self._graph_qa)
 
-    def dense_graph_wrappers(self, bs: int, query_aware: Optional[bool], install: bool) -> None:
-        """FlashInfer makes new decode wrappers (each with its own plan buffers) at
-        every capture of a batch size and plans into the latest at replay; with two
-        variants per size, each graph keeps its own: remembered after its capture,
-        put back before its replay's plan."""
-        key = (bool(query_aware), bs)
-        if install:
-            if key in self._dense_graph_wrappers:
-                compat.set_dense_decode_graph_wrappers(self.dense, bs, self._dense_graph_wrappers[key])
-        else:
-            self._dense_graph_wrappers[key] = compat.dense_decode_graph_wrappers(self.dense, bs)
+    # FlashInfer makes new decode wrappers (each with its own plan buffers) at every
+    # capture of a batch size and plans into the latest at replay; with two variants
+    # per size each graph keeps its own: kept after its capture, put back before its
+    # replay's plan.
+    def keep_dense_graph_wrappers(self, bs: int, query_aware: bool) -> None:
+        self._dense_graph_wrappers[(query_aware, bs)] = compat.dense_decode_graph_wrappers(self.dense, bs)
+
+    def use_dense_graph_wrappers(self, bs: int, query_aware: bool) -> None:
+        wrappers = self._dense_graph_wrappers.get((query_aware, bs))
+        if wrappers is not None:
+            compat.set_dense_decode_graph_wrappers(self.dense, bs, wrappers)
 
     @contextlib.contextmanager
     def capturing_graph_variant(self, query_aware: bool):

@@ -14,7 +14,7 @@ dense / sparse pair). These hooks add our pair to that label:
 - replay: the runner's variant choice appends which one this batch needs
   (`SparseState.step_query_aware`: does the batch set up for this forward hold a
   quest/asyncspade/lfps row), and the backend plans FlashInfer into that
-  variant's wrappers (`SparseAttnBackend.dense_graph_wrappers`).
+  variant's wrappers (`SparseAttnBackend.use_dense_graph_wrappers`).
 
 A batch without such rows then replays a graph that is the stock one plus our
 two-segment launch; with them, the graph that has the blocks. SGLANG_SPARSE_QA_GRAPH_VARIANTS=0
@@ -63,18 +63,15 @@ def capture_one_shape(original, runner, size, forward, *args, **kwargs):
     backend = _sparse_backend(runner)
     if backend is None:
         return original(runner, size, forward, *args, **kwargs)
-    args = list(args)
-    if len(args) > _LABEL_ARG:
-        base = args[_LABEL_ARG]
-    else:
-        base = kwargs.pop("variant_label", None)
+    args, positional = list(args), len(args) > _LABEL_ARG
+    base = args[_LABEL_ARG] if positional else kwargs.pop("variant_label", None)
     for query_aware in (True, False):
+        if positional:
+            args[_LABEL_ARG] = label(base, query_aware)
+        else:
+            kwargs["variant_label"] = label(base, query_aware)
         with backend.capturing_graph_variant(query_aware):
-            if len(args) > _LABEL_ARG:
-                args[_LABEL_ARG] = label(base, query_aware)
-                original(runner, size, forward, *args, **kwargs)
-            else:
-                original(runner, size, forward, *args, variant_label=label(base, query_aware), **kwargs)
+            original(runner, size, forward, *args, **kwargs)
     return None
 
 

@@ -76,10 +76,10 @@ be.dense = SimpleNamespace(decode_cuda_graph_metadata={})
 be._dense_graph_wrappers = {}
 for qa, w in ((True, "wrappers-qa"), (False, "wrappers-no-qa")):
     be.dense.decode_cuda_graph_metadata[8] = w  # FlashInfer's capture makes new wrappers
-    be.dense_graph_wrappers(8, qa, install=False)
+    be.keep_dense_graph_wrappers(8, qa)
 installed = []
 for qa in (True, False, True):
-    be.dense_graph_wrappers(8, qa, install=True)
+    be.use_dense_graph_wrappers(8, qa)
     installed.append(be.dense.decode_cuda_graph_metadata[8])
 out["installed"] = installed
 print(json.dumps(out))
