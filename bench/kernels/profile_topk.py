@@ -14,6 +14,8 @@ a split call, phases 0-3) and per call under CUDA-graph replay, at:
 for every splits / launch shape, and with the passes' loads software-pipelined
 (``SGLANG_SPARSE_RADIX_STAGES``, read at import: each depth runs in its own process).
 Every variant's output is checked against the default launch's (positions, counts).
+Run it with the checkout first on PYTHONPATH (``PYTHONPATH=$PWD:...``): the kernels
+are imported as ``sgl_sparse.kernels``, an installed wheel's otherwise.
 Run: python bench/kernels/profile_topk.py [--stages 1,2,3,4] [--out results/x.json]
 """
 

@@ -98,7 +98,8 @@ def test_topk_range_split_count():
 
     cpu = torch.device("cpu")  # 4 pretend SMs: 32 top-k programs, 64 stats programs
     assert split_count(300, 8, cpu, TOPK_RULE) == 1  # short rows
-    assert split_count(1 << 15, 8, cpu, TOPK_RULE) == 4  # capped at the rule's max
+    assert split_count(1 << 15, 8, cpu, TOPK_RULE) == 4
+    assert split_count(1 << 15, 2, cpu, TOPK_RULE) == 8  # capped at the rule's max
     assert split_count(1 << 15, 16, cpu, TOPK_RULE) == 2
     assert split_count(1 << 15, 17, cpu, TOPK_RULE) == 1  # fewer than min_splits slices: not worth it
     assert split_count(1 << 15, 4096, cpu, TOPK_RULE) == 1  # many rows
@@ -106,6 +107,19 @@ def test_topk_range_split_count():
     assert split_count(1 << 15, 32, cpu, STATS_RULE) == 1  # 2 < STATS_RULE.min_splits
     assert split_count(1 << 20, 1, cpu, STATS_RULE) == 32  # capped
     assert split_count(1 << 15, 1, cpu, STATS_RULE) == 8  # slices of at least MIN_SLICE
+
+
+def test_topk_range_launch_shape():
+    """Blocks no wider than the row, the narrowest for a split row (the H100 profile in TOPK_RULE)."""
+    from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, launch_shape
+
+    cpu = torch.device("cpu")  # 4 pretend SMs
+    assert launch_shape(2, cpu, 1 << 15) == LAUNCH_SHAPES[0]  # few programs over long rows: the widest
+    assert launch_shape(2, cpu, 2064) == (2048, 8)  # quest's pages: not a half-masked 4096-block
+    assert launch_shape(2, cpu, 300) == LAUNCH_SHAPES[-1]
+    assert launch_shape(12, cpu, 1 << 15) == LAUNCH_SHAPES[1]
+    assert launch_shape(64, cpu, 1 << 15) == LAUNCH_SHAPES[2]
+    assert launch_shape(64, cpu, 1 << 15, splits=8) == LAUNCH_SHAPES[-1]
 
 
 def test_topk_range_edge_values():
