@@ -63,11 +63,11 @@ class SplitRule:
 STATS_RULE = SplitRule(per_sm=16, min_splits=4, max_splits=32)
 # The Top-K (topk_range; four launches when split): 64 programs of 32K-40K scores
 # (asyncspade's per-step token select, graph replay) 114 -> 74 and 140 -> 85 us in 4
-# slices of 2048-blocks / 8 warps; in 8 slices of 1024-blocks / 4 warps 66 us, and
-# 55 us with one live slot of 8 (bench/results/topk_profile_h100_run1.log: its
-# histograms and prefix sums cost a fixed time per element per SM, so more, smaller
-# CTAs per SM win); 512 programs of 32K (the Selector's) 397 -> 360 us in 2-4.
-TOPK_RULE = SplitRule(per_sm=8, min_splits=2, max_splits=8)
+# slices, 8-16 no better; 512 programs of 32K (the Selector's) 397 -> 360 us in 2-4.
+# (8 slices in 1024-blocks / 4 warps: 66 us with 32K live, but the split follows the
+# rows' static width, and end to end at 8192 x 8 -- 8K live in rows of 33K -- it cost
+# asyncspade 8% and lfps's 2-slice candidate select 35%: bench/README.md, session 9.)
+TOPK_RULE = SplitRule(per_sm=8, min_splits=2, max_splits=4)
 # A slice shorter than this is not worth its re-read histograms and survivors.
 MIN_SLICE = 4096
 # Whether a call without an explicit ``splits`` splits long rows at all (on since the

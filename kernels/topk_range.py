@@ -107,18 +107,15 @@ def _topk_range_kernel(
 LAUNCH_SHAPES = ((4096, 16), (2048, 8), (1024, 4))
 
 
-def launch_shape(programs: int, device: torch.device, n: Optional[int] = None,
-                 splits: int = 1) -> Tuple[int, int]:
+def launch_shape(programs: int, device: torch.device, n: Optional[int] = None) -> Tuple[int, int]:
     """(block_n, num_warps) for ``programs`` (row, head[, slice]) programs over rows of
     ``n`` scores. Each program walks its range serially, so when there are fewer
     programs than SMs (the serving shapes: a few live slots x KV heads) a program
     gets an SM to itself and more warps per program shorten the walk; with many
     programs 4 warps keep several CTAs resident per SM. A block is never wider than
-    the row (masked lanes cost the histograms and prefix sums as much as live ones:
-    quest's 64 rows of 2048 pages, 23 -> 14 us in 2048-blocks), and a split row
-    walks in the narrowest blocks (TOPK_RULE's measurement)."""
-    if splits > 1:
-        return LAUNCH_SHAPES[-1]
+    the row: masked lanes cost the histograms and prefix sums as much as live ones
+    (quest's 64 rows of 2064 pages, graph replay: 23 -> 14 us in 2048-blocks;
+    end to end +5% at 32768 x 1, bench/README.md, session 9)."""
     sms = device_num_sms(device)
     i = 0 if programs <= sms else 1 if programs <= 4 * sms else 2
     while n is not None and i < len(LAUNCH_SHAPES) - 1 and LAUNCH_SHAPES[i][0] > n:
@@ -171,7 +168,7 @@ def topk_range(
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
     splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
-    auto_block, auto_warps = launch_shape(r * h * splits, dev, n, splits)
+    auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
     block_n = int(block_n or auto_block)
     num_warps = int(num_warps or auto_warps)
     assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0

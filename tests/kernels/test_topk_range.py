@@ -98,8 +98,7 @@ def test_topk_range_split_count():
 
     cpu = torch.device("cpu")  # 4 pretend SMs: 32 top-k programs, 64 stats programs
     assert split_count(300, 8, cpu, TOPK_RULE) == 1  # short rows
-    assert split_count(1 << 15, 8, cpu, TOPK_RULE) == 4
-    assert split_count(1 << 15, 2, cpu, TOPK_RULE) == 8  # capped at the rule's max
+    assert split_count(1 << 15, 8, cpu, TOPK_RULE) == 4  # capped at the rule's max
     assert split_count(1 << 15, 16, cpu, TOPK_RULE) == 2
     assert split_count(1 << 15, 17, cpu, TOPK_RULE) == 1  # fewer than min_splits slices: not worth it
     assert split_count(1 << 15, 4096, cpu, TOPK_RULE) == 1  # many rows
@@ -110,7 +109,7 @@ def test_topk_range_split_count():
 
 
 def test_topk_range_launch_shape():
-    """Blocks no wider than the row, the narrowest for a split row (the H100 profile in TOPK_RULE)."""
+    """By the programs per SM, and blocks no wider than the row."""
     from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, launch_shape
 
     cpu = torch.device("cpu")  # 4 pretend SMs
@@ -119,7 +118,6 @@ def test_topk_range_launch_shape():
     assert launch_shape(2, cpu, 300) == LAUNCH_SHAPES[-1]
     assert launch_shape(12, cpu, 1 << 15) == LAUNCH_SHAPES[1]
     assert launch_shape(64, cpu, 1 << 15) == LAUNCH_SHAPES[2]
-    assert launch_shape(64, cpu, 1 << 15, splits=8) == LAUNCH_SHAPES[-1]
 
 
 def test_topk_range_edge_values():
