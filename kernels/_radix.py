@@ -25,21 +25,12 @@ sign extension of the shifts never matters.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 KEY_MAGNITUDE = tl.constexpr(0)
 KEY_ABS_DEV = tl.constexpr(1)
 KEY_DESC = tl.constexpr(2)
-
-#: Software-pipelining depth of the passes over global memory (``tl.range``'s
-#: ``num_stages``: that many blocks' loads in flight while one is counted); 1 = none.
-#: A program walks its range serially, so with few programs per SM the walk is
-#: bound by one block's load latency at a time. Read once at import
-#: (``SGLANG_SPARSE_RADIX_STAGES``, measured by bench/kernels/profile_topk.py).
-LOAD_STAGES = tl.constexpr(int(os.environ.get("SGLANG_SPARSE_RADIX_STAGES", "1")))
 
 
 @triton.jit
@@ -68,7 +59,7 @@ def digit_histogram(X, lo, hi, center, prefix, shift, KEY: tl.constexpr, FILTER:
     bins = tl.arange(0, 256)
     hist = tl.zeros([256], dtype=tl.int32)
     outside = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=LOAD_STAGES):
+    for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         _, bits, ok = load_key(X, offs, offs < hi, center, KEY)
         if FILTER:
@@ -127,7 +118,7 @@ def gather_prefix16(X, lo, hi, center, prefix, SCR, cnt, KEY: tl.constexpr, BLOC
     in position order; returns cnt plus their number. SCR gets v itself (|X - center|
     already taken for KEY_ABS_DEV), read back by :func:`select_low16`."""
     cnt = cnt + tl.zeros([], dtype=tl.int32)  # a literal 0 arrives as a constexpr: the loop carries a tensor
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=LOAD_STAGES):
+    for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         v, bits, ok = load_key(X, offs, offs < hi, center, KEY)
         keep = (ok & (((bits >> 16) & 0xFFFF) == prefix)).to(tl.int32)
@@ -156,7 +147,7 @@ def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
     ``out[written:]`` in ascending order (a running offset plus a block prefix sum)."""
     written = written + tl.zeros([], dtype=tl.int32)  # literal 0s arrive as constexprs: the loop carries tensors
     seen = seen + tl.zeros([], dtype=tl.int32)
-    for n0 in tl.range(a, b, BLOCK_N, num_stages=LOAD_STAGES):
+    for n0 in range(a, b, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         # Keys, not floats, are compared: the select's exact order (no flush of denormals).
         _, bits, ok = load_key(row, offs, offs < b, 0.0, 2)

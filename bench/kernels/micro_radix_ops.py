@@ -3,11 +3,13 @@
 Micro-benchmark: which Triton primitive makes the radix select slow
 ===================================================================
 
-One loop iteration of ``_radix.digit_histogram`` over a block of 4096 fp32 with
-16 warps costs ~5 us on an H100 (1024 / 4 warps: ~2.5 us), far more than the
-block's load. Each kernel here walks its row the same way (grid ``(R,)``, one
-program per row of ``[R, N]`` fp32, ``for n0 in range(0, N, BLOCK_N)``) but does
-ONE kind of work per block, so the per-iteration times say where the cost is:
+The radix select of ``topk_range`` (``_radix.py``) spent ~10 us per launch at the
+query-aware serving shapes, far more than its loads. Each kernel here walks its
+row the same way (grid ``(R,)``, one program per row of ``[R, N]`` fp32,
+``for n0 in range(0, N, BLOCK_N)``) but does ONE kind of work per block, so the
+per-iteration times say where the cost is (H100, session 9,
+bench/results/micro_radix_h100_run1.json: the 256-bin histogram and the prefix-sum
+compaction each ~2.2-2.5 us per 4096-block over the load, a count nothing):
 
 * ``load_sum``: load + ``tl.sum`` (the streaming baseline);
 * ``hist_top`` / ``hist_mid``: ``_radix.load_key(KEY=2)`` + ``tl.histogram`` of the

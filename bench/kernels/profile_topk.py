@@ -11,12 +11,14 @@ a split call, phases 0-3) and per call under CUDA-graph replay, at:
 * ``quest-2048x8``: the quest pages of those rows (32768 / 16), k 128;
 * ``lfps-c1-32768x8``: lfps's candidate pass, k 8192 (its default ``candidates``);
 
-for every splits / launch shape, and with the passes' loads software-pipelined
-(``SGLANG_SPARSE_RADIX_STAGES``, read at import: each depth runs in its own process).
-Every variant's output is checked against the default launch's (positions, counts).
+for every splits / launch shape ("auto": ``topk_range``'s own pick). Every
+variant's output is checked against the default launch's (positions, counts).
 Run it with the checkout first on PYTHONPATH (``PYTHONPATH=$PWD:...``): the kernels
-are imported as ``sgl_sparse.kernels``, an installed wheel's otherwise.
-Run: python bench/kernels/profile_topk.py [--stages 1,2,3,4] [--out results/x.json]
+are imported as ``sgl_sparse.kernels``, an installed wheel's otherwise. Runs 1-2
+(bench/results/topk_profile_h100_run{1,2}.log) also timed the radix passes' loads
+software-pipelined (``tl.range(num_stages=2..4)``, run 1 by mistake on the installed
+wheel's kernels): no gain, up to 15% slower, so not kept.
+Run: PYTHONPATH=$PWD python bench/kernels/profile_topk.py [--out results/x.json]
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,7 @@ VARIANTS = (  # (splits, block_n, num_warps); None: topk_range's own pick
 )
 
 
-def run_one(stages: int, reps: int) -> list:
+def run_one(reps: int) -> list:
     import torch
     import triton
     from torch.profiler import ProfilerActivity, profile
@@ -78,8 +79,8 @@ def run_one(stages: int, reps: int) -> list:
                          key=lambda e: e.time_range.start)
             per_call = len(evs) // reps
             phase_us = [sorted(e.device_time for e in evs[i::per_call])[reps // 2] for i in range(per_call)]
-            label = f"split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w stages{stages}"
-            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw, stages=stages,
+            label = f"split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w"
+            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw,
                              graph_us=graph_us, launch_us=phase_us, same_as_default=same))
             print(f"  {name:20s} {label:32s} graph {graph_us:7.1f} us  launches "
                   + " ".join(f"{t:6.1f}" for t in phase_us) + ("" if same else "  MISMATCH"), flush=True)
@@ -88,28 +89,14 @@ def run_one(stages: int, reps: int) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child_out:  # one depth, already in the environment (read when the kernels import)
-        json.dump(run_one(int(os.environ["SGLANG_SPARSE_RADIX_STAGES"]), args.reps), open(args.child_out, "w"))
-        return 0
-    results = []
-    for st in (int(x) for x in args.stages.split(",")):
-        print(f"== SGLANG_SPARSE_RADIX_STAGES={st}", flush=True)
-        tmp = f"/tmp/profile_topk_{st}.json"
-        rc = subprocess.call([sys.executable, __file__, "--child-out", tmp, "--reps", str(args.reps)],
-                             env=dict(os.environ, SGLANG_SPARSE_RADIX_STAGES=str(st)))
-        if rc == 0:
-            results += json.load(open(tmp))
-        else:
-            print(f"   stages {st}: exit {rc}", flush=True)
+    results = run_one(args.reps)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(results, open(args.out, "w"), indent=1)
-    return 0 if results and all(r["same_as_default"] for r in results) else 1
+    return 0 if all(r["same_as_default"] for r in results) else 1
 
 
 if __name__ == "__main__":
