@@ -144,7 +144,7 @@ class Server:
             # graph variant; a request whose sink + budget + recent (lfps: local) covers
             # it must still reproduce full (FlashInfer planned into that variant's wrappers).
             for name, meta in QUERY_AWARE_COVERING.items():
-                if name in {(m or {}).get("policy") for _, m in self.policies}:
+                if not a.no_qa_covering and name in {(m or {}).get("policy") for _, m in self.policies}:
                     self.res[f"greedy_{name}_covering"] = [
                         gen(url, p, a.check_len, meta)["output_ids"] for p in prompts]
 
@@ -255,6 +255,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per row (median)")
     ap.add_argument("--policies", default="full,streaming:2048,sadas:2048", help="sgl_sparse runs, name[:window]")
     ap.add_argument("--check-len", type=int, default=32)
+    ap.add_argument("--no-qa-covering", action="store_true",
+                    help="skip the covering quest/asyncspade/lfps greedy checks (they run before the timed batches)")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--extra", default="--disable-prefill-cuda-graph")
     ap.add_argument("--sparse-extra", default="", help="extra flags for the sgl_sparse server only")
