@@ -12,7 +12,8 @@ a split call, phases 0-3) and per call under CUDA-graph replay, at:
 * ``lfps-c1-32768x8``: lfps's candidate pass, k 8192 (its default ``candidates``);
 
 for every splits / launch shape ("auto": ``topk_range``'s own pick). Every
-variant's output is checked against the default launch's (positions, counts).
+variant's output is checked against the default launch's (positions, counts),
+``topk_band.py``'s two launches (``band``) included.
 Run it with the checkout first on PYTHONPATH (``PYTHONPATH=$PWD:...``): the kernels
 are imported as ``sgl_sparse.kernels``, an installed wheel's otherwise. Runs 1-2
 (bench/results/topk_profile_h100_run{1,2}.log) also timed the radix passes' loads
@@ -38,9 +39,12 @@ CASES = (
     ("quest-2048x8", 8, 8, 2064, [2048] * 8, 128),
     ("lfps-c1-32768x8", 8, 8, 33024, [32768] * 8, 8192),
 )
-VARIANTS = (  # (splits, block_n, num_warps); None: topk_range's own pick
-    (None, None, None), (1, 4096, 16), (1, 2048, 8), (2, None, None), (4, None, None), (8, None, None),
-    (16, None, None), (8, 1024, 4), (16, 1024, 4), (32, 1024, 4),
+VARIANTS = (  # (splits, block_n, num_warps, band); None: topk_range's own pick
+    (None, None, None, False), (1, 4096, 16, False), (1, 2048, 8, False), (2, None, None, False),
+    (4, None, None, False), (8, None, None, False), (8, 1024, 4, False),
+    # topk_band.py: a sampled band, two launches
+    (None, None, None, True), (1, None, None, True), (2, None, None, True), (8, None, None, True),
+    (8, 1024, 4, True), (16, 1024, 4, True),
 )
 
 
@@ -61,10 +65,10 @@ def run_one(reps: int) -> list:
         budget = torch.full((r,), k, dtype=torch.int32, device=dev)
         s = torch.randn(r, h, n, generator=gen, device=dev)
         out = torch.zeros(r, h, k, dtype=torch.int32, device=dev)
-        ref_pos, ref_cnt = topk_range(s, lo, hi, budget, k)
-        for splits, bn, nw in VARIANTS:
+        ref_pos, ref_cnt = topk_range(s, lo, hi, budget, k, band=False)
+        for splits, bn, nw, band in VARIANTS:
             def call():
-                return topk_range(s, lo, hi, budget, k, out=out, splits=splits, block_n=bn, num_warps=nw)
+                return topk_range(s, lo, hi, budget, k, out=out, splits=splits, block_n=bn, num_warps=nw, band=band)
             p, c = call()
             same = bool(torch.equal(p, ref_pos) and torch.equal(c, ref_cnt))
             graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
@@ -79,8 +83,8 @@ def run_one(reps: int) -> list:
                          key=lambda e: e.time_range.start)
             per_call = len(evs) // reps
             phase_us = [sorted(e.device_time for e in evs[i::per_call])[reps // 2] for i in range(per_call)]
-            label = f"split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w"
-            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw,
+            label = f"{'band' if band else 'radix'} split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w"
+            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw, band=band,
                              graph_us=graph_us, launch_us=phase_us, same_as_default=same))
             print(f"  {name:20s} {label:32s} graph {graph_us:7.1f} us  launches "
                   + " ".join(f"{t:6.1f}" for t in phase_us) + ("" if same else "  MISMATCH"), flush=True)

@@ -187,3 +187,49 @@ def test_topk_range_gpu(n, k_max):
     for splits in (1, max(2, split_count(n, r * h, dev, TOPK_RULE))):  # the single-program and the split kernel
         pos, cnt = topk_range(s, lo, hi, budget, k_max, splits=splits)
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
+
+
+@pytest.mark.parametrize("splits,block_n,ints,holes,n,k_max", [
+    (1, 64, False, 0.05, 3000, 300),  # k small: the band starts at the top
+    (3, 64, False, 0.0, 3000, 1500),  # k large: entries above the band, counted per slice
+    (3, 64, True, 0.1, 3000, 300),  # ties at the cutoff over slices and inside the band
+    (4, 32, False, 0.0, 50, 300),  # rows shorter than the sample (it repeats positions)
+])
+def test_topk_range_band_is_bit_identical(splits, block_n, ints, holes, n, k_max, monkeypatch):
+    """topk_band.py (a sampled band, two launches): the same positions, order and
+    counts as the single-program kernel on ragged ranges, empty ones, budgets of 0
+    and above the live length, non-finite entries. A 64-key sample (1024 on a GPU:
+    the interpreter's sort of 1024 keys per program takes minutes)."""
+    from sgl_sparse.kernels import topk_band
+
+    monkeypatch.setattr(topk_band, "SAMPLE", 64)
+    gen = torch.Generator().manual_seed(splits * 7 + n + k_max)
+    r, h = 5, 2
+    s = _case(gen, r, h, n, ints, holes)
+    lo = torch.tensor([0, 9, 30, 3, 0], dtype=torch.int32)
+    hi = torch.tensor([n, n - 11, 30, 1, n // 2], dtype=torch.int32)  # rows 2, 3: empty (lo >= hi)
+    budget = torch.tensor([k_max - 100, 10 ** 6, 5, 7, 40], dtype=torch.int32)
+    one = topk_range(s, lo, hi, budget, k_max, block_n=block_n, splits=1, band=False)
+    got = topk_range(s, lo, hi, budget, k_max, block_n=block_n, splits=splits, band=True)
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    _check(s, lo, hi, budget, k_max, *got)
+
+
+def test_topk_range_band_sample_miss_falls_back(monkeypatch):
+    """The sample sees only every fourth position: with the large scores all between
+    them its band misses the k-th, and the whole-row select still gives the same output."""
+    from sgl_sparse.kernels import topk_band
+
+    monkeypatch.setattr(topk_band, "SAMPLE", 64)
+    n, k_max = 4096, 200
+    s = torch.zeros(1, 2, n)
+    s[:, :, 1::4] = torch.arange(n // 4, dtype=torch.float32) + 1.0  # never sampled
+    s[:, :, 0::4] = -torch.rand(2, n // 4, generator=torch.Generator().manual_seed(0))
+    lo = torch.zeros(1, dtype=torch.int32)
+    hi = torch.full((1,), n, dtype=torch.int32)
+    budget = torch.full((1,), 150, dtype=torch.int32)
+    one = topk_range(s, lo, hi, budget, k_max, block_n=256, splits=1, band=False)
+    for splits in (1, 3):
+        got = topk_range(s, lo, hi, budget, k_max, block_n=256, splits=splits, band=True)
+        assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    _check(s, lo, hi, budget, k_max, *got)
