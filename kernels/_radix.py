@@ -161,6 +161,21 @@ def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def count_keys(X, a, b, t, BLOCK_N: tl.constexpr):
+    """(entries of X[a:b] whose KEY_DESC key is below t, entries equal to it): what a
+    slice before this one keeps of those, for the top-k's write offsets."""
+    less = tl.zeros([BLOCK_N], dtype=tl.int32)
+    eq = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for n0 in range(a, b, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        _, bits, ok = load_key(X, offs, offs < b, 0.0, 2)
+        u = bits.to(tl.uint32, bitcast=True)
+        less += (ok & (u < t)).to(tl.int32)
+        eq += (ok & (u == t)).to(tl.int32)
+    return tl.sum(less, 0), tl.sum(eq, 0)
+
+
+@triton.jit
 def topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r):
     """Row cur_r's top-k range and size: [lo, hi) clipped to [0, N), k = min(budget,
     hi - lo, K_MAX); hi = lo when nothing is selected, so every loop over it is empty."""

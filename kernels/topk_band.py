@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import _pick_digit, digit_histogram, load_key, place_kept, radix_select, topk_bounds
+from ._radix import _pick_digit, count_keys, digit_histogram, load_key, place_kept, radix_select, topk_bounds
 from ._split import slice_bounds
 
 __all__ = ["topk_range_band", "SAMPLE"]
@@ -170,19 +170,14 @@ def _topk_band_kernel(
                 ties = kk + 1
                 # What the slices before this one keep: their entries below the band,
                 # and their band entries below t or tied with it (in position order).
-                less_b = tl.zeros([BLOCK_B], dtype=tl.int32)
-                eq_b = tl.zeros([BLOCK_B], dtype=tl.int32)
+                less = tl.zeros([], dtype=tl.int32)
+                seen = tl.zeros([], dtype=tl.int32)
                 for s2 in range(0, cur_s):
                     a2, _b2 = slice_bounds(lo, hi, s2, NSPLIT, BLOCK_N)
-                    c2 = tl.load(cnt + s2 * 3 + 1)
-                    for m0 in range(0, c2, BLOCK_B):
-                        offs_b = m0 + tl.arange(0, BLOCK_B)
-                        _vb, bits_b, ok_b = load_key(scr + (a2 - lo), offs_b, offs_b < c2, 0.0, 2)
-                        u_b = bits_b.to(tl.uint32, bitcast=True)
-                        less_b += (ok_b & (u_b < t)).to(tl.int32)
-                        eq_b += (ok_b & (u_b == t)).to(tl.int32)
-                seen = tl.sum(eq_b, 0)
-                written = tl.sum(a_before, 0) + tl.sum(less_b, 0) + tl.minimum(seen, ties)
+                    l2, e2 = count_keys(scr + (a2 - lo), 0, tl.load(cnt + s2 * 3 + 1), t, BLOCK_B)
+                    less += l2
+                    seen += e2
+                written = tl.sum(a_before, 0) + less + tl.minimum(seen, ties)
             else:
                 # The sample missed: the whole row's select (its passes read the row
                 # only: the scratch holds the other slices' bands).
@@ -190,16 +185,8 @@ def _topk_band_kernel(
                 key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, False, BLOCK_N)
                 t = key.to(tl.uint32, bitcast=True)
                 ties = rank + 1
-                less_f = tl.zeros([BLOCK_N], dtype=tl.int32)
-                eq_f = tl.zeros([BLOCK_N], dtype=tl.int32)
-                for n0 in range(lo, a, BLOCK_N):
-                    offs = n0 + tl.arange(0, BLOCK_N)
-                    _v, bits, ok = load_key(row, offs, offs < a, 0.0, 2)
-                    u = bits.to(tl.uint32, bitcast=True)
-                    less_f += (ok & (u < t)).to(tl.int32)
-                    eq_f += (ok & (u == t)).to(tl.int32)
-                seen = tl.sum(eq_f, 0)
-                written = tl.sum(less_f, 0) + tl.minimum(seen, ties)
+                less, seen = count_keys(row, lo, a, t, BLOCK_N)
+                written = less + tl.minimum(seen, ties)
             place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N)
         if cur_s == 0:
             tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)

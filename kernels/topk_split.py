@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import load_key, place_kept, topk_bounds
+from ._radix import count_keys, place_kept, topk_bounds
 from ._split import finish, hist_totals, select_pass, slice_bounds
 
 __all__ = ["topk_range_split"]
@@ -94,16 +94,8 @@ def _topk_split_kernel(
             # by their second digit (top digit t's), and among the survivors (top 16
             # bits t's) below t or tied with it, in position order.
             below0 = tl.sum(tl.where(tl.arange(0, 256) < ((key >> 24) & 255), before0, 0), 0)
-            less = tl.zeros([BLOCK_N], dtype=tl.int32)
-            eq = tl.zeros([BLOCK_N], dtype=tl.int32)
-            for n0 in range(0, off, BLOCK_N):
-                offs = n0 + tl.arange(0, BLOCK_N)
-                _, bits, ok = load_key(scr, offs, offs < off, 0.0, 2)
-                u = bits.to(tl.uint32, bitcast=True)
-                less += (ok & (u < t)).to(tl.int32)
-                eq += (ok & (u == t)).to(tl.int32)
-            seen = tl.sum(eq, 0)
-            written = below0 + below1 + tl.sum(less, 0) + tl.minimum(seen, ties)
+            less, seen = count_keys(scr, 0, off, t, BLOCK_N)
+            written = below0 + below1 + less + tl.minimum(seen, ties)
             out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
             place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N)
             if cur_s == 0:
