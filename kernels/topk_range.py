@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ._radix import digit_histogram, place_kept, radix_select, topk_bounds
 from ._split import TOPK_RULE, resolve_splits
-from ._utils import device_num_sms, env_switch
+from ._utils import device_num_sms
 
 __all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
 
@@ -102,9 +102,6 @@ def _topk_range_kernel(
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
-#: Whether calls without an explicit ``band`` take ``topk_band.py``'s two launches.
-BAND = env_switch("TOPK_BAND", False)
-
 #: (block_n, num_warps) that :func:`launch_shape` picks from, widest first (start-up
 #: compiles each: ``selector.refresh.warm_up_kernels``).
 LAUNCH_SHAPES = ((4096, 16), (2048, 8), (1024, 4))
@@ -139,7 +136,6 @@ def topk_range(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     splits: Optional[int] = None,
-    band: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -160,9 +156,6 @@ def topk_range(
             default ``_split.resolve_splits``: ``split_count`` of ``N`` and ``R x H``
             under ``_split.TOPK_RULE`` (1 unless the rows are long and few; always 1
             with ``SGL_SPARSE_SPLIT_ROWS=0``); ``gather=False`` runs unsplit.
-        band: the two-launch select over a sampled band (``topk_band.py``, the
-            same output; ``splits`` programs per row, 1 included); default
-            ``SGLANG_SPARSE_TOPK_BAND`` (off: not yet measured end to end).
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -174,7 +167,6 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
-    band = BAND if band is None else bool(band)
     splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
     auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
     block_n = int(block_n or auto_block)
@@ -187,11 +179,6 @@ def topk_range(
     assert out.shape == (r, h, k_max) and out.dtype == torch.int32 and out.stride(2) == 1
     assert out_len.shape == (r, h) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
     if r == 0 or h == 0:
-        return out, out_len
-    if band and gather and n > 0:
-        from .topk_band import topk_range_band
-
-        topk_range_band(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps)
         return out, out_len
     if splits > 1:
         from .topk_split import topk_range_split

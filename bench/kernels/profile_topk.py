@@ -12,13 +12,16 @@ a split call, phases 0-3) and per call under CUDA-graph replay, at:
 * ``lfps-c1-32768x8``: lfps's candidate pass, k 8192 (its default ``candidates``);
 
 for every splits / launch shape ("auto": ``topk_range``'s own pick). Every
-variant's output is checked against the default launch's (positions, counts),
-``topk_band.py``'s two launches (``band``) included.
+variant's output is checked against the default launch's (positions, counts).
 Run it with the checkout first on PYTHONPATH (``PYTHONPATH=$PWD:...``): the kernels
 are imported as ``sgl_sparse.kernels``, an installed wheel's otherwise. Runs 1-2
 (bench/results/topk_profile_h100_run{1,2}.log) also timed the radix passes' loads
 software-pipelined (``tl.range(num_stages=2..4)``, run 1 by mistake on the installed
-wheel's kernels): no gain, up to 15% slower, so not kept.
+wheel's kernels): no gain, up to 15% slower, so not kept. Session 10's run 3
+(bench/results/topk_profile_h100_run3.json) also timed ``topk_band.py``'s two-launch
+sampled-band select: slower than the radix select in every case (graph replay, auto
+launch: asyncspade-32768x8 88.4 vs 73.0 us, asyncspade-32768x1 87.0 vs 53.0,
+quest-2048x8 23.5 vs 14.7, lfps-c1-32768x8 108.2 vs 74.3), so it was removed.
 Run: PYTHONPATH=$PWD python bench/kernels/profile_topk.py [--out results/x.json]
 """
 
@@ -39,12 +42,9 @@ CASES = (
     ("quest-2048x8", 8, 8, 2064, [2048] * 8, 128),
     ("lfps-c1-32768x8", 8, 8, 33024, [32768] * 8, 8192),
 )
-VARIANTS = (  # (splits, block_n, num_warps, band); None: topk_range's own pick
-    (None, None, None, False), (1, 4096, 16, False), (1, 2048, 8, False), (2, None, None, False),
-    (4, None, None, False), (8, None, None, False), (8, 1024, 4, False),
-    # topk_band.py: a sampled band, two launches
-    (None, None, None, True), (1, None, None, True), (2, None, None, True), (8, None, None, True),
-    (8, 1024, 4, True), (16, 1024, 4, True),
+VARIANTS = (  # (splits, block_n, num_warps); None: topk_range's own pick
+    (None, None, None), (1, 4096, 16), (1, 2048, 8), (2, None, None),
+    (4, None, None), (8, None, None), (8, 1024, 4),
 )
 
 
@@ -65,10 +65,10 @@ def run_one(reps: int) -> list:
         budget = torch.full((r,), k, dtype=torch.int32, device=dev)
         s = torch.randn(r, h, n, generator=gen, device=dev)
         out = torch.zeros(r, h, k, dtype=torch.int32, device=dev)
-        ref_pos, ref_cnt = topk_range(s, lo, hi, budget, k, band=False)
-        for splits, bn, nw, band in VARIANTS:
+        ref_pos, ref_cnt = topk_range(s, lo, hi, budget, k)
+        for splits, bn, nw in VARIANTS:
             def call():
-                return topk_range(s, lo, hi, budget, k, out=out, splits=splits, block_n=bn, num_warps=nw, band=band)
+                return topk_range(s, lo, hi, budget, k, out=out, splits=splits, block_n=bn, num_warps=nw)
             p, c = call()
             same = bool(torch.equal(p, ref_pos) and torch.equal(c, ref_cnt))
             graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
@@ -83,8 +83,8 @@ def run_one(reps: int) -> list:
                          key=lambda e: e.time_range.start)
             per_call = len(evs) // reps
             phase_us = [sorted(e.device_time for e in evs[i::per_call])[reps // 2] for i in range(per_call)]
-            label = f"{'band' if band else 'radix'} split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w"
-            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw, band=band,
+            label = f"split{splits or 'auto'} {bn or 'auto'}/{nw or 'auto'}w"
+            rows.append(dict(case=name, variant=label, splits=splits, block_n=bn, num_warps=nw,
                              graph_us=graph_us, launch_us=phase_us, same_as_default=same))
             print(f"  {name:20s} {label:32s} graph {graph_us:7.1f} us  launches "
                   + " ".join(f"{t:6.1f}" for t in phase_us) + ("" if same else "  MISMATCH"), flush=True)
