@@ -41,7 +41,6 @@ def group_rows(state: "SparseState", rows: Sequence[int], specs: Sequence, layer
                window: bool = True) -> GroupRows:
     """`rows`' tensors for `layers` stacked layers; `window`: also the evidence
     window's (nq, qpos); else the rows of the stored logits (`logit_row`)."""
-    r = len(rows)
     # One copy: the rows repeated per layer, and each layer's offset into the stored logits.
     slots = state.compact.slots
     host = torch.tensor([list(rows) * layers, [layer * slots for layer in range(layers) for _ in rows]],
