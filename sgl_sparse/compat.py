@@ -77,21 +77,53 @@ def token_ids(req: Any) -> tuple[Any, Any]:
     return req.origin_input_ids, req.output_ids
 
 
-def decode_cuda_graphs_enabled(server_args: Any) -> bool:
-    """Whether decode forwards replay CUDA graphs. 0.5.17 resolves every spelling
-    (--disable-cuda-graph, --cuda-graph-backend-decode disabled, ...) into
-    ``cuda_graph_config.decode.backend``; 0.5.23 may leave the record with the
-    raw fields, so they are read in its precedence order (an explicit config, then
-    the per-phase backend flag, then the legacy booleans)."""
+def _graph_backend(server_args: Any, phase: str) -> Any:
+    """The CUDA-graph backend of `phase` ("decode" / "prefill") as resolved on the
+    record, else None. 0.5.17 resolves every spelling (--disable-cuda-graph,
+    --cuda-graph-backend-decode disabled, ...) into ``cuda_graph_config``; 0.5.23
+    may leave the record with the raw fields (then the per-phase backend flag)."""
     cfg = getattr(server_args, "cuda_graph_config", None)
-    decode = cfg.get("decode") if isinstance(cfg, dict) else getattr(cfg, "decode", None)
-    backend = decode.get("backend") if isinstance(decode, dict) else getattr(decode, "backend", None)
+    entry = cfg.get(phase) if isinstance(cfg, dict) else getattr(cfg, phase, None)
+    backend = entry.get("backend") if isinstance(entry, dict) else getattr(entry, "backend", None)
     if backend is None:
-        backend = getattr(server_args, "cuda_graph_backend_decode", None)
+        backend = getattr(server_args, f"cuda_graph_backend_{phase}", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
+def _graphs_on(server_args: Any, phase: str) -> bool:
+    """The phase's backend if the record names one, else the raw legacy booleans (in
+    SGLang's precedence order; both releases default to graphs on, prefill's being
+    the breakable graph on CUDA)."""
+    backend = _graph_backend(server_args, phase)
     if backend is not None:
-        return str(getattr(backend, "value", backend)) != "disabled"
+        return backend != "disabled"
     return not (getattr(server_args, "disable_cuda_graph", False)
-                or getattr(server_args, "disable_decode_cuda_graph", False))
+                or getattr(server_args, f"disable_{phase}_cuda_graph", False))
+
+
+def decode_cuda_graphs_enabled(server_args: Any) -> bool:
+    """Whether decode forwards replay CUDA graphs."""
+    return _graphs_on(server_args, "decode")
+
+
+def prefill_cuda_graphs_requested(server_args: Any) -> bool:
+    """Whether an *unresolved* record asks for prefill CUDA graphs."""
+    return _graphs_on(server_args, "prefill")
+
+
+def disable_prefill_cuda_graphs(server_args: Any) -> None:
+    """Turn prefill CUDA graphs off on a record *before* SGLang resolves it (0.5.23
+    seals the record once resolved), in each input that resolution reads: an explicit
+    config's prefill backend, the per-phase backend flag (it outranks the boolean),
+    and the boolean."""
+    cfg = getattr(server_args, "cuda_graph_config", None)
+    if isinstance(cfg, dict) and isinstance(cfg.get("prefill"), dict) and "backend" in cfg["prefill"]:
+        cfg["prefill"]["backend"] = "disabled"
+    elif getattr(getattr(cfg, "prefill", None), "backend", None) is not None:
+        cfg.prefill.backend = "disabled"
+    if getattr(server_args, "cuda_graph_backend_prefill", None) is not None:
+        server_args.cuda_graph_backend_prefill = "disabled"
+    server_args.disable_prefill_cuda_graph = True
 
 
 # ---- decode CUDA-graph variants (sgl_sparse/graph_variants.py) ----------------------

@@ -50,6 +50,7 @@ def register() -> None:
     hooks = [
         ("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, HookType.AFTER),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, HookType.BEFORE),
+        (compat.SERVER_ARGS_RESOLVED_TARGET, server_args_input, HookType.BEFORE),
         (compat.SERVER_ARGS_RESOLVED_TARGET, server_args_resolved, HookType.AFTER),
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", verify_sampling_params, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.Req.__init__", namespace_sparse_kv, HookType.AFTER),
@@ -121,6 +122,26 @@ def from_cli_args(_cls, args: argparse.Namespace):
     except SparseConfigError as e:
         _die(str(e))
     return None
+
+
+def server_args_input(server_args) -> None:
+    """Before SGLang resolves the record: prefill runs eagerly under sgl_sparse. The
+    extend path's host work (admissions, SFI prompt-query plans, query-aware store
+    writes) runs per forward and has not been validated inside SGLang's captured
+    (breakable) prefill graphs, the CUDA default; every measurement in bench/ runs
+    prefill eagerly, stock included. Decode CUDA graphs are unaffected."""
+    device = getattr(server_args, "device", None)
+    if not _uses_backend(server_args) or device == "cpu":
+        return
+    if device is None:  # resolved later from the host
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+    if compat.prefill_cuda_graphs_requested(server_args):
+        compat.disable_prefill_cuda_graphs(server_args)
+        logger.warning("sgl_sparse: prefill CUDA graphs are not supported yet; prefill runs eagerly "
+                       "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")
 
 
 def server_args_resolved(_result, server_args) -> None:

@@ -49,3 +49,50 @@ def test_decode_cuda_graphs_enabled(resolved, case):
     out, (_, enabled) = resolved[case], CASES[case]
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) is enabled
+
+
+# Prefill CUDA graphs under sgl_sparse (plugin.server_args_input): turned off before
+# SGLang resolves the record, on real ServerArgs of the installed release, for a CUDA
+# device (resolution does not touch the GPU); decode graphs stay as asked.
+PREFILL_SNIPPET = r"""
+import argparse, json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()  # as launch_server does before it builds the record: this package's hooks
+from sglang.srt.server_args import ServerArgs
+from sgl_sparse import compat
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+sa = ServerArgs.from_cli_args(p.parse_args(["--model-path", sys.argv[1], *sys.argv[2:]]))
+if hasattr(sa, "resolve_once"):
+    sa.resolve_once()
+print(json.dumps([compat.prefill_cuda_graphs_requested(sa), compat.decode_cuda_graphs_enabled(sa)]))
+"""
+
+PREFILL_CASES = [  # (flags, prefill graphs, decode graphs, warned); the control: SGLang's own backend
+    (["--device", "cuda", "--attention-backend", "flashinfer", "--cuda-graph-backend-prefill", "breakable"],
+     True, True, False),
+    (["--device", "cuda", "--attention-backend", "sgl_sparse"], False, True, True),
+    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--cuda-graph-backend-prefill", "breakable"],
+     False, True, True),
+    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-prefill-cuda-graph"], False, True, False),
+    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-cuda-graph"], False, False, False),
+]
+
+
+@pytest.fixture(scope="module")
+def prefill_resolved(tmp_path_factory):
+    model = make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2)
+    runs = [Run(args=["-c", str(model), *flags], cwd=tmp_path_factory.mktemp("run"), code=PREFILL_SNIPPET)
+            for flags, *_ in PREFILL_CASES]
+    return run_forked(runs, preload=["sglang.srt.server_args"])
+
+
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)),
+                         ids=["stock-breakable-asked", "sparse-default", "sparse-breakable-asked", "sparse-flag",
+                              "sparse-no-graphs"])
+def test_prefill_cuda_graphs_off_under_sgl_sparse(prefill_resolved, case):
+    out, (_, prefill, decode, warned) = prefill_resolved[case], PREFILL_CASES[case]
+    assert out.returncode == 0, out.stderr[-2000:]
+    got_prefill, got_decode = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got_prefill, got_decode) == (prefill, decode)
+    assert ("prefill CUDA graphs are not supported yet" in out.stderr) is warned
