@@ -131,7 +131,8 @@ def server_args_input(server_args) -> None:
     (breakable) prefill graphs, the CUDA default; every measurement in bench/ runs
     prefill eagerly, stock included. Decode CUDA graphs are unaffected."""
     device = getattr(server_args, "device", None)
-    if not _uses_backend(server_args) or device == "cpu":
+    # A resolved record (0.5.23 re-enters resolve_once in child processes) is sealed.
+    if not _uses_backend(server_args) or device == "cpu" or getattr(server_args, "_resolution_finished", False):
         return
     if device is None:  # resolved later from the host
         import torch
