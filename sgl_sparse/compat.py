@@ -106,8 +106,9 @@ def decode_cuda_graphs_enabled(server_args: Any) -> bool:
     return _graphs_on(server_args, "decode")
 
 
-def prefill_cuda_graphs_requested(server_args: Any) -> bool:
-    """Whether an *unresolved* record asks for prefill CUDA graphs."""
+def prefill_cuda_graphs_enabled(server_args: Any) -> bool:
+    """Whether the record has prefill CUDA graphs on: an unresolved one asks for them
+    (both releases default to the breakable graph on CUDA), a resolved one runs them."""
     return _graphs_on(server_args, "prefill")
 
 

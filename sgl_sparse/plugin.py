@@ -139,7 +139,7 @@ def server_args_input(server_args) -> None:
 
         if not torch.cuda.is_available():
             return
-    if compat.prefill_cuda_graphs_requested(server_args):
+    if compat.prefill_cuda_graphs_enabled(server_args):
         compat.disable_prefill_cuda_graphs(server_args)
         logger.warning("sgl_sparse: prefill CUDA graphs are not supported yet; prefill runs eagerly "
                        "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")

@@ -35,22 +35,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def resolved(tmp_path_factory):
-    """SNIPPET's output for each flag set of CASES, each run in its own directory."""
-    model = make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2)
-    runs = [Run(args=["-c", str(model), *flags], cwd=tmp_path_factory.mktemp("run"), code=SNIPPET)
-            for flags, _ in CASES]
-    return run_forked(runs, preload=["sglang.srt.server_args"])
-
-
-@pytest.mark.parametrize("case", range(len(CASES)), ids=["default", "disable-cuda-graph", "backend-decode-disabled"])
-def test_decode_cuda_graphs_enabled(resolved, case):
-    out, (_, enabled) = resolved[case], CASES[case]
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) is enabled
-
-
 # Prefill CUDA graphs under sgl_sparse (plugin.server_args_input): turned off before
 # SGLang resolves the record, on real ServerArgs of the installed release, for a CUDA
 # device (resolution does not touch the GPU); decode graphs stay as asked.
@@ -65,7 +49,7 @@ ServerArgs.add_cli_args(p)
 sa = ServerArgs.from_cli_args(p.parse_args(["--model-path", sys.argv[1], *sys.argv[2:]]))
 if hasattr(sa, "resolve_once"):
     sa.resolve_once()
-print(json.dumps([compat.prefill_cuda_graphs_requested(sa), compat.decode_cuda_graphs_enabled(sa)]))
+print(json.dumps([compat.prefill_cuda_graphs_enabled(sa), compat.decode_cuda_graphs_enabled(sa)]))
 """
 
 PREFILL_CASES = [  # (flags, prefill graphs, decode graphs, warned); the control: SGLang's own backend
@@ -80,18 +64,27 @@ PREFILL_CASES = [  # (flags, prefill graphs, decode graphs, warned); the control
 
 
 @pytest.fixture(scope="module")
-def prefill_resolved(tmp_path_factory):
+def resolved(tmp_path_factory):
+    """SNIPPET's output for each flag set of CASES, then PREFILL_SNIPPET's for each of
+    PREFILL_CASES, each run in its own directory (one SGLang import for all)."""
     model = make_tiny_qwen3(tmp_path_factory.mktemp("m"), seed=2)
-    runs = [Run(args=["-c", str(model), *flags], cwd=tmp_path_factory.mktemp("run"), code=PREFILL_SNIPPET)
-            for flags, *_ in PREFILL_CASES]
+    runs = [Run(args=["-c", str(model), *flags], cwd=tmp_path_factory.mktemp("run"), code=code)
+            for code, cases in ((SNIPPET, CASES), (PREFILL_SNIPPET, PREFILL_CASES)) for flags, *_ in cases]
     return run_forked(runs, preload=["sglang.srt.server_args"])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["default", "disable-cuda-graph", "backend-decode-disabled"])
+def test_decode_cuda_graphs_enabled(resolved, case):
+    out, (_, enabled) = resolved[case], CASES[case]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is enabled
 
 
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)),
                          ids=["stock-breakable-asked", "sparse-default", "sparse-breakable-asked", "sparse-flag",
                               "sparse-no-graphs"])
-def test_prefill_cuda_graphs_off_under_sgl_sparse(prefill_resolved, case):
-    out, (_, prefill, decode, warned) = prefill_resolved[case], PREFILL_CASES[case]
+def test_prefill_cuda_graphs_off_under_sgl_sparse(resolved, case):
+    out, (_, prefill, decode, warned) = resolved[len(CASES) + case], PREFILL_CASES[case]
     assert out.returncode == 0, out.stderr[-2000:]
     got_prefill, got_decode = json.loads(out.stdout.strip().splitlines()[-1])
     assert (got_prefill, got_decode) == (prefill, decode)
