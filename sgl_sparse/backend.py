@@ -109,12 +109,16 @@ class SparseAttnBackend(AttentionBackend):
             self._split_counters = make_split_counters(
                 self.req_to_token_pool.req_to_token.shape[0], self._num_kv_heads, self.device
             )
-        # Decode CUDA graphs in two variants per batch size when the query-aware
-        # device path is on (graph_variants.py): without its blocks for batches that
-        # hold no quest/asyncspade/lfps row, with them otherwise.
-        self.graph_variants = graph_variants.wanted(self)
-        self._graph_qa: Optional[bool] = None  # the variant being captured
-        self._dense_graph_wrappers: dict[tuple[bool, int], object] = {}
+        # Decode CUDA graphs per batch size, one per set of attention paths a batch
+        # needs (graph_variants.py): FlashInfer alone, our kernel alone, both, both
+        # with the query-aware blocks.
+        self.graph_variants: tuple[str, ...] = graph_variants.wanted(self)
+        self._graph_variant: Optional[str] = None  # the variant being captured
+        # The variant the runner replays for the batch set up last.
+        self._step_variant = graph_variants.choose(self.graph_variants, False, graph_variants.MIXED)
+        self._dense_graph_wrappers: dict[tuple[str, int], object] = {}
+        # The paths this decode forward runs (graph_variants.DENSE / KERNEL / MIXED).
+        self._route = graph_variants.MIXED
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -144,6 +148,7 @@ class SparseAttnBackend(AttentionBackend):
         admitted = self.state.admit_queued()
         mode = forward_batch.forward_mode
         self._prompt_q_plan = None
+        self._route = graph_variants.MIXED
         if self.state.compact is not None:
             if mode.is_decode():
                 self._refresh_selections()
@@ -154,38 +159,47 @@ class SparseAttnBackend(AttentionBackend):
         if self.dense is None:
             return
         if forward_batch.forward_mode.is_decode_or_idle():
-            forward_batch = self._route_decode_rows(forward_batch)
+            forward_batch = self._route_decode_rows(forward_batch, eager, in_capture)
+        if self._route == graph_variants.KERNEL:
+            return  # no row for FlashInfer: no plan (and, in a graph, no launch)
         if eager:
             self.dense.init_forward_metadata(forward_batch)
             return
-        variant = self.graph_variants and forward_batch.forward_mode.is_decode_or_idle()
-        if variant and not in_capture:
+        variant = None
+        if self.graph_variants and forward_batch.forward_mode.is_decode_or_idle():
+            variant = self._graph_variant if in_capture else self._step_variant
+        if variant is not None and not in_capture:
             # Plan into the FlashInfer wrappers of the variant the runner replays.
-            self.use_dense_graph_wrappers(forward_batch.batch_size, self.state.step_query_aware())
+            self.use_dense_graph_wrappers(forward_batch.batch_size, variant)
         self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if variant and in_capture and self._graph_qa is not None:  # a capture of graph_variants' hook
-            self.keep_dense_graph_wrappers(forward_batch.batch_size, self._graph_qa)
+        if variant is not None and in_capture:  # a capture of graph_variants' hook
+            self.keep_dense_graph_wrappers(forward_batch.batch_size, variant)
+
+    def step_graph_variant(self) -> str:
+        """The decode graph variant of the forward whose metadata was set up last
+        (graph_variants.choose). The runner asks after that set-up, so both agree."""
+        return self._step_variant
 
     # FlashInfer makes new decode wrappers (each with its own plan buffers) at every
-    # capture of a batch size and plans into the latest at replay; with two variants
+    # capture of a batch size and plans into the latest at replay; with several variants
     # per size each graph keeps its own: kept after its capture, put back before its
     # replay's plan.
-    def keep_dense_graph_wrappers(self, bs: int, query_aware: bool) -> None:
-        self._dense_graph_wrappers[(query_aware, bs)] = compat.dense_decode_graph_wrappers(self.dense, bs)
+    def keep_dense_graph_wrappers(self, bs: int, variant: str) -> None:
+        self._dense_graph_wrappers[(variant, bs)] = compat.dense_decode_graph_wrappers(self.dense, bs)
 
-    def use_dense_graph_wrappers(self, bs: int, query_aware: bool) -> None:
-        wrappers = self._dense_graph_wrappers.get((query_aware, bs))
+    def use_dense_graph_wrappers(self, bs: int, variant: str) -> None:
+        wrappers = self._dense_graph_wrappers.get((variant, bs))
         if wrappers is not None:
             compat.set_dense_decode_graph_wrappers(self.dense, bs, wrappers)
 
     @contextlib.contextmanager
-    def capturing_graph_variant(self, query_aware: bool):
+    def capturing_graph_variant(self, variant: str):
         """Within: decode graph captures are of the given variant."""
-        self._graph_qa = query_aware
+        self._graph_variant = variant
         try:
             yield
         finally:
-            self._graph_qa = None
+            self._graph_variant = None
 
     def _refresh_selections(self) -> None:
         pending, later = self.state.take_refresh()
@@ -270,7 +284,7 @@ class SparseAttnBackend(AttentionBackend):
             q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
             store.q_prompt[li][slot, j] = q3[src].to(store.q_prompt.dtype)
 
-    def _route_decode_rows(self, forward_batch: ForwardBatch) -> ForwardBatch:
+    def _route_decode_rows(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool) -> ForwardBatch:
         """Split a decode batch between FlashInfer and the two-segment kernel.
 
         Rows whose plan is dense this step (`full`, a window covering the
@@ -279,19 +293,36 @@ class SparseAttnBackend(AttentionBackend):
         backend; the others through our kernel. FlashInfer is planned with one key
         for the kernel's rows, so it reads almost nothing for them, and the kernel
         skips FlashInfer's rows: both launches have fixed grids, so this holds
-        inside CUDA graphs too. A SADAS row that latches on the device before the
-        host sees it stays on the kernel for that step, attending everything.
+        inside CUDA graphs too. A batch whose rows all take one path runs that path
+        alone (`self._route`, graph_variants.py): in a graph, the variant captured
+        without the other. A SADAS row that latches on the device before the host
+        sees it stays on the kernel for that step, attending everything.
         """
         bs = forward_batch.batch_size
         mask = self.state.take_step_kernel_rows()  # host, one entry per real request
         if mask is None:  # no routing known for this batch: the kernel serves all
             mask = [1] * bs
-        mask = (mask + [0] * bs)[:bs]  # CUDA-graph padding rows: FlashInfer
+        if in_capture:
+            variant = self._graph_variant or graph_variants.MIXED
+        else:
+            # query-aware rows: both paths, whatever their routing (a row whose
+            # selection is pending is dense this step but its queries are recorded)
+            qa = self.state.step_query_aware()
+            route = graph_variants.route_of(mask) if not qa else graph_variants.MIXED
+            if eager:
+                variant = route if graph_variants.ROUTE_ENABLED else graph_variants.MIXED
+            else:
+                variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route)
+        route = self._route = graph_variants.MIXED if variant == graph_variants.QA else variant
+        # CUDA-graph padding rows (state row 0, `full`, one key) go with the real rows:
+        # to FlashInfer, or to the kernel when FlashInfer does not run.
+        pad = 1 if route == graph_variants.KERNEL else 0
+        mask = (mask + [pad] * bs)[:bs]
         host = torch.tensor(mask, dtype=torch.int32)
         if mask != self._row_mask_host:  # steady decode repeats the routing: no copy
-            self._row_mask[:bs].copy_(host.pin_memory(), non_blocking=True)
+            self._row_mask[:bs].copy_(host.pin_memory() if self._row_mask.is_cuda else host, non_blocking=True)
             self._row_mask_host = mask
-        if 1 not in mask:  # 2 = FlashInfer attends, the kernel only records
+        if route != graph_variants.MIXED or 1 not in mask:  # 2 = FlashInfer attends, the kernel only records
             return forward_batch
         routed = copy.copy(forward_batch)
         routed.seq_lens = forward_batch.seq_lens.clone()
@@ -409,7 +440,7 @@ class SparseAttnBackend(AttentionBackend):
     def _layer_plan(self, layer, forward_batch, q3) -> DecodePlan:
         """The step's plan, with this layer's indexed segment A when the batch has
         query-aware rows."""
-        if self.qa is None or not self.qa.active() or self._graph_qa is False:
+        if self.qa is None or not self.qa.active() or self._graph_variant not in (None, graph_variants.QA):
             return self.plan
         return self.qa.select(
             layer.layer_id - self._layer0, self.plan, q3,
@@ -418,7 +449,7 @@ class SparseAttnBackend(AttentionBackend):
         )
 
     def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
-        if self.qa is None or not self.qa.active() or self._graph_qa is False:
+        if self.qa is None or not self.qa.active() or self._graph_variant not in (None, graph_variants.QA):
             return
         self.qa.finish(
             layer.layer_id - self._layer0, plan, q3, o3,
@@ -430,9 +461,16 @@ class SparseAttnBackend(AttentionBackend):
         from sgl_sparse.kernels import two_segment_decode
 
         # FlashInfer writes the KV and the rows routed to it; then the kernel
-        # overwrites the rows routed to it.
-        o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        # overwrites the rows routed to it. A route of one path runs that one only.
+        route = self._route
         bs = self.plan.b_end.shape[0]
+        if route == graph_variants.KERNEL:
+            self._save_kv(layer, forward_batch, k, v, save_kv_cache)
+            o = q.new_empty((bs, layer.tp_q_head_num * layer.v_head_dim))
+        else:
+            o = self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            if route == graph_variants.DENSE:
+                return o
         q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
         # quest/asyncspade/lfps rows: this layer's indexed segment A (a_pos).
         plan = self._layer_plan(layer, forward_batch, q3)

@@ -196,10 +196,10 @@ class QueryStoreConfig(_Strict):
     # that no shape depends on data); the paper's |C1| is a few % of the context.
     candidates: int = Field(8192, ge=1, le=1 << 22, description="LFPS: max |C1| scored per KV head")
     # With decode CUDA graphs on, the selection is captured into the decode graphs;
-    # each batch size is then captured twice (graph_variants.py), and batches without
-    # such requests replay the graph without it (H100: `full` 0.96-0.99x stock beside
+    # each batch size then also gets a graph with it (graph_variants.py), and batches
+    # without such requests replay one without it (H100: `full` 0.96-0.99x stock beside
     # all three, bench/README "Session 8"). Opt-in still: the stores' memory, twice the
-    # graphs and their capture time are paid by a server that may never see them.
+    # graph per size and its capture time are paid by a server that may never see them.
     cuda_graphs: bool = Field(False, description="offer the policy with decode CUDA graphs on (its "
                                                  "selection captured, run at every decode step)")
 

@@ -1,76 +1,119 @@
-"""Two decode CUDA graphs per batch size: with and without the query-aware blocks.
+"""Decode CUDA graphs per batch size, one per attention path a batch can need.
 
-With `query_aware.<policy>.cuda_graphs: true`, quest/asyncspade/lfps's selection is
-captured into the decode graphs. Without CUDA-graph conditional nodes (torch 2.11,
-graph_gate.py) a captured block runs at every replay, whatever the batch holds: on
-the H100 ~25 near-empty launches per layer, which cost `full` batches 11-25% of
-their throughput (bench/README.md, "Session 8"). SGLang's decode graph runner keys
-its graphs by a variant label beside the batch size (its LoRA / no-LoRA pair, DSA's
-dense / sparse pair). These hooks add our pair to that label:
+A decode step serves each row through SGLang's FlashInfer decode (`full`, windows that
+cover the sequence, ...) or through our two-segment kernel (sparse rows), and with
+`query_aware.<policy>.cuda_graphs: true` also runs the quest/asyncspade/lfps selection.
+Without CUDA-graph conditional nodes (torch 2.11, graph_gate.py) whatever a graph holds
+runs at every replay: the two-segment launch whose programs all exit (28 launches,
+~0.07 ms a step at 2048 x 64, bench/README "2048 x 64 profiled"), FlashInfer's launch
+and host-side plan for rows it does not serve, or ~25 near-empty query-aware launches
+per layer (11-25% of a `full` batch's throughput, "Session 8").
 
-- capture: every batch size is captured twice, first with the query-aware blocks
-  (the larger graph, so the second reuses its memory pool), then without them
-  (`SparseAttnBackend.capturing_graph_variant`);
-- replay: the runner's variant choice appends which one this batch needs
-  (`SparseState.step_query_aware`: does the batch set up for this forward hold a
-  quest/asyncspade/lfps row), and the backend plans FlashInfer into that
-  variant's wrappers (`SparseAttnBackend.use_dense_graph_wrappers`).
+SGLang's decode graph runner keys its graphs by a variant label beside the batch size
+(its LoRA / no-LoRA pair, DSA's dense / sparse pair). These hooks add ours:
 
-A batch without such rows then replays a graph that is the stock one plus our
-two-segment launch; with them, the graph that has the blocks. SGLANG_SPARSE_QA_GRAPH_VARIANTS=0
-captures one graph per size with the blocks (the behaviour before), for A/B runs.
+- `qa`: both paths and the query-aware blocks (a batch with a quest/asyncspade/lfps row);
+- `mixed`: both paths (rows of each kind);
+- `dense`: FlashInfer alone, the stock graph plus our plan launch (every row dense);
+- `kernel`: the two-segment kernel alone, no FlashInfer launch and no FlashInfer plan
+  on the host (every row sparse; CUDA-graph padding rows then go to the kernel too,
+  which reads their one key as FlashInfer would: they are state row 0, always `full`).
+
+Capture: every batch size once per variant, largest graph first so the later ones
+reuse its memory pool (`SparseAttnBackend.capturing_graph_variant`). Replay: the
+runner's variant choice appends `SparseState.step_variant` -- set with the batch's
+routing (`set_step_rows`), read by the runner and by the backend's metadata init of
+the same forward, which plans FlashInfer into that variant's wrappers or skips it.
+
+Switches: SGLANG_SPARSE_QA_GRAPH_VARIANTS=0 captures one graph with the query-aware
+blocks for every batch (no `mixed` / `dense` / `kernel`); SGLANG_SPARSE_ROUTE_VARIANTS=0
+drops `dense` and `kernel`, so both paths launch at every step (the behaviour before).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from sgl_sparse.kernels._utils import env_switch
 from sgl_sparse import compat
 
-ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
-_QA, _NO_QA = "sgl_sparse_qa", "sgl_sparse_no_qa"
+QA_ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
+ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
+
+QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
+_LABEL_PREFIX = "sgl_sparse_"
 #: The variant label's position in capture_one_shape(size, forward, stream_idx,
 #: variant_label, ...) after `forward` (both supported SGLang versions).
 _LABEL_ARG = 1
 
 
-def wanted(backend: Any) -> bool:
-    """Whether `backend` (a SparseAttnBackend) has captured query-aware blocks that a
-    second graph variant can leave out."""
-    qa = getattr(backend, "qa", None)
-    return bool(ENABLED and backend.dense is not None and qa is not None and qa.device is not None
-                and compat.has_dense_decode_graph_wrappers(backend.dense))
+def route_of(mask: Sequence[int]) -> str:
+    """The attention paths a decode batch needs, from its per-row routing (0 =
+    FlashInfer serves the row, 1 = the two-segment kernel, 2 = FlashInfer attends
+    and the kernel records SFI's key norms)."""
+    if not any(mask):
+        return DENSE
+    if all(m == 1 for m in mask):
+        return KERNEL
+    return MIXED
 
 
-def label(base: Optional[str], query_aware: bool) -> str:
+def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED) -> tuple[str, ...]:
+    """The variants `backend` (a SparseAttnBackend) captures per batch size, largest
+    graph first; () for one unlabelled graph per size."""
+    if backend.dense is None or not compat.has_dense_decode_graph_wrappers(backend.dense):
+        return ()
+    qa_store = getattr(backend, "qa", None)
+    out = [QA] if qa_store is not None and qa_store.device is not None else []
+    if not out or qa:
+        out.append(MIXED)
+    if route:
+        out += [DENSE, KERNEL]
+    return tuple(out) if len(out) > 1 else ()
+
+
+def choose(captured: Sequence[str], query_aware: bool, route: str) -> str:
+    """The captured variant a batch replays: the query-aware graph when it holds such
+    a row (or when that graph is all there is), else the graph of its route when
+    captured, else the one with both paths (MIXED when nothing is captured: one
+    unlabelled graph per size, with both paths)."""
+    if not captured:
+        return MIXED
+    if query_aware and QA in captured:
+        return QA
+    if route in captured:
+        return route
+    return MIXED if MIXED in captured else QA
+
+
+def label(base: Optional[str], variant: str) -> str:
     """SGLang's own variant label (LoRA's, or None) with ours appended."""
-    ours = _QA if query_aware else _NO_QA
+    ours = _LABEL_PREFIX + variant
     return ours if base is None else f"{base}+{ours}"
 
 
 def _sparse_backend(runner: Any) -> Any:
-    """The runner's SparseAttnBackend when it captures two variants; None for every
-    other runner (speculative draft runners, other backends)."""
+    """The runner's SparseAttnBackend when it captures variants; None for every other
+    runner (speculative draft runners, other backends)."""
     if type(runner).__name__ != "DecodeCudaGraphRunner":
         return None
     backend = getattr(runner, "attn_backend", None)
-    return backend if getattr(backend, "graph_variants", False) else None
+    return backend if getattr(backend, "graph_variants", ()) else None
 
 
 def capture_one_shape(original, runner, size, forward, *args, **kwargs):
-    """AROUND hook of DecodeCudaGraphRunner.capture_one_shape: both variants."""
+    """AROUND hook of DecodeCudaGraphRunner.capture_one_shape: every variant."""
     backend = _sparse_backend(runner)
     if backend is None:
         return original(runner, size, forward, *args, **kwargs)
     args, positional = list(args), len(args) > _LABEL_ARG
     base = args[_LABEL_ARG] if positional else kwargs.pop("variant_label", None)
-    for query_aware in (True, False):
+    for variant in backend.graph_variants:
         if positional:
-            args[_LABEL_ARG] = label(base, query_aware)
+            args[_LABEL_ARG] = label(base, variant)
         else:
-            kwargs["variant_label"] = label(base, query_aware)
-        with backend.capturing_graph_variant(query_aware):
+            kwargs["variant_label"] = label(base, variant)
+        with backend.capturing_graph_variant(variant):
             original(runner, size, forward, *args, **kwargs)
     return None
 
@@ -82,4 +125,4 @@ def resolve_variant(original, runner, forward_batch, *args, **kwargs):
     backend = _sparse_backend(runner)
     if backend is None:
         return base
-    return label(base, backend.state.step_query_aware())
+    return label(base, backend.step_graph_variant())

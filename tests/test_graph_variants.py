@@ -1,11 +1,12 @@
-"""Two decode CUDA graphs per batch size (sgl_sparse/graph_variants.py).
+"""Decode CUDA graphs per batch size and attention paths (sgl_sparse/graph_variants.py).
 
 On CPU no graph can be captured, so this checks the parts that decide which graph a
 forward replays, against the installed SGLang:
 - SparseState.step_query_aware: the variant of the batch set up last;
-- the hooks on the real DecodeCudaGraphRunner: capture_one_shape runs twice (with the
-  query-aware blocks, then without) under keys that differ by our label, and
-  _resolve_lora_variant appends the same label the backend plans FlashInfer for;
+- the hooks on the real DecodeCudaGraphRunner: capture_one_shape runs once per variant
+  (the query-aware blocks first) under keys that differ by our label, and
+  _resolve_lora_variant appends the label of the variant the backend set up
+  (tests/test_route_variants.py: how the backend chooses it);
 - the signatures and FlashInfer attribute the hooks rely on (drift between SGLang
   releases fails here, not on a GPU).
 Stand-ins (test only): the SparseAttnBackend of a CUDA server (it builds SGLang's
@@ -53,8 +54,10 @@ def capturing(qa):
     yield
     seen.append(("exit", qa))
 
-runner.attn_backend = SimpleNamespace(graph_variants=True, capturing_graph_variant=capturing,
-                                      state=SimpleNamespace(step_query_aware=lambda: step["qa"]))
+VARIANTS = ("qa", "mixed", "dense", "kernel")
+step = {"variant": "mixed"}
+runner.attn_backend = SimpleNamespace(graph_variants=VARIANTS, capturing_graph_variant=capturing,
+                                      step_graph_variant=lambda: step["variant"])
 keys = []
 def original(r, size, forward, stream_idx=None, variant_label=None, *rest):
     keys.append([size, stream_idx, variant_label, list(seen[-1])])
@@ -63,10 +66,10 @@ graph_variants.capture_one_shape(original, runner, 4, None, stream_idx=None, var
 out["captured"] = keys
 fb = SimpleNamespace(lora_ids=None)
 out["resolved"] = []
-for qa in (False, True):
-    step["qa"] = qa
+for v in VARIANTS:
+    step["variant"] = v
     out["resolved"].append(graph_variants.resolve_variant(DecodeCudaGraphRunner._resolve_lora_variant, runner, fb))
-runner.attn_backend.graph_variants = False  # a server without captured query-aware blocks: untouched
+runner.attn_backend.graph_variants = ()  # a server capturing one graph per size: untouched
 out["resolved_off"] = graph_variants.resolve_variant(DecodeCudaGraphRunner._resolve_lora_variant, runner, fb)
 
 # the backend's FlashInfer wrappers per (variant, size): remembered after a capture,
@@ -74,12 +77,12 @@ out["resolved_off"] = graph_variants.resolve_variant(DecodeCudaGraphRunner._reso
 be = object.__new__(SparseAttnBackend)
 be.dense = SimpleNamespace(decode_cuda_graph_metadata={})
 be._dense_graph_wrappers = {}
-for qa, w in ((True, "wrappers-qa"), (False, "wrappers-no-qa")):
-    be.dense.decode_cuda_graph_metadata[8] = w  # FlashInfer's capture makes new wrappers
-    be.keep_dense_graph_wrappers(8, qa)
+for v in ("qa", "mixed"):
+    be.dense.decode_cuda_graph_metadata[8] = f"wrappers-{v}"  # FlashInfer's capture makes new wrappers
+    be.keep_dense_graph_wrappers(8, v)
 installed = []
-for qa in (True, False, True):
-    be.use_dense_graph_wrappers(8, qa)
+for v in ("qa", "mixed", "qa"):
+    be.use_dense_graph_wrappers(8, v)
     installed.append(be.dense.decode_cuda_graph_metadata[8])
 out["installed"] = installed
 print(json.dumps(out))
@@ -110,13 +113,11 @@ def test_hooks_on_the_real_decode_graph_runner(tmp_path):
     assert res["capture_params"] == ["self", "size", "forward", "stream_idx", "variant_label"]
     assert res["resolve_params"] == ["self", "forward_batch"]
     assert res["flashinfer_per_size_wrappers"]
-    # each size twice, the larger (query-aware) graph first, each inside its variant
-    assert res["captured"] == [
-        [8, None, "sgl_sparse_qa", ["enter", True]],
-        [8, None, "sgl_sparse_no_qa", ["enter", False]],
-        [4, None, "lora+sgl_sparse_qa", ["enter", True]],
-        [4, None, "lora+sgl_sparse_no_qa", ["enter", False]],
-    ]
-    assert res["resolved"] == ["sgl_sparse_no_qa", "sgl_sparse_qa"]
+    # each size once per variant, the largest (query-aware) graph first, each inside its variant
+    labels = ["sgl_sparse_qa", "sgl_sparse_mixed", "sgl_sparse_dense", "sgl_sparse_kernel"]
+    assert res["captured"] == (
+        [[8, None, lab, ["enter", v]] for lab, v in zip(labels, ("qa", "mixed", "dense", "kernel"))]
+        + [[4, None, "lora+" + lab, ["enter", v]] for lab, v in zip(labels, ("qa", "mixed", "dense", "kernel"))])
+    assert res["resolved"] == labels
     assert res["resolved_off"] is None
-    assert res["installed"] == ["wrappers-qa", "wrappers-no-qa", "wrappers-qa"]
+    assert res["installed"] == ["wrappers-qa", "wrappers-mixed", "wrappers-qa"]

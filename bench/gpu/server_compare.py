@@ -140,6 +140,11 @@ class Server:
                 gen(url, p, a.check_len, {"policy": "streaming", "window": 1 << 20})["output_ids"] for p in prompts]
             self.res["greedy_sfi_covering"] = [
                 gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
+            # a window shorter than every prompt: our kernel serves these rows, alone in
+            # their batches (graph variant `kernel`, or `mixed` with
+            # SGLANG_SPARSE_ROUTE_VARIANTS=0); compare across runs, not with full's ids
+            self.res["greedy_window_256"] = [
+                gen(url, p, a.check_len, {"policy": "streaming", "window": 256})["output_ids"] for p in prompts]
             # quest/asyncspade/lfps served with decode graphs replay the query-aware
             # graph variant; a request whose sink + budget + recent (lfps: local) covers
             # it must still reproduce full (FlashInfer planned into that variant's wrappers).

@@ -1,0 +1,267 @@
+"""Decode batches whose rows all take one attention path run that path alone
+(sgl_sparse/graph_variants.py: the `dense`, `kernel` and `mixed` graph variants, and
+the same choice without graphs).
+
+Checked on CPU against the installed SGLang, in a subprocess (SGLang's CPU engine
+stand-ins, tests/cpu_stand_ins; the two-segment kernel under TRITON_INTERPRET=1):
+- the routing a batch gets (state rows of `full`, windowed and covering-window
+  requests), the variant the runner is told to replay, whether FlashInfer is planned
+  (and into which variant's wrappers), the row mask the kernel reads, CUDA-graph
+  padding rows included; eager forwards; captures; SGLANG_SPARSE_ROUTE_VARIANTS=0;
+- the forward itself, with SGLang's real KV pool, RadixAttention and ForwardBatch:
+  the kernel-only path saves the step's K/V and gives bit for bit the output of the
+  two-path forward for the same rows; the dense-only path returns FlashInfer's output
+  and launches nothing else.
+Stand-in (test only): SGLang's FlashInfer backend (it cannot exist on a CPU machine),
+a small class with its per-size graph wrappers that records its plans and, in its
+decode, saves the step's K/V as FlashInfer's does and returns an output of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.server import server_env
+
+SNIPPET = r"""
+import json
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sgl_sparse import graph_variants as gv
+from sgl_sparse.backend import SparseAttnBackend
+from sgl_sparse.decision import plan_decode
+from sgl_sparse.kernels import make_split_counters
+from sgl_sparse.policies import PolicyId, RowInit
+from sgl_sparse.state import SparseState
+
+HQ, HKV, D, ROWS, POOL = 4, 2, 16, 8, 256
+torch.manual_seed(0)
+
+
+class FlashInferStandIn:
+    # per-size graph wrappers as SGLang's FlashInfer backend keeps them; plans recorded
+    def __init__(self, kv_pool):
+        self.decode_cuda_graph_metadata = {}
+        self.kv_pool = kv_pool
+        self.calls = []
+        self.made = 0
+
+    def init_forward_metadata(self, fb):
+        self.calls.append(["eager_plan", fb.seq_lens.tolist()])
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.calls.append(["graph_plan", fb.seq_lens.tolist(), in_capture])
+        if in_capture:  # FlashInfer makes new wrappers at every capture of a size
+            self.made += 1
+            self.decode_cuda_graph_metadata[fb.batch_size] = f"wrappers-{self.made}"
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        self.calls.append(["decode"])
+        self.kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, None), k, v)
+        return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), 7.0, dtype=q.dtype)
+
+
+st = SparseState(ROWS, "cpu")
+inits = {1: RowInit(PolicyId.FULL), 2: RowInit(PolicyId.STREAMING, window=8, sink=2),
+         3: RowInit(PolicyId.STREAMING, window=8, sink=2), 4: RowInit(PolicyId.STREAMING, window=1000, sink=4)}
+st.admit(list(inits), list(inits.values()))
+kv = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float16, head_num=HKV, head_dim=D, layer_num=1,
+                      device="cpu", enable_memory_saver=False)
+layer = RadixAttention(HQ, D, D ** -0.5, HKV, layer_id=0)
+lens = {1: 20, 2: 37, 3: 13, 4: 30}
+req_to_token = torch.zeros(ROWS, 64, dtype=torch.int32)
+free = iter(range(1, POOL))
+for r, n in lens.items():
+    req_to_token[r, :n] = torch.tensor([next(free) for _ in range(n)], dtype=torch.int32)
+for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
+    buf.copy_(torch.randn_like(buf, dtype=torch.float32).half())
+
+
+def make_backend(route=True, eager_route=True):
+    be = object.__new__(SparseAttnBackend)
+    be.device = torch.device("cpu")
+    be.state, be.qa, be.think_ids = st, None, st.think_ids
+    be.token_to_kv_pool, be._layer0, be._num_kv_heads = kv, 0, HKV
+    be.req_to_token_pool = type("R", (), {"req_to_token": req_to_token})()
+    be.dense = FlashInferStandIn(kv)
+    be._row_mask, be._row_mask_host = torch.zeros(ROWS, dtype=torch.int32), None
+    be._split_counters = make_split_counters(ROWS, HKV, "cpu")
+    be._no_compact = torch.zeros(1, HKV, 1, D, dtype=torch.float16)
+    be._max_kv_len = req_to_token.shape[1]
+    be.graph_variants = gv.wanted(be, route=route)
+    be._graph_variant, be._dense_graph_wrappers, be._route = None, {}, gv.MIXED
+    be._step_variant = gv.choose(be.graph_variants, False, gv.MIXED)
+    be._prompt_q_plan = None
+    return be
+
+
+def batch(rows, padded):
+    n = len(rows)
+    seq = [lens[r] for r in rows] + [1] * (padded - n)  # padding: FlashInfer's fill value
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=padded,
+                        input_ids=torch.ones(padded, dtype=torch.int64),
+                        req_pool_indices=torch.tensor(rows + [0] * (padded - n)),
+                        seq_lens=torch.tensor(seq, dtype=torch.int32),
+                        out_cache_loc=torch.tensor([int(req_to_token[r, lens[r] - 1]) for r in rows] + [0] * (padded - n)),
+                        seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32))
+
+
+def step(be, rows, padded, eager=False, in_capture=False):
+    st.set_step_rows(rows, [lens[r] for r in rows], [[] for _ in rows])
+    be.dense.calls.clear()
+    fb = batch(rows, padded)
+    be._prepare_forward(fb, eager=eager, in_capture=in_capture)
+    return {"variant": be.step_graph_variant(), "route": be._route, "plans": be.dense.calls[:],
+            "mask": be._row_mask[:padded].tolist()}
+
+
+out = {"variants": {}, "replay": {}, "eager": {}, "capture": {}, "off": {}}
+for qa_dev in (False, True):
+    for route in (True, False):
+        for qa in (True, False):
+            be = make_backend()
+            be.qa = type("Q", (), {"device": object() if qa_dev else None})()
+            out["variants"][f"qa_dev={qa_dev},route={route},qa={qa}"] = list(gv.wanted(be, route=route, qa=qa))
+be = make_backend()
+for name, rows in (("full", [1]), ("full+covering", [1, 4]), ("windowed", [2, 3]), ("mixed", [1, 2]),
+                   ("windowed+covering", [2, 4])):
+    out["replay"][name] = step(be, rows, 4)
+    out["eager"][name] = step(be, rows, len(rows), eager=True)
+for v in be.graph_variants:
+    with be.capturing_graph_variant(v):
+        be.dense.calls.clear()
+        be._prepare_forward(batch([1, 2], 4), eager=False, in_capture=True)
+        out["capture"][v] = [c[0] for c in be.dense.calls]
+out["kept"] = {f"{v}/{bs}": w for (v, bs), w in be._dense_graph_wrappers.items()}
+step(be, [1], 4)
+out["installed_dense"] = be.dense.decode_cuda_graph_metadata[4]
+step(be, [1, 2], 4)
+out["installed_mixed"] = be.dense.decode_cuda_graph_metadata[4]
+off = make_backend(route=False)
+out["off"]["variants"] = list(off.graph_variants)
+out["off"]["windowed"] = step(off, [2, 3], 4)
+out["off"]["full"] = step(off, [1], 4)
+
+# The forward: windowed rows (and a full one) through each path.
+def forward(route, rows, padded):
+    be = make_backend()
+    fb = batch(rows, padded)
+    st.set_step_rows(rows, [lens[r] for r in rows], [[] for _ in rows])
+    be._prepare_forward(fb, eager=False, in_capture=False)
+    assert be._route == route, (be._route, route)
+    be.plan = plan_decode(st, fb.req_pool_indices, fb.input_ids, fb.seq_lens, be.think_ids, num_kv_heads=HKV)
+    q = torch.randn(padded, HQ * D, generator=torch.Generator().manual_seed(1)).half()
+    k = torch.randn(padded, HKV, D, generator=torch.Generator().manual_seed(2)).half()
+    v = torch.randn(padded, HKV, D, generator=torch.Generator().manual_seed(3)).half()
+    locs = fb.out_cache_loc[: len(rows)]
+    kv.get_key_buffer(0)[locs] = 0  # the step's K/V are not in the pool before the forward
+    kv.get_value_buffer(0)[locs] = 0
+    be.dense.calls.clear()
+    o = be._forward_decode_cuda(q, k, v, layer, fb, True)
+    saved = bool(torch.equal(kv.get_key_buffer(0)[locs], k[: len(rows)]) and torch.equal(kv.get_value_buffer(0)[locs], v[: len(rows)]))
+    return o, saved, [c[0] for c in be.dense.calls], be._row_mask[:padded].clone()
+
+o_kernel, saved_kernel, calls_kernel, mask_kernel = forward(gv.KERNEL, [2, 3], 4)
+# the same rows through both paths: FlashInfer (stand-in) serves nothing, the kernel all
+mixed = make_backend()
+st.set_step_rows([2, 3], [lens[2], lens[3]], [[], []])
+fb = batch([2, 3], 4)
+mixed._route_decode_rows(fb, eager=False, in_capture=True)  # as captured in the mixed graph
+mixed._route, mixed._row_mask[:4] = gv.MIXED, torch.tensor([1, 1, 0, 0], dtype=torch.int32)
+mixed.plan = plan_decode(st, fb.req_pool_indices, fb.input_ids, fb.seq_lens, mixed.think_ids, num_kv_heads=HKV)
+q = torch.randn(4, HQ * D, generator=torch.Generator().manual_seed(1)).half()
+k = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(2)).half()
+v = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(3)).half()
+o_mixed = mixed._forward_decode_cuda(q, k, v, layer, fb, True)
+o_dense, saved_dense, calls_dense, _ = forward(gv.DENSE, [1, 4], 4)
+out["forward"] = {
+    "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),
+    "kernel_rows_equal_mixed": bool(torch.equal(o_kernel[:2], o_mixed[:2])),
+    "kernel_finite": bool(torch.isfinite(o_kernel).all()),
+    "dense_calls": calls_dense, "dense_saved_kv": saved_dense, "dense_is_flashinfer": bool((o_dense == 7).all()),
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    env = server_env({"TRITON_INTERPRET": "1"})
+    env.pop("SGLANG_SPARSE_ROUTE_VARIANTS", None)
+    env.pop("SGL_SPARSE_ROUTE_VARIANTS", None)
+    out = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=tmp_path_factory.mktemp("route"),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_captured_variants(res):
+    v = res["variants"]
+    # query-aware blocks captured: their graph, then both paths, then one path each
+    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "mixed", "dense", "kernel"]
+    assert v["qa_dev=True,route=True,qa=False"] == ["qa", "dense", "kernel"]
+    assert v["qa_dev=True,route=False,qa=True"] == ["qa", "mixed"]
+    assert v["qa_dev=True,route=False,qa=False"] == []  # one graph with the blocks (before)
+    assert v["qa_dev=False,route=True,qa=True"] == ["mixed", "dense", "kernel"]
+    assert v["qa_dev=False,route=False,qa=True"] == []  # one graph, both paths (before)
+
+
+@pytest.mark.timeout(300)
+def test_replay_routes_each_batch_to_its_paths(res):
+    r = res["replay"]
+    # every row dense (full, a covering window): FlashInfer alone, planned as stock
+    for name in ("full", "full+covering"):
+        assert r[name]["variant"] == r[name]["route"] == "dense", name
+        assert r[name]["plans"] == [["graph_plan", [20, 1, 1, 1] if name == "full" else [20, 30, 1, 1], False]]
+        assert r[name]["mask"] == [0, 0, 0, 0]
+    # every row windowed: the kernel alone, no FlashInfer plan; padding rows to the kernel
+    assert r["windowed"]["variant"] == r["windowed"]["route"] == "kernel"
+    assert r["windowed"]["plans"] == []
+    assert r["windowed"]["mask"] == [1, 1, 1, 1]
+    # both kinds: both paths, FlashInfer planned with one key for the kernel's rows
+    for name, seq in (("mixed", [20, 1, 1, 1]), ("windowed+covering", [1, 30, 1, 1])):
+        assert r[name]["variant"] == r[name]["route"] == "mixed", name
+        assert r[name]["plans"] == [["graph_plan", seq, False]], name
+        assert r[name]["mask"] == ([0, 1, 0, 0] if name == "mixed" else [1, 0, 0, 0])
+
+
+@pytest.mark.timeout(300)
+def test_eager_forwards_skip_the_unused_path(res):
+    e = res["eager"]
+    assert e["full"]["route"] == "dense" and e["full"]["plans"] == [["eager_plan", [20]]]
+    assert e["windowed"]["route"] == "kernel" and e["windowed"]["plans"] == []
+    assert e["mixed"]["route"] == "mixed" and e["mixed"]["plans"] == [["eager_plan", [20, 1]]]
+
+
+@pytest.mark.timeout(300)
+def test_captures_and_wrappers_per_variant(res):
+    assert res["capture"] == {"mixed": ["graph_plan"], "dense": ["graph_plan"], "kernel": []}
+    # each variant that plans FlashInfer keeps its own wrappers; replays put them back
+    kept = res["kept"]
+    assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]
+    assert res["installed_dense"] == kept["dense/4"] and res["installed_mixed"] == kept["mixed/4"]
+
+
+@pytest.mark.timeout(300)
+def test_route_variants_off_runs_both_paths(res):
+    off = res["off"]
+    assert off["variants"] == []
+    for name in ("windowed", "full"):
+        assert off[name]["route"] == "mixed" and len(off[name]["plans"]) == 1, name
+
+
+@pytest.mark.timeout(300)
+def test_forward_of_each_path(res):
+    f = res["forward"]
+    # kernel alone: the step's K/V saved, FlashInfer never called, padding rows served
+    assert f["kernel_saved_kv"] and f["kernel_dense_calls"] == [] and f["kernel_mask"] == [1, 1, 1, 1]
+    assert f["kernel_rows_equal_mixed"] and f["kernel_finite"]
+    # dense alone: FlashInfer's output (and its K/V write), no kernel
+    assert f["dense_calls"] == ["decode"] and f["dense_saved_kv"] and f["dense_is_flashinfer"]
