@@ -47,6 +47,57 @@ def gen(url, ids, n, sparse=None):
     return r.json()
 
 
+def gen_stream(url, ids, n, sparse=None):
+    """Greedy generation streamed: (arrival time, tokens generated so far) per chunk."""
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    if sparse:
+        sp["custom_params"] = {"sparse": sparse}
+    out, buf = [], b""
+    with requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
+                       stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for piece in r.iter_content(chunk_size=None):  # as it arrives: no 512-byte buffering
+            t = time.perf_counter()
+            buf += piece
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                body = line[5:].strip() if line.startswith(b"data:") else b""
+                if body and body != b"[DONE]":
+                    out.append((t, json.loads(body)["meta_info"]["completion_tokens"]))
+    return out
+
+
+def step_times(arrivals):
+    """One request's decode-step times (s) from its chunks, from the second token on;
+    a chunk that brought k > 1 tokens (the client read late) counts as k equal steps.
+    Returns (times, chunks with k > 1)."""
+    times, late = [], 0
+    for (t0, c0), (t1, c1) in zip(arrivals, arrivals[1:]):
+        k = c1 - c0
+        if k > 0:
+            times += [(t1 - t0) / k] * k
+            late += k > 1
+    return times, late
+
+
+def itl_stats(url, prompts, n, sparse=None):
+    """Per-step latency of a batch, client side (each request streamed): mean, median
+    and p99 over every request's steps. In a batch that decodes together a request's
+    inter-token time is the step's time, so p99 is the slow tail (SFI's slow steps at
+    1/32 of the steps) and the mean gives decode tok/s without subtracting a prefill."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        per_req = [step_times(a) for a in ex.map(lambda p: gen_stream(url, p, n, sparse), prompts)]
+    times = sorted(t for ts, _ in per_req for t in ts)
+    if not times:
+        return {}
+    mean = statistics.fmean(times)
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"itl_ms_mean": round(1e3 * mean, 3), "itl_ms_p50": round(1e3 * q(0.5), 3),
+            "itl_ms_p99": round(1e3 * q(0.99), 3), "itl_steps": len(times),
+            "itl_late_chunks": sum(late for _, late in per_req),
+            "decode_tok_s_itl": round(len(prompts) / mean, 1)}
+
+
 def batch_wall(url, prompts, n, sparse=None):
     t0 = time.time()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
@@ -205,6 +256,7 @@ def time_cases(a, servers: list) -> None:
             walls[i].append(batch_wall(s.url, ps, a.out_len, pol))
             if k == a.repeats - 1:
                 after[i] = scrape(s.url)
+        itl = {i: itl_stats(s.url, ps, a.out_len, pol) for i, (s, label, pol) in enumerate(runs)} if a.itl else {}
         for i, (s, label, pol) in enumerate(runs):
             stats = sparse_stats(before[i], after[i], (pol or {}).get("policy", ""))
             if a.interleave:  # the host-time counter is per server: mixed over its policies here
@@ -217,7 +269,8 @@ def time_cases(a, servers: list) -> None:
                                    "t_prefill_s": round(t1[i], 3), "t_total_s": round(tl, 3),
                                    "t_total_runs_s": [round(w, 3) for w in walls[i]],
                                    "decode_tok_s": tok(tl) and round(tok(tl), 1),
-                                   "decode_tok_s_runs": [x and round(x, 1) for x in runs_tok_s], **stats})
+                                   "decode_tok_s_runs": [x and round(x, 1) for x in runs_tok_s], **stats,
+                                   **itl.get(i, {})})
             print(json.dumps({"backend": s.backend, **s.res["cases"][-1]}), flush=True)
 
 
@@ -273,6 +326,9 @@ def main():
     ap.add_argument("--interleave-mem", type=float, default=0.85,
                     help="--mem-fraction-static of each interleaved server, of the memory free when it starts "
                          "(its pool is capped by --max-total-tokens: pool_tokens)")
+    ap.add_argument("--itl", action="store_true",
+                    help="per row, one more batch with every request streamed: per-step latency mean/p50/p99 "
+                         "client side (after the timed batches and the counters' scrape)")
     ap.add_argument("--token-range", default="1000,100000", help="random prompt ids in [LO, HI) (a small model: its vocab)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logdir", default="/tmp")
@@ -295,6 +351,10 @@ def main():
             row = {"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": st["decode_tok_s"],
                    "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
                    "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention")}
+            if c.get("itl_ms_mean") and st.get("itl_ms_mean"):  # --itl: per-step latency, client side
+                row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
+                # the slow tail against a dense step at the same length (issue 4: <= 1.3)
+                row["itl_p99_over_stock_p50"] = round(c["itl_ms_p99"] / st["itl_ms_p50"], 3)
             if a.interleave:  # round i of this policy ran right after round i of stock
                 per = [ratio(x, y) for x, y in zip(c["decode_tok_s_runs"], st["decode_tok_s_runs"])]
                 row["paired_ratios"] = per
@@ -314,7 +374,9 @@ def main():
         for row in rows:
             print(f"| {row['ctx']} x {row['batch']} | {row['policy']} | {row['stock_tok_s']} | {row['tok_s']} | "
                   f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |"
-                  + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else ""))
+                  + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else "")
+                  + (f" itl ratio {row['itl_ratio']}, p99 / stock p50 {row['itl_p99_over_stock_p50']}"
+                     if "itl_ratio" in row else ""))
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
 
