@@ -129,7 +129,8 @@ def server_args_input(server_args) -> None:
     extend path's host work (admissions, SFI prompt-query plans, query-aware store
     writes) runs per forward and has not been validated inside SGLang's captured
     (breakable) prefill graphs, the CUDA default; every measurement in bench/ runs
-    prefill eagerly, stock included. Decode CUDA graphs are unaffected."""
+    prefill eagerly, stock included. Decode CUDA graphs are unaffected.
+    SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves them on (experimental: to validate)."""
     device = getattr(server_args, "device", None)
     # A resolved record (0.5.23 re-enters resolve_once in child processes) is sealed.
     if not _uses_backend(server_args) or device == "cpu" or getattr(server_args, "_resolution_finished", False):
@@ -139,10 +140,20 @@ def server_args_input(server_args) -> None:
 
         if not torch.cuda.is_available():
             return
-    if compat.prefill_cuda_graphs_enabled(server_args):
-        compat.disable_prefill_cuda_graphs(server_args)
-        logger.warning("sgl_sparse: prefill CUDA graphs are not supported yet; prefill runs eagerly "
-                       "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")
+    if not compat.prefill_cuda_graphs_enabled(server_args):
+        return
+    from sgl_sparse.kernels._utils import env_switch
+
+    # For validating them on a GPU: SGLang's breakable prefill graph runs attention
+    # eagerly between its captured segments (radix_attention's eager_on_graph), with
+    # the attention metadata set up outside them, so the extend path may hold there.
+    if env_switch("PREFILL_CUDA_GRAPHS", False):
+        logger.warning("sgl_sparse: SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves prefill CUDA graphs on; "
+                       "not yet validated under sgl_sparse (experimental).")
+        return
+    compat.disable_prefill_cuda_graphs(server_args)
+    logger.warning("sgl_sparse: prefill CUDA graphs are not supported yet; prefill runs eagerly "
+                   "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")
 
 
 def server_args_resolved(_result, server_args) -> None:

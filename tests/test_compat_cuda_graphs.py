@@ -39,7 +39,10 @@ CASES = [
 # SGLang resolves the record, on real ServerArgs of the installed release, for a CUDA
 # device (resolution does not touch the GPU); decode graphs stay as asked.
 PREFILL_SNIPPET = r"""
-import argparse, json, sys
+import argparse, json, os, sys
+if sys.argv[2] == "@opt-in":  # the operator's switch, set before the hooks run
+    os.environ["SGLANG_SPARSE_PREFILL_CUDA_GRAPHS"] = "1"
+    del sys.argv[2]
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as launch_server does before it builds the record: this package's hooks
 from sglang.srt.server_args import ServerArgs
@@ -60,6 +63,11 @@ PREFILL_CASES = [  # (flags, prefill graphs, decode graphs, warned); the control
      False, True, True),
     (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-prefill-cuda-graph"], False, True, False),
     (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-cuda-graph"], False, False, False),
+    # SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1: left as asked, with the experimental warning
+    # instead (breakable asked explicitly, as in the control: on a machine without CUDA
+    # 0.5.17's default is not the breakable graph)
+    (["@opt-in", "--device", "cuda", "--attention-backend", "sgl_sparse", "--cuda-graph-backend-prefill", "breakable"],
+     True, True, False),
 ]
 
 
@@ -82,10 +90,12 @@ def test_decode_cuda_graphs_enabled(resolved, case):
 
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)),
                          ids=["stock-breakable-asked", "sparse-default", "sparse-breakable-asked", "sparse-flag",
-                              "sparse-no-graphs"])
+                              "sparse-no-graphs", "sparse-opt-in"])
 def test_prefill_cuda_graphs_off_under_sgl_sparse(resolved, case):
     out, (_, prefill, decode, warned) = resolved[len(CASES) + case], PREFILL_CASES[case]
     assert out.returncode == 0, out.stderr[-2000:]
     got_prefill, got_decode = json.loads(out.stdout.strip().splitlines()[-1])
     assert (got_prefill, got_decode) == (prefill, decode)
     assert ("prefill CUDA graphs are not supported yet" in out.stderr) is warned
+    assert ("SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves prefill CUDA graphs on" in out.stderr) is \
+        (PREFILL_CASES[case][0][0] == "@opt-in")
