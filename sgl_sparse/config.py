@@ -198,7 +198,7 @@ class QueryStoreConfig(_Strict):
     # With decode CUDA graphs on, the selection is captured into the decode graphs;
     # each batch size then also gets a graph with it (graph_variants.py), and batches
     # without such requests replay one without it (H100: `full` 0.96-0.99x stock beside
-    # all three, bench/README "Session 8"). Opt-in still: the stores' memory, twice the
+    # all three, bench/README "Session 8"). Opt-in still: the stores' memory, one more
     # graph per size and its capture time are paid by a server that may never see them.
     cuda_graphs: bool = Field(False, description="offer the policy with decode CUDA graphs on (its "
                                                  "selection captured, run at every decode step)")
