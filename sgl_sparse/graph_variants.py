@@ -21,9 +21,10 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
 
 Capture: every batch size once per variant, largest graph first so the later ones
 reuse its memory pool (`SparseAttnBackend.capturing_graph_variant`). Replay: the
-runner's variant choice appends `SparseState.step_variant` -- set with the batch's
-routing (`set_step_rows`), read by the runner and by the backend's metadata init of
-the same forward, which plans FlashInfer into that variant's wrappers or skips it.
+backend's metadata init of the forward takes the batch's routing (`set_step_rows`),
+chooses the variant (`choose`), plans FlashInfer into that variant's wrappers or skips
+it, and the runner's variant choice, which SGLang makes after that init, appends it
+(`SparseAttnBackend.step_graph_variant`).
 
 Switches: SGLANG_SPARSE_QA_GRAPH_VARIANTS=0 captures one graph with the query-aware
 blocks for every batch (no `mixed` / `dense` / `kernel`); SGLANG_SPARSE_ROUTE_VARIANTS=0

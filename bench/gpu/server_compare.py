@@ -38,23 +38,25 @@ def wait_ready(url, proc, limit):
     raise SystemExit("server not ready in time")
 
 
-def gen(url, ids, n, sparse=None):
+def sampling(n, sparse=None):
+    """Greedy, exactly n new tokens, with the request's sparse metadata."""
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     if sparse:
         sp["custom_params"] = {"sparse": sparse}
-    r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=900)
+    return sp
+
+
+def gen(url, ids, n, sparse=None):
+    r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sampling(n, sparse)}, timeout=900)
     r.raise_for_status()
     return r.json()
 
 
 def gen_stream(url, ids, n, sparse=None):
     """Greedy generation streamed: (arrival time, tokens generated so far) per chunk."""
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    if sparse:
-        sp["custom_params"] = {"sparse": sparse}
     out, buf = [], b""
-    with requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
-                       stream=True, timeout=900) as r:
+    req = {"input_ids": ids, "sampling_params": sampling(n, sparse), "stream": True}
+    with requests.post(url + "/generate", json=req, stream=True, timeout=900) as r:
         r.raise_for_status()
         for piece in r.iter_content(chunk_size=None):  # as it arrives: no 512-byte buffering
             t = time.perf_counter()
