@@ -100,9 +100,13 @@ def itl_stats(url, prompts, n, sparse=None):
     mean = statistics.fmean(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return {"itl_ms_mean": round(1e3 * mean, 3), "itl_ms_p50": round(1e3 * q(0.5), 3),
-            "itl_ms_p90": round(1e3 * q(0.9), 3), "itl_ms_p99": round(1e3 * q(0.99), 3), "itl_steps": len(times),
-            "itl_late_chunks": sum(late for _, late in per_req),
-            "decode_tok_s_itl": round(len(prompts) / mean, 1)}
+            "itl_ms_p90": round(1e3 * q(0.9), 3), "itl_ms_p95": round(1e3 * q(0.95), 3),
+            "itl_ms_p99": round(1e3 * q(0.99), 3), "itl_ms_max": round(1e3 * times[-1], 3),
+            "itl_steps": len(times), "itl_late_chunks": sum(late for _, late in per_req),
+            "decode_tok_s_itl": round(len(prompts) / mean, 1),
+            # Each request's step times in order: where the slow tail falls (SFI's
+            # refresh steps recur every T_max + 1 steps per request).
+            "itl_ms_trace": [[round(1e3 * t, 2) for t in ts] for ts, _ in per_req]}
 
 
 def batch_wall(url, prompts, n, sparse=None):
@@ -278,7 +282,8 @@ def time_cases(a, servers: list) -> None:
                                    "decode_tok_s": tok(tl) and round(tok(tl), 1),
                                    "decode_tok_s_runs": [x and round(x, 1) for x in runs_tok_s], **stats,
                                    **itl.get(i, {})})
-            print(json.dumps({"backend": s.backend, **s.res["cases"][-1]}), flush=True)
+            shown = {k: v for k, v in s.res["cases"][-1].items() if k != "itl_ms_trace"}  # the trace: JSON only
+            print(json.dumps({"backend": s.backend, **shown}), flush=True)
 
 
 def run_servers(a) -> list:
