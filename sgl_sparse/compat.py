@@ -112,6 +112,12 @@ def prefill_cuda_graphs_enabled(server_args: Any) -> bool:
     return _graphs_on(server_args, "prefill")
 
 
+def prefill_cuda_graph_backend(server_args: Any) -> str | None:
+    """The prefill CUDA-graph backend the record names ("breakable", "full", ...),
+    None while SGLang has yet to pick its default."""
+    return _graph_backend(server_args, "prefill")
+
+
 def disable_prefill_cuda_graphs(server_args: Any) -> None:
     """Turn prefill CUDA graphs off on a record *before* SGLang resolves it (0.5.23
     seals the record once resolved), in each input that resolution reads: an explicit

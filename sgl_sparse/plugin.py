@@ -125,12 +125,17 @@ def from_cli_args(_cls, args: argparse.Namespace):
 
 
 def server_args_input(server_args) -> None:
-    """Before SGLang resolves the record: prefill runs eagerly under sgl_sparse. The
-    extend path's host work (admissions, SFI prompt-query plans, query-aware store
-    writes) runs per forward and has not been validated inside SGLang's captured
-    (breakable) prefill graphs, the CUDA default; every measurement in bench/ runs
-    prefill eagerly, stock included. Decode CUDA graphs are unaffected.
-    SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves them on (experimental: to validate)."""
+    """Before SGLang resolves the record: which prefill CUDA graphs sgl_sparse runs.
+
+    SGLang's breakable prefill graph (the CUDA default) runs attention eagerly
+    between its captured segments, with the attention metadata set up outside them,
+    so the extend path's host work (admissions, SFI prompt-query plans, query-aware
+    store writes) runs per forward as without graphs: validated on an H100 (greedy
+    tokens identical to stock for `full`, covering `sfi` and `quest` budgets and
+    windows; bench/README.md, "Session 12"). It is left as SGLang resolves it. A
+    `full` prefill graph would capture attention itself, with this forward's plans
+    baked in: turned off, with a warning. SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=0 runs
+    prefill eagerly whatever was asked. Decode CUDA graphs are unaffected."""
     device = getattr(server_args, "device", None)
     # A resolved record (0.5.23 re-enters resolve_once in child processes) is sealed.
     if not _uses_backend(server_args) or device == "cpu" or getattr(server_args, "_resolution_finished", False):
@@ -144,16 +149,17 @@ def server_args_input(server_args) -> None:
         return
     from sgl_sparse.kernels._utils import env_switch
 
-    # For validating them on a GPU: SGLang's breakable prefill graph runs attention
-    # eagerly between its captured segments (radix_attention's eager_on_graph), with
-    # the attention metadata set up outside them, so the extend path may hold there.
-    if env_switch("PREFILL_CUDA_GRAPHS", False):
-        logger.warning("sgl_sparse: SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves prefill CUDA graphs on; "
-                       "not yet validated under sgl_sparse (experimental).")
+    if not env_switch("PREFILL_CUDA_GRAPHS", True):
+        compat.disable_prefill_cuda_graphs(server_args)
+        logger.warning("sgl_sparse: SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=0: prefill runs eagerly "
+                       "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")
         return
-    compat.disable_prefill_cuda_graphs(server_args)
-    logger.warning("sgl_sparse: prefill CUDA graphs are not supported yet; prefill runs eagerly "
-                   "(as with --disable-prefill-cuda-graph). Decode CUDA graphs are unaffected.")
+    backend = compat.prefill_cuda_graph_backend(server_args)
+    if backend == "full":
+        compat.disable_prefill_cuda_graphs(server_args)
+        logger.warning("sgl_sparse: --cuda-graph-backend-prefill full captures attention itself, which "
+                       "sgl_sparse's per-forward extend plans cannot run in; prefill runs eagerly. The "
+                       "breakable prefill graph (the CUDA default) is supported. Decode CUDA graphs are unaffected.")
 
 
 def server_args_resolved(_result, server_args) -> None:

@@ -35,13 +35,15 @@ CASES = [
 ]
 
 
-# Prefill CUDA graphs under sgl_sparse (plugin.server_args_input): turned off before
-# SGLang resolves the record, on real ServerArgs of the installed release, for a CUDA
-# device (resolution does not touch the GPU); decode graphs stay as asked.
+# Prefill CUDA graphs under sgl_sparse (plugin.server_args_input), on real ServerArgs of
+# the installed release, for a CUDA device (resolution does not touch the GPU): the
+# breakable graph (SGLang's CUDA default) is left as SGLang resolves it, a `full` prefill
+# graph is turned off before resolution, SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=0 turns any
+# off; decode graphs stay as asked.
 PREFILL_SNIPPET = r"""
 import argparse, json, os, sys
-if sys.argv[2] == "@opt-in":  # the operator's switch, set before the hooks run
-    os.environ["SGLANG_SPARSE_PREFILL_CUDA_GRAPHS"] = "1"
+if sys.argv[2] == "@opt-out":  # the operator's switch, set before the hooks run
+    os.environ["SGLANG_SPARSE_PREFILL_CUDA_GRAPHS"] = "0"
     del sys.argv[2]
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as launch_server does before it builds the record: this package's hooks
@@ -52,22 +54,25 @@ ServerArgs.add_cli_args(p)
 sa = ServerArgs.from_cli_args(p.parse_args(["--model-path", sys.argv[1], *sys.argv[2:]]))
 if hasattr(sa, "resolve_once"):
     sa.resolve_once()
-print(json.dumps([compat.prefill_cuda_graphs_enabled(sa), compat.decode_cuda_graphs_enabled(sa)]))
+print(json.dumps([compat.prefill_cuda_graphs_enabled(sa), compat.decode_cuda_graphs_enabled(sa),
+                  compat.prefill_cuda_graph_backend(sa)]))
 """
 
-PREFILL_CASES = [  # (flags, prefill graphs, decode graphs, warned); the control: SGLang's own backend
+CUDA_SPARSE = ["--device", "cuda", "--attention-backend", "sgl_sparse"]
+# (flags, prefill graphs, decode graphs, the warning's words or None); None for prefill
+# graphs: as SGLang resolves them for its own backend on this host (the control, case 0:
+# on a machine without CUDA 0.5.17's default is not the breakable graph)
+PREFILL_CASES = [
+    (["--device", "cuda", "--attention-backend", "flashinfer"], None, True, None),
     (["--device", "cuda", "--attention-backend", "flashinfer", "--cuda-graph-backend-prefill", "breakable"],
-     True, True, False),
-    (["--device", "cuda", "--attention-backend", "sgl_sparse"], False, True, True),
-    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--cuda-graph-backend-prefill", "breakable"],
-     False, True, True),
-    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-prefill-cuda-graph"], False, True, False),
-    (["--device", "cuda", "--attention-backend", "sgl_sparse", "--disable-cuda-graph"], False, False, False),
-    # SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1: left as asked, with the experimental warning
-    # instead (breakable asked explicitly, as in the control: on a machine without CUDA
-    # 0.5.17's default is not the breakable graph)
-    (["@opt-in", "--device", "cuda", "--attention-backend", "sgl_sparse", "--cuda-graph-backend-prefill", "breakable"],
-     True, True, False),
+     True, True, None),
+    (CUDA_SPARSE, None, True, None),
+    (CUDA_SPARSE + ["--cuda-graph-backend-prefill", "breakable"], True, True, None),
+    (CUDA_SPARSE + ["--cuda-graph-backend-prefill", "full"], False, True, "captures attention itself"),
+    (CUDA_SPARSE + ["--disable-prefill-cuda-graph"], False, True, None),
+    (CUDA_SPARSE + ["--disable-cuda-graph"], False, False, None),
+    (["@opt-out", *CUDA_SPARSE, "--cuda-graph-backend-prefill", "breakable"], False, True,
+     "SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=0: prefill runs eagerly"),
 ]
 
 
@@ -89,13 +94,20 @@ def test_decode_cuda_graphs_enabled(resolved, case):
 
 
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)),
-                         ids=["stock-breakable-asked", "sparse-default", "sparse-breakable-asked", "sparse-flag",
-                              "sparse-no-graphs", "sparse-opt-in"])
-def test_prefill_cuda_graphs_off_under_sgl_sparse(resolved, case):
-    out, (_, prefill, decode, warned) = resolved[len(CASES) + case], PREFILL_CASES[case]
+                         ids=["stock-default", "stock-breakable-asked", "sparse-default", "sparse-breakable-asked",
+                              "sparse-full-asked", "sparse-flag", "sparse-no-graphs", "sparse-opt-out"])
+def test_prefill_cuda_graphs_under_sgl_sparse(resolved, case):
+    out, (_, prefill, decode, warning) = resolved[len(CASES) + case], PREFILL_CASES[case]
     assert out.returncode == 0, out.stderr[-2000:]
-    got_prefill, got_decode = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (got_prefill, got_decode) == (prefill, decode)
-    assert ("prefill CUDA graphs are not supported yet" in out.stderr) is warned
-    assert ("SGLANG_SPARSE_PREFILL_CUDA_GRAPHS=1 leaves prefill CUDA graphs on" in out.stderr) is \
-        (PREFILL_CASES[case][0][0] == "@opt-in")
+    got_prefill, got_decode, backend = json.loads(out.stdout.strip().splitlines()[-1])
+    if prefill is None:  # SGLang's own default on this host, the same under sgl_sparse as stock
+        control = json.loads(resolved[len(CASES)].stdout.strip().splitlines()[-1])
+        assert [got_prefill, backend] == [control[0], control[2]]
+    else:
+        assert got_prefill is prefill
+    assert got_decode is decode
+    if prefill is True:
+        assert backend == "breakable"
+    # Both of the plugin's prefill warnings say "prefill runs eagerly".
+    assert ("prefill runs eagerly" in out.stderr) is (warning is not None)
+    assert warning is None or warning in out.stderr
