@@ -608,11 +608,14 @@ def make_split_counters(max_batch_size: int, num_kv_heads: int, device) -> torch
 
 
 def _default_block_n(head_dim: int) -> int:
-    # 128 keys x 128 dims x 2 B = 32 KiB per K (and V) tile. Measured on an
-    # H100 (bf16, D=128): 128 beat 64 and 32 at every dense shape and gave
-    # ~99% of copy bandwidth at large batch; larger heads halve it to stay
-    # within shared memory with num_stages=2.
-    return 128 if head_dim <= 128 else 64
+    # 64 keys x 128 dims x 2 B = 16 KiB per K (and V) tile, three stages in flight
+    # (num_stages=3). H100 sweep of block_n x warps x stages x splits (session 12,
+    # bench/results/decode_sweep_h100_s12_*): (64, 4 warps, 3 stages) at the
+    # heuristic's splits was the best or within 10% of it at 32768 x 8 and 131072 x 4,
+    # dense and sparse, against (128, 4, 2): dense 402.8 -> 376.7 us and 795.5 -> 743.6
+    # us (FlashInfer 367.7 / 716.4), ~2K selected keys 37.6 -> 29.4 us and 20.1 -> 14.2
+    # us. Larger heads halve it to stay within shared memory.
+    return 64 if head_dim <= 128 else 32
 
 
 def two_segment_decode(
@@ -646,7 +649,7 @@ def two_segment_decode(
     logits_out: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Sparse decode attention over segment A (compact) + segment B (paged range).
 
