@@ -13,7 +13,7 @@ from sgl_sparse import reference
 from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import SfiPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
-from sgl_sparse.policies import PolicyId, sfi
+from sgl_sparse.policies import sfi
 from sgl_sparse.selector import core
 from sgl_sparse.selector.refresh import refresh, window_logits_torch
 from sgl_sparse.state import SparseState
@@ -240,3 +240,14 @@ def test_prompt_evidence_every_keeps_the_prompt_queries_at_later_slow_steps(keep
         m.launched_lens.append(n0 + j)
     m.advance([1] + toks[1:] + [5], _table())
     assert m.refresh_n == n and m.refresh_later == (not keep)
+
+
+def test_refresh_bound_is_rounded_to_16_within_its_limits():
+    """selector.refresh._padded_bound: one Triton class for every refresh (the kernel
+    path's selections match the float64 formulas at unrounded lengths: above)."""
+    from sgl_sparse.selector.refresh import _padded_bound
+
+    assert _padded_bound(32769, 140000, None) == 32784
+    assert _padded_bound(32769, 140000, 32770) == 32770  # no further than the stored logits
+    assert _padded_bound(97, 96, None) == 96  # nor the req_to_token row
+    assert _padded_bound(64, 96, None) == 64 and _padded_bound(1, 96, None) == 16

@@ -104,11 +104,26 @@ def refresh(
     if not rows or store is None:
         return
     stored = use_kernels and 0 < min(n_bound, req_to_token.shape[1]) <= store.logit_len
+    if use_kernels:
+        n_bound = _padded_bound(n_bound, req_to_token.shape[1], store.logit_len if stored else None)
     pools = _layer_pools(store, k_buffer, v_buffer, store.num_layers) if use_kernels else None
     one = [r for r in rows if r in later]
     _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, 1, stored)
     _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
                   scaling, pools, None, False)
+
+
+def _padded_bound(n: int, width: int, limit: int | None) -> int:
+    """The refresh's bound on positions rounded up to a multiple of 16, within the
+    req_to_token row and the stored logits. Triton compiles one binary per class of
+    an integer argument (1, divisible by 16, other) and the bound is one, as are the
+    strides of the [rows, Hkv, n] tensors it sizes: rounded, every refresh stays in
+    the class the start-up warm-up compiled instead of compiling (or loading from
+    Triton's cache) mid-decode the first time the length is odd. The kernels mask
+    each row past its range, and the bound may already exceed the slow step's length
+    by the overlap lag: the selections are the same."""
+    padded = min(-(-n // 16) * 16, width)
+    return max(min(padded, limit), min(n, width)) if limit is not None else padded
 
 
 class _Pools:
@@ -284,13 +299,33 @@ def compact_positions(pos: torch.Tensor, sink: torch.Tensor, sel_len: torch.Tens
     return torch.where(j < sink4, j, torch.where(j < len4, picked, 0))
 
 
+# (rows, keys) of the start-up warm-up. Triton compiles one binary per class of its
+# integer arguments (equal to 1, divisible by 16, other), tensor strides included: the
+# refresh's row counts, and what its bound on positions sizes (rounded to 16 by
+# _padded_bound: the bound, the strides, stored_evidence's block count, 1 below 2049
+# positions and more above). Warming one row of 64 keys left the others to compile (or
+# load from Triton's cache) while the first SFI requests decode: a likely cause of
+# sfi-pinned's slow first batch at 32768 x 8 (bench/README, session 12: 1320 against
+# ~2070 tok/s for the next two), not yet confirmed on a GPU. The bounds are clamped
+# to the req_to_token row.
+_WARM_SHAPES = ((1, 64), (2, 64), (1, 4160), (2, 4160))
+
+
 def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
                     specs: Sequence, scaling: float = 1.0) -> None:
     """Compile the refresh kernels at start-up for the variants `specs` (e.g. the
     server's default SFI policy) use: the first slow step's window and w = 1, the
-    Soft-NMS radius, the Top-K. Otherwise the first SFI requests would wait seconds for
-    Triton in the middle of decoding. Nothing is written: the packing is masked off.
+    Soft-NMS radius, the Top-K, each for the argument classes of _WARM_SHAPES.
+    Otherwise the first SFI requests would wait for Triton in the middle of decoding.
+    Nothing is written: the packing is masked off.
     """
+    for rows, n in _WARM_SHAPES:
+        _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]))
+    if store.k.device.type == "cuda":
+        torch.cuda.synchronize(store.k.device)
+
+
+def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int) -> None:
     from sgl_sparse.kernels import (
         LayerPools,
         pack_compact_layers,
@@ -303,36 +338,35 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, topk_range
 
     dev = store.k.device
-    hkv, hq, d, n = store.k.shape[2], store.q.shape[2], store.k.shape[4], 64
-    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    ridx, lo, hi = i32(0), i32(0), i32(n)
+    hkv, hq, d = store.k.shape[2], store.q.shape[2], store.k.shape[4]
+    full = lambda v: torch.full((rows,), v, dtype=torch.int32, device=dev)  # noqa: E731
+    ridx, lo, hi, zero = full(0), full(0), full(n), full(0)
     # The evidence and the packing as the refresh launches them: through the layers' address table.
     k_pools, v_pools = LayerPools.of([k_pool]), LayerPools.of([v_pool])
     for spec in specs:
-        knobs = SelectorKnobs.from_specs([spec], dev, torch.float32)
+        knobs = SelectorKnobs.from_specs([spec] * rows, dev, torch.float32)
         for w in sorted({1, min(spec.w_prefill, 1 + store.q_prompt.shape[2])}):
-            q = torch.zeros(1, w, hq, d, dtype=store.q.dtype, device=dev)
-            qpos = torch.full((1, w), n - 1, dtype=torch.int64, device=dev)
-            u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, i32(w), knobs.beta.float(), n, scaling)
+            q = torch.zeros(rows, w, hq, d, dtype=store.q.dtype, device=dev)
+            qpos = torch.full((rows, w), n - 1, dtype=torch.int64, device=dev)
+            u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, full(w), knobs.beta.float(), n,
+                                scaling)
             norms = torch.ones_like(u)
             selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
-            stored_evidence(store.logits[0], i32(0), lo, hi, knobs.beta.float(), n)
+            stored_evidence(store.logits[0], zero, lo, hi, knobs.beta.float(), n)
     # Unless SGL_SPARSE_SPLIT_ROWS=0, long rows with few programs split each (row, head)
     # over several programs (kernels/_split.py): those launches too, whatever the
     # split count (a grid size, not a compiled constant).
     split_options = (1, 2) if AUTO_SPLIT else (1,)
     if specs and AUTO_SPLIT:
-        selector_stats(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), torch.ones(1, hkv, n, device=dev),
-                       lo, hi, knobs, splits=2)
+        selector_stats(torch.zeros(rows, hkv, n, dtype=torch.float32, device=dev),
+                       torch.ones(rows, hkv, n, device=dev), lo, hi, knobs, splits=2)
     # The Top-K (top_k_positions' kernel): every launch shape its grid size may pick.
     for block_n, num_warps in LAUNCH_SHAPES:
         for splits in split_options:
-            topk_range(torch.zeros(1, hkv, n, dtype=torch.float32, device=dev), lo, hi, i32(1), 1,
+            topk_range(torch.zeros(rows, hkv, n, dtype=torch.float32, device=dev), lo, hi, full(1), 1,
                        block_n=block_n, num_warps=num_warps, splits=splits)
-    sel = torch.zeros(1, hkv, 1, dtype=torch.int32, device=dev)
-    pack_compact_layers(k_pools, v_pools, req_to_token, ridx, sel, i32(0)[:, None].expand(1, hkv), i32(0),
-                        torch.zeros(1, dtype=torch.bool, device=dev), store.k[:1], store.v[:1], i32(0),
-                        torch.empty(1, hkv, dtype=torch.int32, device=dev))
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    sel = torch.zeros(rows, hkv, 1, dtype=torch.int32, device=dev)
+    pack_compact_layers(k_pools, v_pools, req_to_token, ridx, sel, zero[:, None].expand(rows, hkv), zero,
+                        torch.zeros(rows, dtype=torch.bool, device=dev), store.k[:1], store.v[:1], zero,
+                        torch.empty(rows, hkv, dtype=torch.int32, device=dev))
