@@ -121,9 +121,10 @@ def _padded_bound(n: int, width: int, limit: int | None) -> int:
     the class the start-up warm-up compiled instead of compiling (or loading from
     Triton's cache) mid-decode the first time the length is odd. The kernels mask
     each row past its range, and the bound may already exceed the slow step's length
-    by the overlap lag: the selections are the same."""
-    padded = min(-(-n // 16) * 16, width)
-    return max(min(padded, limit), min(n, width)) if limit is not None else padded
+    by the overlap lag: the selections are the same. `limit` (the stored logits'
+    length, where the refresh reads them) is at least min(n, width), so the bound
+    never shrinks below the positions the refresh must see."""
+    return min(-(-n // 16) * 16, width, *(() if limit is None else (limit,)))
 
 
 class _Pools:
