@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_sparse import compat, graph_variants, reference
+from sgl_sparse import compat, compile_watch, graph_variants, reference
 from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
@@ -72,6 +72,8 @@ class SparseAttnBackend(AttentionBackend):
         self._layer0 = getattr(self.token_to_kv_pool, "start_layer", 0) or 0
         self._scaling: Optional[float] = None  # the layers' softmax scale, seen at the first forward
         self._prompt_q_plan = None  # where this extend's SFI prompt queries go
+        if self.device.type == "cuda":
+            compile_watch.install()  # before the warm-ups, so their compiles are logged too
         if self.state.compact is None and "sfi" not in self.config.unavailable:
             _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
         if not self.state.query_stores:
@@ -146,6 +148,8 @@ class SparseAttnBackend(AttentionBackend):
 
     def _prepare_forward(self, forward_batch: ForwardBatch, eager: bool, in_capture: bool):
         admitted = self.state.admit_queued()
+        if admitted[0]:
+            compile_watch.mark_serving()
         mode = forward_batch.forward_mode
         self._prompt_q_plan = None
         self._route = graph_variants.MIXED

@@ -43,13 +43,18 @@ e2e)
     # what the first server's start-up compiled (FlashInfer's JIT, ~4 min on a bare
     # machine): whether it is small enough to carry to the next lease
     du -sh ~/.cache/* 2>/dev/null | tee -a "$OUT/e2e.log"
+    # Our kernels that Triton compiled after the servers were up (compile_watch.py):
+    # each one stalled a live batch.
+    grep -h "Triton compiled .* while serving" "$OUT"/server-*.log | tee "$OUT/compiles_while_serving.txt" | tail -20
     # JIT_SNAPSHOT=1: bring every JIT cache back (FlashInfer, tvm-ffi, Triton) to replace
     # .gpu/jit/jit_cache.tgz. On a fresh machine the stock server's start-up took 4.3 min
     # against 0.5 min warm (session 10: decode-graph capture 90 s vs 30 s, then ~2.5 min
     # in its warm-up request), sgl_sparse's 1.7 vs 0.8 min: what the 14 MB cache lacked.
     if [ -n "${JIT_SNAPSHOT:-}" ]; then
-        (cd /root && tar -czf "$OUT/jit_cache.tgz" .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null)
-        ls -la "$OUT/jit_cache.tgz" | tee -a "$OUT/e2e.log"
+        # in parts under the device tool's 16 MiB a returned file; on the next lease:
+        # cat .gpu/jit/jit_cache.tgz.part* | tar -xz -C /root
+        (cd /root && tar -cz .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null | split -b 15M - "$OUT/jit_cache.tgz.part")
+        ls -la "$OUT"/jit_cache.tgz.part* | tee -a "$OUT/e2e.log"
     fi
     ;;
 profile)
