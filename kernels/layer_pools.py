@@ -57,7 +57,8 @@ class LayerPools:
         return self.ptrs.shape[0]
 
     def layers(self, start: int, stop: int) -> "LayerPools":
-        """The pools of layers [start, stop) (a view of the table)."""
+        """The pools of layers [start, stop) (a view of the table, 8 bytes a layer in:
+        the kernels reading a table do not specialize on its alignment)."""
         return LayerPools(self.pool, self.ptrs[start:stop])
 
 

@@ -42,7 +42,11 @@ from .layer_pools import LayerPools, load_layer_pool
 __all__ = ["pack_compact", "pack_compact_layers"]
 
 
-@triton.jit(do_not_specialize=["BS", "SEL_W", "stride_spb", "stride_sph"])
+# The address tables (K_PTRS / V_PTRS) are views at any layer (LayerPools.layers: a
+# refresh chunk may start at an odd layer, 8 bytes into the table): their alignment
+# must not pick the binary, or such a chunk compiles mid-decode (session 13: 350 ms).
+@triton.jit(do_not_specialize=["BS", "SEL_W", "stride_spb", "stride_sph"],
+            do_not_specialize_on_alignment=["K_PTRS", "V_PTRS"])
 def _pack_compact_kernel(
     K_POOL,
     V_POOL,

@@ -87,8 +87,10 @@ def _powered_group_probs(s, lse, beta, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
     return tl.where(pg > 0, tl.exp2(beta * tl.log2(tl.where(pg > 0, pg, 1.0))), 0.0)
 
 
+# K_PTRS: a view of the layers' address table at any layer (pack_compact.py says why
+# its alignment is not specialized on).
 @triton.jit(do_not_specialize=["ROWS_PER_LAYER", "stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r",
-                               "stride_lg_h", "stride_lg_m"])
+                               "stride_lg_h", "stride_lg_m"], do_not_specialize_on_alignment=["K_PTRS"])
 def _evidence_pass1(
     Q, K_POOL, K_PTRS, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
     qk_scale, W, ROWS_PER_LAYER,

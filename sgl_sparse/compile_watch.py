@@ -28,6 +28,7 @@ _lock = threading.Lock()
 _installed = False
 _serving = False
 _started: dict[tuple[int, str], float] = {}  # (thread, kernel repr) -> compile start
+compiles = 0  # of our kernels, since the process started
 compiles_after_serving = 0
 
 
@@ -79,16 +80,38 @@ def _before_compile(*, fn: Any, repr: str, **_: Any) -> None:
     return None
 
 
-def _after_compile(*, fn: Any, repr: str, is_manual_warmup: bool = False, **_: Any) -> None:
-    global compiles_after_serving
+def describe(compile: dict, fallback: str = "") -> str:
+    """The arguments' classes of one compile: `name:type/16` where an integer is
+    divisible by 16 (a pointer 16-byte aligned), `name=value` for a constant (a
+    constexpr, or an integer argument equal to 1)."""
+    try:
+        consts = compile.get("constants") or {}
+        attrs = (compile.get("configs") or [{}])[0] or {}
+        parts = []
+        for i, (name, ty) in enumerate(compile["signature"].items()):
+            if ty == "constexpr":
+                parts.append(f"{name}={consts.get((i,))!r}")
+            else:
+                div = any(a[0] == "tt.divisibility" for a in attrs.get((i,), ()))
+                parts.append(f"{name}:{ty}{'/16' if div else ''}")
+        return ", ".join(parts)
+    except (AttributeError, KeyError, IndexError, TypeError):  # another Triton's layout
+        return fallback
+
+
+def _after_compile(*, fn: Any, repr: str, compile: Optional[dict] = None, is_manual_warmup: bool = False,
+                   **_: Any) -> None:
+    global compiles, compiles_after_serving
     if not _ours(fn):
         return None
+    compiles += 1
     t0 = _started.pop((threading.get_ident(), repr), None)
     ms = (time.perf_counter() - t0) * 1e3 if t0 is not None else float("nan")
     if _serving and not is_manual_warmup:
         compiles_after_serving += 1
         logger.warning("sgl_sparse: Triton compiled %s.%s while serving (%.0f ms, the batch waited): %s",
-                       fn.module, fn.name, ms, repr)
+                       fn.module, fn.name, ms, describe(compile or {}, repr))
     else:
-        logger.info("sgl_sparse: Triton compiled %s.%s (%.0f ms): %s", fn.module, fn.name, ms, repr)
+        logger.info("sgl_sparse: Triton compiled %s.%s (%.0f ms): %s", fn.module, fn.name, ms,
+                    describe(compile or {}, repr))
     return None

@@ -29,6 +29,7 @@ def watch(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     monkeypatch.setattr(compile_watch, "_installed", False)
     monkeypatch.setattr(compile_watch, "_serving", False)
+    monkeypatch.setattr(compile_watch, "compiles", 0)
     monkeypatch.setattr(compile_watch, "compiles_after_serving", 0)
     monkeypatch.setattr(compile_watch, "_started", {})
     return compile_watch
@@ -37,7 +38,11 @@ def watch(monkeypatch):
 def _compile(module: str, name: str = "_two_segment_kernel", warmup: bool = False):
     """What Triton passes to both hooks around one compile."""
     fn = types.SimpleNamespace(module=module, name=name, jit_function=None)
-    kw = dict(key=("k",), repr=f"{name}[num_warps=4](n: i32 (D))", fn=fn, compile={"key": ("k",)},
+    # As Triton 3.6 / 3.7 fill it: the signature, constexprs and integer-1 arguments
+    # by path, the divisibility attributes by path in configs[0].
+    comp = {"key": ("k",), "signature": {"Q": "*bf16", "n": "i32", "m": "constexpr", "BLOCK": "constexpr"},
+            "constants": {(2,): 1, (3,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    kw = dict(key=("k",), repr=f"{name}[num_warps=4](n: i32 (D))", fn=fn, compile=comp,
               is_manual_warmup=warmup, already_compiled=False)
     skipped = knobs.runtime.jit_cache_hook(**kw)
     knobs.runtime.jit_post_compile_hook(**kw)
@@ -58,10 +63,11 @@ def test_start_up_compiles_are_info_and_serving_ones_warnings(watch, caplog):
     (rec,) = caplog.records
     assert rec.levelno == logging.WARNING
     msg = rec.getMessage()
-    assert "while serving" in msg and "topk_range._topk_range_kernel" in msg and "n: i32 (D)" in msg
+    assert "while serving" in msg and "topk_range._topk_range_kernel" in msg
+    assert msg.endswith("Q:*bf16/16, n:i32, m=1, BLOCK=64")
     ms = float(msg.split("(")[1].split(" ms")[0])
     assert 0 <= ms < 1000  # timed between the two hooks, not NaN
-    assert watch.compiles_after_serving == 1
+    assert watch.compiles_after_serving == 1 and watch.compiles == 2
 
 
 def test_other_packages_kernels_and_manual_warmups_are_not_counted(watch, caplog):
@@ -113,4 +119,6 @@ def test_a_real_compile_while_serving_is_logged(watch, caplog):
     assert x[15].item() == 31.0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and watch.compiles_after_serving == 2, warnings
-    assert all("_compile_watch_probe._probe" in w for w in warnings)
+    assert all("_compile_watch_probe." in w and "._probe" in w for w in warnings)
+    assert warnings[0].endswith("x_ptr:*fp32/16, n:i32, BLOCK=64")
+    assert warnings[1].endswith("x_ptr:*fp32/16, n:i32/16, BLOCK=64")
