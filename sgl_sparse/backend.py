@@ -74,6 +74,8 @@ class SparseAttnBackend(AttentionBackend):
         self._prompt_q_plan = None  # where this extend's SFI prompt queries go
         if self.device.type == "cuda":
             compile_watch.install()  # before the warm-ups, so their compiles are logged too
+        if self.state.metrics is not None:
+            compile_watch.add_listener(self.state.metrics.on_kernel_compile)
         if self.state.compact is None and "sfi" not in self.config.unavailable:
             _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
         if not self.state.query_stores:

@@ -28,6 +28,7 @@ _lock = threading.Lock()
 _installed = False
 _serving = False
 _started: dict[tuple[int, str], float] = {}  # (thread, kernel repr) -> compile start
+_listeners: list[Callable[[bool], None]] = []  # called with `serving` after each compile of ours
 compiles = 0  # of our kernels, since the process started
 compiles_after_serving = 0
 
@@ -49,6 +50,12 @@ def install() -> bool:
         runtime.jit_post_compile_hook = _chain(runtime.jit_post_compile_hook, _after_compile)
         _installed = True
         return True
+
+
+def add_listener(fn: Callable[[bool], None]) -> None:
+    """`fn(serving)` after each compile of our kernels (e.g. the Prometheus counter)."""
+    if fn not in _listeners:
+        _listeners.append(fn)
 
 
 def mark_serving() -> None:
@@ -107,7 +114,10 @@ def _after_compile(*, fn: Any, repr: str, compile: Optional[dict] = None, is_man
     compiles += 1
     t0 = _started.pop((threading.get_ident(), repr), None)
     ms = (time.perf_counter() - t0) * 1e3 if t0 is not None else float("nan")
-    if _serving and not is_manual_warmup:
+    serving = _serving and not is_manual_warmup
+    for listener in list(_listeners):
+        listener(serving)
+    if serving:
         compiles_after_serving += 1
         logger.warning("sgl_sparse: Triton compiled %s.%s while serving (%.0f ms, the batch waited): %s",
                        fn.module, fn.name, ms, describe(compile or {}, repr))

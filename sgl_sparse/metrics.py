@@ -3,8 +3,8 @@
 SGLang runs the tokenizer manager and each scheduler in separate processes and
 serves `/metrics` with prometheus-client's multiprocess collector; collectors made
 here after SGLang set `PROMETHEUS_MULTIPROC_DIR` join that registry. Labels are
-bounded: policy, model_name, a decode batch's policy `mix` (3 values) and a fixed
-set of reasons -- never a request id. README "Metrics" lists every metric.
+bounded: policy, model_name, a decode batch's policy `mix` (3 values), a kernel
+compile's `phase` (2) and a fixed set of reasons -- never a request id. README "Metrics" lists every metric.
 
 Everything is counted on the host from facts the scheduler already has (each row's
 policy and knobs, the batch's sequence lengths, the generated ids, host clocks):
@@ -115,6 +115,13 @@ class SchedulerMetrics:
             "sglang_sparse_compact_buffer_capacity_bytes",
             "Bytes of all SFI compact-buffer slots reserved at start-up.", ["model_name"],
             multiprocess_mode="livesum")
+        self.kernel_compiles = Counter(
+            "sglang_sparse_kernel_compiles_total",
+            "Triton compiles of sgl_sparse's kernels, by phase: startup, or serving (a class of "
+            "arguments the start-up warm-ups missed: the batch waited for the compile).",
+            ["phase", "model_name"])
+        self._compile_children = {phase: self.kernel_compiles.labels(phase, model_name)
+                                  for phase in ("startup", "serving")}  # both series from 0
         self._slot_bytes = 0
         self._slots_in_use = 0
         self._last_decode_t: Optional[float] = None
@@ -123,6 +130,10 @@ class SchedulerMetrics:
         # labels() locks and hashes per call: the per-step series, resolved once.
         self._step_children: dict[str, tuple] = {}  # policy -> on_step's counters
         self._mix_children: dict[str, object] = {}  # mix -> step_duration
+
+    def on_kernel_compile(self, serving: bool) -> None:
+        """compile_watch's listener (in whichever thread compiled)."""
+        self._compile_children["serving" if serving else "startup"].inc()
 
     # ---- per decode step (scheduler, host) ------------------------------------
     def on_step(self, per_policy: dict[str, list[int]], fallbacks: dict[tuple[str, str], int]) -> None:

@@ -32,6 +32,7 @@ def watch(monkeypatch):
     monkeypatch.setattr(compile_watch, "compiles", 0)
     monkeypatch.setattr(compile_watch, "compiles_after_serving", 0)
     monkeypatch.setattr(compile_watch, "_started", {})
+    monkeypatch.setattr(compile_watch, "_listeners", [])
     return compile_watch
 
 
@@ -80,6 +81,18 @@ def test_other_packages_kernels_and_manual_warmups_are_not_counted(watch, caplog
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert watch.compiles_after_serving == 0
     assert watch._started == {}
+
+
+def test_listeners_hear_each_compile_of_ours_with_its_phase(watch):
+    heard = []
+    watch.install()
+    watch.add_listener(heard.append)
+    watch.add_listener(heard.append)  # once per listener
+    _compile("sgl_sparse.kernels.two_segment_decode")
+    _compile("sglang.srt.layers.attention.triton_ops.decode_attention")
+    watch.mark_serving()
+    _compile("sgl_sparse.kernels.two_segment_decode")
+    assert heard == [False, True]
 
 
 def test_install_keeps_earlier_hooks_and_their_say_on_skipping(watch):

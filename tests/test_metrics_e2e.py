@@ -213,13 +213,17 @@ def test_labels_are_bounded(stack, traffic):
     _, prom_url = stack
     series = requests.get(prom_url + "/api/v1/series", params={"match[]": '{__name__=~"sglang_sparse_.*"}'},
                           timeout=30).json()["data"]
-    allowed = {"__name__", "policy", "model_name", "reason", "mix", "le", "job", "instance"}
+    allowed = {"__name__", "policy", "model_name", "reason", "mix", "phase", "le", "job", "instance"}
     assert series and all(set(s) <= allowed for s in series), {k for s in series for k in s} - allowed
     names = {s["__name__"] for s in series}
     for want in ("sglang_sparse_time_per_output_token_seconds_bucket", "sglang_sparse_decode_step_duration_seconds_bucket",
                  "sglang_sparse_selector_refresh_duration_seconds_bucket", "sglang_sparse_compact_buffer_in_use_bytes",
                  "sglang_sparse_compact_buffer_capacity_bytes",
-                 "sglang_sparse_decode_prepare_duration_seconds_bucket"):
+                 "sglang_sparse_decode_prepare_duration_seconds_bucket", "sglang_sparse_kernel_compiles_total"):
         assert want in names
+    # No Triton compile on the CPU (the interpreter runs the kernels); both phases'
+    # series exist from start-up, at 0, so the alert on them evaluates.
+    phases = {s["phase"] for s in series if s["__name__"] == "sglang_sparse_kernel_compiles_total"}
+    assert phases == {"startup", "serving"}
     mixes = {s["mix"] for s in series if "mix" in s}
     assert mixes <= {"full", "sparse", "mixed"} and "mixed" in mixes
