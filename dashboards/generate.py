@@ -193,6 +193,12 @@ def overview() -> Json:
         timeseries("KV cache usage (SGLang)", "sglang:token_usage: share of the KV pool in use.",
                    [(f"max by (model_name) ({sglang('token_usage')})", "{{model_name}}")],
                    "percentunit", w=8, max_=1),
+        row("Kernels"),
+        timeseries("Kernel compiles by phase",
+                   "Triton compiles of sgl_sparse's kernels: startup (warm-ups, graph capture) or serving "
+                   "(a decode batch waited for it, 0.3-1 s; the server log names the kernel).",
+                   [(f"sum by (phase) (increase(sglang_sparse_kernel_compiles_total{{{SEL}}}[{RATE}]))", "{{phase}}")],
+                   "short", w=24, h=6),
     ]
     return dashboard("sgl-sparse-overview", "sgl_sparse / Overview",
                      "Throughput, TPOT, slow-step ratio and retention by policy; SGLang queue and KV usage.", panels)
