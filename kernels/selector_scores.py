@@ -284,8 +284,22 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
     return stats
 
 
+#: The largest Soft-NMS radius a request may ask for (config.SfiPolicy.nms_radius).
+NMS_RADIUS_LIMIT = 64
+
+
+def nms_radius_bucket(radius: int) -> int:
+    """The Soft-NMS halo compiled for a group whose largest radius is `radius`: the
+    next power of two (0 stays 0). The halo is a compile-time loop bound and each row
+    masks past its own radius, so a bucket serves every radius up to it; 8 buckets
+    (0, 1, 2, ..., 64) instead of one binary per radius a request may choose, all
+    compiled at start-up (`warm_up_nms_buckets`)."""
+    return 0 if radius <= 0 else next_pow2(radius)
+
+
 def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                    *, block_n: int = 256, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:
+                    *, block_n: int = 256, num_warps: int = 4, splits: int | None = None,
+                    warm_nms_buckets: bool = False) -> torch.Tensor:
     """Refined Selector scores ``[R, H, N]`` fp32 (-inf off ``A = [lo, hi)``), as
     ``refined_scores_from_evidence(u, norms, lo, hi, knobs)``.
 
@@ -296,6 +310,8 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
         knobs: ``SelectorKnobs`` with ``[R]`` tensors; ``knobs.nms_radius_max``
             (host int, >= every radius) sizes the Soft-NMS halo at compile time.
         splits: the stats' programs per (row, head) (:func:`selector_stats`).
+        warm_nms_buckets: also compile (not run) the Soft-NMS step for every radius
+            bucket (start-up warm-up: a request's radius never compiles mid-decode).
     """
     r, h, n = u.shape
     norms, lo32, hi32 = _f32(norms), _i32(lo), _i32(hi)
@@ -311,8 +327,11 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
         _f32(knobs.eps), stats, fused, h, n,
         u.stride(0), u.stride(1), stats.stride(0), stats.stride(1), **common,
     )
-    _selector_refine[grid](
-        fused, lo32, hi32, _f32(knobs.nms_gamma), _i32(knobs.nms_radius), _f32(knobs.excl_eta),
-        _f32(knobs.excl_tau), out, h, n, u.stride(0), u.stride(1), R_MAX=int(knobs.nms_radius_max), **common,
-    )
+    refine_args = (fused, lo32, hi32, _f32(knobs.nms_gamma), _i32(knobs.nms_radius), _f32(knobs.excl_eta),
+                   _f32(knobs.excl_tau), out, h, n, u.stride(0), u.stride(1))
+    r_max = nms_radius_bucket(int(knobs.nms_radius_max))
+    if warm_nms_buckets:
+        for bucket in sorted({nms_radius_bucket(x) for x in range(NMS_RADIUS_LIMIT + 1)} - {r_max}):
+            _selector_refine.warmup(*refine_args, grid=grid, R_MAX=bucket, **common)
+    _selector_refine[grid](*refine_args, R_MAX=r_max, **common)
     return out

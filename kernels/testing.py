@@ -491,6 +491,7 @@ def make_sfi_refresh_case(
     pool_size: int = 256,
     ctx: int = 96,
     seed: int = 0,
+    device: str = "cpu",
 ) -> SfiRefreshCase:
     """Three SFI rows (per-row knobs: budgets 20/9/12, sinks, beta, a Soft-NMS radius)
     after a slow step at lengths ``lens``, as the refresh tests and
@@ -501,7 +502,8 @@ def make_sfi_refresh_case(
     slow query and, with ``logit_len``, its logits, as serving does -- else the saved
     queries and logits are random (enough for op counts, and no decode launches);
     ``prompt_queries``: {row: number of prompt queries saved} (the first slow step's
-    window; the saved prompt queries are random, stale for the other rows).
+    window; the saved prompt queries are random, stale for the other rows);
+    ``device``: where the state, pools and store live (``slow_step=False`` off the CPU).
     """
     from sgl_sparse.compact import CompactStore
     from sgl_sparse.config import SfiPolicy, SparseServerConfig
@@ -514,35 +516,43 @@ def make_sfi_refresh_case(
     gen = torch.Generator().manual_seed(seed)
     pools = 1 if shared_pools else layers
     shape = (pool_size, num_kv_heads, head_dim)
-    k = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(pools)] * (layers // pools)
-    v = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(pools)] * (layers // pools)
+    assert device == "cpu" or not slow_step, "the slow step's decode launches run on the CPU case only"
+    k = [torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(pools)] * (layers // pools)
+    v = [torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(pools)] * (layers // pools)
     rows = [1, 2, 3]
     r2t = torch.zeros(4, ctx, dtype=torch.int32)
     for r, n in zip(rows, lens):
         r2t[r, :n] = torch.randperm(pool_size, generator=gen)[:n].int()
     cfg = SparseServerConfig.model_validate({"compact": {"slots": 3, "capacity": 40},
                                              "policies": {"sfi": {"w_prefill": 3}}})
-    st = SparseState(4, "cpu", cfg)
+    st = SparseState(4, device, cfg)
     specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3),
              SfiPolicy(budget=9, recent=8, sink=1, beta=1.0, nms_radius=1),
              SfiPolicy(budget=12, recent=8, sink=2, beta=2.0)]
     st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
     store = st.compact = CompactStore(slots=3, capacity=40, num_layers=layers, num_kv_heads=num_kv_heads,
                                       num_q_heads=num_q_heads, head_dim=head_dim, dtype=torch.bfloat16,
-                                      pool_size=pool_size, prompt_queries=2, device=torch.device("cpu"),
+                                      pool_size=pool_size, prompt_queries=2, device=torch.device(device),
                                       logit_len=logit_len)
+    def normal_(t: torch.Tensor) -> None:  # the CPU generator's stream wherever t lives
+        if t.device.type == "cpu":
+            t.normal_(generator=gen)
+        else:
+            t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(generator=gen))
+
     store.knorm[:] = torch.stack(k).float().norm(dim=-1)
-    store.q_prompt.normal_(generator=gen)
-    idx = torch.tensor(rows)
-    lens_t = torch.tensor(list(lens), dtype=torch.int32)
+    normal_(store.q_prompt)
+    r2t = r2t.to(device)
+    idx = torch.tensor(rows, device=device)
+    lens_t = torch.tensor(list(lens), dtype=torch.int32, device=device)
     st.saved_n[idx] = lens_t
     for r, n in (prompt_queries or {}).items():
         st.prompt_q[r] = n
     scaling = head_dim ** -0.5
     if not slow_step:
-        store.q.normal_(generator=gen)
+        normal_(store.q)
         if store.logits is not None:
-            store.logits.normal_(generator=gen)  # base-2 logits
+            normal_(store.logits)  # base-2 logits
         return SfiRefreshCase(st, k, v, r2t, rows, scaling)
     # The slow step: each layer's dense attention saves its query (and its logits).
     slots = st.slot[idx].int()

@@ -316,17 +316,21 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
                     specs: Sequence, scaling: float = 1.0) -> None:
     """Compile the refresh kernels at start-up for the variants `specs` (e.g. the
     server's default SFI policy) use: the first slow step's window and w = 1, the
-    Soft-NMS radius, the Top-K, each for the argument classes of _WARM_SHAPES.
+    Soft-NMS radius (every bucket a request may pick), the Top-K, each for the
+    argument classes of _WARM_SHAPES (tests/kernels/test_warm_up_classes.py checks
+    that a refresh launches nothing else).
     Otherwise the first SFI requests would wait for Triton in the middle of decoding.
     Nothing is written: the packing is masked off.
     """
-    for rows, n in _WARM_SHAPES:
-        _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]))
+    for i, (rows, n) in enumerate(_WARM_SHAPES):
+        _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]),
+                 nms_buckets=i == 0)
     if store.k.device.type == "cuda":
         torch.cuda.synchronize(store.k.device)
 
 
-def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int) -> None:
+def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int,
+             nms_buckets: bool = False) -> None:
     from sgl_sparse.kernels import (
         LayerPools,
         pack_compact_layers,
@@ -352,7 +356,9 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
             u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, full(w), knobs.beta.float(), n,
                                 scaling)
             norms = torch.ones_like(u)
-            selector_scores(u, norms, lo.long(), hi.long(), knobs)
+            # Every Soft-NMS radius bucket a request may pick (a compile-time loop
+            # bound), compiled once: the other argument classes do not key them.
+            selector_scores(u, norms, lo.long(), hi.long(), knobs, warm_nms_buckets=nms_buckets)
         if store.logits is not None and store.logit_len >= n:
             stored_evidence(store.logits[0], zero, lo, hi, knobs.beta.float(), n)
     # Unless SGL_SPARSE_SPLIT_ROWS=0, long rows with few programs split each (row, head)

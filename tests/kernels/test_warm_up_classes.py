@@ -1,0 +1,155 @@
+"""The start-up warm-up compiles every binary a refresh launches: no Triton compile
+while serving.
+
+Triton compiles one binary per kernel, options, constexpr values and class of each
+other argument: an integer 1, divisible by 16 or neither, a pointer 16-byte aligned or
+not, unless the kernel opts out (`do_not_specialize`, `do_not_specialize_on_alignment`).
+A class the warm-up (selector/refresh.warm_up_kernels) missed compiles in the middle
+of a decode step: on the H100 the second layer chunk's view of the layers' address
+table (8 bytes into it) compiled two kernels in the first SFI batch, 0.9 s
+(bench/README, "Session 13"). The interpreter compiles nothing, so here each launch's
+classes are computed with Triton's own specialization function
+(`native_specialize_impl`, what `JITFunction.run` keys its binaries on) and the
+refreshes' must all be among the warm-up's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+
+from sgl_sparse.kernels import testing as T  # TRITON_INTERPRET is set in tests/conftest.py
+
+interpreter = pytest.importorskip("triton.runtime.interpreter")
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+
+def _binary_key(kernel, args, kwargs) -> tuple:
+    """What Triton's JITFunction keys a compiled binary on, for one launch."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    dns = set(kernel.kwargs.get("do_not_specialize") or ())
+    dnsoa = set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
+    bound = dict(zip((p.name for p in params), args))
+    bound.update((k, v) for k, v in kwargs.items() if k in {p.name for p in params})
+    classes = []
+    for i, p in enumerate(params):
+        value = bound.get(p.name, p.default)
+        if "constexpr" in str(p.annotation):
+            classes.append((p.name, "=", value))
+            continue
+        specialize, align = not ({i, p.name} & dns), not ({i, p.name} & dnsoa)
+        classes.append((p.name, native_specialize_impl(BaseBackend, value, False, specialize, align)))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in bound))
+    return f"{kernel.fn.__module__}.{kernel.fn.__name__}", tuple(classes), options
+
+
+@contextlib.contextmanager
+def _binaries(monkeypatch):
+    """The binary keys of every launch of our kernels inside the block."""
+    seen: set[tuple] = set()
+    run = interpreter.InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__.startswith("sgl_sparse"):
+            seen.add(_binary_key(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(interpreter.InterpretedFunction, "run", recording)
+        yield seen
+
+
+def test_binary_keys_follow_triton_classes():
+    """The key itself: integer and pointer classes, opt-outs and constexprs."""
+    import triton
+    import triton.language as tl
+
+    def _k(X, n, m, BLOCK: tl.constexpr):
+        pass
+
+    kernel = triton.jit(do_not_specialize=["m"], do_not_specialize_on_alignment=["X"])(_k)
+    x = torch.zeros(8)
+    key = lambda *a, **kw: _binary_key(kernel, a, kw)[1]  # noqa: E731
+    assert key(x, 7, 7, BLOCK=4) == (("X", ("*fp32", "")), ("n", ("i32", "")), ("m", ("i32", None)),
+                                     ("BLOCK", "=", 4))
+    assert key(x, 1, 1, BLOCK=4)[1:3] == (("n", ("constexpr", 1)), ("m", ("i32", None)))
+    assert key(x, 32, 32, BLOCK=4)[1] == ("n", ("i32", "D"))
+    assert key(x[1:], 7, 7, BLOCK=4)[0] == key(x, 7, 7, BLOCK=4)[0]  # X: alignment not keyed
+    assert key(x, 2 ** 40, 7, BLOCK=4)[1] == ("n", ("i64", "D"))
+
+
+def test_nms_radius_buckets_cover_every_radius_a_request_may_ask_for():
+    from sgl_sparse.config import SfiPolicy
+    from sgl_sparse.kernels.selector_scores import NMS_RADIUS_LIMIT, nms_radius_bucket
+
+    le = [m.le for m in SfiPolicy.model_fields["nms_radius"].metadata if hasattr(m, "le")]
+    assert le == [NMS_RADIUS_LIMIT]
+    buckets = {nms_radius_bucket(r) for r in range(NMS_RADIUS_LIMIT + 1)}
+    assert buckets == {0, 1, 2, 4, 8, 16, 32, 64}
+    assert all(r <= nms_radius_bucket(r) <= max(2 * r - 1, r) for r in range(NMS_RADIUS_LIMIT + 1))
+
+
+@pytest.mark.parametrize("logit_len", [0, 96], ids=["keys", "stored_logits"])
+def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_len):
+    from sgl_sparse.selector import refresh as R
+
+    layers = 4
+    case = T.make_sfi_refresh_case(layers, logit_len=logit_len, prompt_queries={1: 2, 2: 2, 3: 1},
+                                   slow_step=False)
+    store, r2t = case.state.compact, case.req_to_token
+    with _binaries(monkeypatch) as warm:
+        R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
+    # Layer chunks of 3 of the 4 layers, the evidence a layer at a time: the second
+    # chunk's and the odd layers' address tables start 8 bytes into the table, as
+    # at 32768 x 8 on the H100 (chunks of 15 of 28 layers).
+    rows, ctx = len(case.rows), r2t.shape[1]
+    monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", 3 * rows * store.k.shape[2] * ctx)
+    # the three rows' logits of one layer at the widest window: one group, a layer a launch
+    monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", rows * store.q.shape[2] * (1 + store.q_prompt.shape[2]) * ctx)
+    with _binaries(monkeypatch) as served:
+        # The first slow step (prompt queries: w > 1), then later ones (w = 1: from
+        # the stored logits where kept), at a bound of 90 rounded to 96 and of 61 to 64.
+        R.refresh(case.state, case.rows, 90, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True)
+        R.refresh(case.state, case.rows, 61, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True,
+                  later=set(case.rows))
+        R.refresh(case.state, case.rows[:1], 90, case.k_buffer, case.v_buffer, r2t, case.scaling,
+                  use_kernels=True, later=set(case.rows))
+    assert served, "the refreshes launched no kernel"
+    missed = served - warm
+    assert not missed, "compiled while serving:\n" + "\n".join(
+        f"{name}: {[c for c in classes if all(c not in w[1] for w in warm if w[0] == name)]}"
+        for name, classes, _ in sorted(missed, key=str))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_a_refresh_after_the_warm_up_compiles_nothing(monkeypatch):
+    """The same refreshes, compiled for real, counted by sgl_sparse/compile_watch.py."""
+    from triton import knobs
+
+    from sgl_sparse import compile_watch
+    from sgl_sparse.selector import refresh as R
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(compile_watch, "_installed", False)
+    monkeypatch.setattr(compile_watch, "compiles", 0)
+    assert compile_watch.install()
+    case = T.make_sfi_refresh_case(4, logit_len=96, prompt_queries={1: 2, 2: 2, 3: 1}, slow_step=False,
+                                   device="cuda")
+    store, r2t = case.state.compact, case.req_to_token
+    R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
+    warm = compile_watch.compiles
+    rows, ctx = len(case.rows), r2t.shape[1]
+    monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", 3 * rows * store.k.shape[2] * ctx)
+    monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", rows * store.q.shape[2] * (1 + store.q_prompt.shape[2]) * ctx)
+    R.refresh(case.state, case.rows, 90, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True)
+    R.refresh(case.state, case.rows, 61, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True,
+              later=set(case.rows))
+    torch.cuda.synchronize()
+    print(f"warm-up: {warm} compiles; refreshes after it: {compile_watch.compiles - warm}")
+    assert compile_watch.compiles == warm
