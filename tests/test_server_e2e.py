@@ -257,4 +257,7 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     assert _value(m, "sglang_sparse_rejected_requests_total", reason="policy") >= 1
     assert _value(m, "sglang_sparse_active_requests") == 0
     labels = {k for (_, ls) in m for k, _ in ls}
-    assert labels <= {"policy", "model_name", "reason", "mix", "le"}  # bounded: never a request id
+    assert labels <= {"policy", "model_name", "reason", "mix", "phase", "le"}  # bounded: never a request id
+    # the CPU server compiles no Triton kernel (the interpreter runs them); both series exist
+    compiles = {dict(ls)["phase"]: v for (n, ls), v in m.items() if n == "sglang_sparse_kernel_compiles_total"}
+    assert compiles == {"startup": 0, "serving": 0}
