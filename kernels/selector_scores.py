@@ -293,7 +293,7 @@ def nms_radius_bucket(radius: int) -> int:
     next power of two (0 stays 0). The halo is a compile-time loop bound and each row
     masks past its own radius, so a bucket serves every radius up to it; 8 buckets
     (0, 1, 2, ..., 64) instead of one binary per radius a request may choose, all
-    compiled at start-up (`warm_up_nms_buckets`)."""
+    compiled at start-up (`selector_scores(..., warm_nms_buckets=True)`)."""
     return 0 if radius <= 0 else next_pow2(radius)
 
 

@@ -534,6 +534,7 @@ def make_sfi_refresh_case(
                                       num_q_heads=num_q_heads, head_dim=head_dim, dtype=torch.bfloat16,
                                       pool_size=pool_size, prompt_queries=2, device=torch.device(device),
                                       logit_len=logit_len)
+
     def normal_(t: torch.Tensor) -> None:  # the CPU generator's stream wherever t lives
         if t.device.type == "cpu":
             t.normal_(generator=gen)

@@ -4,7 +4,8 @@ SGLang runs the tokenizer manager and each scheduler in separate processes and
 serves `/metrics` with prometheus-client's multiprocess collector; collectors made
 here after SGLang set `PROMETHEUS_MULTIPROC_DIR` join that registry. Labels are
 bounded: policy, model_name, a decode batch's policy `mix` (3 values), a kernel
-compile's `phase` (2) and a fixed set of reasons -- never a request id. README "Metrics" lists every metric.
+compile's `phase` (2) and a fixed set of reasons -- never a request id. README
+"Metrics" lists every metric.
 
 Everything is counted on the host from facts the scheduler already has (each row's
 policy and knobs, the batch's sequence lengths, the generated ids, host clocks):
