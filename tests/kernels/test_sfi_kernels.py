@@ -227,7 +227,9 @@ def _selector_problem(seed, r, hkv, n, radii):
     return u, norms, lo, hi, specs
 
 
-@pytest.mark.parametrize("r, hkv, n, radii", [(3, 2, 37, [2]), (5, 3, 300, [0, 1, 3]), (4, 8, 1100, [2, 0])])
+# Radii 3 and 5 run in the halo buckets 4 and 8 (nms_radius_bucket): rows mask past their own.
+@pytest.mark.parametrize("r, hkv, n, radii", [(3, 2, 37, [2]), (5, 3, 300, [0, 1, 3]), (4, 8, 1100, [2, 0]),
+                                             (2, 2, 64, [5, 2])])
 def test_selector_scores_match_the_float64_formulas(r, hkv, n, radii):
     from sgl_sparse.selector import core
 
