@@ -132,11 +132,17 @@ def parse_policy(text):
 
 def scrape(url):
     """sglang_sparse_* counters by (name, policy) from the server's /metrics."""
-    out = {}
     try:
-        text = requests.get(url + "/metrics", timeout=10).text
+        return parse_metrics(requests.get(url + "/metrics", timeout=10).text)
     except requests.RequestException:
-        return out
+        return {}
+
+
+def parse_metrics(text):
+    """sglang_sparse_* counters by (name, policy), summed over the other labels; the
+    kernel-compile counter by (name, "phase=<phase>"); the prepare histogram's sum and
+    count by (name, "")."""
+    out = {}
     for line in text.splitlines():
         if line.startswith("sglang_sparse_decode_prepare_duration_seconds_") and ("_sum{" in line or "_count{" in line):
             key = (line.split("{", 1)[0], "")  # the backend's host time per decode forward
@@ -144,8 +150,10 @@ def scrape(url):
         elif line.startswith("sglang_sparse_") and "_total{" in line:
             name, rest = line.split("{", 1)
             labels, value = rest.rsplit("} ", 1)
-            pol = next((kv.split("=")[1].strip('"') for kv in labels.split(",") if kv.startswith("policy=")), "")
-            key = (name, pol)
+            kv = dict(x.split("=", 1) for x in labels.split(",") if "=" in x)
+            pol = kv.get("policy", "").strip('"')
+            phase = kv.get("phase", "").strip('"')
+            key = (name, pol or (f"phase={phase}" if phase else ""))
             out[key] = out.get(key, 0.0) + float(value)
     return out
 
@@ -159,9 +167,12 @@ def sparse_stats(before, after, policy):
     prep = "sglang_sparse_decode_prepare_duration_seconds_"
     forwards = after.get((prep + "count", ""), 0.0) - before.get((prep + "count", ""), 0.0)
     prep_s = after.get((prep + "sum", ""), 0.0) - before.get((prep + "sum", ""), 0.0)
+    compiles = ("sglang_sparse_kernel_compiles_total", "phase=serving")
     return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
-            "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None}
+            "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
+            # Triton compiles during the row's timed batches (each stalled one): should be 0
+            "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0))}
 
 
 #: quest/asyncspade/lfps requests that attend every key of check_greedy's prompts

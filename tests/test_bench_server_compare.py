@@ -1,0 +1,42 @@
+"""bench/gpu/server_compare.py's reading of /metrics: the per-row figures the GPU
+tables print (slow ratio, retention, host time per step, compiles while serving).
+Not marked sglang_independent: the script imports `requests`, whose version may differ
+between the SGLang venvs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "server_compare", Path(__file__).resolve().parent.parent / "bench" / "gpu" / "server_compare.py")
+server_compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(server_compare)
+
+
+def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,
+          forwards: float) -> str:
+    m = 'model_name="/root/model"'
+    return "\n".join([
+        "# HELP sglang_sparse_decode_steps_total Request decode steps, by policy.",
+        f'sglang_sparse_decode_steps_total{{{m},policy="sfi"}} {steps}',
+        f'sglang_sparse_decode_steps_total{{{m},policy="full"}} 999.0',
+        f'sglang_sparse_slow_steps_total{{{m},policy="sfi"}} {slow}',
+        f'sglang_sparse_attended_tokens_total{{{m},policy="sfi"}} {attended}',
+        f'sglang_sparse_cached_tokens_total{{{m},policy="sfi"}} {cached}',
+        f'sglang_sparse_dense_fallback_steps_total{{{m},policy="sfi",reason="selection_pending"}} 3.0',
+        f'sglang_sparse_kernel_compiles_total{{{m},phase="startup"}} 44.0',
+        f'sglang_sparse_kernel_compiles_total{{{m},phase="serving"}} {serving}',
+        f"sglang_sparse_decode_prepare_duration_seconds_sum{{{m}}} {prep_s}",
+        f"sglang_sparse_decode_prepare_duration_seconds_count{{{m}}} {forwards}",
+    ])
+
+
+def test_row_figures_are_the_differences_over_the_timed_batches():
+    before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100))
+    after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356))
+    assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
+    assert server_compare.sparse_stats(before, after, "sfi") == {
+        "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
+        "compiles_while_serving": 2}
+    assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures
