@@ -19,21 +19,11 @@ triton = pytest.importorskip("triton")
 from triton import knobs  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sgl_sparse import compile_watch  # noqa: E402
 
 
 @pytest.fixture
-def watch(monkeypatch):
-    """A process as it starts: no hooks of ours, nothing serving; restored after."""
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.setattr(compile_watch, "_installed", False)
-    monkeypatch.setattr(compile_watch, "_serving", False)
-    monkeypatch.setattr(compile_watch, "compiles", 0)
-    monkeypatch.setattr(compile_watch, "compiles_after_serving", 0)
-    monkeypatch.setattr(compile_watch, "_started", {})
-    monkeypatch.setattr(compile_watch, "_listeners", [])
-    return compile_watch
+def watch(fresh_compile_watch):
+    return fresh_compile_watch  # tests/conftest.py
 
 
 def _compile(module: str, name: str = "_two_segment_kernel", warmup: bool = False):

@@ -11,7 +11,6 @@ sgl_sparse/compile_watch.py). Compiles happen only on a GPU: the count is checke
 import pytest
 import torch
 
-from sgl_sparse import compile_watch
 from sgl_sparse.kernels import LayerPools, pack_compact_layers, window_evidence
 
 HAS_CUDA = torch.cuda.is_available()
@@ -55,13 +54,8 @@ def test_a_view_at_layer_one_reads_layer_one():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_a_view_at_an_odd_layer_compiles_nothing_new(monkeypatch):
-    from triton import knobs
-
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.setattr(compile_watch, "_installed", False)
-    monkeypatch.setattr(compile_watch, "compiles", 0)
+def test_a_view_at_an_odd_layer_compiles_nothing_new(fresh_compile_watch):
+    compile_watch = fresh_compile_watch
     assert compile_watch.install()
     k, v, r2t, q, n = _inputs()
     kp, vp = LayerPools.of(k), LayerPools.of(v)

@@ -93,6 +93,26 @@ def test_nms_radius_buckets_cover_every_radius_a_request_may_ask_for():
     assert all(r <= nms_radius_bucket(r) <= max(2 * r - 1, r) for r in range(NMS_RADIUS_LIMIT + 1))
 
 
+def _serving_refreshes(case, monkeypatch) -> None:
+    """Refreshes shaped like serving's: the first slow step (prompt queries: w > 1),
+    then later ones (w = 1: from the stored logits where kept), at a bound of 90
+    rounded to 96 and of 61 to 64. Layer chunks of 3 of the 4 layers and the evidence
+    a layer at a time: the second chunk's and the odd layers' address tables start 8
+    bytes into the table, as at 32768 x 8 on the H100 (chunks of 15 of 28 layers)."""
+    from sgl_sparse.selector import refresh as R
+
+    store, r2t = case.state.compact, case.req_to_token
+    rows, ctx = len(case.rows), r2t.shape[1]
+    monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", 3 * rows * store.k.shape[2] * ctx)
+    # the three rows' logits of one layer at the widest window: one group, a layer a launch
+    monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", rows * store.q.shape[2] * (1 + store.q_prompt.shape[2]) * ctx)
+    R.refresh(case.state, case.rows, 90, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True)
+    R.refresh(case.state, case.rows, 61, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True,
+              later=set(case.rows))
+    R.refresh(case.state, case.rows[:1], 90, case.k_buffer, case.v_buffer, r2t, case.scaling,
+              use_kernels=True, later=set(case.rows))
+
+
 @pytest.mark.parametrize("logit_len", [0, 96], ids=["keys", "stored_logits"])
 def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_len):
     from sgl_sparse.selector import refresh as R
@@ -103,21 +123,8 @@ def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_
     store, r2t = case.state.compact, case.req_to_token
     with _binaries(monkeypatch) as warm:
         R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
-    # Layer chunks of 3 of the 4 layers, the evidence a layer at a time: the second
-    # chunk's and the odd layers' address tables start 8 bytes into the table, as
-    # at 32768 x 8 on the H100 (chunks of 15 of 28 layers).
-    rows, ctx = len(case.rows), r2t.shape[1]
-    monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", 3 * rows * store.k.shape[2] * ctx)
-    # the three rows' logits of one layer at the widest window: one group, a layer a launch
-    monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", rows * store.q.shape[2] * (1 + store.q_prompt.shape[2]) * ctx)
     with _binaries(monkeypatch) as served:
-        # The first slow step (prompt queries: w > 1), then later ones (w = 1: from
-        # the stored logits where kept), at a bound of 90 rounded to 96 and of 61 to 64.
-        R.refresh(case.state, case.rows, 90, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True)
-        R.refresh(case.state, case.rows, 61, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True,
-                  later=set(case.rows))
-        R.refresh(case.state, case.rows[:1], 90, case.k_buffer, case.v_buffer, r2t, case.scaling,
-                  use_kernels=True, later=set(case.rows))
+        _serving_refreshes(case, monkeypatch)
     assert served, "the refreshes launched no kernel"
     missed = served - warm
     assert not missed, "compiled while serving:\n" + "\n".join(
@@ -127,29 +134,17 @@ def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_the_gpu_a_refresh_after_the_warm_up_compiles_nothing(monkeypatch):
+def test_on_the_gpu_a_refresh_after_the_warm_up_compiles_nothing(monkeypatch, fresh_compile_watch):
     """The same refreshes, compiled for real, counted by sgl_sparse/compile_watch.py."""
-    from triton import knobs
-
-    from sgl_sparse import compile_watch
     from sgl_sparse.selector import refresh as R
 
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.setattr(compile_watch, "_installed", False)
-    monkeypatch.setattr(compile_watch, "compiles", 0)
+    compile_watch = fresh_compile_watch
     assert compile_watch.install()
     case = T.make_sfi_refresh_case(4, logit_len=96, prompt_queries={1: 2, 2: 2, 3: 1}, slow_step=False,
                                    device="cuda")
-    store, r2t = case.state.compact, case.req_to_token
-    R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
+    R.warm_up_kernels(case.state.compact, case.k[0], case.v[0], case.req_to_token, [case.state.config.policies.sfi])
     warm = compile_watch.compiles
-    rows, ctx = len(case.rows), r2t.shape[1]
-    monkeypatch.setattr(R, "_MAX_SELECT_ELEMS_KERNELS", 3 * rows * store.k.shape[2] * ctx)
-    monkeypatch.setattr(R, "_MAX_LOGIT_ELEMS", rows * store.q.shape[2] * (1 + store.q_prompt.shape[2]) * ctx)
-    R.refresh(case.state, case.rows, 90, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True)
-    R.refresh(case.state, case.rows, 61, case.k_buffer, case.v_buffer, r2t, case.scaling, use_kernels=True,
-              later=set(case.rows))
+    _serving_refreshes(case, monkeypatch)
     torch.cuda.synchronize()
     print(f"warm-up: {warm} compiles; refreshes after it: {compile_watch.compiles - warm}")
     assert compile_watch.compiles == warm
