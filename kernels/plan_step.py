@@ -43,7 +43,7 @@ def _plan_step_kernel(
     rows_ptr, tok_ptr, n_ptr,
     policy_ptr, window_ptr, sink_ptr, think_ptr, latch_ptr,
     budget_ptr, t_max_ptr, triggers_ptr, since_ptr, slot_ptr, sel_ready_ptr, sel_count_ptr,
-    saved_n_ptr, prompt_q_ptr, fresh_ptr, keep_prompt_ptr, prompt_n_ptr, table_ptr,
+    saved_n_ptr, prompt_q_ptr, fresh_ptr, keep_prompt_ptr, prompt_n_ptr, phase_ptr, table_ptr,
     max_ctx_ptr, qa_steps_ptr,  # query-aware policies' columns (read only when HAS_QA)
     out_ptr,  # int32 [5, bs]: a_len, b_start, b_end, a_slot, q_save_slot
     a_len_h_ptr,  # int32 [bs, HKV]
@@ -73,6 +73,7 @@ def _plan_step_kernel(
     fresh = tl.load(fresh_ptr + r, mask=valid, other=0).to(tl.int1)
     keep_prompt = tl.load(keep_prompt_ptr + r, mask=valid, other=0).to(tl.int1)
     prompt_n = tl.load(prompt_n_ptr + r, mask=valid, other=0)
+    phase = tl.load(phase_ptr + r, mask=valid, other=0)
 
     # SADAS (policies/sadas.update): S_t and F_t from y_{t-1}, before the plan.
     sadas = pol == _SADAS
@@ -90,7 +91,7 @@ def _plan_step_kernel(
     compact = sfi & (~slow) & sel_ready & (slot >= 0) & (sink + budget + window < n)
 
     # SFI counters (decision._advance_sfi).
-    new_since = tl.where(slow, 0, tl.where(sfi, since + 1, since))
+    new_since = tl.where(slow, tl.where(fresh, phase, 0), tl.where(sfi, since + 1, since))
     new_saved = tl.where(slow, n, saved_n)
     new_prompt_q = tl.where(slow & (~fresh) & (~keep_prompt), 0, prompt_q)
     new_prompt_n = tl.where(slow & fresh, n, prompt_n)
@@ -164,7 +165,7 @@ def plan_step(state, req_pool_indices: torch.Tensor, last_token: torch.Tensor, s
         req_pool_indices, last_token, seq_lens,
         s.policy, s.window, s.sink, _as_bytes(s.think), _as_bytes(s.latch),
         s.budget, s.t_max, _as_bytes(s.triggers), s.since_slow, s.slot, _as_bytes(s.sel_ready), s.sel_count,
-        s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.keep_prompt), s.prompt_n,
+        s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.keep_prompt), s.prompt_n, s.refresh_phase,
         _as_bytes(s.trigger_table),
         max_ctx if has_qa else s.saved_n, qa_steps if has_qa else s.saved_n,
         out, a_len_h,

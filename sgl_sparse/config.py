@@ -71,6 +71,11 @@ class SfiPolicy(_Strict):
     t_max: int = Field(64, ge=0, le=1 << 20,
                        description="refresh budget: slow step after t_max fast steps in a row [ours]")
     sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
+    spread_refreshes: bool = Field(
+        True, description="shorten the first refresh interval by a per-request phase in [0, t_max) "
+        "so that requests admitted together do not all reach t_max on the same decode step (one "
+        "step carrying every request's dense attention and Selector run) [ours: the interval stays "
+        "<= t_max]")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
     prompt_evidence: Literal["first", "every"] = Field(

@@ -144,11 +144,14 @@ def plan_decode(
 def _advance_sfi(state: SparseState, rows: torch.Tensor, step: StepInputs, slow: torch.Tensor) -> None:
     """SFI's per-row counters after this step's decision (other rows unchanged)."""
     mine = step.policy == sfi.ID
-    state.since_slow[rows] = torch.where(slow, 0, torch.where(mine, step.since_slow + 1, step.since_slow))
+    fresh = state.fresh[rows]
+    # The first slow step (a fresh row's) restarts the count at the row's phase.
+    restart = torch.where(fresh, state.refresh_phase[rows], 0)
+    state.since_slow[rows] = torch.where(slow, restart,
+                                         torch.where(mine, step.since_slow + 1, step.since_slow))
     state.saved_n[rows] = torch.where(slow, step.seq_len, state.saved_n[rows])
     # The prompt's queries are evidence for the first slow step only (unless the row
     # keeps them: prompt_evidence "every"), whose length places them for later ones.
-    fresh = state.fresh[rows]
     state.prompt_q[rows] = torch.where(slow & ~fresh & ~state.keep_prompt[rows], 0, state.prompt_q[rows])
     state.prompt_n[rows] = torch.where(slow & fresh, step.seq_len, state.prompt_n[rows])
     state.fresh[rows] = fresh & ~mine

@@ -59,6 +59,7 @@ class SparseState:
         self.triggers = z(torch.bool)
         self.since_slow = z(torch.int32)
         self.fresh = z(torch.bool)  # no decode step yet: the prompt's queries are evidence
+        self.refresh_phase = z(torch.int32)  # since_slow after the first slow step (RowInit)
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
         self.sel_ready = z(torch.bool)
         self.sel_count = z(torch.int32)
@@ -100,6 +101,7 @@ class SparseState:
         self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
         self._refresh_later: set[int] = set()  # ... whose slow step was not the first (window: 1 query)
         self._lock = threading.Lock()
+        self._admissions = 0  # SFI rows admitted with spread_refreshes (their phase)
         # Host mirror of each live row's policy knobs; `latched` follows SADAS's
         # latch as generated tokens reach the host (it may lag the device by a step).
         self._active: dict[int, RowInit] = {}
@@ -129,6 +131,23 @@ class SparseState:
             rows, inits, bases = self._queued
             self._queued = ([], [], [])
         return self.admit(rows, inits, bases)
+
+    def _with_phase(self, row: int, init: RowInit) -> RowInit:
+        """SFI with spread_refreshes: the request's first refresh interval is
+        shortened by a phase that steps through [0, t_max) with each admission, so a
+        batch admitted together refreshes about batch / t_max rows per step instead
+        of every row at once every t_max steps. A later extend chunk of the same
+        request keeps its phase."""
+        if init.policy != PolicyId.SFI or init.t_max <= 0 or not getattr(init.spec, "spread_refreshes", False):
+            return init
+        with self._lock:
+            prev = self._active.get(row)
+            if prev is not None and prev.policy == PolicyId.SFI:  # a live row: the same request
+                phase = prev.refresh_phase
+            else:
+                phase = self._admissions % init.t_max
+                self._admissions += 1
+        return dataclasses.replace(init, refresh_phase=phase)
 
     def _qa_config(self, policy: PolicyId):
         return getattr(self.config.query_aware, policy.name.lower())
@@ -167,7 +186,7 @@ class SparseState:
         for r in rows:
             if not 0 < r < self.num_rows:
                 raise IndexError(f"req_pool_idx {r} outside [1, {self.num_rows})")
-        inits = [self._with_slot(int(r), i) for r, i in zip(rows, inits)]
+        inits = [self._with_phase(int(r), self._with_slot(int(r), i)) for r, i in zip(rows, inits)]
         idx = torch.tensor(rows, dtype=torch.int64)
         col = lambda name, dt: torch.tensor([getattr(i, name) for i in inits], dtype=dt)  # noqa: E731
         host = {
@@ -182,6 +201,7 @@ class SparseState:
             # First decode step is slow: since_slow starts at t_max.
             "since_slow": col("t_max", torch.int32),
             "fresh": torch.ones(len(inits), dtype=torch.bool),
+            "refresh_phase": col("refresh_phase", torch.int32),
             "slot": col("slot", torch.int32),
             "sel_ready": torch.zeros(len(inits), dtype=torch.bool),
             "sel_count": torch.zeros(len(inits), dtype=torch.int32),

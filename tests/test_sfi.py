@@ -71,6 +71,52 @@ def test_triggers_off_pins_the_slow_ratio():
     assert slow == 10  # 1/32
 
 
+@pytest.mark.parametrize("spread", [True, False])
+def test_requests_admitted_together_spread_their_refreshes(spread):
+    """spread_refreshes: 14 requests admitted in one batch (t_max 7, triggers off)
+    refresh at most 2 per step after their common first step, instead of all 14
+    every 8 steps; no request ever goes more than t_max fast steps without a slow
+    one, and the host's replay agrees with the device row by row."""
+    n, t_max, steps = 14, 7, 64
+    rows = list(range(1, n + 1))
+    spec = SfiPolicy(t_max=t_max, sentence_triggers=False, spread_refreshes=spread)
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": n}})
+    st = SparseState(n + 1, "cpu", cfg)
+    st.set_trigger_table(_table())
+    st.admit(rows, [sfi.init_row(spec, [], [], (None, None)) for _ in rows])
+    slow = np.zeros((steps, n), dtype=bool)
+    for t in range(steps):
+        plan = plan_decode(st, torch.tensor(rows), torch.full((n,), 5), torch.full((n,), 100 + t), (None, None))
+        slow[t] = (plan.q_save_slot >= 0).numpy()
+    assert slow[0].all()  # every request's first decode step is slow
+    per_step = slow[1:].sum(axis=1)
+    if spread:
+        assert per_step.max() <= -(-n // t_max)
+        assert sorted(int(st.refresh_phase[r]) for r in rows) == sorted(i % t_max for i in range(n))
+    else:
+        assert per_step.max() == n and set(per_step.tolist()) == {0, n}
+    for j, r in enumerate(rows):
+        at = np.flatnonzero(slow[:, j])
+        assert np.diff(at).max() <= t_max + 1  # the refresh budget holds
+        m = sfi.HostMirror(st.row_init(r), base=0)
+        m.launched_lens.extend([100 + t for t in range(steps)])
+        host = [s for s, _ in m.advance([5] * steps, _table())]
+        assert host == slow[:, j].tolist()
+    # Over a long generation the slow ratio stays 1 / (t_max + 1): the phase only
+    # shortens the first interval.
+    assert slow[8:].sum() == pytest.approx(n * (steps - 8) / (t_max + 1), abs=n)
+
+
+def test_a_later_extend_chunk_keeps_its_refresh_phase():
+    st = _state([1, 2], [SfiPolicy(t_max=5), SfiPolicy(t_max=5)])
+    assert (int(st.refresh_phase[1]), int(st.refresh_phase[2])) == (0, 1)
+    st.admit([2], [sfi.init_row(SfiPolicy(t_max=5), [], [], (None, None))])  # its next chunk
+    assert int(st.refresh_phase[2]) == 1 and st.row_init(2).refresh_phase == 1
+    st.release([2])
+    st.admit([2], [sfi.init_row(SfiPolicy(t_max=5), [], [], (None, None))])  # a new request
+    assert int(st.refresh_phase[2]) == 2
+
+
 def _pool(rows_lens, hkv, d, gen):
     total = sum(n for _, n in rows_lens) + 3
     k = torch.randn(total, hkv, d, generator=gen)

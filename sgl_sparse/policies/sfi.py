@@ -2,7 +2,8 @@
 
 Step t is slow iff y_{t-1} is a sentence-ending id (when triggers are on), or the
 last `t_max` steps were all fast, or it is the request's first decode step (the
-row starts with since_slow = t_max). A slow step attends densely; the Selector
+row starts with since_slow = t_max). The first slow step restarts the count at the
+row's `refresh_phase` (spread_refreshes), later ones at 0. A slow step attends densely; the Selector
 then refreshes the compact buffer (sgl_sparse.selector.refresh) before the next
 step. A fast step attends sink + selected (compact buffer, segment A) and the
 `recent` last positions in place (segment B).
@@ -92,7 +93,8 @@ class HostMirror:
             tok = int(output_ids[self.base + self.evaluated])
             hit = self.init.triggers and 0 <= tok < len(table) and bool(table[tok])
             slow = hit or self.since_slow >= self.init.t_max
-            self.since_slow = 0 if slow else self.since_slow + 1
+            first = self.evaluated == 0  # the device's `fresh` row
+            self.since_slow = (self.init.refresh_phase if first else 0) if slow else self.since_slow + 1
             self.evaluated += 1
             if slow:
                 self.slow_steps += 1

@@ -15,7 +15,7 @@ THINK, END, VOCAB = 7, 8, 50
 KERNEL_POLICIES = list(PolicyId)
 COLUMNS = tuple(c for c in ("policy", "window", "sink", "think", "latch", "budget", "t_max", "triggers",
                             "since_slow", "slot", "sel_ready", "sel_count", "saved_n", "prompt_q", "fresh",
-                            "keep_prompt", "prompt_n", "max_context", "qa_steps")
+                            "keep_prompt", "prompt_n", "refresh_phase", "max_context", "qa_steps")
                 if hasattr(SparseState(2, "cpu"), c))
 
 
@@ -41,6 +41,7 @@ def _random_state(g: torch.Generator, rows: int) -> SparseState:
     st.fresh.copy_(rb())
     st.keep_prompt.copy_(rb())
     st.prompt_n.copy_(ri(0, 200))
+    st.refresh_phase.copy_(ri(0, 12))  # a fresh row's slow step restarts its count here
     if "max_context" in COLUMNS:  # query-aware policies' store bound and step count
         st.max_context.copy_(ri(0, 400))
         st.qa_steps.copy_(ri(0, 3))
