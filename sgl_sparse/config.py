@@ -72,10 +72,10 @@ class SfiPolicy(_Strict):
                        description="refresh budget: slow step after t_max fast steps in a row [ours]")
     sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
     spread_refreshes: bool = Field(
-        True, description="shorten the first refresh interval by a per-request phase in [0, t_max) "
-        "so that requests admitted together do not all reach t_max on the same decode step (one "
-        "step carrying every request's dense attention and Selector run) [ours: the interval stays "
-        "<= t_max]")
+        False, description="shorten the first refresh interval by a per-request phase in [0, t_max) "
+        "so that requests admitted together do not all reach t_max on the same decode step [ours: "
+        "the interval stays <= t_max; off by default: a Selector run's host cost is per run, so "
+        "one run per step costs more than one run for the whole batch (bench/README.md, session 14)]")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
     prompt_evidence: Literal["first", "every"] = Field(

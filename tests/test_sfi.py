@@ -108,12 +108,13 @@ def test_requests_admitted_together_spread_their_refreshes(spread):
 
 
 def test_a_later_extend_chunk_keeps_its_refresh_phase():
-    st = _state([1, 2], [SfiPolicy(t_max=5), SfiPolicy(t_max=5)])
-    assert (int(st.refresh_phase[1]), int(st.refresh_phase[2])) == (0, 1)
-    st.admit([2], [sfi.init_row(SfiPolicy(t_max=5), [], [], (None, None))])  # its next chunk
+    spec = SfiPolicy(t_max=5, spread_refreshes=True)
+    st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5)])  # the default: no phase
+    assert [int(st.refresh_phase[r]) for r in (1, 2, 3)] == [0, 1, 0]
+    st.admit([2], [sfi.init_row(spec, [], [], (None, None))])  # its next chunk
     assert int(st.refresh_phase[2]) == 1 and st.row_init(2).refresh_phase == 1
     st.release([2])
-    st.admit([2], [sfi.init_row(SfiPolicy(t_max=5), [], [], (None, None))])  # a new request
+    st.admit([2], [sfi.init_row(spec, [], [], (None, None))])  # a new request
     assert int(st.refresh_phase[2]) == 2
 
 

@@ -119,11 +119,11 @@ def batch_wall(url, prompts, n, sparse=None):
 # SFI runs (issue 4): the paper's budget with natural sentence triggers, and the
 # slow-step ratio pinned to 1/32 by the refresh budget (31 fast steps, then slow).
 SFI = {"policy": "sfi", "budget": 2048, "recent": 256, "sink": 4}
-# sfi-pinned: the slow ratio pinned to 1/32 by the refresh budget (issue 4's rows);
-# sfi-pinned-aligned: the same with spread_refreshes off, every request of a batch
-# refreshing on the same step (sessions 11-13's runs).
+# sfi-pinned: the slow ratio pinned to 1/32 by the refresh budget (issue 4's rows):
+# a batch's requests all refresh on the same step. sfi-pinned-spread: the same with
+# spread_refreshes (session 14's "sfi-pinned"; its "sfi-pinned-aligned" is sfi-pinned).
 NAMED = {"sfi": SFI, "sfi-pinned": {**SFI, "sentence_triggers": False, "t_max": 31},
-         "sfi-pinned-aligned": {**SFI, "sentence_triggers": False, "t_max": 31, "spread_refreshes": False}}
+         "sfi-pinned-spread": {**SFI, "sentence_triggers": False, "t_max": 31, "spread_refreshes": True}}
 
 
 def parse_policy(text):
