@@ -153,6 +153,45 @@ def profile(ctx: int, bs: int, w: int) -> None:
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30))
 
 
+def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
+    """The host's share of a refresh (w = 1, both paths): host time per call (the
+    launches returning, no synchronization) against the call's device time, then
+    cProfile's functions by own time over `calls` calls. A refresh whose host time
+    exceeds its device time keeps the GPU waiting on the serving path, where it is
+    launched right before the next decode step."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    fns: dict = {}
+    case(ctx, bs, 1, 2, fns)
+    out = {"ctx": ctx, "batch": bs}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        out[f"{name}_host_ms"] = round(statistics.median(host), 3)
+        out[f"{name}_device_ms"] = round(time_ms(fn, calls), 3)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(calls):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        print(f"--- host profile: {name} ({ctx} x {bs}, w = 1, {calls} calls)\n{buf.getvalue()}", flush=True)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     """The Selector's stats kernel (medians of the key norms, then the sums) on one
     layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
@@ -232,12 +271,16 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
+    ap.add_argument("--host-profile", default="", help="CTXxBATCH,...: host vs device time of a refresh, cProfile")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1)
+    for c in filter(None, a.host_profile.split(",")):
+        ctx, bs = map(int, c.split("x"))
+        host_profile(ctx, bs)
     res, ab = [], []
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
