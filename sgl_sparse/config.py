@@ -71,11 +71,13 @@ class SfiPolicy(_Strict):
     t_max: int = Field(64, ge=0, le=1 << 20,
                        description="refresh budget: slow step after t_max fast steps in a row [ours]")
     sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
-    spread_refreshes: bool = Field(
-        False, description="shorten the first refresh interval by a per-request phase in [0, t_max) "
-        "so that requests admitted together do not all reach t_max on the same decode step [ours: "
-        "the interval stays <= t_max; off by default: a Selector run's host cost is per run, so "
-        "one run per step costs more than one run for the whole batch (bench/README.md, session 14)]")
+    refresh_groups: int = Field(
+        1, ge=1, le=1 << 16, description="requests admitted together are dealt round-robin into this "
+        "many refresh phases, evenly spaced over the t_max + 1 steps of a refresh period (the first "
+        "interval shortened, never longer than t_max), so that a step carries the budget refreshes of "
+        "one group instead of every request's [ours: 1, all together: each Selector run has a fixed "
+        "cost, ~3 ms at one request on an H100 (bench/README.md, session 14), so more runs of fewer "
+        "rows trade throughput for a shorter slowest step]")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
     prompt_evidence: Literal["first", "every"] = Field(

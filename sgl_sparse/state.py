@@ -101,7 +101,7 @@ class SparseState:
         self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
         self._refresh_later: set[int] = set()  # ... whose slow step was not the first (window: 1 query)
         self._lock = threading.Lock()
-        self._admissions = 0  # SFI rows admitted with spread_refreshes (their phase)
+        self._admissions = 0  # SFI rows admitted with refresh_groups > 1 (dealt into groups)
         # Host mirror of each live row's policy knobs; `latched` follows SADAS's
         # latch as generated tokens reach the host (it may lag the device by a step).
         self._active: dict[int, RowInit] = {}
@@ -133,19 +133,20 @@ class SparseState:
         return self.admit(rows, inits, bases)
 
     def _with_phase(self, row: int, init: RowInit) -> RowInit:
-        """SFI with spread_refreshes: the request's first refresh interval is
-        shortened by a phase that steps through [0, t_max) with each admission, so a
-        batch admitted together refreshes about batch / t_max rows per step instead
-        of every row at once every t_max steps. A later extend chunk of the same
-        request keeps its phase."""
-        if init.policy != PolicyId.SFI or init.t_max <= 0 or not getattr(init.spec, "spread_refreshes", False):
+        """SFI with refresh_groups G > 1: admissions are dealt round-robin into
+        G' = min(G, t_max) groups; group g's first refresh interval is shortened by
+        g * (t_max + 1) // G' steps, so a batch admitted together refreshes one group
+        per step it refreshes on instead of every row at once. A later extend chunk
+        of the same request keeps its phase."""
+        groups = min(getattr(init.spec, "refresh_groups", 1), init.t_max)
+        if init.policy != PolicyId.SFI or groups <= 1:
             return init
         with self._lock:
             prev = self._active.get(row)
             if prev is not None and prev.policy == PolicyId.SFI:  # a live row: the same request
                 phase = prev.refresh_phase
             else:
-                phase = self._admissions % init.t_max
+                phase = (self._admissions % groups) * (init.t_max + 1) // groups
                 self._admissions += 1
         return dataclasses.replace(init, refresh_phase=phase)
 

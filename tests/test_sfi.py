@@ -71,15 +71,16 @@ def test_triggers_off_pins_the_slow_ratio():
     assert slow == 10  # 1/32
 
 
-@pytest.mark.parametrize("spread", [True, False])
-def test_requests_admitted_together_spread_their_refreshes(spread):
-    """spread_refreshes: 14 requests admitted in one batch (t_max 7, triggers off)
-    refresh at most 2 per step after their common first step, instead of all 14
-    every 8 steps; no request ever goes more than t_max fast steps without a slow
-    one, and the host's replay agrees with the device row by row."""
+@pytest.mark.parametrize("groups", [1, 4, 7, 100])
+def test_refresh_groups_spread_the_budget_refreshes_of_a_batch(groups):
+    """refresh_groups: 14 requests admitted in one batch (t_max 7, triggers off)
+    refresh one group per step after their common first step (groups 1: all 14
+    together every 8 steps; more groups than t_max act as t_max); no request ever
+    goes more than t_max fast steps without a slow one, and the host's replay
+    agrees with the device row by row."""
     n, t_max, steps = 14, 7, 64
     rows = list(range(1, n + 1))
-    spec = SfiPolicy(t_max=t_max, sentence_triggers=False, spread_refreshes=spread)
+    spec = SfiPolicy(t_max=t_max, sentence_triggers=False, refresh_groups=groups)
     cfg = SparseServerConfig.model_validate({"compact": {"slots": n}})
     st = SparseState(n + 1, "cpu", cfg)
     st.set_trigger_table(_table())
@@ -89,12 +90,12 @@ def test_requests_admitted_together_spread_their_refreshes(spread):
         plan = plan_decode(st, torch.tensor(rows), torch.full((n,), 5), torch.full((n,), 100 + t), (None, None))
         slow[t] = (plan.q_save_slot >= 0).numpy()
     assert slow[0].all()  # every request's first decode step is slow
+    g = min(groups, t_max)
     per_step = slow[1:].sum(axis=1)
-    if spread:
-        assert per_step.max() <= -(-n // t_max)
-        assert sorted(int(st.refresh_phase[r]) for r in rows) == sorted(i % t_max for i in range(n))
-    else:
-        assert per_step.max() == n and set(per_step.tolist()) == {0, n}
+    assert per_step.max() == -(-n // g)
+    assert len({t % (t_max + 1) for t in np.flatnonzero(per_step) + 1}) == g  # g refresh steps a period
+    phases = sorted(int(st.refresh_phase[r]) for r in rows)
+    assert phases == sorted((i % g) * (t_max + 1) // g for i in range(n)) and max(phases) < t_max
     for j, r in enumerate(rows):
         at = np.flatnonzero(slow[:, j])
         assert np.diff(at).max() <= t_max + 1  # the refresh budget holds
@@ -108,14 +109,14 @@ def test_requests_admitted_together_spread_their_refreshes(spread):
 
 
 def test_a_later_extend_chunk_keeps_its_refresh_phase():
-    spec = SfiPolicy(t_max=5, spread_refreshes=True)
-    st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5)])  # the default: no phase
-    assert [int(st.refresh_phase[r]) for r in (1, 2, 3)] == [0, 1, 0]
+    spec = SfiPolicy(t_max=5, refresh_groups=3)
+    st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5)])  # the default: one group, no phase
+    assert [int(st.refresh_phase[r]) for r in (1, 2, 3)] == [0, 2, 0]
     st.admit([2], [sfi.init_row(spec, [], [], (None, None))])  # its next chunk
-    assert int(st.refresh_phase[2]) == 1 and st.row_init(2).refresh_phase == 1
+    assert int(st.refresh_phase[2]) == 2 and st.row_init(2).refresh_phase == 2
     st.release([2])
     st.admit([2], [sfi.init_row(spec, [], [], (None, None))])  # a new request
-    assert int(st.refresh_phase[2]) == 2
+    assert int(st.refresh_phase[2]) == 4
 
 
 def _pool(rows_lens, hkv, d, gen):

@@ -41,7 +41,7 @@ class RowInit:
     spec: Any = None
     keep_prompt: bool = False  # SFI prompt_evidence "every": the prompt's queries stay evidence
     # SFI: since_slow after the first slow step (0: the next slow step t_max fast
-    # steps later; set at admission when spread_refreshes is on, see state.admit).
+    # steps later; set at admission from refresh_groups, see state._with_phase).
     refresh_phase: int = 0
     slot: int = -1  # SFI: compact slot; quest/asyncspade/lfps: slot of the policy's query store
     # Query-aware policies (window = the recent positions of segment B): the longest
