@@ -82,6 +82,7 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("plain_a", {"policy": "sfi", "budget": 2000}, "same"),  # budget covers: dense
         ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "differ"),
         ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8}, "ok"),
+        ("plain_b", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "refresh_groups": 3}, "ok"),
         # query-aware: a budget covering the sequence is dense, i.e. exactly full
         ("plain_c", {"policy": "quest", "budget": 2048}, "same"),
         ("plain_a", {"policy": "asyncspade", "budget": 2000}, "same"),
@@ -93,6 +94,7 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("plain_b", {"policy": "streaming", "window": -1}, 400),
         ("plain_c", {"policy": "quantum"}, 400),
         ("plain_b", {"policy": "sfi", "budget": 5000}, 400),  # over the compact capacity
+        ("plain_a", {"policy": "sfi", "refresh_groups": 0}, 400),
     ]
     with cf.ThreadPoolExecutor(len(cases)) as ex:
         futures = [ex.submit(_generate, sparse_server.url, prompts[p], s) for p, s, _ in cases]
