@@ -248,9 +248,15 @@ def policy_drilldown() -> Json:
                    [(quantile(q, "sglang_sparse_selector_refresh_duration_seconds", "model_name", SEL),
                      f"p{round(q * 100)}") for q in (0.5, 0.99)],
                    "s", w=8),
-        timeseries("Selector rows refreshed / s", "Rows whose compact buffer was refreshed.",
+        timeseries("Selector rows and runs / s",
+                   "Rows whose compact buffer was refreshed, and Selector runs (each refreshes every row due "
+                   "before one decode step). A run has a fixed cost whatever its rows (~2.6 ms of host time "
+                   "at one row on an H100): many runs of few rows (sentence triggers scattered over the "
+                   "batch, a large refresh_groups) cost more per row than one run for many.",
                    [(f"sum by (model_name) (rate(sglang_sparse_selector_refreshed_rows_total{{{SEL}}}[{RATE}]))",
-                     "{{model_name}}")],
+                     "rows {{model_name}}"),
+                    (f"sum by (model_name) (rate(sglang_sparse_selector_refresh_duration_seconds_count{{{SEL}}}[{RATE}]))",
+                     "runs {{model_name}}")],
                    "ops", w=8),
         timeseries("Compact buffer memory", "Bytes of compact slots held by live sfi requests, of all reserved.",
                    [(f"sum by (model_name) (sglang_sparse_compact_buffer_in_use_bytes{{{SEL}}})", "in use {{model_name}}"),
