@@ -23,6 +23,7 @@ from sgl_sparse.compact import CompactStore
 from sgl_sparse.config import SparseServerConfig
 from sgl_sparse.policies import query_aware, sfi
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId, RowInit
+from sgl_sparse.selector.core import KNOB_NAMES, knob_values
 
 # set_step_rows runs per decode step and row: Enum attribute lookups and
 # Enum.name are slow properties there, members are singletons (compare with `is`).
@@ -60,6 +61,9 @@ class SparseState:
         self.since_slow = z(torch.int32)
         self.fresh = z(torch.bool)  # no decode step yet: the prompt's queries are evidence
         self.refresh_phase = z(torch.int32)  # since_slow after the first slow step (RowInit)
+        # The Selector's knobs per row (selector.core.KNOB_NAMES), written at admission so
+        # that a refresh gathers them on the device instead of copying them each time.
+        self.sfi_knobs = torch.zeros(num_rows, len(KNOB_NAMES), dtype=torch.float32, device=self.device)
         self.slot = torch.full((num_rows,), -1, dtype=torch.int32, device=self.device)
         self.sel_ready = z(torch.bool)
         self.sel_count = z(torch.int32)
@@ -203,6 +207,8 @@ class SparseState:
             "since_slow": col("t_max", torch.int32),
             "fresh": torch.ones(len(inits), dtype=torch.bool),
             "refresh_phase": col("refresh_phase", torch.int32),
+            "sfi_knobs": torch.tensor([knob_values(i.spec) if i.policy == PolicyId.SFI else [0.0] * len(KNOB_NAMES)
+                                       for i in inits], dtype=torch.float64).float(),
             "slot": col("slot", torch.int32),
             "sel_ready": torch.zeros(len(inits), dtype=torch.bool),
             "sel_count": torch.zeros(len(inits), dtype=torch.int32),

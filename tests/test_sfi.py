@@ -119,6 +119,29 @@ def test_a_later_extend_chunk_keeps_its_refresh_phase():
     assert int(st.refresh_phase[2]) == 4
 
 
+def test_selector_knobs_gathered_from_the_state_equal_the_specs():
+    """The refresh reads each row's knobs from SparseState.sfi_knobs (written at
+    admission): the same float32 values as from_specs, rows repeated per layer, each
+    knob's tensor 16-byte aligned whatever the row count (one Triton variant)."""
+    g = torch.Generator().manual_seed(5)
+    specs = [SfiPolicy(beta=float(torch.rand(1, generator=g)) + 0.1, alpha=float(torch.rand(1, generator=g)) * 3,
+                       kappa=1.5 + i, zeta=0.25 * i, clip=0.01 * (i + 1), nms_gamma=0.3, nms_radius=i * 3,
+                       excl_eta=0.1 * i, excl_tau=2.0, eps=1e-9) for i in range(3)]
+    st = _state([2, 5, 7], specs)
+    st.admit([4], [sfi.init_row(SfiPolicy(), [], [], (None, None))])
+    rows, layers = [7, 2, 4, 5], 3
+    from_table = core.SelectorKnobs.from_table(st.sfi_knobs, torch.tensor(rows * layers), 6)
+    chosen = [specs[2], specs[0], SfiPolicy(), specs[1]]
+    from_specs = core.SelectorKnobs.from_specs(chosen, "cpu", torch.float32, times=layers)
+    assert from_table.nms_radius_max == 6
+    for name in core.KNOB_NAMES:
+        a, b = getattr(from_table, name), getattr(from_specs, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for m in (1, 5, 12):
+        knobs = core.SelectorKnobs.from_table(st.sfi_knobs, torch.tensor([2] * m), 0)
+        assert all(getattr(knobs, f).data_ptr() % 16 == 0 for f in core.KNOB_NAMES)
+
+
 def _pool(rows_lens, hkv, d, gen):
     total = sum(n for _, n in rows_lens) + 3
     k = torch.randn(total, hkv, d, generator=gen)

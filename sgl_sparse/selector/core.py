@@ -19,6 +19,13 @@ from typing import Sequence
 import torch
 
 _NEG_INF = float("-inf")
+# The Selector's per-request knobs, in SelectorKnobs' order (SfiPolicy field names).
+KNOB_NAMES = ("beta", "alpha", "kappa", "zeta", "clip", "nms_gamma", "nms_radius", "excl_eta", "excl_tau", "eps")
+
+
+def knob_values(spec) -> list[float]:
+    """One request's knobs as a row of SparseState.sfi_knobs."""
+    return [float(getattr(spec, f)) for f in KNOB_NAMES]
 
 
 @dataclass
@@ -48,7 +55,7 @@ class SelectorKnobs:
         several layers at once), repeated on the host rather than on the device."""
         # One pinned host->device copy, asynchronous: a pageable copy would make the
         # host wait for the GPU work already queued (the decode step in flight).
-        names = ("beta", "alpha", "kappa", "zeta", "clip", "nms_gamma", "nms_radius", "excl_eta", "excl_tau", "eps")
+        names = KNOB_NAMES
         # Rows padded to 4 entries: each knob's tensor starts 16-byte aligned, so
         # Triton compiles one variant whatever the number of requests.
         rows = len(specs) * times
@@ -60,6 +67,18 @@ class SelectorKnobs:
         out = dict(zip(names, cols.unbind(0)))
         out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
         return cls(**out, nms_radius_max=max((s.nms_radius for s in specs), default=0))
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, ridx: torch.Tensor, nms_radius_max: int) -> "SelectorKnobs":
+        """Rows `ridx` of a [rows, len(KNOB_NAMES)] device table written at admission
+        (SparseState.sfi_knobs): what `from_specs` gives, gathered on the device, so
+        a refresh builds no host tensor and copies nothing to the device for them."""
+        m = ridx.shape[0]
+        cols = torch.empty(len(KNOB_NAMES), -(-m // 4) * 4, dtype=table.dtype, device=table.device)
+        cols[:, :m] = table[ridx].t()  # rows padded to 4: see from_specs
+        out = dict(zip(KNOB_NAMES, cols[:, :m].unbind(0)))
+        out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
+        return cls(**out, nms_radius_max=nms_radius_max)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:

@@ -64,4 +64,5 @@ def group_rows(state: "SparseState", rows: Sequence[int], specs: Sequence, layer
         prompt_n = torch.where(prompt_n > 0, prompt_n, saved_n)
         qpos = torch.where(cols[None, :] == 0, saved_n[:, None] - 1, prompt_n[:, None] - 1 - cols[None, :]).long()
     return GroupRows(ridx=ridx, slot=slot, lo=lo, hi=hi, budget=state.budget[ridx], logit_row=logit_row,
-                     knobs=SelectorKnobs.from_specs(specs, dev, torch.float32, times=layers), nq=nq, qpos=qpos)
+                     knobs=SelectorKnobs.from_table(state.sfi_knobs, ridx, max(s.nms_radius for s in specs)),
+                     nq=nq, qpos=qpos)
