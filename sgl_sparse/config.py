@@ -76,8 +76,8 @@ class SfiPolicy(_Strict):
         "many refresh phases, evenly spaced over the t_max + 1 steps of a refresh period (the first "
         "interval shortened, never longer than t_max), so that a step carries the budget refreshes of "
         "one group instead of every request's [ours: 1, all together: each Selector run has a fixed "
-        "cost, ~3 ms at one request on an H100 (bench/README.md, session 14), so more runs of fewer "
-        "rows trade throughput for a shorter slowest step]")
+        "cost, ~2.6 ms of host time at one request on an H100 (bench/README.md, session 14), so more "
+        "runs of fewer rows trade throughput for a shorter slowest step]")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
     prompt_evidence: Literal["first", "every"] = Field(

@@ -3,8 +3,8 @@
 Step t is slow iff y_{t-1} is a sentence-ending id (when triggers are on), or the
 last `t_max` steps were all fast, or it is the request's first decode step (the
 row starts with since_slow = t_max). The first slow step restarts the count at the
-row's `refresh_phase` (refresh_groups), later ones at 0. A slow step attends densely; the Selector
-then refreshes the compact buffer (sgl_sparse.selector.refresh) before the next
+row's `refresh_phase` (refresh_groups), later ones at 0. A slow step attends
+densely; the Selector then refreshes the compact buffer (sgl_sparse.selector.refresh) before the next
 step. A fast step attends sink + selected (compact buffer, segment A) and the
 `recent` last positions in place (segment B).
 
