@@ -4,9 +4,10 @@ Step t is slow iff y_{t-1} is a sentence-ending id (when triggers are on), or th
 last `t_max` steps were all fast, or it is the request's first decode step (the
 row starts with since_slow = t_max). The first slow step restarts the count at the
 row's `refresh_phase` (refresh_groups), later ones at 0. A slow step attends
-densely; the Selector then refreshes the compact buffer (sgl_sparse.selector.refresh) before the next
-step. A fast step attends sink + selected (compact buffer, segment A) and the
-`recent` last positions in place (segment B).
+densely; the Selector then refreshes the compact buffer
+(sgl_sparse.selector.refresh) before the next step. A fast step attends sink +
+selected (compact buffer, segment A) and the `recent` last positions in place
+(segment B).
 
 The host replays the same rule from the generated ids it receives (`HostMirror`)
 to know, without a device sync, which requests need a Selector run and what to
