@@ -146,11 +146,12 @@ def scrape(url):
 
 def parse_metrics(text):
     """sglang_sparse_* counters by (name, policy), summed over the other labels; the
-    kernel-compile counter by (name, "phase=<phase>"); the prepare histogram's sum and
-    count by (name, "")."""
+    kernel-compile counter by (name, "phase=<phase>"); the prepare and Selector-run
+    histograms' sum and count by (name, "")."""
     out = {}
     for line in text.splitlines():
-        if line.startswith("sglang_sparse_decode_prepare_duration_seconds_") and ("_sum{" in line or "_count{" in line):
+        if line.startswith(("sglang_sparse_decode_prepare_duration_seconds_",
+                            "sglang_sparse_selector_refresh_duration_seconds_")) and ("_sum{" in line or "_count{" in line):
             key = (line.split("{", 1)[0], "")  # the backend's host time per decode forward
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("sglang_sparse_") and "_total{" in line:
@@ -166,17 +167,23 @@ def parse_metrics(text):
 
 def sparse_stats(before, after, policy):
     d = lambda n: after.get((n, policy), 0.0) - before.get((n, policy), 0.0)  # noqa: E731
+    d0 = lambda n: after.get((n, ""), 0.0) - before.get((n, ""), 0.0)  # noqa: E731  (no policy label)
     steps = d("sglang_sparse_decode_steps_total")
     if not steps:
         return {}
     cached = d("sglang_sparse_cached_tokens_total")
     prep = "sglang_sparse_decode_prepare_duration_seconds_"
-    forwards = after.get((prep + "count", ""), 0.0) - before.get((prep + "count", ""), 0.0)
-    prep_s = after.get((prep + "sum", ""), 0.0) - before.get((prep + "sum", ""), 0.0)
+    forwards, prep_s = d0(prep + "count"), d0(prep + "sum")
     compiles = ("sglang_sparse_kernel_compiles_total", "phase=serving")
+    # Selector runs (each one refresh before a decode step, with a fixed cost whatever
+    # its rows) per decode forward, and the rows each refreshed.
+    runs = d0("sglang_sparse_selector_refresh_duration_seconds_count")
+    rows = d0("sglang_sparse_selector_refreshed_rows_total")
     return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
+            "selector_runs_per_step": round(runs / forwards, 4) if forwards else None,
+            "selector_rows_per_run": round(rows / runs, 2) if runs else None,
             # Triton compiles during the row's timed batches (each stalled one): should be 0
             "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0))}
 
