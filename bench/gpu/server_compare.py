@@ -152,7 +152,7 @@ def parse_metrics(text):
     for line in text.splitlines():
         if line.startswith(("sglang_sparse_decode_prepare_duration_seconds_",
                             "sglang_sparse_selector_refresh_duration_seconds_")) and ("_sum{" in line or "_count{" in line):
-            key = (line.split("{", 1)[0], "")  # the backend's host time per decode forward
+            key = (line.split("{", 1)[0], "")  # host time per decode forward; Selector runs
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("sglang_sparse_") and "_total{" in line:
             name, rest = line.split("{", 1)
