@@ -142,8 +142,10 @@ class SparseState:
         g * (t_max + 1) // G' steps, so a batch admitted together refreshes one group
         per step it refreshes on instead of every row at once. A later extend chunk
         of the same request keeps its phase."""
-        groups = min(getattr(init.spec, "refresh_groups", 1), init.t_max)
-        if init.policy != PolicyId.SFI or groups <= 1:
+        if init.policy != PolicyId.SFI:
+            return init
+        groups = min(init.spec.refresh_groups, init.t_max)
+        if groups <= 1:
             return init
         with self._lock:
             prev = self._active.get(row)

@@ -24,7 +24,6 @@ from tests.shared_servers import (_shared_servers, sparse_server, stand_in_trace
                                   tiny_qwen3)
 
 
-
 @pytest.fixture
 def fresh_compile_watch(monkeypatch):
     """sgl_sparse.compile_watch as in a process that just started: Triton's compile hooks
