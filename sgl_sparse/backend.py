@@ -541,7 +541,11 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
                 cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
     if kv.is_cuda:
+        from sgl_sparse.selector.graphs import RefreshGraphs
         from sgl_sparse.selector.refresh import warm_up_kernels
+
+        if cfg.compact.refresh_graphs:
+            state.compact.refresh_graphs = RefreshGraphs(kv.device)
 
         layer0 = getattr(kv_pool, "start_layer", 0) or 0
         warm_up_kernels(state.compact, kv, kv_pool.get_value_buffer(layer0),

@@ -40,6 +40,8 @@ class CompactStore:
         # The refresh's LayerPools pair for the KV pools it last read
         # (selector.refresh._layer_pools): it lives and dies with this store.
         self.pools_cache = None
+        # selector.graphs.RefreshGraphs when the refresh replays CUDA graphs (set by the backend).
+        self.refresh_graphs = None
 
     @property
     def logit_len(self) -> int:

@@ -188,6 +188,10 @@ class CompactBufferConfig(_Strict):
     capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
     slow_logits_context: int = Field(
         0, ge=0, le=1 << 22, description="longest slow step whose logits are kept for the Selector (0: off)")
+    # A Selector run's host work (~2.6 ms on the H100 whatever its rows) replayed from
+    # CUDA graphs captured per (rows, length) bucket (sgl_sparse/selector/graphs.py):
+    # on by default; off runs every refresh eagerly, as before session 15.
+    refresh_graphs: bool = Field(True, description="replay the SFI refresh from CUDA graphs (GPU only)")
 
 
 class QueryStoreConfig(_Strict):

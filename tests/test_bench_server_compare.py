@@ -45,3 +45,14 @@ def test_row_figures_are_the_differences_over_the_timed_batches():
         "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0, "compiles_while_serving": 2}
     assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures
+
+
+def test_a_second_sparse_server_takes_its_own_config():
+    """BACKENDS=flashinfer,sgl_sparse,sgl_sparse@B.yaml: the A/B of a server-wide setting."""
+    assert server_compare.split_backend("sgl_sparse") == ("sgl_sparse", None)
+    assert server_compare.split_backend("sgl_sparse@bench/gpu/b.yaml") == ("sgl_sparse", "bench/gpu/b.yaml")
+    extra = "--sparse-config a.yaml --foo 1"
+    assert server_compare.sparse_flags(extra, None) == extra.split()
+    assert server_compare.sparse_flags(extra, "b.yaml") == ["--sparse-config", "b.yaml", "--foo", "1"]
+    assert server_compare.sparse_flags("", "b.yaml") == ["--sparse-config", "b.yaml"]
+    assert server_compare.log_name("sgl_sparse@bench/gpu/b.yaml") == "server-sgl_sparse_bench_gpu_b.yaml.log"

@@ -11,7 +11,8 @@
 #                                       # NO_QA_COVERING=1: without the covering quest/asyncspade/lfps greedy checks;
 #                                       # PREFILL_RUNS: prefill-only batches per row, default 2;
 #                                       # ITL=1: one more streamed batch per row, per-step latency mean/p50/p99;
-#                                       # EXTRA: SGLang flags of both servers, default --disable-prefill-cuda-graph)
+#                                       # EXTRA: SGLang flags of both servers, default --disable-prefill-cuda-graph;
+#                                       # BACKENDS: default flashinfer,sgl_sparse; sgl_sparse@CONFIG: one more sgl_sparse server with that --sparse-config)
 #   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler)
 #
 # Results land in $OUT (device tool) and are committed under bench/results/.
@@ -37,7 +38,7 @@ selector)
     ;;
 e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000
-    python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" \
+    python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" --backends "${BACKENDS:-flashinfer,sgl_sparse}" \
         --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config ${SPARSE_CONFIG:-bench/gpu/sparse_config.yaml}" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
         ${INTERLEAVE:+--interleave} ${NO_QA_COVERING:+--no-qa-covering} ${ITL:+--itl} --extra="${EXTRA---disable-prefill-cuda-graph}" --prefill-runs "${PREFILL_RUNS:-2}" --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
     # what the first server's start-up compiled (FlashInfer's JIT, ~4 min on a bare

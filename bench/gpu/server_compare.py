@@ -200,13 +200,15 @@ QUERY_AWARE_COVERING = {
 class Server:
     """One SGLang server process (`--attention-backend backend`) and what it ran."""
 
-    def __init__(self, a, backend: str, port: int, log: str, mem_fraction: float, max_tokens: int | None = None):
+    def __init__(self, a, spec: str, port: int, log: str, mem_fraction: float, max_tokens: int | None = None):
+        backend, config = split_backend(spec)
         self.backend, self.url = backend, f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
                *(["--max-total-tokens", str(max_tokens)] if max_tokens else []), "--enable-metrics",
-               "--disable-radix-cache"] + a.extra.split() + (a.sparse_extra.split() if backend == "sgl_sparse" else [])
-        self.res = {"backend": backend, "cmd": " ".join(cmd), "cases": []}
+               "--disable-radix-cache"] + a.extra.split() + (sparse_flags(a.sparse_extra, config)
+                                                             if backend == "sgl_sparse" else [])
+        self.res = {"backend": spec, "cmd": " ".join(cmd), "cases": []}
         with open(log, "w") as lf:
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
         self.policies = ([("stock", None)] if backend != "sgl_sparse"
@@ -246,6 +248,28 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
+
+
+def split_backend(spec: str) -> tuple[str, str | None]:
+    """'sgl_sparse@path.yaml' -> ('sgl_sparse', 'path.yaml'): a second sgl_sparse server
+    of the same run with another --sparse-config (an A/B of a server-wide setting)."""
+    backend, _, config = spec.partition("@")
+    return backend, config or None
+
+
+def sparse_flags(extra: str, config: str | None) -> list[str]:
+    """--sparse-extra's flags, its --sparse-config replaced by `config` when given."""
+    flags = extra.split()
+    if config is None:
+        return flags
+    if "--sparse-config" in flags:
+        i = flags.index("--sparse-config")
+        return flags[:i] + ["--sparse-config", config] + flags[i + 2:]
+    return flags + ["--sparse-config", config]
+
+
+def log_name(spec: str) -> str:
+    return "server-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in spec) + ".log"
 
 
 def token_range(a) -> tuple[int, int]:
@@ -316,7 +340,7 @@ def run_servers(a) -> list:
     if not a.interleave:
         out = []
         for b in backends:
-            s = Server(a, b, a.port, os.path.join(a.logdir, f"server-{b}.log"), 0.8)
+            s = Server(a, b, a.port, os.path.join(a.logdir, log_name(b)), 0.8)
             try:
                 s.ready(a)
                 s.check_greedy(a)
@@ -328,7 +352,7 @@ def run_servers(a) -> list:
     servers = []
     try:
         for i, b in enumerate(backends):  # one after the other: each sizes its pool on what the others left
-            servers.append(Server(a, b, a.port + i, os.path.join(a.logdir, f"server-{b}.log"), a.interleave_mem,
+            servers.append(Server(a, b, a.port + i, os.path.join(a.logdir, log_name(b)), a.interleave_mem,
                                   pool_tokens(a)))
             servers[-1].ready(a)
         for s in servers:
@@ -343,7 +367,8 @@ def run_servers(a) -> list:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--backends", default="flashinfer,sgl_sparse")
+    ap.add_argument("--backends", default="flashinfer,sgl_sparse",
+                    help="servers in order, the first the baseline; sgl_sparse@CONFIG: --sparse-config CONFIG")
     ap.add_argument("--cases", default="8192x8")
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per row (median)")

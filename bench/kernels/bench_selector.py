@@ -92,13 +92,15 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
     # w = 1: a later slow step (its window is its own query); the first slow step's
     # window is w_prefill queries. The key-reading path, whatever the store keeps:
     later = set(rows) if stored else set()
-    logit_len, st.compact.logits = st.compact.logits, None
 
     def run_refresh():
-        refresh(st, rows, ctx, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=later)
+        logits, st.compact.logits = st.compact.logits, None  # the keys read again, whatever the store keeps
+        try:
+            refresh(st, rows, ctx, lambda i: k, lambda i: v, r2t, scale, use_kernels=True, later=later)
+        finally:
+            st.compact.logits = logits
 
     t_refresh = time_ms(run_refresh, reps) / LAYERS
-    st.compact.logits = logit_len
     q = torch.randn(bs, hq, d, device=dev, dtype=torch.bfloat16)
     zero = torch.zeros(bs, dtype=torch.int32, device=dev)
     n = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
@@ -116,6 +118,7 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
            "refresh_over_dense": round(t_refresh / t_dense, 2), "kv_bytes_per_layer": kv_bytes}
     if fns is not None:
         fns["refresh"] = run_refresh
+        fns["_state"] = st
     if not stored:
         return out
     # The slow step storing its logits (every layer, as serving does), then the
@@ -158,16 +161,25 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
     launches returning, no synchronization) against the call's device time, then
     cProfile's functions by own time over `calls` calls. A refresh whose host time
     exceeds its device time keeps the GPU waiting on the serving path, where it is
-    launched right before the next decode step."""
+    launched right before the next decode step.
+
+    Then the same refreshes replayed from CUDA graphs (selector/graphs.py: the
+    first call eager and captured, the others replays): `*_graphed_host_ms` /
+    `*_graphed_device_ms`, and `*_graphed_same` whether the compact buffers,
+    counts and ready flags equal the eager refresh's, bit for bit."""
     import cProfile
     import io
     import pstats
     import time
 
+    from sgl_sparse.selector.graphs import RefreshGraphs
+
     fns: dict = {}
     case(ctx, bs, 1, 2, fns)
+    st = fns.pop("_state")
     out = {"ctx": ctx, "batch": bs}
-    for name, fn in fns.items():
+
+    def host_ms(fn) -> float:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -177,7 +189,15 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
             fn()
             host.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
-        out[f"{name}_host_ms"] = round(statistics.median(host), 3)
+        return round(statistics.median(host), 3)
+
+    def snapshot() -> list[torch.Tensor]:
+        torch.cuda.synchronize()
+        return [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
+
+    for name, fn in fns.items():
+        st.compact.refresh_graphs = None
+        out[f"{name}_host_ms"] = host_ms(fn)
         out[f"{name}_device_ms"] = round(time_ms(fn, calls), 3)
         pr = cProfile.Profile()
         pr.enable()
@@ -188,6 +208,16 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
         print(f"--- host profile: {name} ({ctx} x {bs}, w = 1, {calls} calls)\n{buf.getvalue()}", flush=True)
+        eager = snapshot()
+        for t in (st.compact.k, st.compact.v, st.sel_count):
+            t.zero_()
+        st.sel_ready.zero_()
+        graphs = st.compact.refresh_graphs = RefreshGraphs(torch.device("cuda"))
+        out[f"{name}_graphed_host_ms"] = host_ms(fn)
+        out[f"{name}_graphed_device_ms"] = round(time_ms(fn, calls), 3)
+        out[f"{name}_graphed_same"] = all(torch.equal(a, b) for a, b in zip(eager, snapshot()))
+        out[f"{name}_graphs"] = {"captures": graphs.captures, "replays": graphs.replays}
+        st.compact.refresh_graphs = None
     print(json.dumps(out), flush=True)
     return out
 
@@ -278,9 +308,10 @@ def main():
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1)
+    hp = []
     for c in filter(None, a.host_profile.split(",")):
         ctx, bs = map(int, c.split("x"))
-        host_profile(ctx, bs)
+        hp.append(host_profile(ctx, bs))
     res, ab = [], []
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
@@ -305,6 +336,8 @@ def main():
            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "rows": res}
     if ab:
         doc["stats_ab"] = ab
+    if hp:
+        doc["host_profile"] = hp
     json.dump(doc, open(a.out, "w"), indent=1)
 
 

@@ -107,10 +107,34 @@ def refresh(
     if use_kernels:
         n_bound = _padded_bound(n_bound, req_to_token.shape[1], store.logit_len if stored else None)
     pools = _layer_pools(store, k_buffer, v_buffer, store.num_layers) if use_kernels else None
-    one = [r for r in rows if r in later]
-    _refresh_rows(state, one, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, 1, stored)
-    _refresh_rows(state, [r for r in rows if r not in later], n_bound, k_buffer, v_buffer, req_to_token,
-                  scaling, pools, None, False)
+    args = (k_buffer, v_buffer, req_to_token, scaling, pools)
+    _refresh_part(state, [r for r in rows if r in later], n_bound, args, 1, stored)
+    _refresh_part(state, [r for r in rows if r not in later], n_bound, args, None, False)
+
+
+def _refresh_part(state, rows, n_bound, args, w: int | None, stored: bool) -> None:
+    """`rows` with one evidence window (w None: the specs' window), from the store's
+    refresh graphs where it has them (kernel path only), else eagerly."""
+    if not rows:
+        return
+    store = state.compact
+    specs = [state.row_init(r).spec for r in rows]
+    if w is None:  # the slow step's query + saved prompt queries (buffer-bounded)
+        w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
+    req_to_token, pools = args[2], args[4]
+
+    def launch(ridx: torch.Tensor, specs_: Sequence, n: int) -> None:
+        _refresh_rows(state, ridx, specs_, n, *args, w, stored)
+
+    graphs = store.refresh_graphs
+    if pools is None or graphs is None or not graphs.enabled:
+        launch(to_device(torch.tensor(rows, dtype=torch.int32), store.k.device), specs, n_bound)
+        return
+    # What a launch bakes in besides the shape: the loop bounds from the specs and
+    # the pools' address table.
+    key = (w, stored, max(s.budget for s in specs), max(s.nms_radius for s in specs), pools.key)
+    limit = min(req_to_token.shape[1], store.logit_len) if stored else req_to_token.shape[1]
+    graphs.run(rows, specs, n_bound, limit, key, launch)
 
 
 def _padded_bound(n: int, width: int, limit: int | None) -> int:
@@ -187,31 +211,24 @@ def _address_table(addrs: tuple[int, ...], device: torch.device) -> torch.Tensor
     return to_device(torch.tensor(addrs, dtype=torch.int64), device)
 
 
-def _refresh_rows(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools: "_Pools | None",
-                  w: int | None, stored: bool) -> None:
-    """`rows` in groups whose fp32 logits fit _MAX_LOGIT_ELEMS; w None: the specs' window."""
+def _refresh_rows(state, ridx: torch.Tensor, specs, n_bound, k_buffer, v_buffer, req_to_token, scaling,
+                  pools: "_Pools | None", w: int, stored: bool) -> None:
+    """Rows `ridx` (int32 device indices) in groups whose fp32 logits fit _MAX_LOGIT_ELEMS."""
     store = state.compact
-    if not rows:
-        return
-    specs = [state.row_init(r).spec for r in rows]
-    dev = store.k.device
-    # Window columns: the slow step's query + saved prompt queries (buffer-bounded).
-    if w is None:
-        w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
     hkv, hq = store.k.shape[2], store.q.shape[2]
     per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
     # Stored logits: none materialized, the Selector's [r, H, N] tensors bound the group.
     step = max(1, (_MAX_SELECT_ELEMS_KERNELS // (hkv * max(n_bound, 1))) if stored else (_MAX_LOGIT_ELEMS // per_row))
-    for i in range(0, len(rows), step):
-        _refresh_group(state, list(rows[i: i + step]), specs[i: i + step], n_bound, w, dev,
-                       k_buffer, v_buffer, req_to_token, scaling, pools, stored)
+    for i in range(0, ridx.shape[0], step):
+        _refresh_group(state, ridx[i: i + step], specs[i: i + step], n_bound, w, k_buffer, v_buffer,
+                       req_to_token, scaling, pools, stored)
 
 
-def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_to_token,
+def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_token,
                    scaling, pools: "_Pools | None", stored: bool = False) -> None:
     store = state.compact
     use_kernels = pools is not None
-    r = len(rows)
+    r, dev = ridx_r.shape[0], ridx_r.device
     n = min(n_bound, req_to_token.shape[1])
     hkv = store.k.shape[2]
     # The Selector after the evidence runs on several layers at once (a batch of
@@ -219,7 +236,7 @@ def _refresh_group(state, rows, specs, n_bound, w, dev, k_buffer, v_buffer, req_
     per_layer = r * hkv * max(n, 1)
     chunk = min(store.num_layers,
                 max(1, (_MAX_SELECT_ELEMS_KERNELS if use_kernels else _MAX_SELECT_ELEMS) // per_layer))
-    g = group_rows(state, rows, specs, chunk, w, dev, window=not stored)
+    g = group_rows(state, ridx_r, specs, chunk, w, window=not stored)
     k_max = max(s.budget for s in specs)
     k_min = min(s.budget for s in specs)
     tok = req_to_token[g.ridx[:r], :n].long()

@@ -3,10 +3,9 @@
 The Selector and the packing run on (layer, request) pairs, layer-major: row
 ``l * r + i`` is request ``i`` in the chunk's layer ``l``. Their per-row inputs
 (candidate range, budget, knobs, the row of the stored logits) are built here
-already repeated for a chunk of layers -- the requests repeated on the host,
-one host->device copy -- so no layer and no chunk issues its own gathers,
-`.repeat`s or dtype conversions; a request's own values are the first ``r``
-entries (views).
+already repeated for a chunk of layers, from the requests' device indices, so no
+layer and no chunk issues its own gathers, `.repeat`s or dtype conversions; a
+request's own values are the first ``r`` entries (views).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from sgl_sparse.selector.core import SelectorKnobs, to_device
+from sgl_sparse.selector.core import SelectorKnobs
 
 if TYPE_CHECKING:
     from sgl_sparse.state import SparseState
@@ -37,22 +36,23 @@ class GroupRows:
     qpos: torch.Tensor | None  # int64 [layers * r, w]: the window queries' positions (window path only)
 
 
-def group_rows(state: "SparseState", rows: Sequence[int], specs: Sequence, layers: int, w: int, dev,
+def group_rows(state: "SparseState", ridx_r: torch.Tensor, specs: Sequence, layers: int, w: int,
                window: bool = True) -> GroupRows:
-    """`rows`' tensors for `layers` stacked layers; `window`: also the evidence
-    window's (nq, qpos); else the rows of the stored logits (`logit_row`)."""
-    # One copy: the rows repeated per layer, and each layer's offset into the stored logits.
-    slots = state.compact.slots
-    host = torch.tensor([list(rows) * layers, [layer * slots for layer in range(layers) for _ in rows]],
-                        dtype=torch.int32)
-    ridx, logit_off = to_device(host, dev).unbind(0)
+    """The tensors of the rows `ridx_r` (int32 [r] on the state's device) for
+    `layers` stacked layers; `window`: also the evidence window's (nq, qpos); else
+    the rows of the stored logits (`logit_row`). Device ops only (no host->device
+    copy): a refresh graph captures them (selector.graphs)."""
+    r, dev = ridx_r.shape[0], ridx_r.device
+    ridx = ridx_r.repeat(layers)
     slot = state.slot[ridx]
     saved_n = state.saved_n[ridx]
     lo = torch.minimum(state.sink[ridx], saved_n)
     hi = torch.maximum(saved_n - state.window[ridx], lo)
     nq = qpos = logit_row = None
     if not window:
-        logit_row = logit_off + slot
+        # Row l * r + i of the chunk reads layer l's logits of request i's slot.
+        layer = torch.arange(layers * r, dtype=torch.int32, device=dev).div(r, rounding_mode="floor")
+        logit_row = layer * state.compact.slots + slot
     else:
         # Window column 0: the slow step's query (position saved_n - 1); column i >= 1:
         # the prompt's i-th last query, if saved, at position prompt_n - 1 - i (prompt_n:

@@ -113,14 +113,23 @@ def _serving_refreshes(case, monkeypatch) -> None:
               use_kernels=True, later=set(case.rows))
 
 
+@pytest.mark.parametrize("rows_to", [None, 16], ids=["eager", "graph_rows_16"])
 @pytest.mark.parametrize("logit_len", [0, 96], ids=["keys", "stored_logits"])
-def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_len):
+def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_len, rows_to):
+    """`rows_to`: the refreshes at a refresh graph's shapes (selector/graphs.py: rows
+    padded to a bucket, here 16 -- an integer class of its own -- and the bound
+    rounded up); the capture itself cannot run on a CPU and is switched off."""
+    from sgl_sparse.selector import graphs as G
     from sgl_sparse.selector import refresh as R
 
     layers = 4
     case = T.make_sfi_refresh_case(layers, logit_len=logit_len, prompt_queries={1: 2, 2: 2, 3: 1},
                                    slow_step=False)
     store, r2t = case.state.compact, case.req_to_token
+    if rows_to is not None:
+        monkeypatch.setattr(G.RefreshGraphs, "_capture", lambda self, *a, **kw: None)
+        monkeypatch.setattr(G, "row_bucket", lambda r: rows_to)
+        store.refresh_graphs = G.RefreshGraphs(torch.device("cpu"))
     with _binaries(monkeypatch) as warm:
         R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
     with _binaries(monkeypatch) as served:
