@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""
+Benchmark: dense rows inside a sparse decode batch (the two-segment kernel)
+===========================================================================
+
+    python bench/kernels/bench_mixed_rows.py --out results/mixed_rows.json
+
+An SFI slow step, or any request whose policy attends everything this step, is a
+dense row (segment B = [0, n)) in a batch whose other rows read ~2.3K keys (sink +
+2048 selected + 256 recent). The kernel's grid has `num_splits` programs per (row,
+KV head) for every row, and each row cuts its own keys into that many chunks: at
+batch 32 (1 split) a dense row of 8192 keys is one program doing 3.5x the work of the
+others, at 32768 x 8 (4 splits) 14x, and the step waits for it.
+
+Per (context x batch, dense rows): the 28-layer time of the launch as serving makes
+it (split heuristic, CUDA graph of 28 launches, median of replays), against the same
+rows with `num_splits` x FACTOR programs allowed and `min_split_len` set to the
+batch's mean keys per program target (ceil(keys / (SMs x 2)), rounded up to 64):
+rows shorter than that stay one chunk per split as before, longer rows spread
+over more programs. The extra programs of short rows exit at once. Outputs are
+checked equal (fp32 tolerance) between the two.
+
+Qwen3-1.7B attention shape: Hq 16, Hkv 8, D 128, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from sgl_sparse.kernels import make_split_counters, two_segment_decode
+from sgl_sparse.kernels._utils import device_num_sms
+from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, choose_num_splits
+
+LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
+MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def case(ctx: int, bs: int, dense: int, factor: int) -> dict:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
+    pool = bs * ctx + 16
+    k = torch.randn(pool, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(pool, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    r2t = torch.zeros(bs, ctx + 8, dtype=torch.int32, device=dev)
+    r2t[:, :ctx] = torch.randperm(bs * ctx, device=dev, generator=gen).view(bs, ctx).int()
+    a_k = torch.randn(bs, HKV, CAP, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    a_v = torch.randn_like(a_k)
+    q = torch.randn(bs, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    is_dense = torch.arange(bs, device=dev) < dense  # the first `dense` rows
+    a_slot = torch.where(is_dense, -1, torch.arange(bs, device=dev)).int()
+    a_len = torch.where(is_dense, 0, CAP)[:, None].expand(bs, HKV).contiguous().int()
+    b_start = torch.where(is_dense, 0, ctx - RECENT).int()
+    b_end = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+    idx = torch.arange(bs, dtype=torch.int32, device=dev)
+    counters = make_split_counters(bs, HKV, dev)
+    scale = D ** -0.5
+    sms = device_num_sms(dev)
+    base_splits = choose_num_splits(bs, HKV, MAX_KV_LEN, sms)
+    keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
+    target = -(-keys // (sms * CTAS_PER_SM_TARGET))
+    target = -(-target // 64) * 64
+    outs = {}
+
+    def launch(name, **kw):
+        o = torch.empty(bs, HQ, D, device=dev, dtype=torch.bfloat16)
+        outs[name] = o
+        return lambda: [two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
+                                           max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
+                        for _ in range(LAYERS)]
+
+    t_default = graph_ms(launch("default"))
+    t_bal = graph_ms(launch("balanced", num_splits=min(64, base_splits * factor), min_split_len=target))
+    err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
+           / outs["default"].float().abs().max().clamp(min=1e-6)).item()
+    moved = LAYERS * keys * D * 2 * 2  # K and V bytes read
+    return {"ctx": ctx, "batch": bs, "dense_rows": dense, "splits": base_splits,
+            "balanced_splits": min(64, base_splits * factor), "min_split_len": target,
+            "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
+            "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
+            "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
+            "max_rel_diff": err, "same": err < 2e-2 and not outs["balanced"].isnan().any().item()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="8192x32,32768x8")
+    ap.add_argument("--dense", default="0,1,2,4,all")
+    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    rows = []
+    for c in a.cases.split(","):
+        ctx, bs = map(int, c.split("x"))
+        for d in a.dense.split(","):
+            r = case(ctx, bs, bs if d == "all" else int(d), a.factor)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            torch.cuda.empty_cache()
+    print("\n| context x batch | dense rows | splits | ms (28 layers) | balanced ms | speedup |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_splits']} "
+              f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |")
+    doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_mixed_rows.py "
+           + " ".join(f"--{k} {v}" for k, v in vars(a).items()), "rows": rows}
+    json.dump(doc, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
