@@ -46,7 +46,10 @@ The grid depends only on ``bs``, ``Hkv`` and ``num_splits``, and
 (``bs``, ``Hkv``, SM count and a static upper bound ``max_kv_len``). The
 actual per-request lengths are read *inside* the kernel, where each program
 derives its own chunk as ``ceil(kv_len / num_splits)`` (rounded to BLOCK_N,
-at least ``min_split_len``). That keeps the launch free of host syncs, lets a
+at least ``min_split_len``); with ``balance`` the grid allows more splits and a
+request takes its share of them by its keys against the batch's, read on the
+device too (``_balanced_splits``), so one long request among short ones does
+not leave a few programs working while the rest of the GPU waits. That keeps the launch free of host syncs, lets a
 graph captured for a 128K upper bound still spread a 4K request over all
 splits, and means a wrong ``max_kv_len`` can only cost speed, never
 correctness (the chunks always tile the whole range). Programs whose chunk
@@ -71,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, needs_fp32_dot, next_pow2
 
 __all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters"]
 
@@ -90,6 +93,18 @@ CTAS_PER_SM_TARGET = 2
 # merge of every partial costs up to 1.6x once rows hold more than ~2K keys, so
 # batch 1 keeps the merge kernel.
 FUSED_MERGE_MAX_SPLITS = 8
+# Balanced splits (``balance``): the grid allows BALANCE_FACTOR x the heuristic's
+# splits per (request, KV head) and each request takes its share of them by keys
+# (_balanced_splits). H100, Qwen3-1.7B shape, 28 layers, one dense row among sparse
+# rows of ~2.3K keys (bench/kernels/bench_mixed_rows.py, session 15): 8192 x 32
+# 7.97 -> 4.02 ms, 32768 x 8 6.65 -> 2.57 ms, against 2.91 / 0.91 ms with no dense row
+# (emulated there with min_split_len). On by default while the launch is at most
+# BALANCE_MAX_WAVES waves of the heuristic's programs: past that the waves
+# themselves even out a long request.
+# SGLANG_SPARSE_BALANCE_SPLITS=0: never by default (the grid and chunks as before).
+BALANCE_FACTOR = 4
+BALANCE_MAX_WAVES = 4
+BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 
 
 # -----------------------------------------------------------------------------
@@ -147,6 +162,35 @@ def _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
 # -----------------------------------------------------------------------------
 # Stage 1: one program per (request, KV head, split)
 # -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _balanced_splits(A_LEN, B_START, B_END, ROW_MASK, kvh, kv_len, stride_alen_b, A_CAP, PROGRAMS_PER_HEAD,
+                     max_splits, n_rows, HAS_ROW_MASK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Splits for a (request, KV head) of `kv_len` keys: round(kv_len x P / keys),
+    keys summed over the launch's served requests at this KV head, P the programs
+    a KV head should get (the heuristic's target), clamped to [1, max_splits].
+
+    A uniform batch gets the heuristic's split count back (every request's share
+    is P / bs); a request with many more keys than the others -- a dense row (an
+    SFI slow step, a policy attending everything) among ~2K-key sparse rows --
+    gets proportionally more programs instead of one program doing its whole
+    range while the step waits for it. The lengths are read as the launch's
+    descriptors give them (segment A clamped to the compact capacity only): an
+    estimate for balance, never for what is read."""
+    offs = tl.arange(0, BLOCK_R)
+    keys = tl.zeros([BLOCK_R], dtype=tl.int64)
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + offs
+        ok = rows < n_rows
+        if HAS_ROW_MASK:
+            ok = ok & (tl.load(ROW_MASK + rows, mask=ok, other=0) == 1)
+        a = tl.minimum(tl.maximum(tl.load(A_LEN + rows * stride_alen_b + kvh, mask=ok, other=0), 0), A_CAP)
+        b = tl.maximum(tl.load(B_END + rows, mask=ok, other=0) - tl.load(B_START + rows, mask=ok, other=0), 0)
+        keys += (a + b).to(tl.int64)
+    total = tl.maximum(tl.sum(keys, 0), 1)
+    share = (kv_len.to(tl.int64) * (2 * PROGRAMS_PER_HEAD) + total) // (2 * total)
+    return tl.minimum(tl.maximum(share, 1), max_splits).to(tl.int32)
 
 
 @triton.jit
@@ -217,6 +261,7 @@ def _two_segment_decode_stage1(
     A_CAP,
     A_POS_CAP,
     MIN_SPLIT_BLOCKS,
+    PROGRAMS_PER_HEAD,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -233,6 +278,8 @@ def _two_segment_decode_stage1(
     HAS_A_POS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
+    BALANCE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -265,15 +312,6 @@ def _two_segment_decode_stage1(
     a_len = tl.minimum(tl.maximum(a_len, 0), a_lim)
     b_len = tl.maximum(b_end - b_start, 0)
     kv_len = a_len + b_len  # combined key index space: [0, a_len) is A, rest is B
-
-    # ---- This program's chunk of the combined range. ----
-    # Chunks are a whole number of BLOCK_N blocks so segment-A loads stay
-    # aligned; every request is spread over all splits (down to a minimum
-    # chunk size), independent of the static max_kv_len used to size the grid.
-    n_blocks = tl.cdiv(kv_len, BLOCK_N)
-    blocks_per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), MIN_SPLIT_BLOCKS)
-    chunk_start = split * blocks_per_split * BLOCK_N
-    chunk_end = tl.minimum(chunk_start + blocks_per_split * BLOCK_N, kv_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -325,6 +363,21 @@ def _two_segment_decode_stage1(
                 tl.store(QB_MAX + qb_off, tl.maximum(old_max, k_new).to(QB_MAX.dtype.element_ty), mask=mask_d)
     if row_mode != 1:
         return
+
+    # ---- This program's chunk of the combined range. ----
+    # Chunks are a whole number of BLOCK_N blocks so segment-A loads stay
+    # aligned; every request is spread over all its splits (down to a minimum
+    # chunk size), independent of the static max_kv_len used to size the grid.
+    # BALANCE: a request's splits are its share of the launch's programs, by
+    # its keys against the batch's (_balanced_splits), up to the grid's.
+    n_blocks = tl.cdiv(kv_len, BLOCK_N)
+    splits_here = num_splits
+    if BALANCE:
+        splits_here = _balanced_splits(A_LEN, B_START, B_END, ROW_MASK, cur_kvh, kv_len, stride_alen_b, A_CAP,
+                                       PROGRAMS_PER_HEAD, num_splits, tl.num_programs(0), HAS_ROW_MASK, BLOCK_R)
+    blocks_per_split = tl.maximum(tl.cdiv(n_blocks, splits_here), MIN_SPLIT_BLOCKS)
+    chunk_start = split * blocks_per_split * BLOCK_N
+    chunk_end = tl.minimum(chunk_start + blocks_per_split * BLOCK_N, kv_len)
     if FUSED_MERGE:
         # Only the splits whose chunk holds keys take part (see the epilogue):
         # a graph sized for 128K serving a 4K request runs its empty splits as
@@ -645,6 +698,7 @@ def two_segment_decode(
     a_pos: Optional[torch.Tensor] = None,
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
+    balance: Optional[bool] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
@@ -711,6 +765,15 @@ def two_segment_decode(
             launches running concurrently must not share one. ``None``
             allocates a zeroed one per call (correct, but one extra memset
             launch).
+        balance: each request's splits its share of the launch's programs by its
+            keys against the batch's, up to ``BALANCE_FACTOR`` x the heuristic's
+            splits (the grid): a dense request among sparse ones is spread over
+            more programs instead of one program per KV head doing its whole
+            range (``_balanced_splits``). ``None`` (default): on when the
+            heuristic chooses the splits, ``split_counters`` is given (the merge
+            is fused), the batch has several requests and the launch is at most
+            ``BALANCE_MAX_WAVES`` waves; with an explicit ``num_splits``, off
+            unless asked for (then ``num_splits`` is the grid's bound).
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -773,11 +836,22 @@ def two_segment_decode(
     cap = a_k.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
+    if num_sms is None:
+        num_sms = device_num_sms(q.device)
+    programs = num_sms * CTAS_PER_SM_TARGET
     if num_splits is None:
-        if num_sms is None:
-            num_sms = device_num_sms(q.device)
         num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
+        if balance is None:
+            balance = (BALANCE_ENABLED and split_counters is not None and bs > 1
+                       and num_splits <= FUSED_MERGE_MAX_SPLITS
+                       and bs * num_kv_heads * num_splits <= BALANCE_MAX_WAVES * programs)
+        if balance:
+            by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+            base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)
+            if fused_merge is None:  # a request's splits stay around the heuristic's: see FUSED_MERGE_MAX_SPLITS
+                fused_merge = split_counters is not None and base <= FUSED_MERGE_MAX_SPLITS
     num_splits = int(max(1, num_splits))
+    balance = bool(balance) and num_splits > 1
 
     if block_n is None:
         block_n = _default_block_n(head_dim)
@@ -879,6 +953,7 @@ def two_segment_decode(
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
+        max(1, programs // num_kv_heads),
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_H=block_h,
@@ -895,6 +970,8 @@ def two_segment_decode(
         HAS_A_POS=a_pos is not None,
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
+        BALANCE=balance,
+        BLOCK_R=64,  # rows summed per step of _balanced_splits' loop (one binary whatever the batch)
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -7,18 +7,19 @@ Benchmark: dense rows inside a sparse decode batch (the two-segment kernel)
 
 An SFI slow step, or any request whose policy attends everything this step, is a
 dense row (segment B = [0, n)) in a batch whose other rows read ~2.3K keys (sink +
-2048 selected + 256 recent). The kernel's grid has `num_splits` programs per (row,
-KV head) for every row, and each row cuts its own keys into that many chunks: at
-batch 32 (1 split) a dense row of 8192 keys is one program doing 3.5x the work of the
-others, at 32768 x 8 (4 splits) 14x, and the step waits for it.
+2048 selected + 256 recent). Without balance the grid has `num_splits` programs per
+(row, KV head) for every row and each row cuts its own keys into that many chunks:
+at batch 32 (1 split) a dense row of 8192 keys is one program doing 3.5x the work of
+the others, at 32768 x 8 (4 splits) 14x, and the step waits for it. With balance
+(the default where the heuristic picks the splits: kernels/two_segment_decode.py,
+`balance`) the grid allows BALANCE_FACTOR x the splits and each row takes its share
+of the launch's programs by its keys.
 
 Per (context x batch, dense rows): the 28-layer time of the launch as serving makes
-it (split heuristic, CUDA graph of 28 launches, median of replays), against the same
-rows with `num_splits` x FACTOR programs allowed and `min_split_len` set to the
-batch's mean keys per program target (ceil(keys / (SMs x 2)), rounded up to 64):
-rows shorter than that stay one chunk per split as before, longer rows spread
-over more programs. The extra programs of short rows exit at once. Outputs are
-checked equal (fp32 tolerance) between the two.
+it (split heuristic, fused merge, CUDA graph of 28 launches, median of replays) with
+`balance=False` and with the default; the outputs are checked equal (fp32
+tolerance). Rows with no dense row and all-dense rows show what balance costs
+where every row is alike.
 
 Qwen3-1.7B attention shape: Hq 16, Hkv 8, D 128, bf16.
 """
@@ -33,7 +34,7 @@ import torch
 
 from sgl_sparse.kernels import make_split_counters, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
-from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, choose_num_splits
+from sgl_sparse.kernels.two_segment_decode import BALANCE_FACTOR, choose_num_splits
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
@@ -60,7 +61,7 @@ def graph_ms(fn, reps: int = 20) -> float:
     return statistics.median(out)
 
 
-def case(ctx: int, bs: int, dense: int, factor: int) -> dict:
+def case(ctx: int, bs: int, dense: int) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -82,8 +83,6 @@ def case(ctx: int, bs: int, dense: int, factor: int) -> dict:
     sms = device_num_sms(dev)
     base_splits = choose_num_splits(bs, HKV, MAX_KV_LEN, sms)
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
-    target = -(-keys // (sms * CTAS_PER_SM_TARGET))
-    target = -(-target // 64) * 64
     outs = {}
 
     def launch(name, **kw):
@@ -93,13 +92,13 @@ def case(ctx: int, bs: int, dense: int, factor: int) -> dict:
                                            max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
                         for _ in range(LAYERS)]
 
-    t_default = graph_ms(launch("default"))
-    t_bal = graph_ms(launch("balanced", num_splits=min(64, base_splits * factor), min_split_len=target))
+    t_default = graph_ms(launch("default", balance=False))
+    t_bal = graph_ms(launch("balanced"))
     err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
            / outs["default"].float().abs().max().clamp(min=1e-6)).item()
     moved = LAYERS * keys * D * 2 * 2  # K and V bytes read
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "splits": base_splits,
-            "balanced_splits": min(64, base_splits * factor), "min_split_len": target,
+            "balanced_grid_splits": min(64, base_splits * BALANCE_FACTOR),
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
@@ -108,22 +107,22 @@ def case(ctx: int, bs: int, dense: int, factor: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="8192x32,32768x8")
+    ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
-    ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     rows = []
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d), a.factor)
+            r = case(ctx, bs, bs if d == "all" else int(d))
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    print("\n| context x batch | dense rows | splits | ms (28 layers) | balanced ms | speedup |\n|---|---|---|---|---|---|")
+    print("\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |"
+          "\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_splits']} "
+        print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |")
     doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_mixed_rows.py "
            + " ".join(f"--{k} {v}" for k, v in vars(a).items()), "rows": rows}

@@ -550,6 +550,87 @@ def test_fused_merge_default_follows_split_count(monkeypatch):
     assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="drives the interpreter's program order")
+@pytest.mark.parametrize("grid_splits", [2, 6])
+def test_balanced_splits_match_reference(grid_splits):
+    """balance=True: dense rows far longer than the others (an SFI slow step among
+    sparse rows) take more of the grid's splits, short rows fewer; the answers are
+    the reference's, with row_mask 0 and 2 rows, an indexed row, rows with no key,
+    lengths changing between calls on one counter buffer and the splits arriving
+    in a shuffled order. The counters end all zero."""
+    rng = random.Random(5 + grid_splits)
+    num_kv_heads, cap = 2, 24
+    counters = K.make_split_counters(8, num_kv_heads, DEVICE)
+    for call, dtype in enumerate((torch.bfloat16, torch.float16, torch.bfloat16)):
+        dense = rng.randint(150, 260)
+        n = [dense, rng.randint(30, 50), dense - 37, 45, rng.randint(20, 40), 60, 40, 0]
+        b_ranges = [(0, n[0]), (n[1] - 8, n[1]), (0, n[2]), (n[3] - 5, n[3]), (n[4] - 9, n[4]), (0, 60),
+                    (n[6] - 7, n[6]), (0, 0)]
+        a_lens = [0, [cap, 7], 0, [rng.randint(0, cap), 3], cap, 0, [5, 9], 0]
+        case = T.make_decode_case(
+            n, a_lens, b_ranges, num_kv_heads=num_kv_heads, group=4, head_dim=64, cap=cap,
+            dtype=dtype, device=DEVICE, seed=call, empty_slot_value=None,
+        )
+        T.set_indexed_rows(case, {6: [5, 9]}, cap_pos=20, seed=call)
+        # row 5: FlashInfer's (0); row 4: side effects only (2)
+        row_mask = torch.tensor([1, 1, 1, 1, 2, 0, 1, 1], dtype=torch.int32, device=DEVICE)
+        ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, row_mask=row_mask, **case.kwargs())
+        on = row_mask == 1
+        perm = list(range(grid_splits))
+        rng.shuffle(perm)
+        out = torch.full_like(case.q, float("nan"))
+        with split_order(perm):
+            o, lse = K.two_segment_decode(
+                *case.args(), out=out, return_lse=True, row_mask=row_mask, num_splits=grid_splits,
+                balance=True, fused_merge=True, split_counters=counters, num_sms=16, **case.kwargs(), **SMALL,
+            )
+        assert torch.isnan(o[~on]).all(), "a row_mask != 1 row was written"
+        assert not torch.isnan(o[on]).any() and not torch.isnan(lse[on]).any()
+        assert T.rel_error(o[on].float(), ref_o[on]) < TOL[dtype]
+        assert torch.equal(torch.isinf(lse[on]), torch.isinf(ref_lse[on]))
+        fin = torch.isfinite(ref_lse) & on[:, None]
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-2, rtol=0)
+        assert (o[7] == 0).all() and torch.isneginf(lse[7]).all()
+        assert int(counters.abs().sum()) == 0, "a split counter was left non-zero"
+
+
+def test_balance_default_is_on_for_the_heuristic_s_fused_launches(monkeypatch):
+    """balance=None: on when the heuristic picks the splits, counters are given and
+    the batch has several rows (then the grid has BALANCE_FACTOR x the splits and
+    the answers are the reference's); off with an explicit num_splits, without
+    counters, or for one row."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    launches = []
+    orig = tsd._two_segment_decode_stage1
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append((grid, kw["BALANCE"]))
+                return orig[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(tsd, "_two_segment_decode_stage1", Recording())
+    case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=3)
+    counters = K.make_split_counters(3, 2, DEVICE)
+    base = tsd.choose_num_splits(3, 2, 400, 2, min_split_len=16)
+    for kw, balanced in ((dict(split_counters=counters), True), ({}, False),
+                         (dict(split_counters=counters, num_splits=base), False)):
+        launches.clear()
+        check(case, num_sms=2, max_kv_len=400, **kw, **SMALL)
+        (grid, bal), = launches
+        assert bal == balanced and grid[2] == (base * tsd.BALANCE_FACTOR if balanced else base), kw.keys()
+    one = T.make_decode_case([300], [0], [(0, 300)], num_kv_heads=2, group=2, head_dim=64, cap=20,
+                             dtype=torch.bfloat16, device=DEVICE, seed=4)
+    launches.clear()
+    check(one, num_sms=2, max_kv_len=400, split_counters=counters, **SMALL)
+    assert launches[0][1] is False
+    assert int(counters.abs().sum()) == 0
+
+
 # -----------------------------------------------------------------------------
 # GPU: indexed segment A and the fused merge at real sizes, under CUDA graphs
 # -----------------------------------------------------------------------------
