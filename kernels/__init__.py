@@ -58,13 +58,21 @@ from .reference import (
     two_segment_decode_ref,
 )
 from .token_scores import token_scores, token_scores_at, token_select_positions
-from .two_segment_decode import choose_num_splits, make_split_counters, two_segment_decode
+from .two_segment_decode import (
+    balanced_splits,
+    balances,
+    choose_num_splits,
+    make_split_counters,
+    two_segment_decode,
+)
 from .selector_scores import selector_scores, selector_stats
 from .topk_range import topk_range, topk_range_ref
 from .window_evidence import stored_evidence, window_evidence
 
 __all__ = [
     "two_segment_decode",
+    "balanced_splits",
+    "balances",
     "pack_compact",
     "pack_compact_layers",
     "LayerPools",

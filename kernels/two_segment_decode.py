@@ -76,7 +76,7 @@ import triton.language as tl
 
 from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, needs_fp32_dot, next_pow2
 
-__all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters"]
+__all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters", "balances", "balanced_splits"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 
@@ -165,35 +165,6 @@ def _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _balanced_splits(A_LEN, B_START, B_END, ROW_MASK, kvh, kv_len, stride_alen_b, A_CAP, PROGRAMS_PER_HEAD,
-                     max_splits, n_rows, HAS_ROW_MASK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Splits for a (request, KV head) of `kv_len` keys: round(kv_len x P / keys),
-    keys summed over the launch's served requests at this KV head, P the programs
-    a KV head should get (the heuristic's target), clamped to [1, max_splits].
-
-    A uniform batch gets the heuristic's split count back (every request's share
-    is P / bs); a request with many more keys than the others -- a dense row (an
-    SFI slow step, a policy attending everything) among ~2K-key sparse rows --
-    gets proportionally more programs instead of one program doing its whole
-    range while the step waits for it. The lengths are read as the launch's
-    descriptors give them (segment A clamped to the compact capacity only): an
-    estimate for balance, never for what is read."""
-    offs = tl.arange(0, BLOCK_R)
-    keys = tl.zeros([BLOCK_R], dtype=tl.int64)
-    for r0 in range(0, n_rows, BLOCK_R):
-        rows = r0 + offs
-        ok = rows < n_rows
-        if HAS_ROW_MASK:
-            ok = ok & (tl.load(ROW_MASK + rows, mask=ok, other=0) == 1)
-        a = tl.minimum(tl.maximum(tl.load(A_LEN + rows * stride_alen_b + kvh, mask=ok, other=0), 0), A_CAP)
-        b = tl.maximum(tl.load(B_END + rows, mask=ok, other=0) - tl.load(B_START + rows, mask=ok, other=0), 0)
-        keys += (a + b).to(tl.int64)
-    total = tl.maximum(tl.sum(keys, 0), 1)
-    share = (kv_len.to(tl.int64) * (2 * PROGRAMS_PER_HEAD) + total) // (2 * total)
-    return tl.minimum(tl.maximum(share, 1), max_splits).to(tl.int32)
-
-
-@triton.jit
 def _two_segment_decode_stage1(
     Q,
     A_K,
@@ -208,6 +179,7 @@ def _two_segment_decode_stage1(
     B_START,
     B_END,
     ROW_MASK,  # [bs] int32: 1 = attend; 0 = served elsewhere, skip; 2 = side effects only
+    ROW_SPLITS,  # [bs] int32 splits of each request (only if BALANCE)
     KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
     Q_SAVE,  # [slots, Hq, D] saved queries (only if SAVE_Q)
     Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
@@ -261,7 +233,6 @@ def _two_segment_decode_stage1(
     A_CAP,
     A_POS_CAP,
     MIN_SPLIT_BLOCKS,
-    PROGRAMS_PER_HEAD,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -279,7 +250,6 @@ def _two_segment_decode_stage1(
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
     BALANCE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -292,6 +262,13 @@ def _two_segment_decode_stage1(
         row_mode = tl.load(ROW_MASK + cur_b)
         if row_mode == 0:
             return
+    splits_here = num_splits
+    if BALANCE:
+        # This request's splits of the grid's (balanced_splits, once per step).
+        splits_here = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + cur_b), 1), num_splits)
+        if FUSED_MERGE:
+            if split >= splits_here:  # never split 0: the side effects below are its
+                return
 
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
     # Clamp defensively so a bad descriptor can never read out of bounds.
@@ -368,13 +345,9 @@ def _two_segment_decode_stage1(
     # Chunks are a whole number of BLOCK_N blocks so segment-A loads stay
     # aligned; every request is spread over all its splits (down to a minimum
     # chunk size), independent of the static max_kv_len used to size the grid.
-    # BALANCE: a request's splits are its share of the launch's programs, by
-    # its keys against the batch's (_balanced_splits), up to the grid's.
+    # BALANCE: a request's splits are its share of the launch's programs by its
+    # keys against the batch's (ROW_SPLITS), up to the grid's.
     n_blocks = tl.cdiv(kv_len, BLOCK_N)
-    splits_here = num_splits
-    if BALANCE:
-        splits_here = _balanced_splits(A_LEN, B_START, B_END, ROW_MASK, cur_kvh, kv_len, stride_alen_b, A_CAP,
-                                       PROGRAMS_PER_HEAD, num_splits, tl.num_programs(0), HAS_ROW_MASK, BLOCK_R)
     blocks_per_split = tl.maximum(tl.cdiv(n_blocks, splits_here), MIN_SPLIT_BLOCKS)
     chunk_start = split * blocks_per_split * BLOCK_N
     chunk_end = tl.minimum(chunk_start + blocks_per_split * BLOCK_N, kv_len)
@@ -650,6 +623,39 @@ def choose_num_splits(
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def balances(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+             min_split_len: int = DEFAULT_MIN_SPLIT_LEN) -> bool:
+    """Whether a launch whose splits the heuristic picks balances them by default
+    (given split counters, i.e. a fused merge): several requests, the heuristic's
+    splits within the fused merge's range, at most BALANCE_MAX_WAVES waves."""
+    splits = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
+    return (BALANCE_ENABLED and batch_size > 1 and splits <= FUSED_MERGE_MAX_SPLITS
+            and batch_size * num_kv_heads * splits <= BALANCE_MAX_WAVES * num_sms * CTAS_PER_SM_TARGET)
+
+
+def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
+                    row_mask: Optional[torch.Tensor], programs_per_head: int, max_splits: int) -> torch.Tensor:
+    """Splits per request for ``balance``: round(keys x P / batch keys), clamped to
+    ``[1, max_splits]``, with P = ``programs_per_head`` (the heuristic's program
+    target over the KV heads) and the keys those of KV head 0 (segment A's count
+    and segment B's range, as the descriptors give them: an estimate for balance,
+    never for what is read), over the rows the launch serves (``row_mask`` 1).
+
+    A uniform batch gets the heuristic's split count back (every request's share is
+    P / bs); a request with many more keys than the others -- a dense row (an SFI
+    slow step, a policy attending everything) among ~2K-key sparse rows -- gets
+    proportionally more programs, instead of one program per KV head doing its
+    whole range while the step waits for it. Device ops only, no host sync: CUDA
+    graph capturable. Returns ``[bs]`` int32.
+    """
+    keys = (a_len[:, 0].clamp(min=0) + (b_end - b_start).clamp(min=0)).long()
+    if row_mask is not None:
+        keys = torch.where(row_mask == 1, keys, 0)
+    total = keys.sum().clamp(min=1)
+    share = (keys * (2 * programs_per_head) + total) // (2 * total)
+    return share.clamp(1, max_splits).int()
+
+
 def make_split_counters(max_batch_size: int, num_kv_heads: int, device) -> torch.Tensor:
     """Zeroed arrival counters for ``two_segment_decode(..., fused_merge=True)``.
 
@@ -699,6 +705,7 @@ def two_segment_decode(
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     balance: Optional[bool] = None,
+    row_splits: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
     block_n: Optional[int] = None,
@@ -774,6 +781,9 @@ def two_segment_decode(
             is fused), the batch has several requests and the launch is at most
             ``BALANCE_MAX_WAVES`` waves; with an explicit ``num_splits``, off
             unless asked for (then ``num_splits`` is the grid's bound).
+        row_splits: with ``balance``, ``[bs]`` int32 splits per request as
+            :func:`balanced_splits` computes them (default: computed here; a
+            caller launching once per layer computes them once per step).
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -842,9 +852,7 @@ def two_segment_decode(
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
         if balance is None:
-            balance = (BALANCE_ENABLED and split_counters is not None and bs > 1
-                       and num_splits <= FUSED_MERGE_MAX_SPLITS
-                       and bs * num_kv_heads * num_splits <= BALANCE_MAX_WAVES * programs)
+            balance = split_counters is not None and balances(bs, num_kv_heads, max_kv_len, num_sms, min_split_len)
         if balance:
             by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
             base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)
@@ -852,6 +860,8 @@ def two_segment_decode(
                 fused_merge = split_counters is not None and base <= FUSED_MERGE_MAX_SPLITS
     num_splits = int(max(1, num_splits))
     balance = bool(balance) and num_splits > 1
+    if balance and row_splits is None:
+        row_splits = balanced_splits(a_len, b_start, b_end, row_mask, programs // num_kv_heads, num_splits)
 
     if block_n is None:
         block_n = _default_block_n(head_dim)
@@ -900,6 +910,7 @@ def two_segment_decode(
         b_start,
         b_end,
         row_mask if row_mask is not None else b_end,
+        row_splits if balance else b_end,
         key_norms if key_norms is not None else b_end,
         q_save if q_save is not None else q,
         q_save_slot if q_save is not None else b_end,
@@ -953,7 +964,6 @@ def two_segment_decode(
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
-        max(1, programs // num_kv_heads),
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_H=block_h,
@@ -971,7 +981,6 @@ def two_segment_decode(
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,
-        BLOCK_R=64,  # rows summed per step of _balanced_splits' loop (one binary whatever the batch)
         num_warps=num_warps,
         num_stages=num_stages,
     )

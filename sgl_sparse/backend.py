@@ -123,6 +123,7 @@ class SparseAttnBackend(AttentionBackend):
         self._dense_graph_wrappers: dict[tuple[str, int], object] = {}
         # The paths this decode forward runs (graph_variants.DENSE / KERNEL / MIXED).
         self._route = graph_variants.MIXED
+        self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -340,6 +341,7 @@ class SparseAttnBackend(AttentionBackend):
         return routed
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        self._row_splits = None
         if forward_batch.forward_mode.is_decode():
             self.plan = plan_decode(
                 self.state,
@@ -349,8 +351,26 @@ class SparseAttnBackend(AttentionBackend):
                 self.think_ids,
                 num_kv_heads=self._num_kv_heads,
             )
+            self._row_splits = self._balanced_row_splits(self.plan)
         else:
             self.plan = None
+
+    def _balanced_row_splits(self, plan: DecodePlan) -> Optional[torch.Tensor]:
+        """The decode kernel's splits per request, once per step for every layer, where
+        its launch balances them (kernels.balances): a dense row among sparse ones (an
+        SFI slow step) spread over more programs instead of holding the step."""
+        if self.dense is None or self._route == graph_variants.DENSE:
+            return None
+        from sgl_sparse.kernels import balanced_splits, balances
+        from sgl_sparse.kernels._utils import device_num_sms
+        from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, MAX_SPLITS
+
+        bs = plan.b_end.shape[0]
+        sms = device_num_sms(self.device)
+        if not balances(bs, self._num_kv_heads, self._max_kv_len, sms):
+            return None
+        return balanced_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:bs],
+                               sms * CTAS_PER_SM_TARGET // self._num_kv_heads, MAX_SPLITS)
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor
@@ -503,6 +523,7 @@ class SparseAttnBackend(AttentionBackend):
             out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
             row_mask=self._row_mask[:bs],
             split_counters=self._split_counters,
+            row_splits=self._row_splits,
             a_pos=plan.a_pos,
             **sfi_args,
         )

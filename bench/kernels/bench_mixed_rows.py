@@ -16,9 +16,10 @@ the others, at 32768 x 8 (4 splits) 14x, and the step waits for it. With balance
 of the launch's programs by its keys.
 
 Per (context x batch, dense rows): the 28-layer time of the launch as serving makes
-it (split heuristic, fused merge, CUDA graph of 28 launches, median of replays) with
-`balance=False` and with the default; the outputs are checked equal (fp32
-tolerance). Rows with no dense row and all-dense rows show what balance costs
+it (split heuristic, fused merge, CUDA graph of a step's 28 launches, median of
+replays) with `balance=False` and balanced as the backend does it (the requests'
+splits once per step, `balanced_splits`, passed to every layer); the outputs are
+checked equal (fp32 tolerance). Rows with no dense row and all-dense rows show what balance costs
 where every row is alike.
 
 Qwen3-1.7B attention shape: Hq 16, Hkv 8, D 128, bf16.
@@ -32,9 +33,9 @@ import statistics
 
 import torch
 
-from sgl_sparse.kernels import make_split_counters, two_segment_decode
+from sgl_sparse.kernels import balanced_splits, balances, make_split_counters, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
-from sgl_sparse.kernels.two_segment_decode import BALANCE_FACTOR, choose_num_splits
+from sgl_sparse.kernels.two_segment_decode import BALANCE_FACTOR, CTAS_PER_SM_TARGET, MAX_SPLITS, choose_num_splits
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
@@ -85,15 +86,23 @@ def case(ctx: int, bs: int, dense: int) -> dict:
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
-    def launch(name, **kw):
+    def launch(name, balance: bool):
         o = torch.empty(bs, HQ, D, device=dev, dtype=torch.bfloat16)
         outs[name] = o
-        return lambda: [two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
-                                           max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
-                        for _ in range(LAYERS)]
 
-    t_default = graph_ms(launch("default", balance=False))
-    t_bal = graph_ms(launch("balanced"))
+        def step():
+            # As the backend: the splits once per step, for every layer.
+            kw = dict(balance=False)
+            if balance and balances(bs, HKV, MAX_KV_LEN, sms):
+                kw = dict(row_splits=balanced_splits(a_len, b_start, b_end, None,
+                                                     sms * CTAS_PER_SM_TARGET // HKV, MAX_SPLITS))
+            for _ in range(LAYERS):
+                two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
+                                   max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
+        return step
+
+    t_default = graph_ms(launch("default", False))
+    t_bal = graph_ms(launch("balanced", True))
     err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
            / outs["default"].float().abs().max().clamp(min=1e-6)).item()
     moved = LAYERS * keys * D * 2 * 2  # K and V bytes read

@@ -689,3 +689,30 @@ def test_gpu_fused_merge_graph_replay():
         if step % 5 == 0:
             ref = K.two_segment_decode_ref(*case.args(), a_pos=case.a_pos)
             assert T.rel_error(out.float(), ref) < TOL[torch.bfloat16]
+
+
+def test_balanced_splits_are_shares_of_the_programs_by_keys():
+    """balanced_splits: a uniform batch gets the heuristic's splits back; a long row
+    among short ones proportionally more, clamped to the grid; rows another path
+    serves (row_mask != 1) count for nothing."""
+    i32 = dict(dtype=torch.int32)
+    for bs, per_head in ((8, 33), (32, 33), (4, 33), (64, 33)):
+        a = torch.full((bs, 8), 2052, **i32)
+        b0, b1 = torch.full((bs,), 8192 - 256, **i32), torch.full((bs,), 8192, **i32)
+        want = K.choose_num_splits(bs, 8, 140000, 132)
+        assert K.balanced_splits(a, b0, b1, None, per_head, 64).tolist() == [want] * bs
+    # 31 sparse rows of 2308 keys and a dense row of 8192 at batch 32 (132 SMs: 33
+    # programs per KV head): the dense row gets round(8192 * 33 / 79740) = 3 splits.
+    a = torch.full((32, 8), 2052, **i32)
+    a[0] = 0
+    b0 = torch.full((32,), 8192 - 256, **i32)
+    b0[0] = 0
+    b1 = torch.full((32,), 8192, **i32)
+    got = K.balanced_splits(a, b0, b1, None, 33, 4)
+    assert got[0] == 3 and (got[1:] == 1).all() and got.dtype == torch.int32
+    assert K.balanced_splits(a, b0, b1, None, 33, 2)[0] == 2  # the grid's bound
+    mask = torch.ones(32, **i32)
+    mask[1:] = 0  # only the dense row served here: all the programs are its
+    assert K.balanced_splits(a, b0, b1, mask, 33, 64)[0] == 33
+    empty = torch.zeros(2, **i32)
+    assert K.balanced_splits(torch.zeros(2, 8, **i32), empty, empty, None, 33, 4).tolist() == [1, 1]
