@@ -35,10 +35,16 @@ import torch
 
 from sgl_sparse.kernels import balanced_splits, balances, make_split_counters, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
-from sgl_sparse.kernels.two_segment_decode import BALANCE_FACTOR, CTAS_PER_SM_TARGET, MAX_SPLITS, choose_num_splits
+from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, MAX_SPLITS, choose_num_splits
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
+
+
+def _factor() -> int:
+    import importlib
+
+    return importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -107,7 +113,7 @@ def case(ctx: int, bs: int, dense: int) -> dict:
            / outs["default"].float().abs().max().clamp(min=1e-6)).item()
     moved = LAYERS * keys * D * 2 * 2  # K and V bytes read
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "splits": base_splits,
-            "balanced_grid_splits": min(64, base_splits * BALANCE_FACTOR),
+            "balanced_grid_splits": min(64, base_splits * _factor()),
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
@@ -118,8 +124,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
+    ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.factor is not None:
+        import importlib
+
+        importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR = a.factor
     rows = []
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
