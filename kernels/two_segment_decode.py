@@ -95,13 +95,13 @@ CTAS_PER_SM_TARGET = 2
 FUSED_MERGE_MAX_SPLITS = 8
 # Balanced splits (``balance``): the grid allows BALANCE_FACTOR x the heuristic's
 # splits per (request, KV head) and each request takes its share of them by keys
-# (_balanced_splits). H100, Qwen3-1.7B shape, 28 layers, one dense row among sparse
+# (balanced_splits). H100, Qwen3-1.7B shape, 28 layers, one dense row among sparse
 # rows of ~2.3K keys (bench/kernels/bench_mixed_rows.py, session 15): 8192 x 32
-# 7.97 -> 4.02 ms, 32768 x 8 6.65 -> 2.57 ms, against 2.91 / 0.91 ms with no dense row
-# (emulated there with min_split_len). On by default while the launch is at most
-# BALANCE_MAX_WAVES waves of the heuristic's programs: past that the waves
-# themselves even out a long request.
-# SGLANG_SPARSE_BALANCE_SPLITS=0: never by default (the grid and chunks as before).
+# 7.74 -> 4.22 ms, 32768 x 8 6.64 -> 2.64 ms, 131072 x 4 12.6 -> 5.9 ms; with every row
+# alike it costs 8% (2.93 -> 3.17 ms at 8192 x 32), so it is asked for per launch.
+# Only while the launch is at most BALANCE_MAX_WAVES waves of the heuristic's
+# programs: past that the waves themselves even out a long request.
+# SGLANG_SPARSE_BALANCE_SPLITS=0: never (the grid and chunks as before).
 BALANCE_FACTOR = 4
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
@@ -704,7 +704,7 @@ def two_segment_decode(
     a_pos: Optional[torch.Tensor] = None,
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
-    balance: Optional[bool] = None,
+    balance: bool = False,
     row_splits: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
@@ -773,14 +773,16 @@ def two_segment_decode(
             allocates a zeroed one per call (correct, but one extra memset
             launch).
         balance: each request's splits its share of the launch's programs by its
-            keys against the batch's, up to ``BALANCE_FACTOR`` x the heuristic's
-            splits (the grid): a dense request among sparse ones is spread over
-            more programs instead of one program per KV head doing its whole
-            range (``_balanced_splits``). ``None`` (default): on when the
-            heuristic chooses the splits, ``split_counters`` is given (the merge
-            is fused), the batch has several requests and the launch is at most
-            ``BALANCE_MAX_WAVES`` waves; with an explicit ``num_splits``, off
-            unless asked for (then ``num_splits`` is the grid's bound).
+            keys against the batch's: a dense request among sparse ones is spread
+            over more programs instead of one program per KV head doing its whole
+            range (:func:`balanced_splits`). When the heuristic picks the splits,
+            the grid allows ``BALANCE_FACTOR`` x them, and only where
+            :func:`balances` says so (with ``split_counters``: the merge is
+            fused); with an explicit ``num_splits`` that is the grid's bound. Off
+            by default: where every request is alike the larger grid costs 7-13%
+            (H100, bench/README "Session 15"), so the caller turns it on for the
+            launches that have a long request among short ones (the backend: a
+            decode step that may hold an SFI slow step).
         row_splits: with ``balance``, ``[bs]`` int32 splits per request as
             :func:`balanced_splits` computes them (default: computed here; a
             caller launching once per layer computes them once per step).
@@ -851,8 +853,8 @@ def two_segment_decode(
     programs = num_sms * CTAS_PER_SM_TARGET
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
-        if balance is None:
-            balance = split_counters is not None and balances(bs, num_kv_heads, max_kv_len, num_sms, min_split_len)
+        balance = balance and split_counters is not None and balances(bs, num_kv_heads, max_kv_len, num_sms,
+                                                                         min_split_len)
         if balance:
             by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
             base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)

@@ -100,8 +100,8 @@ def case(ctx: int, bs: int, dense: int) -> dict:
             # As the backend: the splits once per step, for every layer.
             kw = dict(balance=False)
             if balance and balances(bs, HKV, MAX_KV_LEN, sms):
-                kw = dict(row_splits=balanced_splits(a_len, b_start, b_end, None,
-                                                     sms * CTAS_PER_SM_TARGET // HKV, MAX_SPLITS))
+                kw = dict(balance=True, row_splits=balanced_splits(a_len, b_start, b_end, None,
+                                                                   sms * CTAS_PER_SM_TARGET // HKV, MAX_SPLITS))
             for _ in range(LAYERS):
                 two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
                                    max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)

@@ -594,11 +594,10 @@ def test_balanced_splits_match_reference(grid_splits):
         assert int(counters.abs().sum()) == 0, "a split counter was left non-zero"
 
 
-def test_balance_default_is_on_for_the_heuristic_s_fused_launches(monkeypatch):
-    """balance=None: on when the heuristic picks the splits, counters are given and
-    the batch has several rows (then the grid has BALANCE_FACTOR x the splits and
-    the answers are the reference's); off with an explicit num_splits, without
-    counters, or for one row."""
+def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
+    """balance=True with the heuristic's splits: the grid has BALANCE_FACTOR x them
+    and the answers are the reference's; off by default, and where kernels.balances
+    says no (one row) or without split counters (no fused merge)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -617,16 +616,19 @@ def test_balance_default_is_on_for_the_heuristic_s_fused_launches(monkeypatch):
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=3)
     counters = K.make_split_counters(3, 2, DEVICE)
     base = tsd.choose_num_splits(3, 2, 400, 2, min_split_len=16)
-    for kw, balanced in ((dict(split_counters=counters), True), ({}, False),
-                         (dict(split_counters=counters, num_splits=base), False)):
+    assert K.balances(3, 2, 400, 2, min_split_len=16)
+    for kw, balanced in ((dict(split_counters=counters, balance=True), True),
+                         (dict(split_counters=counters), False),
+                         (dict(balance=True), False)):
         launches.clear()
         check(case, num_sms=2, max_kv_len=400, **kw, **SMALL)
         (grid, bal), = launches
         assert bal == balanced and grid[2] == (base * tsd.BALANCE_FACTOR if balanced else base), kw.keys()
     one = T.make_decode_case([300], [0], [(0, 300)], num_kv_heads=2, group=2, head_dim=64, cap=20,
                              dtype=torch.bfloat16, device=DEVICE, seed=4)
+    assert not K.balances(1, 2, 400, 2, min_split_len=16)
     launches.clear()
-    check(one, num_sms=2, max_kv_len=400, split_counters=counters, **SMALL)
+    check(one, num_sms=2, max_kv_len=400, split_counters=counters, balance=True, **SMALL)
     assert launches[0][1] is False
     assert int(counters.abs().sum()) == 0
 
