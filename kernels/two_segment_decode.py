@@ -47,10 +47,10 @@ The grid depends only on ``bs``, ``Hkv`` and ``num_splits``, and
 actual per-request lengths are read *inside* the kernel, where each program
 derives its own chunk as ``ceil(kv_len / num_splits)`` (rounded to BLOCK_N,
 at least ``min_split_len``); with ``balance`` the grid allows more splits and a
-request takes its share of them by its keys against the batch's, read on the
-device too (``_balanced_splits``), so one long request among short ones does
-not leave a few programs working while the rest of the GPU waits. That keeps the launch free of host syncs, lets a
-graph captured for a 128K upper bound still spread a 4K request over all
+request takes its share of them by its keys against the batch's, computed on the
+device too (``balanced_splits``), so one long request among short ones does not
+leave a few programs working while the rest of the GPU waits. That keeps the
+launch free of host syncs, lets a graph captured for a 128K upper bound still spread a 4K request over all
 splits, and means a wrong ``max_kv_len`` can only cost speed, never
 correctness (the chunks always tile the whole range). Programs whose chunk
 is empty write a zero partial with LSE = -inf, which the merge ignores.
@@ -626,9 +626,10 @@ def choose_num_splits(
 
 def balances(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
              min_split_len: int = DEFAULT_MIN_SPLIT_LEN) -> bool:
-    """Whether a launch whose splits the heuristic picks balances them by default
-    (given split counters, i.e. a fused merge): several requests, the heuristic's
-    splits within the fused merge's range, at most BALANCE_MAX_WAVES waves."""
+    """Whether a launch whose splits the heuristic picks can balance them
+    (``balance=True``, given split counters, i.e. a fused merge): several requests,
+    the heuristic's splits within the fused merge's range, at most
+    BALANCE_MAX_WAVES waves, and SGLANG_SPARSE_BALANCE_SPLITS not 0."""
     splits = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
     return (BALANCE_ENABLED and batch_size > 1 and splits <= FUSED_MERGE_MAX_SPLITS
             and batch_size * num_kv_heads * splits <= BALANCE_MAX_WAVES * num_sms * CTAS_PER_SM_TARGET)

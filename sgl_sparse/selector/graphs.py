@@ -14,7 +14,7 @@ plus whatever host values the launch bakes in (the caller's `key`: the window, t
 largest budget and Soft-NMS radius, the pools). A repeated row computes exactly what
 the row computes and writes it to the same places, and the kernels mask every row
 to its own positions, so the padded run's result is the run's
-(tests/test_refresh_graphs.py).
+(tests/kernels/test_refresh_graphs.py).
 
 A shape's first run is eager, padded as its replays will be: it serves that refresh
 and compiles whatever Triton needs for it; the graph is captured right after, on a
