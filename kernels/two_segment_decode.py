@@ -50,8 +50,8 @@ at least ``min_split_len``); with ``balance`` the grid allows more splits and a
 request takes its share of them by its keys against the batch's, computed on the
 device too (``balanced_splits``), so one long request among short ones does not
 leave a few programs working while the rest of the GPU waits. That keeps the
-launch free of host syncs, lets a graph captured for a 128K upper bound still spread a 4K request over all
-splits, and means a wrong ``max_kv_len`` can only cost speed, never
+launch free of host syncs, lets a graph captured for a 128K upper bound still
+spread a 4K request over all splits, and means a wrong ``max_kv_len`` can only cost speed, never
 correctness (the chunks always tile the whole range). Programs whose chunk
 is empty write a zero partial with LSE = -inf, which the merge ignores.
 
