@@ -47,6 +47,9 @@ e2e)
     # Our kernels that Triton compiled after the servers were up (compile_watch.py):
     # each one stalled a live batch.
     grep -h "Triton compiled .* while serving" "$OUT"/server-*.log | tee "$OUT/compiles_while_serving.txt" | tail -20
+    # SFI refresh graphs captured (selector/graphs.py): each held one step, timestamped.
+    grep -H "SFI refresh graph captured" "$OUT"/server-*.log > "$OUT/refresh_graph_captures.txt"
+    wc -l "$OUT/refresh_graph_captures.txt" | tee -a "$OUT/e2e.log"
     # JIT_SNAPSHOT=1: bring every JIT cache back (FlashInfer, tvm-ffi, Triton) to replace
     # .gpu/jit/jit_cache.tgz. On a fresh machine the stock server's start-up took 4.3 min
     # against 0.5 min warm (session 10: decode-graph capture 90 s vs 30 s, then ~2.5 min

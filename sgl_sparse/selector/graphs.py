@@ -28,6 +28,7 @@ server, with a warning; the eager path stays correct.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
 
@@ -114,6 +115,7 @@ class RefreshGraphs:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         side, main = self._stream, torch.cuda.current_stream(self.device)
         side.wait_stream(main)  # the eager run's ridx copy and work come first
@@ -136,3 +138,8 @@ class RefreshGraphs:
         self._graphs[key] = _Graph(graph, ridx)
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
+        # A capture holds the step that needs it (host time, like an eager run): logged
+        # so that a slow step in serving can be matched to one (bench/gpu/run_all.sh).
+        logger.info("sgl_sparse: SFI refresh graph captured: %d rows, %d positions (%.1f ms host; %d kept, "
+                    "%d captured)", ridx.shape[0], n, 1e3 * (time.perf_counter() - t0), len(self._graphs),
+                    self.captures)

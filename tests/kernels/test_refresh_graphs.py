@@ -11,6 +11,8 @@ replays.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -76,10 +78,12 @@ def test_padded_bucketed_refresh_equals_the_plain_one(monkeypatch, logit_len, la
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("logit_len", [96, 0], ids=["stored_logits", "keys"])
-def test_gpu_replayed_refreshes_equal_eager_ones(logit_len):
-    """Real captures: each shape's first run eager (then captured), later runs replayed
+def test_gpu_replayed_refreshes_equal_eager_ones(logit_len, caplog):
+    """Real captures (each logged): each shape's first run eager (then captured), later runs replayed
     with other rows and new values in the state; every result equals the eager
     refresh's on the same state."""
+    caplog.set_level(logging.INFO, logger=G.__name__)
+
     def make():
         return T.make_sfi_refresh_case(3, logit_len=logit_len, prompt_queries={1: 2, 2: 2, 3: 1},
                                        slow_step=False, device="cuda", seed=11)
@@ -106,6 +110,8 @@ def test_gpu_replayed_refreshes_equal_eager_ones(logit_len):
     # Keys (rows bucket, window, largest budget and Soft-NMS radius; rows 1-3 have
     # (20, 2), (9, 1), (12, 2)): steps 1-5 capture, 6-8 replay steps 2, 3 and 5's.
     assert graphs.enabled and graphs.captures == len(graphs) == 5 and graphs.replays == 3
+    logged = [r.getMessage() for r in caplog.records if "SFI refresh graph captured" in r.getMessage()]
+    assert len(logged) == 5 and "3 rows, 96 positions" in logged[0], logged
 
 
 @pytest.mark.gpu
