@@ -631,6 +631,11 @@ def balances(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
     the heuristic's splits within the fused merge's range, at most
     BALANCE_MAX_WAVES waves, and SGLANG_SPARSE_BALANCE_SPLITS not 0."""
     splits = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
+    return _balance_fits(batch_size, num_kv_heads, splits, num_sms)
+
+
+def _balance_fits(batch_size: int, num_kv_heads: int, splits: int, num_sms: int) -> bool:
+    """`balances` for the heuristic's `splits`, already chosen."""
     return (BALANCE_ENABLED and batch_size > 1 and splits <= FUSED_MERGE_MAX_SPLITS
             and batch_size * num_kv_heads * splits <= BALANCE_MAX_WAVES * num_sms * CTAS_PER_SM_TARGET)
 
@@ -856,8 +861,7 @@ def two_segment_decode(
     programs = num_sms * CTAS_PER_SM_TARGET
     if num_splits is None:
         num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
-        balance = balance and split_counters is not None and balances(bs, num_kv_heads, max_kv_len, num_sms,
-                                                                         min_split_len)
+        balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, num_splits, num_sms)
         if balance:
             by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
             base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)

@@ -75,9 +75,9 @@ class SfiPolicy(_Strict):
         1, ge=1, le=1 << 16, description="requests admitted together are dealt round-robin into this "
         "many refresh phases, evenly spaced over the t_max + 1 steps of a refresh period (the first "
         "interval shortened, never longer than t_max), so that a step carries the budget refreshes of "
-        "one group instead of every request's [ours: 1, all together: each Selector run has a fixed "
-        "cost, ~2.6 ms of host time at one request on an H100 (bench/README.md, session 14), so more "
-        "runs of fewer rows trade throughput for a shorter slowest step]")
+        "one group instead of every request's [ours: 1, all together: a step holding one group's slow "
+        "(dense) requests beside the others' fast ones waits for them in the decode kernel, so more "
+        "groups trade throughput for a shorter slowest step (bench/README.md, sessions 14-15)]")
     w_prefill: int = Field(32, ge=1, le=256,
                            description="queries in the first slow step's evidence window [ours]")
     prompt_evidence: Literal["first", "every"] = Field(

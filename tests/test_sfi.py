@@ -132,7 +132,7 @@ def test_selector_knobs_gathered_from_the_state_equal_the_specs():
     rows, layers = [7, 2, 4, 5], 3
     from_table = core.SelectorKnobs.from_table(st.sfi_knobs, torch.tensor(rows * layers), 6)
     chosen = [specs[2], specs[0], SfiPolicy(), specs[1]]
-    from_specs = core.SelectorKnobs.from_specs(chosen, "cpu", torch.float32, times=layers)
+    from_specs = core.SelectorKnobs.from_specs(chosen * layers, "cpu", torch.float32)
     assert from_table.nms_radius_max == 6
     for name in core.KNOB_NAMES:
         a, b = getattr(from_table, name), getattr(from_specs, name)

@@ -50,21 +50,19 @@ class SelectorKnobs:
         return SelectorKnobs(**out, nms_radius_max=self.nms_radius_max)
 
     @classmethod
-    def from_specs(cls, specs: Sequence, device, dtype, times: int = 1) -> "SelectorKnobs":
-        """The specs' knobs; `times` > 1: the batch stacked that many times (e.g. for
-        several layers at once), repeated on the host rather than on the device."""
+    def from_specs(cls, specs: Sequence, device, dtype) -> "SelectorKnobs":
+        """The specs' knobs (the start-up warm-up's and the tests'; a refresh gathers
+        them from the state: `from_table`)."""
         # One pinned host->device copy, asynchronous: a pageable copy would make the
         # host wait for the GPU work already queued (the decode step in flight).
-        names = KNOB_NAMES
         # Rows padded to 4 entries: each knob's tensor starts 16-byte aligned, so
         # Triton compiles one variant whatever the number of requests.
-        rows = len(specs) * times
-        width = -(-rows // 4) * 4
-        host = torch.zeros(len(names), width, dtype=torch.float64)
-        host[:, :rows] = torch.tensor([[float(getattr(s, f)) for s in specs] for f in names],
-                                      dtype=torch.float64).view(len(names), len(specs)).repeat(1, times)
+        rows = len(specs)
+        host = torch.zeros(len(KNOB_NAMES), -(-rows // 4) * 4, dtype=torch.float64)
+        host[:, :rows] = torch.tensor([[float(getattr(s, f)) for s in specs] for f in KNOB_NAMES],
+                                      dtype=torch.float64).view(len(KNOB_NAMES), rows)
         cols = to_device(host, device).to(dtype)[:, :rows]
-        out = dict(zip(names, cols.unbind(0)))
+        out = dict(zip(KNOB_NAMES, cols.unbind(0)))
         out["nms_radius"] = out["nms_radius"].round().to(torch.int64)
         return cls(**out, nms_radius_max=max((s.nms_radius for s in specs), default=0))
 

@@ -107,12 +107,13 @@ def refresh(
     if use_kernels:
         n_bound = _padded_bound(n_bound, req_to_token.shape[1], store.logit_len if stored else None)
     pools = _layer_pools(store, k_buffer, v_buffer, store.num_layers) if use_kernels else None
-    args = (k_buffer, v_buffer, req_to_token, scaling, pools)
-    _refresh_part(state, [r for r in rows if r in later], n_bound, args, 1, stored)
-    _refresh_part(state, [r for r in rows if r not in later], n_bound, args, None, False)
+    for part, w, from_logits in (([r for r in rows if r in later], 1, stored),
+                                 ([r for r in rows if r not in later], None, False)):
+        _refresh_part(state, part, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools, w, from_logits)
 
 
-def _refresh_part(state, rows, n_bound, args, w: int | None, stored: bool) -> None:
+def _refresh_part(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scaling, pools: "_Pools | None",
+                  w: int | None, stored: bool) -> None:
     """`rows` with one evidence window (w None: the specs' window), from the store's
     refresh graphs where it has them (kernel path only), else eagerly."""
     if not rows:
@@ -121,10 +122,9 @@ def _refresh_part(state, rows, n_bound, args, w: int | None, stored: bool) -> No
     specs = [state.row_init(r).spec for r in rows]
     if w is None:  # the slow step's query + saved prompt queries (buffer-bounded)
         w = min(max(s.w_prefill for s in specs), 1 + store.q_prompt.shape[2])
-    req_to_token, pools = args[2], args[4]
 
     def launch(ridx: torch.Tensor, specs_: Sequence, n: int) -> None:
-        _refresh_rows(state, ridx, specs_, n, *args, w, stored)
+        _refresh_rows(state, ridx, specs_, n, k_buffer, v_buffer, req_to_token, scaling, pools, w, stored)
 
     graphs = store.refresh_graphs
     if pools is None or graphs is None or not graphs.enabled:
