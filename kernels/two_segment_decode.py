@@ -98,8 +98,7 @@ FUSED_MERGE_MAX_SPLITS = 8
 # (balanced_splits). H100, Qwen3-1.7B shape, 28 layers, one dense row among sparse
 # rows of ~2.3K keys (bench/kernels/bench_mixed_rows.py, session 15): 8192 x 32
 # 7.74 -> 4.22 ms, 32768 x 8 6.64 -> 2.64 ms, 131072 x 4 12.6 -> 5.9 ms; with every row
-# alike it costs 8% (2.93 -> 3.17 ms at 8192 x 32), so it is asked for per launch
-# (not yet by the serving backend: bench/README, "Session 15").
+# alike it costs 8% (2.93 -> 3.17 ms at 8192 x 32), so it is asked for per launch.
 # Only while the launch is at most BALANCE_MAX_WAVES waves of the heuristic's
 # programs: past that the waves themselves even out a long request.
 # SGLANG_SPARSE_BALANCE_SPLITS=0: never (the grid and chunks as before).
@@ -786,11 +785,10 @@ def two_segment_decode(
             the grid allows ``BALANCE_FACTOR`` x them, and only where
             :func:`balances` says so (with ``split_counters``: the merge is
             fused); with an explicit ``num_splits`` that is the grid's bound. Off
-            by default: where every request is alike the larger grid costs 7-16%
-            (H100, bench/README "Session 15"), so a caller turns it on for the
-            launches that have a long request among short ones. The serving backend
-            does not yet: its first integration (a balanced twin of the kernel-only
-            decode graph) hung SGLang's graph capture on the H100 (bench/README).
+            by default: where every request is alike the larger grid costs 7-13%
+            (H100, bench/README "Session 15"), so the caller turns it on for the
+            launches that have a long request among short ones (the backend: a
+            decode step that may hold an SFI slow step).
         row_splits: with ``balance``, ``[bs]`` int32 splits per request as
             :func:`balanced_splits` computes them (default: computed here; a
             caller launching once per layer computes them once per step).

@@ -123,6 +123,8 @@ class SparseAttnBackend(AttentionBackend):
         self._dense_graph_wrappers: dict[tuple[str, int], object] = {}
         # The paths this decode forward runs (graph_variants.DENSE / KERNEL / MIXED).
         self._route = graph_variants.MIXED
+        self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
+        self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -315,11 +317,17 @@ class SparseAttnBackend(AttentionBackend):
             # selection is pending is dense this step but its queries are recorded)
             qa = self.state.step_query_aware()
             route = graph_variants.route_of(mask) if not qa else graph_variants.MIXED
+            balance = self.state.step_balance()
             if eager:
                 variant = route if graph_variants.ROUTE_ENABLED else graph_variants.MIXED
+                if variant == graph_variants.KERNEL and balance and _balance_enabled():
+                    variant = graph_variants.KERNEL_BALANCED
             else:
-                variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route)
-        route = self._route = graph_variants.MIXED if variant == graph_variants.QA else variant
+                variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route, balance)
+        # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
+        self._balance_step = variant == graph_variants.KERNEL_BALANCED
+        route = self._route = (graph_variants.MIXED if variant == graph_variants.QA else
+                               graph_variants.KERNEL if self._balance_step else variant)
         # CUDA-graph padding rows (state row 0, `full`, one key) go with the real rows:
         # to FlashInfer, or to the kernel when FlashInfer does not run.
         pad = 1 if route == graph_variants.KERNEL else 0
@@ -340,6 +348,7 @@ class SparseAttnBackend(AttentionBackend):
         return routed
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        self._row_splits = None
         if forward_batch.forward_mode.is_decode():
             self.plan = plan_decode(
                 self.state,
@@ -349,8 +358,27 @@ class SparseAttnBackend(AttentionBackend):
                 self.think_ids,
                 num_kv_heads=self._num_kv_heads,
             )
+            self._row_splits = self._balanced_row_splits(self.plan)
         else:
             self.plan = None
+
+    def _balanced_row_splits(self, plan: DecodePlan) -> Optional[torch.Tensor]:
+        """The decode kernel's splits per request, once per step for every layer, in a
+        step that balances them (graph variant KERNEL_BALANCED, where kernels.balances
+        allows it): a dense row among sparse ones (an SFI slow step) spread over more
+        programs instead of holding the step."""
+        if self.dense is None or not self._balance_step:
+            return None
+        from sgl_sparse.kernels import balanced_splits, balances
+        from sgl_sparse.kernels._utils import device_num_sms
+        from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, MAX_SPLITS
+
+        bs = plan.b_end.shape[0]
+        sms = device_num_sms(self.device)
+        if not balances(bs, self._num_kv_heads, self._max_kv_len, sms):
+            return None
+        return balanced_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:bs],
+                               sms * CTAS_PER_SM_TARGET // self._num_kv_heads, MAX_SPLITS)
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor
@@ -503,6 +531,8 @@ class SparseAttnBackend(AttentionBackend):
             out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
             row_mask=self._row_mask[:bs],
             split_counters=self._split_counters,
+            balance=self._row_splits is not None,
+            row_splits=self._row_splits,
             a_pos=plan.a_pos,
             **sfi_args,
         )
@@ -583,6 +613,12 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
         state.query_stores[pid] = store
         logger.info("sgl_sparse: %s store: %d slots x %d tokens, %.3f GiB", name, scfg.slots,
                     scfg.max_context, query_store.nbytes(store) / 2**30)
+
+
+def _balance_enabled() -> bool:
+    from sgl_sparse.kernels.two_segment_decode import BALANCE_ENABLED
+
+    return BALANCE_ENABLED
 
 
 def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:

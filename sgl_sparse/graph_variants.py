@@ -42,6 +42,10 @@ QA_ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
 ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
+# KERNEL with the kernel's splits balanced across requests (a step that may hold an
+# SFI slow step among fast ones: SparseState.step_balance); its own graph because
+# the balanced launch has a larger grid, which costs where every row is alike.
+KERNEL_BALANCED = "kernel_balanced"
 _LABEL_PREFIX = "sgl_sparse_"
 #: The variant label's position in capture_one_shape(size, forward, stream_idx,
 #: variant_label, ...) after `forward` (both supported SGLang versions).
@@ -59,29 +63,39 @@ def route_of(mask: Sequence[int]) -> str:
     return MIXED
 
 
-def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED) -> tuple[str, ...]:
+def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
+           balance: Optional[bool] = None) -> tuple[str, ...]:
     """The variants `backend` (a SparseAttnBackend) captures per batch size, largest
     graph first; () for one unlabelled graph per size."""
     if backend.dense is None or not compat.has_dense_decode_graph_wrappers(backend.dense):
         return ()
+    if balance is None:
+        from sgl_sparse.kernels.two_segment_decode import BALANCE_ENABLED
+
+        balance = BALANCE_ENABLED
     qa_store = getattr(backend, "qa", None)
     out = [QA] if qa_store is not None and qa_store.device is not None else []
     if not out or qa:
         out.append(MIXED)
     if route:
         out += [DENSE, KERNEL]
+        if balance:
+            out.append(KERNEL_BALANCED)
     return tuple(out) if len(out) > 1 else ()
 
 
-def choose(captured: Sequence[str], query_aware: bool, route: str) -> str:
+def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool = False) -> str:
     """The captured variant a batch replays: the query-aware graph when it holds such
     a row (or when that graph is all there is), else the graph of its route when
-    captured, else the one with both paths (MIXED when nothing is captured: one
+    captured (KERNEL_BALANCED for a kernel-only batch that wants `balance`, when
+    captured), else the one with both paths (MIXED when nothing is captured: one
     unlabelled graph per size, with both paths)."""
     if not captured:
         return MIXED
     if query_aware and QA in captured:
         return QA
+    if route == KERNEL and balance and KERNEL_BALANCED in captured:
+        return KERNEL_BALANCED
     if route in captured:
         return route
     return MIXED if MIXED in captured else QA

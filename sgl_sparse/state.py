@@ -115,6 +115,8 @@ class SparseState:
         # Whether the last decode batch set up holds a quest/asyncspade/lfps row: the
         # decode CUDA-graph variant its forward replays (step_query_aware).
         self._step_query_aware: bool | None = None
+        self._step_balance = False  # see step_balance
+        self._step_slow_sfi = [False, True]
         self._step_rows: list[int] | None = None  # rows of the decode batch, in order
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
@@ -279,6 +281,8 @@ class SparseState:
         active = self._active
         query_aware = False
         with self._lock:
+            # (an SFI kernel row may be slow, every kernel row surely is): _sfi_step
+            self._step_slow_sfi = [False, True]
             for r, n, toks in zip(rows, seq_lens, new_tokens):
                 r, n = int(r), int(n)
                 row = active.get(r)
@@ -314,6 +318,11 @@ class SparseState:
             self._step_kernel_rows = mask
             self._step_rows = list(map(int, rows))
             self._step_query_aware = query_aware
+            may, surely = self._step_slow_sfi
+            # Rows of the kernel that are not SFI's (windows, indexed) are fast here.
+            surely = surely and all(m == 0 or self._active.get(int(r)) is None
+                                    or self._active[int(r)].policy is _SFI for r, m in zip(rows, mask))
+            self._step_balance = may and not surely and sum(m == 1 for m in mask) > 1
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
 
@@ -341,10 +350,13 @@ class SparseState:
             candidates = max(0, m.refresh_n - i.window - i.sink)
             m.selection = min(i.sink, m.refresh_n) + min(i.budget, candidates)
             m.refresh_n = None
+        route = 0 if i.slot < 0 else 2 if sfi.covers(i.sink, i.budget, i.window, n) else 1
+        if route == 1:
+            may, surely = m.next_step()
+            self._step_slow_sfi[0] |= may
+            self._step_slow_sfi[1] &= surely
         m.launched_lens.append(n)
-        if i.slot < 0:
-            return 0
-        return 2 if sfi.covers(i.sink, i.budget, i.window, n) else 1
+        return route
 
     def _query_aware_step(self, r: int, i: RowInit, n: int, count, fallbacks) -> int:
         """Host twin of policies.query_aware.decide (lock held): why a row is dense,
@@ -430,6 +442,16 @@ class SparseState:
     def active_count(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def step_balance(self) -> bool:
+        """Whether the decode step about to run may hold a long kernel row among short
+        ones -- an SFI slow step (dense) beside fast steps -- so that the kernel should
+        balance its splits (kernels.two_segment_decode's ``balance``): some SFI row
+        on the kernel may be slow (sentence triggers: any step may be; pinned by
+        ``t_max``: the host knows) and not every kernel row surely is. Read like
+        step_query_aware, by the variant choice of the same forward."""
+        with self._lock:
+            return self._step_balance
 
     def step_query_aware(self) -> bool:
         """Whether the decode forward about to run needs the query-aware blocks: its

@@ -98,6 +98,7 @@ def make_backend(route=True, eager_route=True):
     be._graph_variant, be._dense_graph_wrappers, be._route = None, {}, gv.MIXED
     be._step_variant = gv.choose(be.graph_variants, False, gv.MIXED)
     be._prompt_q_plan = None
+    be._row_splits, be._balance_step = None, False
     return be
 
 
@@ -139,6 +140,13 @@ for v in be.graph_variants:
         be._prepare_forward(batch([1, 2], 4), eager=False, in_capture=True)
         out["capture"][v] = [c[0] for c in be.dense.calls]
 out["kept"] = {f"{v}/{bs}": w for (v, bs), w in be._dense_graph_wrappers.items()}
+# a kernel-only step that may hold an SFI slow step among fast ones: the balanced twin
+out["choose_balanced"] = [gv.choose(be.graph_variants, False, gv.KERNEL, True),
+                          gv.choose(be.graph_variants, False, gv.MIXED, True),
+                          gv.choose(be.graph_variants, True, gv.KERNEL, True)]
+with be.capturing_graph_variant(gv.KERNEL_BALANCED):
+    be._prepare_forward(batch([2, 3], 4), eager=False, in_capture=True)
+    out["capture_balanced"] = [be._route, be._balance_step]
 step(be, [1], 4)
 out["installed_dense"] = be.dense.decode_cuda_graph_metadata[4]
 step(be, [1, 2], 4)
@@ -195,6 +203,8 @@ def res(tmp_path_factory):
     env = server_env({"TRITON_INTERPRET": "1"})
     env.pop("SGLANG_SPARSE_ROUTE_VARIANTS", None)
     env.pop("SGL_SPARSE_ROUTE_VARIANTS", None)
+    env.pop("SGLANG_SPARSE_BALANCE_SPLITS", None)
+    env.pop("SGL_SPARSE_BALANCE_SPLITS", None)
     out = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=tmp_path_factory.mktemp("route"),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -205,11 +215,11 @@ def res(tmp_path_factory):
 def test_captured_variants(res):
     v = res["variants"]
     # query-aware blocks captured: their graph, then both paths, then one path each
-    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "mixed", "dense", "kernel"]
-    assert v["qa_dev=True,route=True,qa=False"] == ["qa", "dense", "kernel"]
+    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "mixed", "dense", "kernel", "kernel_balanced"]
+    assert v["qa_dev=True,route=True,qa=False"] == ["qa", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=True,route=False,qa=True"] == ["qa", "mixed"]
     assert v["qa_dev=True,route=False,qa=False"] == []  # one graph with the blocks (before)
-    assert v["qa_dev=False,route=True,qa=True"] == ["mixed", "dense", "kernel"]
+    assert v["qa_dev=False,route=True,qa=True"] == ["mixed", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=False,route=False,qa=True"] == []  # one graph, both paths (before)
 
 
@@ -242,7 +252,11 @@ def test_eager_forwards_skip_the_unused_path(res):
 
 @pytest.mark.timeout(300)
 def test_captures_and_wrappers_per_variant(res):
-    assert res["capture"] == {"mixed": ["graph_plan"], "dense": ["graph_plan"], "kernel": []}
+    assert res["capture"] == {"mixed": ["graph_plan"], "dense": ["graph_plan"], "kernel": [], "kernel_balanced": []}
+    # the balanced twin: replayed for a kernel-only step that asks for it, captured as
+    # the kernel route with balanced splits
+    assert res["choose_balanced"] == ["kernel_balanced", "mixed", "kernel_balanced"]
+    assert res["capture_balanced"] == ["kernel", True]
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]
     assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]

@@ -108,6 +108,77 @@ def test_refresh_groups_spread_the_budget_refreshes_of_a_batch(groups):
     assert slow[8:].sum() == pytest.approx(n * (steps - 8) / (t_max + 1), abs=n)
 
 
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_host_knows_ahead_which_pinned_steps_are_slow(lag):
+    """HostMirror.next_step: without triggers the slowness of the step about to
+    launch -- with `lag` launched steps not yet evaluated (SGLang's overlap
+    scheduler: 1) -- is the device's, exactly; with triggers every step may be slow."""
+    t_max, steps = 5, 40
+    for groups in (1, 3):
+        spec = SfiPolicy(t_max=t_max, sentence_triggers=False, refresh_groups=groups)
+        cfg = SparseServerConfig.model_validate({"compact": {"slots": 3}})
+        st = SparseState(4, "cpu", cfg)
+        st.set_trigger_table(_table())
+        st.admit([1, 2, 3], [sfi.init_row(spec, [], [], (None, None)) for _ in range(3)])
+        device = [[bool(x) for x in (plan_decode(st, torch.tensor([1, 2, 3]), torch.full((3,), 5),
+                                                 torch.full((3,), 100 + t), (None, None)).q_save_slot >= 0)]
+                  for t in range(steps)]
+        for j, r in enumerate((1, 2, 3)):
+            m = sfi.HostMirror(st.row_init(r), base=0)
+            for t in range(steps):
+                m.advance([5] * max(0, t - lag), _table())  # ids of the steps before t - lag known
+                may, surely = m.next_step()
+                assert surely == may == device[t][j], (groups, r, t)
+                m.launched_lens.append(100 + t)
+    m = sfi.HostMirror(sfi.init_row(SfiPolicy(t_max=t_max), [], [], (None, None)), base=0)
+    m.advance([], _table())
+    assert m.next_step() == (True, True)  # the first step: slow either way
+    m.launched_lens.append(100)
+    m.advance([5], _table())
+    assert m.next_step() == (True, False)  # sentence triggers: may be, not surely
+
+
+def test_step_balance_asks_for_balanced_splits_when_a_slow_step_may_sit_among_fast_ones():
+    """SparseState.step_balance: a kernel-only step holding an SFI row that may be slow
+    beside rows that surely are not (pinned refresh groups, sentence triggers, a
+    window row) balances; every row fast, every row slow (one refresh group's
+    aligned step) or a single kernel row does not."""
+    t_max = 3
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": 4}})
+
+    def run(specs, steps, extra=()):
+        st = SparseState(6, "cpu", cfg)
+        st.set_trigger_table(_table())
+        rows = list(range(1, len(specs) + 1))
+        st.admit(rows, [sfi.init_row(s, [], [], (None, None)) for s in specs])
+        for r, init in extra:
+            st.admit([r], [init])
+            rows.append(r)
+        out, toks = [], [[] for _ in rows]
+        for t in range(steps):
+            st.set_step_rows(rows, [9000 + t] * len(rows), toks)
+            out.append(st.step_balance())
+            toks = [tk + [5] for tk in toks]  # the step's id arrives before the next
+        return out
+
+    pinned = SfiPolicy(t_max=t_max, sentence_triggers=False, budget=8, recent=8, sink=2)
+    # one group: every row slow together (step 0, then every t_max + 1): never mixed
+    assert run([pinned] * 3, 12) == [False] * 12
+    # two groups: a group's slow step beside the other group's fast ones
+    grouped = pinned.model_copy(update={"refresh_groups": 2})
+    got = run([grouped] * 4, 12)
+    assert got[0] is False and any(got[1:]) and not all(got[1:])
+    # sentence triggers: any step may be slow (until t_max makes every row surely slow)
+    natural = SfiPolicy(t_max=31, budget=8, recent=8, sink=2)
+    assert run([natural] * 2, 6)[1:] == [True] * 5
+    assert run([natural], 6) == [False] * 6  # one kernel row: nothing to balance
+    from sgl_sparse.policies import streaming
+    from sgl_sparse.config import StreamingPolicy
+    window = streaming.init_row(StreamingPolicy(window=16, sink=2), [], [], (None, None))
+    # every pinned row slow at step 0 but a window row beside them: balanced
+    assert run([pinned] * 2, 2, extra=[(5, window)])[0] is True
+
+
 def test_a_later_extend_chunk_keeps_its_refresh_phase():
     spec = SfiPolicy(t_max=5, refresh_groups=3)
     st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5)])  # the default: one group, no phase

@@ -106,6 +106,18 @@ class HostMirror:
             out.append((slow, n))
         return out
 
+    def next_step(self) -> tuple[bool, bool]:
+        """(may be slow, surely slow) for the step about to launch, after the launched
+        ones the host has not evaluated yet. Without sentence triggers the device's
+        decision depends on the counter alone, so the host replays it exactly; with
+        them any step may be slow (its input id is still being generated)."""
+        s, j, slow = self.since_slow, self.evaluated, False
+        for _ in range(len(self.launched_lens) + 1):
+            slow = s >= self.init.t_max
+            s = (self.init.refresh_phase if j == 0 else 0) if slow else s + 1
+            j += 1
+        return slow or self.init.triggers, slow
+
     def attended(self, slow: bool, n: int) -> int:
         """Tokens the device attended at a step the host has evaluated."""
         i = self.init
