@@ -113,6 +113,10 @@ class SparseAttnBackend(AttentionBackend):
             self._split_counters = make_split_counters(
                 self.req_to_token_pool.req_to_token.shape[0], self._num_kv_heads, self.device
             )
+        # Steps that may hold an SFI slow step among fast ones balance the kernel's
+        # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED).
+        self.balance_splits = (self.dense is not None and self.state.compact is not None
+                               and self.config.compact.balance_splits and _balance_enabled())
         # Decode CUDA graphs per batch size, one per set of attention paths a batch
         # needs (graph_variants.py): FlashInfer alone, our kernel alone, both, both
         # with the query-aware blocks.
@@ -317,10 +321,10 @@ class SparseAttnBackend(AttentionBackend):
             # selection is pending is dense this step but its queries are recorded)
             qa = self.state.step_query_aware()
             route = graph_variants.route_of(mask) if not qa else graph_variants.MIXED
-            balance = self.state.step_balance()
+            balance = self.balance_splits and self.state.step_balance()
             if eager:
                 variant = route if graph_variants.ROUTE_ENABLED else graph_variants.MIXED
-                if variant == graph_variants.KERNEL and balance and _balance_enabled():
+                if variant == graph_variants.KERNEL and balance:
                     variant = graph_variants.KERNEL_BALANCED
             else:
                 variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route, balance)

@@ -192,6 +192,14 @@ class CompactBufferConfig(_Strict):
     # CUDA graphs captured per (rows, length) bucket (sgl_sparse/selector/graphs.py):
     # on by default; off runs every refresh eagerly, as before session 15.
     refresh_graphs: bool = Field(True, description="replay the SFI refresh from CUDA graphs (GPU only)")
+    # A decode step where an SFI row may be slow (dense) beside fast ones: the decode
+    # kernel spreads that row over more programs (kernels.balanced_splits) instead of
+    # one program per KV head reading its whole context while the rest of the GPU
+    # waits. Its own decode graph per batch size (graph_variants.KERNEL_BALANCED),
+    # replayed only for such steps: the larger grid costs 8-13% where every row is
+    # alike (H100, bench/README "Session 15").
+    balance_splits: bool = Field(True, description="balance the decode kernel's splits on steps that may "
+                                                   "hold an SFI slow step among fast ones (GPU only)")
 
 
 class QueryStoreConfig(_Strict):

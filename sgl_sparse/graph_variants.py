@@ -70,9 +70,7 @@ def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
     if backend.dense is None or not compat.has_dense_decode_graph_wrappers(backend.dense):
         return ()
     if balance is None:
-        from sgl_sparse.kernels.two_segment_decode import BALANCE_ENABLED
-
-        balance = BALANCE_ENABLED
+        balance = bool(getattr(backend, "balance_splits", False))
     qa_store = getattr(backend, "qa", None)
     out = [QA] if qa_store is not None and qa_store.device is not None else []
     if not out or qa:

@@ -83,8 +83,9 @@ for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
     buf.copy_(torch.randn_like(buf, dtype=torch.float32).half())
 
 
-def make_backend(route=True, eager_route=True):
+def make_backend(route=True, eager_route=True, balance=True):
     be = object.__new__(SparseAttnBackend)
+    be.balance_splits = balance  # compact.balance_splits on a server with SFI slots
     be.device = torch.device("cpu")
     be.state, be.qa, be.think_ids = st, None, st.think_ids
     be.token_to_kv_pool, be._layer0, be._num_kv_heads = kv, 0, HKV
@@ -139,6 +140,8 @@ for v in be.graph_variants:
         be.dense.calls.clear()
         be._prepare_forward(batch([1, 2], 4), eager=False, in_capture=True)
         out["capture"][v] = [c[0] for c in be.dense.calls]
+# compact.balance_splits off (or no SFI slots): no balanced twin is captured
+out["variants_no_balance"] = list(make_backend(balance=False).graph_variants)
 out["kept"] = {f"{v}/{bs}": w for (v, bs), w in be._dense_graph_wrappers.items()}
 # a kernel-only step that may hold an SFI slow step among fast ones: the balanced twin
 out["choose_balanced"] = [gv.choose(be.graph_variants, False, gv.KERNEL, True),
@@ -257,6 +260,7 @@ def test_captures_and_wrappers_per_variant(res):
     # the kernel route with balanced splits
     assert res["choose_balanced"] == ["kernel_balanced", "mixed", "kernel_balanced"]
     assert res["capture_balanced"] == ["kernel", True]
+    assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]
     assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]
