@@ -21,6 +21,12 @@ export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-kernels}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+# A JIT cache from an earlier lease (JIT_SNAPSHOT=1 below, carried as .gpu/jit): a fresh
+# machine skips FlashInfer's and tvm-ffi's builds, ~5 min of the first server's start-up
+# (session 16: stock-only e2e at 8192 x 32, 6.4 min fresh).
+if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashinfer ]; then
+    cat .gpu/jit/jit_cache.tgz.part* | tar -xz -C /root && echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
+fi
 python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
