@@ -64,8 +64,11 @@ def time_ms(fn, reps: int) -> float:
 LAYERS = 28
 
 
-def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
+def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: int = 0):
+    """`room` > ctx: req_to_token rows and stored logits sized for `room` positions
+    (a refresh's bound may then exceed the requests' length, as a padded one does)."""
     dev = torch.device("cuda")
+    room = max(room, ctx)
     hkv, hq, d, cap = 8, 16, 128, 2052
     spec = SfiPolicy(w_prefill=max(w, 1))
     cfg = SparseServerConfig.model_validate({"compact": {"slots": bs, "capacity": cap},
@@ -76,12 +79,12 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
     pool = bs * ctx + 16
     k = torch.randn(pool, hkv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    r2t = torch.zeros(bs + 1, ctx + 8, dtype=torch.int32, device=dev)
+    r2t = torch.zeros(bs + 1, room + 8, dtype=torch.int32, device=dev)
     r2t[1:, :ctx] = torch.randperm(bs * ctx, device=dev).view(bs, ctx).int()
     stored = w == 1
     st.compact = CompactStore(slots=bs, capacity=cap, num_layers=LAYERS, num_kv_heads=hkv, num_q_heads=hq,
                               head_dim=d, dtype=torch.bfloat16, pool_size=pool, prompt_queries=max(w - 1, 0),
-                              device=dev, logit_len=ctx if stored else 0)
+                              device=dev, logit_len=room if stored else 0)
     st.compact.knorm[:] = k.float().norm(dim=-1)
     st.compact.q.normal_()
     st.compact.q_prompt.normal_()
@@ -119,6 +122,7 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None):
     if fns is not None:
         fns["refresh"] = run_refresh
         fns["_state"] = st
+        fns.update(_k=k, _v=v, _r2t=r2t, _scale=scale)
     if not stored:
         return out
     # The slow step storing its logits (every layer, as serving does), then the
@@ -148,7 +152,7 @@ def profile(ctx: int, bs: int, w: int) -> None:
 
     fns: dict = {}
     case(ctx, bs, w, 2, fns)
-    for name, fn in fns.items():
+    for name, fn in [(n, f) for n, f in fns.items() if not n.startswith("_")]:  # "_state", "_k": not runs
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             fn()
             torch.cuda.synchronize()
@@ -195,7 +199,7 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
         torch.cuda.synchronize()
         return [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
 
-    for name, fn in fns.items():
+    for name, fn in [(n, f) for n, f in fns.items() if not n.startswith("_")]:
         st.compact.refresh_graphs = None
         out[f"{name}_host_ms"] = host_ms(fn)
         out[f"{name}_device_ms"] = round(time_ms(fn, calls), 3)
@@ -218,6 +222,42 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
         out[f"{name}_graphed_same"] = all(torch.equal(a, b) for a, b in zip(eager, snapshot()))
         out[f"{name}_graphs"] = {"captures": graphs.captures, "replays": graphs.replays}
         st.compact.refresh_graphs = None
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def length_pad(ctx: int, bs: int, factors: tuple[int, ...] = (1, 2, 4), calls: int = 20) -> dict:
+    """Whether a refresh graph's work follows its length bucket or the requests'
+    lengths: the graphed refresh from stored logits (w = 1) of requests of `ctx`
+    positions, with its bound on positions `f` x ctx (what a coarser length bucket
+    would pad it to), device ms per refresh of all layers, and whether the compact
+    buffers, counts and ready flags equal those of the bound `ctx`, bit for bit."""
+    from sgl_sparse.selector.graphs import RefreshGraphs
+
+    fns: dict = {}
+    case(ctx, bs, 1, 2, fns, room=ctx * max(factors))
+    st = fns.pop("_state")
+    rows = list(range(1, bs + 1))
+    ref = None
+    out = {"ctx": ctx, "batch": bs, "device_ms": {}, "same": {}}
+    for f in factors:
+        st.compact.refresh_graphs = RefreshGraphs(torch.device("cuda"))
+        for t in (st.compact.k, st.compact.v, st.sel_count):
+            t.zero_()
+        st.sel_ready.zero_()
+
+        def fn(bound=ctx * f):
+            refresh(st, rows, bound, lambda i: fns["_k"], lambda i: fns["_v"], fns["_r2t"], fns["_scale"],
+                    use_kernels=True, later=set(rows))
+
+        out["device_ms"][f] = round(time_ms(fn, calls), 3)
+        torch.cuda.synchronize()
+        got = [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
+        ref = ref if ref is not None else got
+        out["same"][f] = all(torch.equal(a, b) for a, b in zip(ref, got))
+        out.setdefault("graphs", {})[f] = {"captures": st.compact.refresh_graphs.captures,
+                                           "replays": st.compact.refresh_graphs.replays}
+    st.compact.refresh_graphs = None
     print(json.dumps(out), flush=True)
     return out
 
@@ -302,6 +342,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", default="", help="CTXxBATCH: print a per-op profile of one refresh")
     ap.add_argument("--host-profile", default="", help="CTXxBATCH,...: host vs device time of a refresh, cProfile")
+    ap.add_argument("--length-pad", default="", help="CTXxBATCH,...: graphed refresh device time with its "
+                    "bound on positions 1x, 2x, 4x the requests' length (coarser length buckets)")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
     a = ap.parse_args()
@@ -312,6 +354,11 @@ def main():
     for c in filter(None, a.host_profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         hp.append(host_profile(ctx, bs))
+    lp = []
+    for c in filter(None, a.length_pad.split(",")):
+        ctx, bs = map(int, c.split("x"))
+        lp.append(length_pad(ctx, bs))
+        torch.cuda.empty_cache()
     res, ab = [], []
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
@@ -338,6 +385,8 @@ def main():
         doc["stats_ab"] = ab
     if hp:
         doc["host_profile"] = hp
+    if lp:
+        doc["length_pad"] = lp
     json.dump(doc, open(a.out, "w"), indent=1)
 
 
