@@ -8,8 +8,9 @@ per run. Captured once per shape, a run is one host->device copy of its rows and
 one graph launch.
 
 The shape of a run: its rows padded to a bucket (1, 2, 3, 4, 6, 8, 12, 16, ...: at
-most 1.5x) by repeating the last row, and its bound on positions rounded up to a
-multiple of LENGTH_BUCKET within `limit` (the req_to_token row, the stored logits),
+most 1.5x) by repeating the last row, and its bound on positions rounded up to
+LENGTH_BUCKET x the same sequence (1024, 2048, 3072, 4096, 6144, 8192, ...) within
+`limit` (the req_to_token row, the stored logits),
 plus whatever host values the launch bakes in (the caller's `key`: the window, the
 largest budget and Soft-NMS radius, the pools). A repeated row computes exactly what
 the row computes and writes it to the same places, and the kernels mask every row
@@ -36,27 +37,43 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# The smallest length bucket; the others are it x 2, 3, 4, 6, 8, 12, ... (two per
+# doubling, at most 1.5x the bound rounded up to 1024). Multiples of 1024 (sessions
+# 15-16) gave a server a new shape -- an eager run plus a capture, on a live step --
+# every 1024 positions a request grew, and 128 length buckets at 128K. Padding is
+# exact but not free: the graphed refresh's device time at 2x / 4x the requests'
+# length was +18% / +48% at 8192 x 32 and +20% / +66% at 32768 x 8 (H100,
+# bench_selector.py --length-pad, bench/README "Session 16"), so up to 1.5x costs
+# about +10% of a refresh: with one slow step in 32, ~0.5% of a decode step at
+# 8192 x 32 (derived from those numbers, not measured end to end).
 LENGTH_BUCKET = 1024
 # Graphs kept (least recently replayed dropped first). A key is a (rows, length)
-# bucket pair: a server with 32 slots at 128K meets at most ~10 row buckets x 128
-# length buckets over its life, most of them rarely.
+# bucket pair: a server with 32 slots at 128K meets at most 10 row buckets x 14
+# length buckets, plus its windows and budgets.
 MAX_GRAPHS = 256
 
 Launch = Callable[[torch.Tensor, Sequence, int], None]
 
 
-def row_bucket(r: int) -> int:
-    """Rows rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and
-    their 1.5x): at most 1.5x the rows, two buckets per doubling."""
+def _two_per_doubling(r: int) -> int:
+    """r rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their
+    1.5x): at most 1.5x r."""
     if r <= 2:
         return max(r, 1)
     p = 1 << (r - 1).bit_length()  # next power of two >= r
     return p * 3 // 4 if r <= p * 3 // 4 else p
 
 
+def row_bucket(r: int) -> int:
+    """Rows rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: at most 1.5x the rows,
+    two buckets per doubling."""
+    return _two_per_doubling(r)
+
+
 def length_bucket(n: int, limit: int) -> int:
-    """The bound on positions rounded up to a multiple of LENGTH_BUCKET, within `limit`."""
-    return min(-(-max(n, 1) // LENGTH_BUCKET) * LENGTH_BUCKET, limit)
+    """The bound on positions rounded up to LENGTH_BUCKET x (1, 2, 3, 4, 6, 8, ...),
+    within `limit`: at most 1.5x the bound rounded up to LENGTH_BUCKET."""
+    return min(LENGTH_BUCKET * _two_per_doubling(-(-max(n, 1) // LENGTH_BUCKET)), limit)
 
 
 def padded(rows: Sequence[int], specs: Sequence, r: int) -> tuple[list[int], list]:

@@ -31,11 +31,21 @@ def test_row_buckets_are_at_most_one_and_a_half_times_the_rows():
 
 
 def test_length_buckets_round_up_within_the_limit():
-    assert G.length_bucket(1, 10_000) == G.LENGTH_BUCKET
-    assert G.length_bucket(G.LENGTH_BUCKET, 10_000) == G.LENGTH_BUCKET
-    assert G.length_bucket(G.LENGTH_BUCKET + 16, 10_000) == 2 * G.LENGTH_BUCKET
+    L = G.LENGTH_BUCKET
+    assert G.length_bucket(1, 1 << 20) == L
+    assert G.length_bucket(L, 1 << 20) == L
+    assert G.length_bucket(L + 16, 1 << 20) == 2 * L
+    assert G.length_bucket(2 * L + 1, 1 << 20) == 3 * L
+    assert G.length_bucket(4 * L + 1, 1 << 20) == 6 * L
+    assert G.length_bucket(8 * L + 128, 1 << 20) == 12 * L  # 8192 + 128 generated: 12288
     assert G.length_bucket(9_990, 10_000) == 10_000
     assert G.length_bucket(96, 96) == 96
+    # at most 1.5x the bound rounded up to L, monotonic, few shapes up to 128K
+    buckets = [G.length_bucket(n, 1 << 20) for n in range(1, 131_073, 61)]
+    for n, b in zip(range(1, 131_073, 61), buckets):
+        assert n <= b <= 1.5 * (-(-n // L) * L)
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) == 14  # 1024 ... 131072
 
 
 def test_padding_repeats_the_last_row_and_its_spec():
@@ -63,7 +73,7 @@ def test_padded_bucketed_refresh_equals_the_plain_one(monkeypatch, logit_len, la
     req_to_token row: bit-identical compact buffers, counts and ready flags."""
     monkeypatch.setattr(G.RefreshGraphs, "_capture", lambda self, *a, **kw: None)
     monkeypatch.setattr(G, "row_bucket", lambda r: r + 2)
-    monkeypatch.setattr(G, "LENGTH_BUCKET", 48)  # 33 -> 48, 61 -> 96 (the limit), 90 -> 96
+    monkeypatch.setattr(G, "LENGTH_BUCKET", 48)  # 33 -> 48, 61 -> 96 (2 x 48, the limit), 90 -> 96
     make = lambda: T.make_sfi_refresh_case(  # noqa: E731
         3, logit_len=logit_len, prompt_queries={1: 2, 2: 2, 3: 1}, seed=len(rows))
     later_rows = set(rows) if later else set()
