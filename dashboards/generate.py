@@ -198,7 +198,19 @@ def overview() -> Json:
                    "Triton compiles of sgl_sparse's kernels: startup (warm-ups, graph capture) or serving "
                    "(a decode batch waited for it, 0.3-1 s; the server log names the kernel).",
                    [(f"sum by (phase) (increase(sglang_sparse_kernel_compiles_total{{{SEL}}}[{RATE}]))", "{{phase}}")],
-                   "short", w=24, h=6),
+                   "short", w=8, h=6),
+        timeseries("Decode forwards / s by attention path",
+                   "dense: FlashInfer alone; kernel: sgl_sparse's kernel alone; kernel_balanced: the kernel "
+                   "with balanced splits (an SFI slow step may run beside fast ones); mixed: both; qa: both "
+                   "with the query-aware blocks; reference: the CPU path.",
+                   [(f"sum by (path) (rate(sglang_sparse_decode_forwards_total{{{SEL}}}[{RATE}]))", "{{path}}")],
+                   "ops", w=8, h=6),
+        timeseries("SFI refresh graph captures",
+                   "New refresh shapes captured into CUDA graphs; the decode step of each waited for it "
+                   "(an eager run plus the capture). A steady rate means shapes churn past the 256 kept.",
+                   [(f"sum by (model_name) (increase(sglang_sparse_refresh_graph_captures_total{{{SEL}}}[{RATE}]))",
+                     "{{model_name}}")],
+                   "short", w=8, h=6),
     ]
     return dashboard("sgl-sparse-overview", "sgl_sparse / Overview",
                      "Throughput, TPOT, slow-step ratio and retention by policy; SGLang queue and KV usage.", panels)

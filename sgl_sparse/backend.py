@@ -169,6 +169,8 @@ class SparseAttnBackend(AttentionBackend):
         if self.qa is not None:
             self._plan_query_aware(forward_batch, admitted, graphed=not eager)
         if self.dense is None:
+            if self.state.metrics is not None and mode.is_decode():
+                self.state.metrics.on_decode_path("reference")
             return
         if forward_batch.forward_mode.is_decode_or_idle():
             forward_batch = self._route_decode_rows(forward_batch, eager, in_capture)
@@ -328,6 +330,8 @@ class SparseAttnBackend(AttentionBackend):
                     variant = graph_variants.KERNEL_BALANCED
             else:
                 variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route, balance)
+        if not in_capture and self.state.metrics is not None and forward_batch.forward_mode.is_decode():
+            self.state.metrics.on_decode_path(variant)
         # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
         self._balance_step = variant == graph_variants.KERNEL_BALANCED
         route = self._route = (graph_variants.MIXED if variant == graph_variants.QA else
@@ -580,6 +584,8 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
 
         if cfg.compact.refresh_graphs:
             state.compact.refresh_graphs = RefreshGraphs(kv.device)
+            if state.metrics is not None:
+                state.compact.refresh_graphs.on_capture = state.metrics.on_refresh_graph_capture
 
         layer0 = getattr(kv_pool, "start_layer", 0) or 0
         warm_up_kernels(state.compact, kv, kv_pool.get_value_buffer(layer0),

@@ -57,6 +57,10 @@ def batch_mix(policies) -> str:
     return MIX_MIXED if "full" in names else MIX_SPARSE
 
 
+# graph_variants' paths (their values) and the CPU reference path: every series from 0.
+DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "reference")
+
+
 class SchedulerMetrics:
     """Per-policy decode statistics, one instance per scheduler process."""
 
@@ -123,6 +127,19 @@ class SchedulerMetrics:
             ["phase", "model_name"])
         self._compile_children = {phase: self.kernel_compiles.labels(phase, model_name)
                                   for phase in ("startup", "serving")}  # both series from 0
+        self.decode_forwards = Counter(
+            "sglang_sparse_decode_forwards_total",
+            "Decode forwards by the attention path they ran: dense (FlashInfer alone), kernel "
+            "(sgl_sparse's kernel alone), kernel_balanced (the kernel with balanced splits: a step "
+            "where an SFI slow step may run beside fast ones, compact.balance_splits), mixed (both), "
+            "qa (both with the query-aware blocks), reference (the CPU reference path).",
+            ["path", "model_name"])
+        self._path_children = {path: self.decode_forwards.labels(path, model_name) for path in DECODE_PATHS}
+        self.refresh_graph_captures = Counter(
+            "sglang_sparse_refresh_graph_captures_total",
+            "SFI refresh shapes captured into CUDA graphs (compact.refresh_graphs); the decode step "
+            "each was captured on waited for it (an eager run plus the capture).", ["model_name"])
+        self._captures_child = self.refresh_graph_captures.labels(model_name)  # from 0
         self._slot_bytes = 0
         self._slots_in_use = 0
         self._last_decode_t: Optional[float] = None
@@ -131,6 +148,14 @@ class SchedulerMetrics:
         # labels() locks and hashes per call: the per-step series, resolved once.
         self._step_children: dict[str, tuple] = {}  # policy -> on_step's counters
         self._mix_children: dict[str, object] = {}  # mix -> step_duration
+
+    def on_decode_path(self, path: str) -> None:
+        """The backend, once per decode forward, with the path it runs (DECODE_PATHS)."""
+        self._path_children[path].inc()
+
+    def on_refresh_graph_capture(self) -> None:
+        """selector.graphs.RefreshGraphs, after each capture."""
+        self._captures_child.inc()
 
     def on_kernel_compile(self, serving: bool) -> None:
         """compile_watch's listener (in whichever thread compiled)."""

@@ -27,6 +27,7 @@ import pytest
 import requests
 import yaml
 
+from sgl_sparse.metrics import DECODE_PATHS
 from tests.promql_sources import RULES, dashboard_exprs, recorded_names, rule_exprs
 from tests.server import find_free_port
 
@@ -213,7 +214,7 @@ def test_labels_are_bounded(stack, traffic):
     _, prom_url = stack
     series = requests.get(prom_url + "/api/v1/series", params={"match[]": '{__name__=~"sglang_sparse_.*"}'},
                           timeout=30).json()["data"]
-    allowed = {"__name__", "policy", "model_name", "reason", "mix", "phase", "le", "job", "instance"}
+    allowed = {"__name__", "policy", "model_name", "reason", "mix", "phase", "path", "le", "job", "instance"}
     assert series and all(set(s) <= allowed for s in series), {k for s in series for k in s} - allowed
     names = {s["__name__"] for s in series}
     for want in ("sglang_sparse_time_per_output_token_seconds_bucket", "sglang_sparse_decode_step_duration_seconds_bucket",
@@ -227,3 +228,14 @@ def test_labels_are_bounded(stack, traffic):
     assert phases == {"startup", "serving"}
     mixes = {s["mix"] for s in series if "mix" in s}
     assert mixes <= {"full", "sparse", "mixed"} and "mixed" in mixes
+    # Decode forwards by attention path: every path's series from start-up; on the CPU
+    # every decode forward is the reference path. No refresh graph on the CPU.
+    paths = {s["path"] for s in series if s["__name__"] == "sglang_sparse_decode_forwards_total"}
+    assert paths == set(DECODE_PATHS)
+    by_path = {r["metric"]["path"]: float(r["value"][1]) for r in requests.get(
+        prom_url + "/api/v1/query", params={"query": "sum by (path) (sglang_sparse_decode_forwards_total)"},
+        timeout=30).json()["data"]["result"]}
+    assert by_path["reference"] > 0 and sum(by_path.values()) == by_path["reference"], by_path
+    captures = requests.get(prom_url + "/api/v1/query", params={
+        "query": "sum(sglang_sparse_refresh_graph_captures_total)"}, timeout=30).json()["data"]["result"]
+    assert [float(r["value"][1]) for r in captures] == [0.0]

@@ -150,6 +150,21 @@ out["choose_balanced"] = [gv.choose(be.graph_variants, False, gv.KERNEL, True),
 with be.capturing_graph_variant(gv.KERNEL_BALANCED):
     be._prepare_forward(batch([2, 3], 4), eager=False, in_capture=True)
     out["capture_balanced"] = [be._route, be._balance_step]
+# sglang_sparse_decode_forwards_total: one per decode forward by the path it runs
+# (the real metrics object, this subprocess's registry), none for a capture.
+from prometheus_client import REGISTRY
+from sgl_sparse.metrics import DECODE_PATHS, SchedulerMetrics
+st.metrics = SchedulerMetrics("m")
+mb = make_backend()
+step(mb, [1], 4)
+step(mb, [2, 3], 4)
+step(mb, [2, 3], 4)
+step(mb, [1, 2], 2, eager=True)
+with mb.capturing_graph_variant(gv.KERNEL):
+    mb._prepare_forward(batch([2, 3], 4), eager=False, in_capture=True)
+out["paths"] = {p: REGISTRY.get_sample_value("sglang_sparse_decode_forwards_total", {"path": p, "model_name": "m"})
+                for p in DECODE_PATHS}
+st.metrics = None
 step(be, [1], 4)
 out["installed_dense"] = be.dense.decode_cuda_graph_metadata[4]
 step(be, [1, 2], 4)
@@ -261,6 +276,8 @@ def test_captures_and_wrappers_per_variant(res):
     assert res["choose_balanced"] == ["kernel_balanced", "mixed", "kernel_balanced"]
     assert res["capture_balanced"] == ["kernel", True]
     assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
+    assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 0.0, "mixed": 1.0, "qa": 0.0,
+                            "reference": 0.0}
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]
     assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]

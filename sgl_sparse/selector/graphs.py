@@ -97,6 +97,7 @@ class RefreshGraphs:
         self.max_graphs = max_graphs
         self.enabled = True
         self.captures = 0  # graphs captured over the store's life (a capture costs ~ an eager run)
+        self.on_capture: Callable[[], None] | None = None  # after each capture (the server's metrics)
         self.replays = 0
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
         self._pool = None
@@ -152,6 +153,8 @@ class RefreshGraphs:
         finally:
             main.wait_stream(side)
         self.captures += 1
+        if self.on_capture is not None:
+            self.on_capture()
         self._graphs[key] = _Graph(graph, ridx)
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)

@@ -100,6 +100,8 @@ def test_gpu_replayed_refreshes_equal_eager_ones(logit_len, caplog):
 
     graphed, eager = make(), make()
     graphs = G.RefreshGraphs(torch.device("cuda"))
+    captured = []
+    graphs.on_capture = lambda: captured.append(len(graphs))  # the server's metrics counter
     gen = torch.Generator(device="cuda")
     # (rows, bound, later): the first slow step, then later ones of one, two, three rows.
     steps = [([1, 2, 3], 90, set()), ([1, 2, 3], 90, {1, 2, 3}), ([2], 61, {2}), ([3], 33, {3}),
@@ -120,6 +122,7 @@ def test_gpu_replayed_refreshes_equal_eager_ones(logit_len, caplog):
     # Keys (rows bucket, window, largest budget and Soft-NMS radius; rows 1-3 have
     # (20, 2), (9, 1), (12, 2)): steps 1-5 capture, 6-8 replay steps 2, 3 and 5's.
     assert graphs.enabled and graphs.captures == len(graphs) == 5 and graphs.replays == 3
+    assert captured == [0, 1, 2, 3, 4]  # once per capture, before the graph is kept
     logged = [r.getMessage() for r in caplog.records if "SFI refresh graph captured" in r.getMessage()]
     assert len(logged) == 5 and "3 rows, 96 positions" in logged[0], logged
 
