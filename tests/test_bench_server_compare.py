@@ -1,6 +1,7 @@
 """bench/gpu/server_compare.py's reading of /metrics: the per-row figures the GPU
 tables print (slow ratio, retention, host time per step, Selector runs per step and rows
-per run, compiles while serving).
+per run, the balanced-splits share of decode forwards, refresh-graph captures, compiles
+while serving).
 Not marked sglang_independent: the script imports `requests`, whose version may differ
 between the SGLang venvs."""
 
@@ -16,7 +17,7 @@ _spec.loader.exec_module(server_compare)
 
 
 def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,
-          forwards: float, runs: float, rows: float) -> str:
+          forwards: float, runs: float, rows: float, balanced: float = 0.0, captures: float = 0.0) -> str:
     m = 'model_name="/root/model"'
     return "\n".join([
         "# HELP sglang_sparse_decode_steps_total Request decode steps, by policy.",
@@ -34,16 +35,23 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
         f"sglang_sparse_selector_refresh_duration_seconds_count{{{m}}} {runs}",
         f"sglang_sparse_selector_refresh_duration_seconds_sum{{{m}}} {runs * 0.003}",
         f"sglang_sparse_selector_refreshed_rows_total{{{m}}} {rows}",
+        f'sglang_sparse_decode_forwards_total{{{m},path="kernel_balanced"}} {balanced}',
+        f'sglang_sparse_decode_forwards_total{{{m},path="kernel"}} {forwards - balanced}',
+        f'sglang_sparse_decode_forwards_total{{{m},path="dense"}} 0.0',
+        f"sglang_sparse_refresh_graph_captures_total{{{m}}} {captures}",
     ])
 
 
 def test_row_figures_are_the_differences_over_the_timed_batches():
-    before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100, 2, 40))
-    after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72))
+    before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100, 2, 40, balanced=10, captures=5))
+    after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72, balanced=74,
+                                               captures=7))
     assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
+    assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 74
     assert server_compare.sparse_stats(before, after, "sfi") == {
         "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
-        "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0, "compiles_while_serving": 2}
+        "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
+        "balanced_forward_share": 0.25, "refresh_graph_captures": 2, "compiles_while_serving": 2}
     assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures
 
 

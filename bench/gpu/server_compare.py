@@ -146,8 +146,9 @@ def scrape(url):
 
 def parse_metrics(text):
     """sglang_sparse_* counters by (name, policy), summed over the other labels; the
-    kernel-compile counter by (name, "phase=<phase>"); the prepare and Selector-run
-    histograms' sum and count by (name, "")."""
+    kernel-compile counter by (name, "phase=<phase>"), the decode-forward one by
+    (name, "path=<path>"); the prepare and Selector-run histograms' sum and count by
+    (name, "")."""
     out = {}
     for line in text.splitlines():
         if line.startswith(("sglang_sparse_decode_prepare_duration_seconds_",
@@ -160,7 +161,8 @@ def parse_metrics(text):
             kv = dict(x.split("=", 1) for x in labels.split(",") if "=" in x)
             pol = kv.get("policy", "").strip('"')
             phase = kv.get("phase", "").strip('"')
-            key = (name, pol or (f"phase={phase}" if phase else ""))
+            path = kv.get("path", "").strip('"')
+            key = (name, pol or (f"phase={phase}" if phase else f"path={path}" if path else ""))
             out[key] = out.get(key, 0.0) + float(value)
     return out
 
@@ -179,11 +181,18 @@ def sparse_stats(before, after, policy):
     # its rows) per decode forward, and the rows each refreshed.
     runs = d0("sglang_sparse_selector_refresh_duration_seconds_count")
     rows = d0("sglang_sparse_selector_refreshed_rows_total")
+    fw = "sglang_sparse_decode_forwards_total"
+    paths = {k[1]: after[k] - before.get(k, 0.0) for k in after if k[0] == fw}
+    balanced, all_paths = paths.get("path=kernel_balanced", 0.0), sum(paths.values())
     return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
             "selector_runs_per_step": round(runs / forwards, 4) if forwards else None,
             "selector_rows_per_run": round(rows / runs, 2) if runs else None,
+            # decode forwards on the balanced-splits graph (compact.balance_splits)
+            "balanced_forward_share": round(balanced / all_paths, 4) if all_paths else None,
+            # SFI refresh shapes captured (each held its step): level off after the first batch
+            "refresh_graph_captures": int(d0("sglang_sparse_refresh_graph_captures_total")),
             # Triton compiles during the row's timed batches (each stalled one): should be 0
             "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0))}
 
