@@ -27,7 +27,6 @@ import pytest
 import requests
 import yaml
 
-from sgl_sparse.metrics import DECODE_PATHS
 from tests.promql_sources import RULES, dashboard_exprs, recorded_names, rule_exprs
 from tests.server import find_free_port
 
@@ -230,6 +229,8 @@ def test_labels_are_bounded(stack, traffic):
     assert mixes <= {"full", "sparse", "mixed"} and "mixed" in mixes
     # Decode forwards by attention path: every path's series from start-up; on the CPU
     # every decode forward is the reference path. No refresh graph on the CPU.
+    from sgl_sparse.metrics import DECODE_PATHS
+
     paths = {s["path"] for s in series if s["__name__"] == "sglang_sparse_decode_forwards_total"}
     assert paths == set(DECODE_PATHS)
     by_path = {r["metric"]["path"]: float(r["value"][1]) for r in requests.get(

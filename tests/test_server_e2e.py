@@ -259,7 +259,13 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     assert _value(m, "sglang_sparse_rejected_requests_total", reason="policy") >= 1
     assert _value(m, "sglang_sparse_active_requests") == 0
     labels = {k for (_, ls) in m for k, _ in ls}
-    assert labels <= {"policy", "model_name", "reason", "mix", "phase", "le"}  # bounded: never a request id
+    assert labels <= {"policy", "model_name", "reason", "mix", "phase", "path", "le"}  # bounded: never a request id
+    # every decode forward of the CPU server is the reference path (all paths' series exist)
+    from sgl_sparse.metrics import DECODE_PATHS
+
+    paths = {dict(ls)["path"]: v for (n, ls), v in m.items() if n == "sglang_sparse_decode_forwards_total"}
+    assert set(paths) == set(DECODE_PATHS) and paths["reference"] > 0
+    assert sum(paths.values()) == paths["reference"], paths
     # the CPU server compiles no Triton kernel (the interpreter runs them); both series exist
     compiles = {dict(ls)["phase"]: v for (n, ls), v in m.items() if n == "sglang_sparse_kernel_compiles_total"}
     assert compiles == {"startup": 0, "serving": 0}
