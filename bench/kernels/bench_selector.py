@@ -145,6 +145,12 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: in
     return out
 
 
+def _runs(fns: dict) -> list:
+    """The refresh runs `case` put in `fns` (name, fn), without the state and tensors
+    it shares under "_" names ("_state", "_k", ...)."""
+    return [(n, f) for n, f in fns.items() if not n.startswith("_")]
+
+
 def profile(ctx: int, bs: int, w: int) -> None:
     """Where a refresh's time goes: CUDA time per op (torch.profiler), all layers;
     for w = 1 both the key-reading refresh and the one from stored logits."""
@@ -152,7 +158,7 @@ def profile(ctx: int, bs: int, w: int) -> None:
 
     fns: dict = {}
     case(ctx, bs, w, 2, fns)
-    for name, fn in [(n, f) for n, f in fns.items() if not n.startswith("_")]:  # "_state", "_k": not runs
+    for name, fn in _runs(fns):
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             fn()
             torch.cuda.synchronize()
@@ -199,7 +205,7 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
         torch.cuda.synchronize()
         return [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
 
-    for name, fn in [(n, f) for n, f in fns.items() if not n.startswith("_")]:
+    for name, fn in _runs(fns):
         st.compact.refresh_graphs = None
         out[f"{name}_host_ms"] = host_ms(fn)
         out[f"{name}_device_ms"] = round(time_ms(fn, calls), 3)
