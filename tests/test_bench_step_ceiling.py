@@ -22,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("step_ceiling", _GPU / "step_ceil
 step_ceiling = importlib.util.module_from_spec(_spec)
 sys.modules["step_ceiling"] = step_ceiling  # dataclasses look their module up there
 _spec.loader.exec_module(step_ceiling)
+from shapes import SHAPES, Shape  # noqa: E402  (bench/gpu, on the path above)
 
 
 def _run(backend, policy, span, busy, top, sparse=None, ctx=1000, batch=2):
@@ -50,7 +51,7 @@ def test_ceiling_matches_hand_arithmetic(tmp_path):
     # budget 64 + recent 32 + sink 4 = 100 keys; t_max 3 without triggers: r = 1/4
     assert step_ceiling.attended_keys(sfi.sparse, sfi.ctx) == 100
     assert step_ceiling.slow_ratio(sfi.sparse) == 0.25
-    c = step_ceiling.ceiling(stock, "qwen3-1.7b", 100, 0.25, bandwidth=1e12)
+    c = step_ceiling.ceiling(stock, SHAPES["qwen3-1.7b"], 100, 0.25, bandwidth=1e12)
     kv_token = 28 * 8 * 128 * 2 * 2
     fast_attn_ms = 2 * 100 * kv_token / 1e12 * 1e3
     assert c.non_attention_ms == pytest.approx(2.0) and c.gap_ms == pytest.approx(1.0)
@@ -61,7 +62,7 @@ def test_ceiling_matches_hand_arithmetic(tmp_path):
     stock_bytes = w + 2 * 1000 * kv_token
     ours = 0.75 * (w + 2 * 100 * kv_token) + 0.25 * stock_bytes
     assert c.roofline_speedup == pytest.approx(stock_bytes / ours)
-    (row,) = step_ceiling.rows(runs, "qwen3-1.7b", [], 1e12)
+    (row,) = step_ceiling.rows(runs, SHAPES["qwen3-1.7b"], [], 1e12)
     assert row["measured"] == pytest.approx(10.0 / 4.0)
     assert row["idle_ms"] == pytest.approx(0.5) and row["rest_ms"] == pytest.approx(3.5 - 1.0 - 0.2)
 
@@ -95,10 +96,39 @@ def test_committed_h100_profiles_stay_under_their_ceiling(name):
     """The measured step can not beat a ceiling built from its own stock run: a
     check of the model (and of the kernel classification) on real profiles."""
     runs = step_ceiling.load_runs(str(_RESULTS / name))
-    (row,) = step_ceiling.rows(runs, "qwen3-1.7b", [], step_ceiling.COPY_BANDWIDTH)
+    (row,) = step_ceiling.rows(runs, SHAPES["qwen3-1.7b"], [], step_ceiling.COPY_BANDWIDTH)
     c = row["ceiling"]
     assert all(math.isfinite(v) for v in (c.speedup, c.roofline_speedup, row["measured"]))
     assert 1.0 < row["measured"] <= c.speedup < c.roofline_speedup
     assert c.ratio == pytest.approx(1 / 32)
     # the same non-attention work in both servers, within 10%
     assert row["rest_ms"] == pytest.approx(c.non_attention_ms, rel=0.1)
+
+
+def test_shape_from_hf_config(tmp_path):
+    """The public Qwen3-1.7B config gives the table's shape; a Llama-style config
+    without head_dim or num_key_value_heads derives them (hidden / heads, MHA)."""
+    qwen = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                intermediate_size=6144, tie_word_embeddings=True, head_dim=128, vocab_size=151936)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(qwen))
+    assert Shape.from_hf_config(str(path)) == SHAPES["qwen3-1.7b"]
+    llama = Shape.from_hf_config(dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                      intermediate_size=11008, vocab_size=32000))
+    assert (llama.head_dim, llama.kv_heads, llama.tie_embeddings) == (128, 32, False)
+    assert llama.kv_bytes_per_token() == 32 * 32 * 128 * 2 * 2
+    # Llama-2-7B: 6.74B parameters, of which the input embedding (not read by a step) 131M
+    assert llama.weight_bytes_per_step() == pytest.approx(2 * (6.738e9 - 32000 * 4096), rel=2e-3)
+
+
+def test_cli_with_an_hf_config(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                                   num_key_value_heads=8, intermediate_size=6144, tie_word_embeddings=True,
+                                   head_dim=128, vocab_size=151936)))
+    prof = str(_RESULTS / "profile_decode_h100_32768x8_sfi_pinned_s17.json")
+    assert step_ceiling.main([prof, "--hf-config", str(cfg), "--policy", "streaming=2052:0:4.17"]) == 0
+    out = capsys.readouterr().out
+    assert "| 32768 x 8 | sfi-pinned |" in out and "| 32768 x 8 | streaming |" in out
+    assert step_ceiling.main([prof, "--policy", "streaming=2052:0:4.17"]) == 0
+    assert capsys.readouterr().out == out  # --shape qwen3-1.7b, the default: the same numbers

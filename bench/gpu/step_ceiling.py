@@ -21,6 +21,10 @@ of profile_decode.py (or its log), i.e. SGLang's profiler on a live server:
     python3 bench/gpu/step_ceiling.py bench/results/profile_decode_h100_8192x32_sfi_pinned_s17.json
     python3 bench/gpu/step_ceiling.py bench/results/profile_decode_h100_130000x4_stock_only_s17.log \\
         --policy sfi-pinned=2308:0.03125:5.74
+
+For your own model: profile it (`profile_decode.py --model PATH --case CTXxBATCH
+--runs flashinfer:stock`) and pass `--hf-config PATH/config.json`; `--bandwidth`
+is your GPU's measured copy bandwidth (`bench/kernels/bench_decode.py` prints it).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import SHAPES  # noqa: E402
+from shapes import SHAPES, Shape  # noqa: E402
 
 COPY_BANDWIDTH = 3.018e12  # H100 80GB HBM3, bench_decode.py's copy (read + write) in session 17
 # Kernels that are attention: FlashInfer's decode and merge (stock, and rows it
@@ -134,8 +138,8 @@ class Ceiling:
         return self.stock_step_ms / self.step_ms
 
 
-def ceiling(stock: Run, shape: str, attended: int, ratio: float, bandwidth: float = COPY_BANDWIDTH) -> Ceiling:
-    s = SHAPES[shape]
+def ceiling(stock: Run, shape: Shape, attended: int, ratio: float, bandwidth: float = COPY_BANDWIDTH) -> Ceiling:
+    s = shape
     kv_fast = stock.batch * attended * s.kv_bytes_per_token()
     kv_dense = stock.batch * stock.ctx * s.kv_bytes_per_token()
     w = s.weight_bytes_per_step()
@@ -155,7 +159,7 @@ def parse_policy(spec: str) -> Tuple[str, int, float, Optional[float]]:
     return name, int(parts[0]), float(parts[1]), float(parts[2]) if len(parts) == 3 else None
 
 
-def rows(runs: Iterable[Run], shape: str, policies: List[Tuple[str, int, float, Optional[float]]],
+def rows(runs: Iterable[Run], shape: Shape, policies: List[Tuple[str, int, float, Optional[float]]],
          bandwidth: float) -> List[Dict]:
     runs = list(runs)
     out = []
@@ -199,7 +203,10 @@ def print_table(out: List[Dict]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("profiles", nargs="+", help="profile_decode.py JSON or log files")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b",
+                    help="the profiled model's shape (weights and KV bytes per token)")
+    ap.add_argument("--hf-config", default=None,
+                    help="the profiled model's config.json instead of --shape (any Llama/Qwen-style decoder)")
     ap.add_argument("--bandwidth", type=float, default=COPY_BANDWIDTH, help="copy bandwidth, bytes/s")
     ap.add_argument("--policy", type=parse_policy, action="append", default=[],
                     help="NAME=ATTENDED:RATIO[:MEASURED]: a row to compute against each stock run")
@@ -207,7 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs = [r for p in a.profiles for r in load_runs(p)]
     if not any(r.backend == "flashinfer" for r in runs):
         ap.error("no stock (flashinfer) run in the profiles")
-    print_table(rows(runs, a.shape, a.policy, a.bandwidth))
+    shape = Shape.from_hf_config(a.hf_config) if a.hf_config else SHAPES[a.shape]
+    print_table(rows(runs, shape, a.policy, a.bandwidth))
     return 0
 
 
