@@ -24,15 +24,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # A JIT cache from an earlier lease (JIT_SNAPSHOT=1 below, carried as .gpu/jit): a fresh
 # machine skips FlashInfer's and tvm-ffi's builds, ~5 min of the first server's start-up
 # (session 16: stock-only e2e at 8192 x 32, 6.4 min fresh). Ninja rebuilds an output
-# whose recorded build time (.ninja_log) is older than an input, and this lease's pip
-# install dated every header and source under /tmp/site now: restored as is, the cache
-# was rebuilt (its prefill module in the stack dump of session 16,
-# results/server_jit_cache_restored_still_built_h100_s16.log).
-# So those inputs are dated back; checked with ninja on a CPU, not yet on a GPU lease.
+# older than any of its inputs, headers included (its deps log), and this lease's pip
+# install dated every file under /tmp/site now. Session 16 dated back the files with
+# a C/C++/CUDA extension only; session 17's fresh lease still rebuilt FlashInfer's
+# decode, prefill and norm modules (134 s in the stock server's warm-up request,
+# results/jit_built_fresh_lease_h100_s17.txt): their deps include libcudacxx's
+# extensionless headers (nv/target, cuda/std/...). So every file but Python sources and
+# bytecode (whose .pyc records the source's mtime) is dated back; ninja -d explain on a
+# CPU: "output older than most recent input nv/target" before, "no work to do" after.
 if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashinfer ]; then
     cat .gpu/jit/jit_cache.tgz.part* | tar -xz -C /root
-    find /tmp/site -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.hpp' -o -name '*.inc' \
-        -o -name '*.cc' -o -name '*.cpp' \) -exec touch -d 2000-01-01 {} +
+    find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
 python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
