@@ -60,10 +60,13 @@ class SparseAttnBackend(AttentionBackend):
                 self.req_to_token_pool.req_to_token.shape[0], self.device, config_from_env()
             )
             self.req_to_token_pool.sgl_sparse_state = self.state
-            if self.state.config.metrics:
+            attn_tp_rank, attn_tp_size, pp_rank = compat.attention_parallel(model_runner)
+            # Every rank of a TP group runs the same batch: count it once, where SGLang
+            # exports its own scheduler metrics (attention-TP rank 0 of the first stage).
+            if self.state.config.metrics and attn_tp_rank == 0 and pp_rank == 0:
                 from sgl_sparse.metrics import SchedulerMetrics
 
-                self.state.metrics = SchedulerMetrics(self.state.config.model_name)
+                self.state.metrics = SchedulerMetrics(self.state.config.model_name, tp_ranks=attn_tp_size)
         self.config = self.state.config
         self.think_ids = self.state.think_ids
         self.plan: Optional[DecodePlan] = None
@@ -561,7 +564,7 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     if cfg.compact.slots == 0:
         return
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    tp = getattr(model_runner, "tp_size", 1) or 1
+    _, tp, _ = compat.attention_parallel(model_runner)  # this rank's query heads: Hq / tp
     try:
         state.compact = CompactStore(
             slots=cfg.compact.slots, capacity=cfg.compact.capacity,
@@ -598,7 +601,7 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
 
     cfg = state.config
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    tp = getattr(model_runner, "tp_size", 1) or 1
+    _, tp, _ = compat.attention_parallel(model_runner)  # this rank's query heads: Hq / tp
     shape = dict(num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], head_dim=kv.shape[2], device=kv.device)
     hq = model_runner.model_config.num_attention_heads // tp
     for pid in QUERY_AWARE_IDS:

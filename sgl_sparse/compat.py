@@ -72,6 +72,26 @@ def freed_rows(args: tuple, kwargs: dict) -> list[int]:
     return [] if idx is None else [int(idx)]
 
 
+def attention_parallel(model_runner: Any = None) -> tuple[int, int, int]:
+    """(attention TP rank, attention TP size, pipeline rank) of this scheduler process.
+
+    Both releases publish them in ``runtime_context.get_parallel()``; neither
+    ModelRunner has a ``tp_size`` of its own (0.5.17 keeps a ParallelState in
+    ``.ps``). With DP attention the attention TP group is tp_size / dp_size ranks:
+    that group splits the heads, and its rank 0 is where SGLang exports scheduler
+    metrics. Before publication (a model runner built by hand, e.g. in unit tests)
+    the runner's own attributes, else one rank."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return int(p.attn_tp_rank), int(p.attn_tp_size), int(p.pp_rank)
+    except Exception:  # unpublished: each release raises its own error type
+        ps = getattr(model_runner, "ps", model_runner)
+        return (int(getattr(ps, "tp_rank", 0) or 0), int(getattr(ps, "tp_size", 1) or 1),
+                int(getattr(ps, "pp_rank", 0) or 0))
+
+
 def token_ids(req: Any) -> tuple[Any, Any]:
     """(prompt ids, generated ids) of a Req; lists in 0.5.17, array('q') in 0.5.23."""
     return req.origin_input_ids, req.output_ids

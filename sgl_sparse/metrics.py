@@ -62,13 +62,19 @@ DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "reference"
 
 
 class SchedulerMetrics:
-    """Per-policy decode statistics, one instance per scheduler process."""
+    """Per-policy decode statistics of one scheduler process: attention-TP rank 0 of
+    the first pipeline stage (the backend makes none on the other ranks, whose
+    batches are the same). With DP attention each DP group has its own, over its own
+    requests, and the multiprocess registry sums them."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, tp_ranks: int = 1):
         from prometheus_client import Counter, Gauge, Histogram
 
         labels = ["policy", "model_name"]
         self.model_name = model_name
+        # Every rank of the attention-TP group holds an equal share of the compact
+        # buffers (its KV heads): the byte gauges report the group's, this rank's x tp.
+        self.tp_ranks = max(1, int(tp_ranks))
         self.decode_steps = Counter(
             "sglang_sparse_decode_steps_total", "Request decode steps, by policy.", labels)
         self.slow_steps = Counter(
@@ -111,14 +117,14 @@ class SchedulerMetrics:
         self.selector_rows = Counter(
             "sglang_sparse_selector_refreshed_rows_total",
             "Request rows whose compact buffer the SFI Selector refreshed.", ["model_name"])
-        # Gauges of one scheduler process each; livesum adds the TP ranks' buffers.
+        # Gauges of one scheduler process each; livesum adds the DP groups'.
         self.compact_in_use = Gauge(
             "sglang_sparse_compact_buffer_in_use_bytes",
-            "Bytes of SFI compact-buffer slots held by live sfi requests.", ["model_name"],
+            "Bytes of SFI compact-buffer slots held by live sfi requests, on all GPUs of the TP group.", ["model_name"],
             multiprocess_mode="livesum")
         self.compact_capacity = Gauge(
             "sglang_sparse_compact_buffer_capacity_bytes",
-            "Bytes of all SFI compact-buffer slots reserved at start-up.", ["model_name"],
+            "Bytes of all SFI compact-buffer slots reserved at start-up, on all GPUs of the TP group.", ["model_name"],
             multiprocess_mode="livesum")
         self.kernel_compiles = Counter(
             "sglang_sparse_kernel_compiles_total",
@@ -218,8 +224,8 @@ class SchedulerMetrics:
         # k, v: [layers, slots, ...]; q, q_prompt: [layers, slots + 1, ...] (a scratch slot).
         slot = (store.k.nbytes + store.v.nbytes) // store.slots
         slot += (store.q.nbytes + store.q_prompt.nbytes) // (store.slots + 1)
-        self._slot_bytes = slot
-        self.compact_capacity.labels(self.model_name).set(slot * store.slots)
+        self._slot_bytes = slot * self.tp_ranks
+        self.compact_capacity.labels(self.model_name).set(self._slot_bytes * store.slots)
         self.compact_in_use.labels(self.model_name).set(0)
 
     def observe_compact(self, compact, slots_in_use: int) -> None:

@@ -111,3 +111,16 @@ def test_prefill_cuda_graphs_under_sgl_sparse(resolved, case):
     # Both of the plugin's prefill warnings say "prefill runs eagerly".
     assert ("prefill runs eagerly" in out.stderr) is (warning is not None)
     assert warning is None or warning in out.stderr
+
+
+def test_attention_parallel_before_sglang_publishes_it():
+    """Outside a launched server (nothing published in runtime_context) the model
+    runner's own ranks; a bare object: one rank. Inside one, tests/
+    test_tensor_parallel_e2e.py checks the published ranks through a TP-2 server."""
+    from types import SimpleNamespace
+
+    from sgl_sparse import compat
+
+    runner = SimpleNamespace(ps=SimpleNamespace(tp_rank=1, tp_size=4, pp_rank=0))
+    assert compat.attention_parallel(runner) == (1, 4, 0)
+    assert compat.attention_parallel(SimpleNamespace()) == (0, 1, 0)
