@@ -28,6 +28,9 @@ from sgl_sparse.config import (
     parse_request_policy,
 )
 
+# --kv-cache-dtype values whose pool holds the model's own floating dtype.
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
 logger = logging.getLogger(__name__)
 
 _registered = False
@@ -167,6 +170,13 @@ def server_args_resolved(_result, server_args) -> None:
         return
     if getattr(server_args, "speculative_algorithm", None):
         raise ValueError("--attention-backend sgl_sparse does not support --speculative-algorithm yet")
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
+    if kv_dtype not in KV_CACHE_DTYPES:
+        # The decode kernels, the packing and the Selector read keys and values as the
+        # model's floating dtype; an fp8/fp4 pool would be read as garbage, not refused.
+        _die(f"--kv-cache-dtype {kv_dtype}: --attention-backend sgl_sparse reads the KV cache in the "
+             f"model's dtype; quantized KV caches are not supported yet (use one of: "
+             f"{', '.join(KV_CACHE_DTYPES)})")
     from sgl_sparse.tokens import resolve_think_ids
 
     cfg = resolve_think_ids(
