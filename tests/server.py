@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,10 +71,31 @@ class ServerLaunchError(RuntimeError):
     pass
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free TCP port below the kernel's ephemeral range. A port the kernel hands out
+    (bind to port 0) can be handed out again, to another socket, before the server we
+    pick it for binds it: a `--tp-size 2` server picks its rendezvous port and opens its
+    gloo sockets that way while it starts, and one took the HTTP port once in CI
+    (uvicorn: address already in use; the server then never got healthy)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(500):
+        # a margin below `low`: SGLang derives a few ports of its own from --port
+        port = rng.randrange(10000, max(10001, low - 1100))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in [10000, {low - 1100})")
 
 
 def _tail(path: Path, n: int = 80) -> str:
