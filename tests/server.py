@@ -290,3 +290,17 @@ def running_server(
         yield handle
     finally:
         handle.stop()
+
+
+def greedy_generate(url: str, ids: Sequence[int], sparse: Optional[dict] = None, max_new_tokens: int = 16,
+                    timeout: float = 600) -> dict:
+    """POST /generate: greedy, `max_new_tokens` exactly, the request's sgl_sparse metadata
+    (None: the server default); the JSON answer, after asserting HTTP 200."""
+    import requests
+
+    sp = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    if sparse is not None:
+        sp["custom_params"] = {"sparse": sparse}
+    resp = requests.post(url + "/generate", json={"input_ids": list(ids), "sampling_params": sp}, timeout=timeout)
+    assert resp.status_code == 200, resp.text
+    return resp.json()

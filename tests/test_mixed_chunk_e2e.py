@@ -18,7 +18,7 @@ import time
 import pytest
 import requests
 
-from tests.server import running_server
+from tests.server import greedy_generate, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -38,12 +38,7 @@ SAME_AS_STOCK = {0, 1, 4}
 
 def _generate(url: str, ids: list[int], sparse, delay: float) -> dict:
     time.sleep(delay)
-    sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    if sparse is not None:
-        sp["custom_params"] = {"sparse": sparse}
-    resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=600)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return greedy_generate(url, ids, sparse, NEW_TOKENS)
 
 
 def _traffic(url: str, prompts, sparse: bool) -> list[dict]:

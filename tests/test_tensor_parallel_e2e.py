@@ -20,9 +20,8 @@ import json
 import random
 
 import pytest
-import requests
 
-from tests.server import running_server
+from tests.server import greedy_generate, running_server
 from tests.test_server_e2e import _scrape, _value
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -36,12 +35,7 @@ CONFIG = {"compact": {"slots": 4, "capacity": 64}}
 
 
 def _generate(url: str, ids: list[int], sparse=None) -> dict:
-    sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    if sparse is not None:
-        sp["custom_params"] = {"sparse": sparse}
-    resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return greedy_generate(url, ids, sparse, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
