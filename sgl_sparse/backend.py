@@ -554,6 +554,13 @@ class SparseAttnBackend(AttentionBackend):
         return self.dense is not None
 
 
+def _rank_q_heads(model_runner) -> int:
+    """This rank's query heads: the model's over the attention-TP size (the pool's
+    KV-head dimension is already the rank's)."""
+    _, tp, _ = compat.attention_parallel(model_runner)
+    return model_runner.model_config.num_attention_heads // tp
+
+
 def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     """SFI's trigger table and compact buffers, once per request pool."""
     from sgl_sparse.tokens import sentence_trigger_ids
@@ -564,12 +571,11 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     if cfg.compact.slots == 0:
         return
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    _, tp, _ = compat.attention_parallel(model_runner)  # this rank's query heads: Hq / tp
     try:
         state.compact = CompactStore(
             slots=cfg.compact.slots, capacity=cfg.compact.capacity,
             num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1],
-            num_q_heads=mc.num_attention_heads // tp, head_dim=kv.shape[2], dtype=kv.dtype,
+            num_q_heads=_rank_q_heads(model_runner), head_dim=kv.shape[2], dtype=kv.dtype,
             pool_size=kv.shape[0], prompt_queries=cfg.policies.sfi.w_prefill - 1, device=kv.device,
             logit_len=min(cfg.compact.slow_logits_context, model_runner.req_to_token_pool.req_to_token.shape[1]),
         )
@@ -601,9 +607,8 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
 
     cfg = state.config
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    _, tp, _ = compat.attention_parallel(model_runner)  # this rank's query heads: Hq / tp
     shape = dict(num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], head_dim=kv.shape[2], device=kv.device)
-    hq = model_runner.model_config.num_attention_heads // tp
+    hq = _rank_q_heads(model_runner)
     for pid in QUERY_AWARE_IDS:
         name = pid.name.lower()
         scfg = getattr(cfg.query_aware, name)

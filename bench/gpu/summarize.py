@@ -9,9 +9,12 @@ a request attends min(n, window + sink) tokens, n = context + out_len / 2 (mean)
 import json
 import sys
 
-LAYERS, KV_HEADS, HEAD_DIM = 28, 8, 128  # Qwen3-1.7B
-WEIGHT_BYTES, BANDWIDTH = 3.4e9, 3.0e12  # ../shared/gpu/README.md (measured copy bandwidth)
-KV_PER_TOKEN = LAYERS * KV_HEADS * HEAD_DIM * 2 * 2
+from shapes import SHAPES  # bench/gpu, next to this script
+
+# The tables' documented constants (../shared/gpu/README.md: rounded weights, measured
+# copy bandwidth); the KV bytes per token from the shape, as step_ceiling.py takes them.
+WEIGHT_BYTES, BANDWIDTH = 3.4e9, 3.0e12
+KV_PER_TOKEN = SHAPES["qwen3-1.7b"].kv_bytes_per_token()
 
 
 def roofline(batch, n, attended):
