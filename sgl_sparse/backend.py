@@ -211,12 +211,18 @@ class SparseAttnBackend(AttentionBackend):
 
     @contextlib.contextmanager
     def capturing_graph_variant(self, variant: str):
-        """Within: decode graph captures are of the given variant."""
+        """Within: decode graph captures are of the given variant (a `qa_<policy>` one
+        holds that policy's query-aware blocks alone)."""
         self._graph_variant = variant
+        device = self.qa.device if self.qa is not None else None
+        if device is not None:
+            device.only = graph_variants.qa_policies(variant)
         try:
             yield
         finally:
             self._graph_variant = None
+            if device is not None:
+                device.only = None
 
     def _refresh_selections(self) -> None:
         pending, later = self.state.take_refresh()
@@ -324,7 +330,8 @@ class SparseAttnBackend(AttentionBackend):
         else:
             # query-aware rows: both paths, whatever their routing (a row whose
             # selection is pending is dense this step but its queries are recorded)
-            qa = self.state.step_query_aware()
+            qa_policies = self.state.step_query_aware_policies()
+            qa = bool(qa_policies)
             route = graph_variants.route_of(mask) if not qa else graph_variants.MIXED
             balance = self.balance_splits and self.state.step_balance()
             if eager:
@@ -332,12 +339,13 @@ class SparseAttnBackend(AttentionBackend):
                 if variant == graph_variants.KERNEL and balance:
                     variant = graph_variants.KERNEL_BALANCED
             else:
-                variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route, balance)
+                variant = self._step_variant = graph_variants.choose(self.graph_variants, qa, route, balance,
+                                                                     qa_policies)
         if not in_capture and self.state.metrics is not None and forward_batch.forward_mode.is_decode():
             self.state.metrics.on_decode_path(variant)
         # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
         self._balance_step = variant == graph_variants.KERNEL_BALANCED
-        route = self._route = (graph_variants.MIXED if variant == graph_variants.QA else
+        route = self._route = (graph_variants.MIXED if graph_variants.is_qa(variant) else
                                graph_variants.KERNEL if self._balance_step else variant)
         # CUDA-graph padding rows (state row 0, `full`, one key) go with the real rows:
         # to FlashInfer, or to the kernel when FlashInfer does not run.
@@ -482,10 +490,15 @@ class SparseAttnBackend(AttentionBackend):
         return o
 
     # ---- quest / asyncspade / lfps (sgl_sparse/query_serving.py) --------------------
+    def _captures_query_aware(self) -> bool:
+        """Whether this forward runs the query-aware blocks: always, but in a capture
+        of a decode graph variant without them."""
+        return self._graph_variant is None or graph_variants.is_qa(self._graph_variant)
+
     def _layer_plan(self, layer, forward_batch, q3) -> DecodePlan:
         """The step's plan, with this layer's indexed segment A when the batch has
         query-aware rows."""
-        if self.qa is None or not self.qa.active() or self._graph_variant not in (None, graph_variants.QA):
+        if self.qa is None or not self.qa.active() or not self._captures_query_aware():
             return self.plan
         return self.qa.select(
             layer.layer_id - self._layer0, self.plan, q3,
@@ -494,7 +507,7 @@ class SparseAttnBackend(AttentionBackend):
         )
 
     def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
-        if self.qa is None or not self.qa.active() or self._graph_variant not in (None, graph_variants.QA):
+        if self.qa is None or not self.qa.active() or not self._captures_query_aware():
             return
         self.qa.finish(
             layer.layer_id - self._layer0, plan, q3, o3,

@@ -13,6 +13,12 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
 (its LoRA / no-LoRA pair, DSA's dense / sparse pair). These hooks add ours:
 
 - `qa`: both paths and the query-aware blocks (a batch with a quest/asyncspade/lfps row);
+- `qa_quest`, `qa_asyncspade`, `qa_lfps` (where more than one of them is captured):
+  both paths and that policy's blocks alone, for a batch whose query-aware rows are
+  all of it. `qa` holds every offered policy's blocks, which return at once for a
+  policy without a row but still cost a launch and the gap after it each: on the H100
+  at 32768 x 1, a quest batch replaying `qa` with asyncspade also offered ran 780
+  kernels a step against stock's 383, 26% of its span idle (bench/README, "Session 18");
 - `mixed`: both paths (rows of each kind);
 - `dense`: FlashInfer alone, the stock graph plus our plan launch (every row dense);
 - `kernel`: the two-segment kernel alone, no FlashInfer launch and no FlashInfer plan
@@ -28,18 +34,22 @@ it, and the runner's variant choice, which SGLang makes after that init, appends
 
 Switches: SGLANG_SPARSE_QA_GRAPH_VARIANTS=0 captures one graph with the query-aware
 blocks for every batch (no `mixed` / `dense` / `kernel`); SGLANG_SPARSE_ROUTE_VARIANTS=0
-drops `dense` and `kernel`, so both paths launch at every step (the behaviour before).
+drops `dense` and `kernel`, so both paths launch at every step (the behaviour before);
+SGLANG_SPARSE_QA_POLICY_VARIANTS=0 drops the per-policy `qa_<policy>` graphs (every
+query-aware batch replays `qa`, the behaviour before session 18).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence
 
 from sgl_sparse.kernels._utils import env_switch
 from sgl_sparse import compat
+from sgl_sparse.policies.base import PolicyId
 
 QA_ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
 ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
+QA_POLICY_ENABLED = env_switch("QA_POLICY_VARIANTS", True)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
 # KERNEL with the kernel's splits balanced across requests (a step that may hold an
@@ -50,6 +60,24 @@ _LABEL_PREFIX = "sgl_sparse_"
 #: The variant label's position in capture_one_shape(size, forward, stream_idx,
 #: variant_label, ...) after `forward` (both supported SGLang versions).
 _LABEL_ARG = 1
+
+
+def qa_of(policy: PolicyId) -> str:
+    """The variant with `policy`'s query-aware blocks alone."""
+    return f"{QA}_{policy.name.lower()}"
+
+
+def is_qa(variant: Optional[str]) -> bool:
+    """Whether `variant` holds query-aware blocks (`qa` or a `qa_<policy>`)."""
+    return variant is not None and (variant == QA or variant.startswith(QA + "_"))
+
+
+def qa_policies(variant: Optional[str]) -> Optional[frozenset[PolicyId]]:
+    """The query-aware policies whose blocks a capture of `variant` holds; None: every
+    offered one (`qa`, or no variant at all: eager forwards, one unlabelled graph)."""
+    if variant is None or variant == QA or not is_qa(variant):
+        return None
+    return frozenset({PolicyId[variant[len(QA) + 1:].upper()]})
 
 
 def route_of(mask: Sequence[int]) -> str:
@@ -72,7 +100,10 @@ def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
     if balance is None:
         balance = bool(getattr(backend, "balance_splits", False))
     qa_store = getattr(backend, "qa", None)
-    out = [QA] if qa_store is not None and qa_store.device is not None else []
+    device = qa_store.device if qa_store is not None else None
+    out = [QA] if device is not None else []
+    if device is not None and qa and QA_POLICY_ENABLED and len(device.policies) > 1:
+        out += [qa_of(p) for p in device.policies]
     if not out or qa:
         out.append(MIXED)
     if route:
@@ -82,14 +113,21 @@ def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
     return tuple(out) if len(out) > 1 else ()
 
 
-def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool = False) -> str:
-    """The captured variant a batch replays: the query-aware graph when it holds such
-    a row (or when that graph is all there is), else the graph of its route when
+def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool = False,
+           policies: AbstractSet[PolicyId] = frozenset()) -> str:
+    """The captured variant a batch replays: when it holds a query-aware row, the
+    graph with those rows' policy alone (`policies`: the batch's query-aware ones) if
+    captured, else the one with them all (or, when that graph is all there is, it);
+    otherwise the graph of its route when
     captured (KERNEL_BALANCED for a kernel-only batch that wants `balance`, when
     captured), else the one with both paths (MIXED when nothing is captured: one
     unlabelled graph per size, with both paths)."""
     if not captured:
         return MIXED
+    if query_aware and len(policies) == 1:
+        one = qa_of(next(iter(policies)))
+        if one in captured:
+            return one
     if query_aware and QA in captured:
         return QA
     if route == KERNEL and balance and KERNEL_BALANCED in captured:

@@ -58,7 +58,8 @@ def batch_mix(policies) -> str:
 
 
 # graph_variants' paths (their values) and the CPU reference path: every series from 0.
-DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "reference")
+DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "qa_quest", "qa_asyncspade", "qa_lfps",
+                "reference")
 
 
 class SchedulerMetrics:

@@ -180,8 +180,15 @@ class QueryAwareDevice:
         self.aspd = state.query_stores.get(PolicyId.ASYNCSPADE)
         lfps_store = state.query_stores.get(PolicyId.LFPS)
         self.lfps = LfpsDevice(lfps_store) if lfps_store is not None else None
+        #: the policies served here, in PolicyId order
+        self.policies: tuple[PolicyId, ...] = tuple(
+            p for p, x in ((PolicyId.QUEST, self.quest), (PolicyId.ASYNCSPADE, self.aspd), (PolicyId.LFPS, self.lfps))
+            if x is not None)
+        #: the policies whose blocks the forwards run (None: all of them); the backend
+        #: narrows it while SGLang captures a `qa_<policy>` decode graph (graph_variants.py)
+        self.only: frozenset[PolicyId] | None = None
         # one policy: its own flag is the whole gate, no inner gates (two nodes each)
-        self._inner_gates = sum(x is not None for x in (self.quest, self.aspd, self.lfps)) > 1
+        self._inner_gates = len(self.policies) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
@@ -190,6 +197,7 @@ class QueryAwareDevice:
         # a live row; any of them has (None where conditional nodes are unavailable)
         self._on: dict[PolicyId, torch.Tensor | None] = {}
         self._any: torch.Tensor | None = None
+        self._inner = self._inner_gates  # this forward's policies need inner gates
         self._aspd_arrivals = None
         self._side: torch.cuda.Stream | None = None
         self._side_pending = False
@@ -235,8 +243,14 @@ class QueryAwareDevice:
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
         self._on = {}
         self._forward_fused(plan, req_pool_indices, seq_lens)
+        if self.only is not None:  # a `qa_<policy>` graph: the other policies' blocks are left out
+            self._fwd_quest = self._fwd_quest if PolicyId.QUEST in self.only else None
+            self._fwd_aspd = self._fwd_aspd if PolicyId.ASYNCSPADE in self.only else None
+            self._fwd_lfps = self._fwd_lfps if PolicyId.LFPS in self.only else None
+            self._on = {p: f for p, f in self._on.items() if p in self.only}
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
-        self._any = None if flags[0] is None else functools.reduce(operator.or_, flags)
+        self._any = None if not flags or flags[0] is None else functools.reduce(operator.or_, flags)
+        self._inner = self._inner_gates and len(self._on) > 1
         self._plan = plan
 
     def _forward_fused(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -296,7 +310,7 @@ class QueryAwareDevice:
 
     def _gate(self, policy: PolicyId):
         """A policy's block inside the per-layer gate on any policy's flag."""
-        return only_if(self._on[policy]) if self._inner_gates else contextlib.nullcontext()
+        return only_if(self._on[policy]) if self._inner else contextlib.nullcontext()
 
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

@@ -113,8 +113,8 @@ class SparseState:
         self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
         # Whether the last decode batch set up holds a quest/asyncspade/lfps row: the
-        # decode CUDA-graph variant its forward replays (step_query_aware).
-        self._step_query_aware: bool | None = None
+        # decode CUDA-graph variant its forward replays (step_query_aware_policies).
+        self._step_query_aware: frozenset[PolicyId] | None = None
         self._step_balance = False  # see step_balance
         self._step_slow_sfi = [False, True]
         self._step_rows: list[int] | None = None  # rows of the decode batch, in order
@@ -279,7 +279,7 @@ class SparseState:
                 st[1] += attended / max(n, 1)
 
         active = self._active
-        query_aware = False
+        query_aware: set[PolicyId] = set()
         with self._lock:
             # (an SFI kernel row may be slow, every kernel row surely is): _sfi_step
             self._step_slow_sfi = [False, True]
@@ -294,7 +294,7 @@ class SparseState:
                     mask.append(self._sfi_step(r, n, toks, count, fallbacks))
                     continue
                 if pol in _QUERY_AWARE:
-                    query_aware = True
+                    query_aware.add(pol)
                     mask.append(self._query_aware_step(r, row, n, count, fallbacks))
                     continue
                 # full / streaming / sadas
@@ -317,7 +317,7 @@ class SparseState:
                 count(_POLICY_NAMES[pol], row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
             self._step_rows = list(map(int, rows))
-            self._step_query_aware = query_aware
+            self._step_query_aware = frozenset(query_aware)
             may, surely = self._step_slow_sfi
             # Rows of the kernel that are not SFI's (windows, indexed) are fast here.
             surely = surely and all(m == 0 or self._active.get(int(r)) is None
@@ -455,12 +455,20 @@ class SparseState:
 
     def step_query_aware(self) -> bool:
         """Whether the decode forward about to run needs the query-aware blocks: its
-        batch holds a quest/asyncspade/lfps row. Read (not taken) by the decode graph
-        runner's variant choice and by the backend's metadata init of the same forward,
-        which must agree; before any decode batch, any live such request counts."""
+        batch holds a quest/asyncspade/lfps row (see step_query_aware_policies)."""
+        return bool(self.step_query_aware_policies())
+
+    def step_query_aware_policies(self) -> frozenset[PolicyId]:
+        """The query-aware policies (quest/asyncspade/lfps) of the decode forward about
+        to run: the blocks its graph variant must hold (graph_variants.choose). Read
+        (not taken) by the decode graph runner's variant choice and by the backend's
+        metadata init of the same forward, which must agree; before any decode batch,
+        those of the live requests."""
         with self._lock:
             v = self._step_query_aware
-        return self.has_active(_QUERY_AWARE) if v is None else v
+            if v is None:
+                v = frozenset(i.policy for i in self._active.values() if i.policy in _QUERY_AWARE)
+        return v
 
     def has_active(self, policies) -> bool:
         """Whether any live request uses one of ``policies`` (per-step fast path)."""

@@ -2,7 +2,7 @@
 
 On CPU no graph can be captured, so this checks the parts that decide which graph a
 forward replays, against the installed SGLang:
-- SparseState.step_query_aware: the variant of the batch set up last;
+- SparseState.step_query_aware(_policies): the query-aware policies of the batch set up last;
 - the hooks on the real DecodeCudaGraphRunner: capture_one_shape runs once per variant
   (the query-aware blocks first) under keys that differ by our label, and
   _resolve_lora_variant appends the label of the variant the backend set up
@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from sgl_sparse.policies import PolicyId
 from tests.server import server_env
 from tests.test_query_device import HKV, LENS, Twin
 
@@ -97,11 +98,15 @@ def test_step_query_aware_follows_the_batch():
     twin.admit(torch.randn(sum(LENS.values()), HKV * 2, 16, generator=gen).half())
     assert st.step_query_aware()  # live quest/asyncspade/lfps rows, no batch set up yet
     full_row, quest_row, lfps_row = 7, 1, 6
-    for rows, want in (([full_row], False), ([full_row, quest_row], True), ([lfps_row], True),
-                       ([full_row, 11], False)):  # 11: a row without a request
+    assert st.step_query_aware_policies() == {PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS}
+    aspd_row = 4
+    Q, A, L = PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS
+    for rows, want in (([full_row], set()), ([full_row, quest_row], {Q}), ([lfps_row], {L}),
+                       ([quest_row, aspd_row, full_row], {Q, A}), ([full_row, 11], set())):  # 11: no request
         st.set_step_rows(rows, [LENS.get(r, 1) + 1 for r in rows], [[] for _ in rows])
-        assert st.step_query_aware() is want, rows
-        assert st.step_query_aware() is want  # read, not taken: the runner and the backend both ask
+        assert st.step_query_aware() is bool(want), rows
+        assert st.step_query_aware_policies() == want, rows
+        assert st.step_query_aware_policies() == want  # read, not taken: the runner and the backend both ask
 
 
 @pytest.mark.timeout(300)

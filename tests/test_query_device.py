@@ -297,3 +297,52 @@ def test_ops_per_layer_stay_few():
     assert res["first"].launches["_qa_forward_kernel"] == 1 and sum(res["first"].launches.values()) == 17
     # no `t[idx] = scalar` (on CUDA a host->device copy that waits for the stream)
     assert res["first"].host_scalar_writes == 0 and res["other"].host_scalar_writes == 0
+
+
+@pytest.mark.parametrize("policy", ["quest", "asyncspade", "lfps"])
+def test_one_policy_graph_runs_that_policy_alone(policy):
+    """A decode graph captured for batches whose query-aware rows are all of one policy
+    (graph_variants' `qa_<policy>`: QueryAwareDevice.only) runs that policy's blocks
+    alone: its rows get the torch path's selections, attention and stores, step after
+    step; the other policies' stores are not touched (their rows are not in the
+    batch); each layer launches that policy's kernels only."""
+    import importlib.util
+    import os
+
+    pid = PolicyId[policy.upper()]
+    gen = torch.Generator().manual_seed(11)
+    ref, dev = Twin(2, use_kernels=False), Twin(2, use_kernels=True)
+    q_ext = torch.randn(sum(LENS.values()), HKV * 2, D, generator=gen).to(KV)
+    ref.admit(q_ext)
+    dev.admit(q_ext)
+    dev.rt.device.only = frozenset({pid})
+    others = {p: [t.clone() for t in _store_tensors(dev.st.query_stores[p])]
+              for p in QUERY_AWARE_IDS if p != pid}
+    rows = _rows_of(dev, policy) + [7, 0]  # + a full row and a padding row
+    indexed = compare_steps(ref, dev, rows, 6, gen)
+    assert {r for _, r, _ in indexed} == set(_rows_of(dev, policy)) - {3}  # row 3 is covered for 8 steps
+    for p, before in others.items():
+        assert all(torch.equal(a, b) for a, b in zip(before, _store_tensors(dev.st.query_stores[p]))), p
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "bench", "kernels", "count_query_device_ops.py")
+    spec = importlib.util.spec_from_file_location("count_query_device_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def narrow(twin):
+        twin.rt.device.only = frozenset({pid})
+
+    every = mod.count_forward(rows=mod.MIXED)["other"].launches
+    alone = mod.count_forward(rows=rows, prepare=narrow)["other"].launches
+    assert 0 < sum(alone.values()) < sum(every.values())
+    assert set(alone) <= set(every)
+    mine = {"quest": {"_quest_bounds_decode_kernel", "_quest_page_scores_kernel"},
+            "asyncspade": {"_asyncspade_predict_kernel", "_token_scores_kernel"},
+            "lfps": {"_lfps_priority_kernel", "_lfps_finish_kernel"}}
+    for p, kernels in mine.items():
+        assert (kernels <= set(alone)) == (p == policy), (p, dict(alone))
+
+
+def _store_tensors(store) -> list[torch.Tensor]:
+    return [v for v in vars(store).values() if isinstance(v, torch.Tensor)]

@@ -1,6 +1,7 @@
 """Decode batches whose rows all take one attention path run that path alone
 (sgl_sparse/graph_variants.py: the `dense`, `kernel` and `mixed` graph variants, and
-the same choice without graphs).
+the same choice without graphs), and query-aware batches replay the graph with their
+policies' blocks (`qa`, `qa_<policy>`).
 
 Checked on CPU against the installed SGLang, in a subprocess (SGLang's CPU engine
 stand-ins, tests/cpu_stand_ins; the two-segment kernel under TRITON_INTERPRET=1):
@@ -29,6 +30,7 @@ from tests.server import server_env
 
 SNIPPET = r"""
 import json
+from types import SimpleNamespace
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
@@ -128,8 +130,34 @@ for qa_dev in (False, True):
     for route in (True, False):
         for qa in (True, False):
             be = make_backend()
-            be.qa = type("Q", (), {"device": object() if qa_dev else None})()
+            be.qa = SimpleNamespace(device=SimpleNamespace(policies=(PolicyId.QUEST,), only=None) if qa_dev else None)
             out["variants"][f"qa_dev={qa_dev},route={route},qa={qa}"] = list(gv.wanted(be, route=route, qa=qa))
+# quest and asyncspade offered under graphs: a graph per policy beside the one with both
+two = make_backend()
+two.qa = SimpleNamespace(device=SimpleNamespace(policies=(PolicyId.QUEST, PolicyId.ASYNCSPADE), only=None))
+two_variants = gv.wanted(two)
+out["variants_two_qa"] = list(two_variants)
+out["variants_two_qa_one_graph"] = list(gv.wanted(two, qa=False))
+gv.QA_POLICY_ENABLED = False  # SGLANG_SPARSE_QA_POLICY_VARIANTS=0
+out["variants_two_qa_switch_off"] = list(gv.wanted(two))
+gv.QA_POLICY_ENABLED = True
+Q, A, L = PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS
+out["choose_qa"] = {name: gv.choose(two_variants, bool(p), gv.MIXED, False, frozenset(p))
+                    for name, p in (("quest", [Q]), ("asyncspade", [A]), ("both", [Q, A]), ("lfps", [L]), ("none", []))}
+out["choose_qa_single_policy_server"] = gv.choose(("qa", "mixed", "dense", "kernel"), True, gv.MIXED, False,
+                                                  frozenset([Q]))
+# a capture of qa_<policy> narrows the device's blocks to that policy, and only then
+only = {}
+for v in two_variants:
+    with two.capturing_graph_variant(v):
+        only[v] = sorted(p.name for p in two.qa.device.only) if two.qa.device.only is not None else None
+only["after"] = two.qa.device.only
+out["only"] = only
+out["captures_qa"] = {}
+for v in two_variants:
+    with two.capturing_graph_variant(v):
+        out["captures_qa"][v] = two._captures_query_aware()
+out["captures_qa"]["eager"] = two._captures_query_aware()
 be = make_backend()
 for name, rows in (("full", [1]), ("full+covering", [1, 4]), ("windowed", [2, 3]), ("mixed", [1, 2]),
                    ("windowed+covering", [2, 4])):
@@ -239,6 +267,25 @@ def test_captured_variants(res):
     assert v["qa_dev=True,route=False,qa=False"] == []  # one graph with the blocks (before)
     assert v["qa_dev=False,route=True,qa=True"] == ["mixed", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=False,route=False,qa=True"] == []  # one graph, both paths (before)
+    # two query-aware policies under graphs: one graph each beside the one with both
+    assert res["variants_two_qa"] == ["qa", "qa_quest", "qa_asyncspade", "mixed", "dense", "kernel",
+                                      "kernel_balanced"]
+    assert res["variants_two_qa_one_graph"] == ["qa", "dense", "kernel", "kernel_balanced"]
+    assert res["variants_two_qa_switch_off"] == ["qa", "mixed", "dense", "kernel", "kernel_balanced"]
+
+
+@pytest.mark.timeout(300)
+def test_query_aware_batches_replay_their_policies_graph(res):
+    # a batch whose query-aware rows are all of one policy: that policy's graph; rows of
+    # two policies: the graph with both; a policy without its own graph: the one with all
+    assert res["choose_qa"] == {"quest": "qa_quest", "asyncspade": "qa_asyncspade", "both": "qa", "lfps": "qa",
+                                "none": "mixed"}
+    assert res["choose_qa_single_policy_server"] == "qa"
+    # the capture of qa_<policy> holds that policy's blocks alone; the others, none
+    assert res["only"] == {"qa": None, "qa_quest": ["QUEST"], "qa_asyncspade": ["ASYNCSPADE"], "mixed": None,
+                           "dense": None, "kernel": None, "kernel_balanced": None, "after": None}
+    assert res["captures_qa"] == {"qa": True, "qa_quest": True, "qa_asyncspade": True, "mixed": False,
+                                  "dense": False, "kernel": False, "kernel_balanced": False, "eager": True}
 
 
 @pytest.mark.timeout(300)
@@ -277,7 +324,7 @@ def test_captures_and_wrappers_per_variant(res):
     assert res["capture_balanced"] == ["kernel", True]
     assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
     assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 0.0, "mixed": 1.0, "qa": 0.0,
-                            "reference": 0.0}
+                            "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "reference": 0.0}
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]
     assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]

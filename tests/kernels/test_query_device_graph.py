@@ -146,19 +146,23 @@ def layer_step(rows: list[int], layers: int, lens: dict | None = None, max_ctx: 
     return twin, step, place, rows_t, lens_t, out
 
 
-def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None = None, max_ctx: int = MAXCTX):
+def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None = None, max_ctx: int = MAXCTX,
+                    only: frozenset | None = None):
     """layer_step's step captured with the conditional nodes on or off
-    (graph_gate.ENABLED), then the rows placed. Returns (twin, graph, rows_t, lens_t,
-    out). A graph replays over its twin's tensors: keep the twin alive."""
+    (graph_gate.ENABLED), with the blocks of the policies `only` alone (None: all;
+    graph_variants' `qa_<policy>`), then the rows placed. Returns (twin, graph,
+    rows_t, lens_t, out). A graph replays over its twin's tensors: keep the twin alive."""
     from sgl_sparse import graph_gate
 
     twin, step, place, rows_t, lens_t, out = layer_step(rows, layers, lens, max_ctx)
     saved = graph_gate.ENABLED
     graph_gate.ENABLED = gated
+    twin.rt.device.only = only
     try:
         graph = _capture(step)
     finally:
         graph_gate.ENABLED = saved
+        twin.rt.device.only = None
     place()
     return twin, graph, rows_t, lens_t, out
 
@@ -378,3 +382,31 @@ def test_query_aware_replay_cost_per_layer(max_ctx):
     print(f"max_context {max_ctx}: {full:8.1f} us per layer full-only, {live:8.1f} us live q+a+l "
           f"({full / live:.2f})")
     assert full < 0.75 * live, us
+
+
+def test_one_policy_graph_serves_its_rows_for_less():
+    """A batch whose query-aware rows are all quest replays graph_variants' `qa_quest`
+    graph (QueryAwareDevice.only): captured without asyncspade's and lfps's blocks
+    (without conditional nodes, torch 2.11, each costs its launches at every replay),
+    it gives the quest rows the same selections as the graph with every policy's
+    blocks, for less per layer. Prints both (run with -s); at 32768 x 1 end to end the
+    `qa` graph ran 780 kernels a step against stock's 383 (bench/README, "Session 18")."""
+    layers, rows = 8, [1, 2, 5, 0, 0, 0, 0, 0]  # two quest rows, a full row, padding
+    lens = {r: n + 7 * r for r, n in LENS.items()}
+    got, us = {}, {}
+    for name, only in (("qa", None), ("qa_quest", frozenset({PolicyId.QUEST}))):
+        torch.manual_seed(5)  # the same queries (layer_step draws them) for both graphs
+        twin, graph, rows_t, lens_t, out = _capture_layers(rows, layers, gated=False, lens=lens, max_ctx=32768,
+                                                           only=only)
+        graph.replay()
+        torch.cuda.synchronize()
+        lp = out["plan"]
+        got[name] = [(lp.a_len_per_head[b].clone(), [sorted(lp.a_pos[b, h, :int(lp.a_len_per_head[b, h])].tolist())
+                                                     for h in range(HKV)]) for b in (0, 1)]
+        us[name] = 1e3 * _replay_ms(graph, n=30, warmup=5) / layers
+        del graph, twin
+    print(f"quest rows, max_context 32768: {us['qa']:.1f} us per layer with every policy's blocks, "
+          f"{us['qa_quest']:.1f} us with quest's alone")
+    for (len_a, sets_a), (len_b, sets_b) in zip(got["qa"], got["qa_quest"]):
+        assert torch.equal(len_a, len_b) and sets_a == sets_b and int(len_a.min()) > 0
+    assert us["qa_quest"] < us["qa"], us
