@@ -31,6 +31,16 @@ sync, shapes static: ``k_max`` is the output width):
    kept positions are written at a running offset plus a block prefix sum
    (``tl.cumsum``), so they come out ascending.
 
+Rows that fit one block (``N <= ROW_BLOCK_MAX``: quest's pages up to 128K tokens,
+lfps's ranks, the covered Selector rows) take ``_topk_row_kernel`` instead: the row
+is loaded into registers once and the four 8-bit digit histograms and the
+compaction read those, one pass over memory instead of six serial ones (two
+histograms, the gather, the gathered values' two, the compaction), each with its
+load latency, and no scratch row. Same output bit for bit (same select, same tie
+rule). On the H100 at 32768 x 1 quest's radix Top-K was the largest kernel of its
+step (20 us a layer for 8 rows x 2049 pages, 2048-wide blocks, bench/README
+"Session 18"), a latency chain, not a bandwidth one.
+
 Long rows with few (row, head) programs (the Selector's 32K-128K rows, a few
 hundred programs) leave that serial walk latency-bound: there each row is split
 over several programs (``topk_split.py``, grid ``(R, H, S)``, four launches), with
@@ -53,9 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import digit_histogram, place_kept, radix_select, topk_bounds
+from ._radix import _pick_digit, digit_histogram, load_key, place_kept, radix_select, topk_bounds
 from ._split import TOPK_RULE, resolve_splits
-from ._utils import device_num_sms
+from ._utils import device_num_sms, env_switch
 
 __all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
 
@@ -102,6 +112,72 @@ def _topk_range_kernel(
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
+@triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr"])
+def _topk_row_kernel(
+    S,  # [R, H, N] fp32 scores, stride 1 along N, N <= BLOCK_N
+    LO,  # [R] int32
+    HI,  # [R] int32
+    BUDGET,  # [R] int32
+    OUT,  # [R, H, K_MAX] int32 positions, ascending in the first OUT_LEN entries
+    OUT_LEN,  # [R, H] int32
+    N,
+    K_MAX,
+    stride_r,
+    stride_h,
+    stride_or,
+    stride_oh,
+    stride_lr,
+    BLOCK_N: tl.constexpr,
+):
+    """_topk_range_kernel for a row held in registers: the same radix select (the
+    k-th largest finite score's key, 8 bits a pass from the top) and the same
+    compaction, over one load of the row."""
+    cur_r = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
+    if k <= 0:
+        tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
+        return
+    row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
+    offs = tl.arange(0, BLOCK_N)
+    _, bits, ok = load_key(row, offs, (offs >= lo) & (offs < hi), 0.0, 2)  # KEY_DESC: finite scores only
+    bins = tl.arange(0, 256)
+    # Values outside the prefix (or not counted) land in bin 0 and are taken out.
+    h = tl.histogram(tl.where(ok, (bits >> 24) & 255, 0), 256)
+    h = tl.where(bins == 0, h - tl.sum((~ok).to(tl.int32), 0), h)
+    k = tl.minimum(k, tl.sum(h, 0))
+    rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
+    for i in tl.static_range(3):
+        shift: tl.constexpr = 16 - 8 * i
+        sel = ok & (((bits >> (shift + 8)) & ((1 << (24 - shift)) - 1)) == prefix)
+        h = tl.histogram(tl.where(sel, (bits >> shift) & 255, 0), 256)
+        h = tl.where(bins == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
+        rank, prefix = _pick_digit(h, rank, prefix)
+    # keep keys below the k-th's, and the first rank + 1 equal to it by position (k = 0:
+    # no finite score, nothing is ok)
+    t = prefix.to(tl.uint32, bitcast=True)
+    u = bits.to(tl.uint32, bitcast=True)
+    eq = (ok & (u == t)).to(tl.int32)
+    keep = (ok & (u < t)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq <= rank))
+    keep_i = keep.to(tl.int32)
+    out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
+    tl.store(out + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
+    tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
+
+
+#: Rows up to this wide take _topk_row_kernel (one load into registers); wider ones
+#: the block-walking kernels. 8192 fp32 over 16 warps: 16 values a thread.
+ROW_BLOCK_MAX = 8192
+ONE_BLOCK_ENABLED = env_switch("TOPK_ONE_BLOCK", True)
+
+
+def row_launch_shape(n: int) -> Tuple[int, int]:
+    """(block_n, num_warps) of _topk_row_kernel for rows of ``n`` scores: the next
+    power of two, 1-16 values a thread."""
+    block = max(16, triton.next_power_of_2(max(n, 1)))
+    return block, max(1, min(16, block // 256))
+
+
 #: (block_n, num_warps) that :func:`launch_shape` picks from, widest first (start-up
 #: compiles each: ``selector.refresh.warm_up_kernels``).
 LAUNCH_SHAPES = ((4096, 16), (2048, 8), (1024, 4))
@@ -136,6 +212,7 @@ def topk_range(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     splits: Optional[int] = None,
+    one_block: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -156,6 +233,9 @@ def topk_range(
             default ``_split.resolve_splits``: ``split_count`` of ``N`` and ``R x H``
             under ``_split.TOPK_RULE`` (1 unless the rows are long and few; always 1
             with ``SGL_SPARSE_SPLIT_ROWS=0``); ``gather=False`` runs unsplit.
+        one_block: the row held in registers (``_topk_row_kernel``); default: when
+            ``N <= ROW_BLOCK_MAX`` and none of ``block_n``, ``num_warps``, ``splits``,
+            ``gather=False`` is asked for (``SGL_SPARSE_TOPK_ONE_BLOCK=0``: never).
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -167,7 +247,11 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
-    splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
+    if one_block is None:
+        one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
+                     and splits is None)
+    assert not one_block or n <= ROW_BLOCK_MAX, f"one_block: rows up to {ROW_BLOCK_MAX} scores, not {n}"
+    splits = 1 if not gather or n == 0 or one_block else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
     auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
     block_n = int(block_n or auto_block)
     num_warps = int(num_warps or auto_warps)
@@ -179,6 +263,14 @@ def topk_range(
     assert out.shape == (r, h, k_max) and out.dtype == torch.int32 and out.stride(2) == 1
     assert out_len.shape == (r, h) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
     if r == 0 or h == 0:
+        return out, out_len
+    if one_block:
+        row_block, row_warps = row_launch_shape(n)
+        _topk_row_kernel[(r, h)](
+            scores, lo, hi, budget, out, out_len, n, k_max,
+            scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out_len.stride(0),
+            BLOCK_N=row_block, num_warps=row_warps,
+        )
         return out, out_len
     if splits > 1:
         from .topk_split import topk_range_split

@@ -14,7 +14,9 @@ Per case ``[R rows, H heads, N]`` fp32 scores, ``-inf`` off each row's live rang
   every row, empty or not).
 * ``torch.topk+sort``: what ``selector.core.top_k_positions`` paid (sorted top-k,
   then a sort of the kept positions).
-* ``topk_range`` (gather on, the default launch shape) and ``topk_range nogather``;
+* ``topk_range`` (the default: rows up to ``ROW_BLOCK_MAX`` in registers, wider ones
+  gather on at the default launch shape), ``topk_range walk`` (the block-walking kernel
+  for every row: the default before session 18) and ``topk_range nogather``;
   then ``topk_range B/Ww`` at each (block_n, num_warps) ``launch_shape`` could pick.
 
 Cases: the serving shapes of ``query_device`` (8 slots x 8 KV heads, max_context
@@ -33,7 +35,6 @@ import json
 import os
 import platform
 import sys
-import time
 
 from _bench_env import Timer, import_kernels, use_cuda_or_exit
 
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--cases", default="", help="comma-separated name prefixes (default: every case)")
     return p.parse_args(argv)
 
 
@@ -63,6 +65,14 @@ def _cases(smoke: bool):
         ("qa-32768-full", 8, 8, 32768, 2048, [1.0] * 8),
         ("quest-pages-2560", 8, 8, 2560, 129, half),
         ("selector-64x32768", 64, 8, 32768, 2048, [1.0] * 64),
+        # quest at 32768 x 1 and x 8 (8 slots, 2049 live pages + the store's spare),
+        # at 130000 x 4 (8126 pages), at 2048 x 64: k = budget / 16
+        ("quest-32k-batch1", 8, 8, 2064, 128, [1.0] + [0.0] * 7),
+        ("quest-32k-batch8", 8, 8, 2064, 128, [0.993] * 8),
+        ("quest-130k-batch4", 4, 8, 8192, 128, [0.992] * 4),
+        ("quest-2k-batch64", 64, 8, 136, 128, [0.95] * 64),
+        # the Selector's rows at 2048 x 64 (rows x layers: one refresh of 16 requests)
+        ("selector-448x2176", 448, 8, 2176, 2048, [1.0] * 448),
     ]
 
 
@@ -86,7 +96,10 @@ def main(argv=None) -> int:
 
     results, failures = [], []
     gen = torch.Generator(device=dev).manual_seed(args.seed)
+    prefixes = [c for c in args.cases.split(",") if c]
     for name, r, h, n, k, fracs in _cases(args.smoke):
+        if prefixes and not any(name.startswith(c) for c in prefixes):
+            continue
         lo = torch.full((r,), 4, dtype=torch.int32, device=dev)
         hi = torch.tensor([max(int(f * n), 0) for f in fracs], dtype=torch.int32, device=dev)
         hi = torch.where(hi > lo, hi, 0)
@@ -115,6 +128,9 @@ def main(argv=None) -> int:
             "torch.topk+sort": lambda: torch.sort(torch.topk(s, kk, dim=-1, sorted=True).indices, dim=-1),
             "topk_range": lambda: topk_range(s, lo, hi, budget, k),
             "topk_range nogather": lambda: topk_range(s, lo, hi, budget, k, gather=False),
+            # the block-walking kernel at launch_shape's block (the default before the
+            # row kernel, for rows up to ROW_BLOCK_MAX)
+            "topk_range walk": lambda: topk_range(s, lo, hi, budget, k, one_block=False),
         }
         if not args.smoke:  # the launch shapes launch_shape() picks between, for every case
             for bn, nw in ((1024, 4), (2048, 8), (4096, 16), (8192, 32)):

@@ -247,7 +247,7 @@ def top_k_positions(s: torch.Tensor, lo, hi, budget: torch.Tensor, k_max: int,
 
         i32 = torch.int32
         pos, _ = topk_range(s.to(torch.float32), lo.to(i32).contiguous(), hi.to(i32).contiguous(),
-                            budget.clamp(max=k_max).to(i32).contiguous(), max(1, k_max))
+                            budget.clamp(max=k_max).to(i32).contiguous(), max(1, k_max), one_block=False)
         return pos[..., :k_max].long(), count
     # Scores are finite exactly on A_t, so when no row's budget is below k the
     # unordered top-k is enough: its finite entries are the kept set. Otherwise

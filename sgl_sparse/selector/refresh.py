@@ -285,7 +285,9 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
             s = selector_scores(u, norms, lo_l, hi_l, knobs_l)
             # Step 6 as top_k_positions(use_kernel=True) runs it, its int32 output as
             # the packing reads it (after the sink prefix), for every layer at once.
-            pos, _ = topk_range(s, lo_l, hi_l, g.budget[:m], max(1, k_max))
+            # The block-walking kernel at every length: the refresh's padded lengths
+            # (one per bucket) would each compile a register-row variant mid-decode.
+            pos, _ = topk_range(s, lo_l, hi_l, g.budget[:m], max(1, k_max), one_block=False)
             del s
             pack_compact_layers(pools.k.layers(first, first + nl), pools.v.layers(first, first + nl), req_to_token,
                                 g.ridx[:r], pos, sel_len[:, None].expand(-1, hkv), lo, do_pack,

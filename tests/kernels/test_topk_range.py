@@ -67,6 +67,46 @@ def test_topk_range_matches_torch(r, h, n, k_max, ints, holes):
     for gather in (True, False):
         pos, cnt = topk_range(s, lo, hi, budget, k_max, gather=gather, block_n=256)
         _check(s, lo, hi, budget, k_max, pos, cnt)
+    # the default: rows that fit one block (all of these) in registers (_topk_row_kernel)
+    pos, cnt = topk_range(s, lo, hi, budget, k_max)
+    _check(s, lo, hi, budget, k_max, pos, cnt)
+
+
+@pytest.mark.parametrize("r,h,n,k_max,ints,holes", [
+    (5, 2, 256, 33, True, 0.1),  # N exactly a power of two, many ties
+    (4, 3, 2049, 129, False, 0.0),  # quest's pages at 32K + 16: a 4096-wide register block
+    (3, 2, 70, 100, False, 0.9),  # mostly non-finite: fewer finite scores than the budget
+])
+def test_topk_row_kernel_is_bit_identical(r, h, n, k_max, ints, holes):
+    """_topk_row_kernel (the row in registers) against the block-walking kernel: the
+    same positions, order and counts (the same select and tie rule), on ragged
+    ranges, an empty one, a budget of 0 and one above the live length, rows with no
+    finite score."""
+    gen = torch.Generator().manual_seed(7 * n + r)
+    s = _case(gen, r, h, n, ints, holes)
+    s[-1, 0] = float("-inf")  # a (row, head) without a finite score
+    lo = torch.randint(0, n // 4, (r,), generator=gen, dtype=torch.int32)
+    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
+    budget = torch.randint(1, k_max + 20, (r,), generator=gen, dtype=torch.int32)
+    hi[1] = lo[1]  # empty
+    budget[2] = 0
+    budget[0] = 10 ** 6
+    row = topk_range(s, lo, hi, budget, k_max, one_block=True)
+    walk = topk_range(s, lo, hi, budget, k_max, one_block=False, splits=1)
+    assert torch.equal(row[0], walk[0]) and torch.equal(row[1], walk[1])
+    _check(s, lo, hi, budget, k_max, *row)
+    assert int(row[1][-1, 0]) == 0 and int(row[1][1].max()) == 0 and int(row[1][2].max()) == 0
+
+
+def test_topk_row_kernel_only_for_rows_that_fit():
+    from sgl_sparse.kernels.topk_range import ROW_BLOCK_MAX, row_launch_shape
+
+    assert row_launch_shape(2049) == (4096, 16) and row_launch_shape(129) == (256, 1)
+    assert row_launch_shape(ROW_BLOCK_MAX) == (ROW_BLOCK_MAX, 16)
+    s = torch.zeros(1, 1, ROW_BLOCK_MAX + 1)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="one_block"):
+        topk_range(s, 0 * one, one, one, 1, one_block=True)
 
 
 @pytest.mark.parametrize("rows,splits,block_n,ints,holes", [
