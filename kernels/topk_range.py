@@ -112,6 +112,16 @@ def _topk_range_kernel(
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
+@triton.jit
+def _row_digit(bits, ok, rank, prefix, SHIFT: tl.constexpr):
+    """One radix pass over keys held in registers: the digit (key >> SHIFT) & 255 of
+    the keys whose higher bits equal `prefix`, and the bin holding the rank-th."""
+    sel = ok & (((bits >> (SHIFT + 8)) & ((1 << (24 - SHIFT)) - 1)) == prefix)
+    h = tl.histogram(tl.where(sel, (bits >> SHIFT) & 255, 0), 256)
+    h = tl.where(tl.arange(0, 256) == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
+    return _pick_digit(h, rank, prefix)
+
+
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr"])
 def _topk_row_kernel(
     S,  # [R, H, N] fp32 scores, stride 1 along N, N <= BLOCK_N
@@ -147,12 +157,9 @@ def _topk_row_kernel(
     h = tl.where(bins == 0, h - tl.sum((~ok).to(tl.int32), 0), h)
     k = tl.minimum(k, tl.sum(h, 0))
     rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
-    for i in tl.static_range(3):
-        shift: tl.constexpr = 16 - 8 * i
-        sel = ok & (((bits >> (shift + 8)) & ((1 << (24 - shift)) - 1)) == prefix)
-        h = tl.histogram(tl.where(sel, (bits >> shift) & 255, 0), 256)
-        h = tl.where(bins == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
-        rank, prefix = _pick_digit(h, rank, prefix)
+    rank, prefix = _row_digit(bits, ok, rank, prefix, 16)
+    rank, prefix = _row_digit(bits, ok, rank, prefix, 8)
+    rank, prefix = _row_digit(bits, ok, rank, prefix, 0)
     # keep keys below the k-th's, and the first rank + 1 equal to it by position (k = 0:
     # no finite score, nothing is ok)
     t = prefix.to(tl.uint32, bitcast=True)
@@ -169,6 +176,16 @@ def _topk_row_kernel(
 #: the block-walking kernels. 8192 fp32 over 16 warps: 16 values a thread.
 ROW_BLOCK_MAX = 8192
 ONE_BLOCK_ENABLED = env_switch("TOPK_ONE_BLOCK", True)
+
+
+def row_block_fits(n: int) -> bool:
+    """Whether _topk_row_kernel's block suits rows of ``n``: masked lanes cost its
+    histograms as much as live ones, so a block more than 40% empty over 1024 lanes
+    goes to the block-walking kernel. H100, graph replay (bench/README "Session 18"):
+    quest's 8126 pages (8192-block) 32 vs 52 us, 136 pages (256) 11 vs 20 us, 2560
+    (4096) 18.5 vs 22.0; 2064 pages (4096) at 64 programs 18.6 vs 15.2."""
+    block = row_launch_shape(n)[0]
+    return block <= 1024 or 5 * n >= 3 * block
 
 
 def row_launch_shape(n: int) -> Tuple[int, int]:
@@ -249,7 +266,7 @@ def topk_range(
     dev = scores.device
     if one_block is None:
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
-                     and splits is None)
+                     and splits is None and row_block_fits(n))
     assert not one_block or n <= ROW_BLOCK_MAX, f"one_block: rows up to {ROW_BLOCK_MAX} scores, not {n}"
     splits = 1 if not gather or n == 0 or one_block else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
     auto_block, auto_warps = launch_shape(r * h * splits, dev, n)

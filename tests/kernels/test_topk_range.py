@@ -99,10 +99,12 @@ def test_topk_row_kernel_is_bit_identical(r, h, n, k_max, ints, holes):
 
 
 def test_topk_row_kernel_only_for_rows_that_fit():
-    from sgl_sparse.kernels.topk_range import ROW_BLOCK_MAX, row_launch_shape
+    from sgl_sparse.kernels.topk_range import ROW_BLOCK_MAX, row_block_fits, row_launch_shape
 
     assert row_launch_shape(2049) == (4096, 16) and row_launch_shape(129) == (256, 1)
     assert row_launch_shape(ROW_BLOCK_MAX) == (ROW_BLOCK_MAX, 16)
+    # by default only where its block is mostly live (or small): the H100's A/B
+    assert [row_block_fits(n) for n in (136, 1024, 2064, 2560, 8126)] == [True, True, False, True, True]
     s = torch.zeros(1, 1, ROW_BLOCK_MAX + 1)
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(AssertionError, match="one_block"):
