@@ -66,7 +66,7 @@ def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str
     r = requests.post(url + "/start_profile", json={"output_dir": outdir, "num_steps": steps,
                                                      "activities": ["GPU"]}, timeout=600)
     th.join()
-    for _ in range(60):  # the scheduler exports the trace after the profiled steps
+    for _ in range(180):  # the scheduler exports the trace after the profiled steps (130000 x 4: > 60 s, s18)
         traces = sorted(glob.glob(os.path.join(outdir, "*.trace.json*")), key=os.path.getmtime)
         if traces:
             break
