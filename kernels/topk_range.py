@@ -113,13 +113,19 @@ def _topk_range_kernel(
 
 
 @triton.jit
+def _row_histogram(bits, sel, SHIFT: tl.constexpr):
+    """256-bin histogram of the digit (key >> SHIFT) & 255 of the keys held in
+    registers where `sel`: the others land in bin 0 and are taken out."""
+    h = tl.histogram(tl.where(sel, (bits >> SHIFT) & 255, 0), 256)
+    return tl.where(tl.arange(0, 256) == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
+
+
+@triton.jit
 def _row_digit(bits, ok, rank, prefix, SHIFT: tl.constexpr):
     """One radix pass over keys held in registers: the digit (key >> SHIFT) & 255 of
     the keys whose higher bits equal `prefix`, and the bin holding the rank-th."""
     sel = ok & (((bits >> (SHIFT + 8)) & ((1 << (24 - SHIFT)) - 1)) == prefix)
-    h = tl.histogram(tl.where(sel, (bits >> SHIFT) & 255, 0), 256)
-    h = tl.where(tl.arange(0, 256) == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
-    return _pick_digit(h, rank, prefix)
+    return _pick_digit(_row_histogram(bits, sel, SHIFT), rank, prefix)
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr"])
@@ -151,10 +157,7 @@ def _topk_row_kernel(
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     offs = tl.arange(0, BLOCK_N)
     _, bits, ok = load_key(row, offs, (offs >= lo) & (offs < hi), 0.0, 2)  # KEY_DESC: finite scores only
-    bins = tl.arange(0, 256)
-    # Values outside the prefix (or not counted) land in bin 0 and are taken out.
-    h = tl.histogram(tl.where(ok, (bits >> 24) & 255, 0), 256)
-    h = tl.where(bins == 0, h - tl.sum((~ok).to(tl.int32), 0), h)
+    h = _row_histogram(bits, ok, 24)  # the top digit's also counts the finite scores
     k = tl.minimum(k, tl.sum(h, 0))
     rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
     rank, prefix = _row_digit(bits, ok, rank, prefix, 16)
@@ -268,10 +271,13 @@ def topk_range(
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
                      and splits is None and row_block_fits(n))
     assert not one_block or n <= ROW_BLOCK_MAX, f"one_block: rows up to {ROW_BLOCK_MAX} scores, not {n}"
-    splits = 1 if not gather or n == 0 or one_block else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
-    auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
-    block_n = int(block_n or auto_block)
-    num_warps = int(num_warps or auto_warps)
+    if one_block:
+        block_n, num_warps = row_launch_shape(n)
+    else:
+        splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
+        auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
+        block_n = int(block_n or auto_block)
+        num_warps = int(num_warps or auto_warps)
     assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
     if out is None:
         out = torch.zeros((r, h, k_max), dtype=torch.int32, device=dev)
@@ -282,11 +288,10 @@ def topk_range(
     if r == 0 or h == 0:
         return out, out_len
     if one_block:
-        row_block, row_warps = row_launch_shape(n)
         _topk_row_kernel[(r, h)](
             scores, lo, hi, budget, out, out_len, n, k_max,
             scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out_len.stride(0),
-            BLOCK_N=row_block, num_warps=row_warps,
+            BLOCK_N=block_n, num_warps=num_warps,
         )
         return out, out_len
     if splits > 1:

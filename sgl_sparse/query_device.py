@@ -187,8 +187,6 @@ class QueryAwareDevice:
         #: the policies whose blocks the forwards run (None: all of them); the backend
         #: narrows it while SGLang captures a `qa_<policy>` decode graph (graph_variants.py)
         self.only: frozenset[PolicyId] | None = None
-        # one policy: its own flag is the whole gate, no inner gates (two nodes each)
-        self._inner_gates = len(self.policies) > 1
         self._plan: DecodePlan | None = None  # the step plan _fwd was computed for
         self._fwd_quest: _QuestForward | None = None
         self._fwd_aspd: _AspdForward | None = None
@@ -197,7 +195,8 @@ class QueryAwareDevice:
         # a live row; any of them has (None where conditional nodes are unavailable)
         self._on: dict[PolicyId, torch.Tensor | None] = {}
         self._any: torch.Tensor | None = None
-        self._inner = self._inner_gates  # this forward's policies need inner gates
+        # one policy this forward: its own flag is the whole gate, no inner gates (two nodes each)
+        self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
         self._side: torch.cuda.Stream | None = None
         self._side_pending = False
@@ -243,14 +242,9 @@ class QueryAwareDevice:
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
         self._on = {}
         self._forward_fused(plan, req_pool_indices, seq_lens)
-        if self.only is not None:  # a `qa_<policy>` graph: the other policies' blocks are left out
-            self._fwd_quest = self._fwd_quest if PolicyId.QUEST in self.only else None
-            self._fwd_aspd = self._fwd_aspd if PolicyId.ASYNCSPADE in self.only else None
-            self._fwd_lfps = self._fwd_lfps if PolicyId.LFPS in self.only else None
-            self._on = {p: f for p, f in self._on.items() if p in self.only}
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
         self._any = None if not flags or flags[0] is None else functools.reduce(operator.or_, flags)
-        self._inner = self._inner_gates and len(self._on) > 1
+        self._inner = len(self._on) > 1
         self._plan = plan
 
     def _forward_fused(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -275,7 +269,8 @@ class QueryAwareDevice:
         for pid, key, attr in ((PolicyId.QUEST, "quest", "_fwd_quest"),
                                (PolicyId.ASYNCSPADE, "asyncspade", "_fwd_aspd"),
                                (PolicyId.LFPS, "lfps", "_fwd_lfps")):
-            if key not in fw:
+            # a `qa_<policy>` graph (self.only): the other policies' blocks are left out
+            if key not in fw or (self.only is not None and pid not in self.only):
                 continue
             f = fw[key]
             f.sr = f  # the per-layer code reads the slot -> row map as f.sr.b_any

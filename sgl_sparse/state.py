@@ -112,7 +112,7 @@ class SparseState:
         self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
-        # Whether the last decode batch set up holds a quest/asyncspade/lfps row: the
+        # The quest/asyncspade/lfps policies of the last decode batch set up: the
         # decode CUDA-graph variant its forward replays (step_query_aware_policies).
         self._step_query_aware: frozenset[PolicyId] | None = None
         self._step_balance = False  # see step_balance

@@ -57,7 +57,7 @@ def _device(gen, stores=("quest", "asyncspade", "lfps")) -> QueryAwareDevice:
     dev.quest = st.query_stores.get(PolicyId.QUEST)
     dev.aspd = st.query_stores.get(PolicyId.ASYNCSPADE)
     dev.lfps = LfpsDevice(types.SimpleNamespace(cfg=cfg)) if "lfps" in stores else None
-    dev._side_pending, dev._plan = False, None
+    dev._side_pending, dev._plan, dev.only = False, None, None
     return dev
 
 
