@@ -1,0 +1,261 @@
+"""
+Index keys: AsyncSpade's scoring pass over int8 copies of the keys
+==================================================================
+
+AsyncSpade scores every key of the context with the predicted query at every
+step (``token_scores``): on one GPU that pass reads half the KV cache's bytes a
+step and bounds the policy's TPOT at >= 0.64x ``full`` at 32768 x 8 on the H100
+(bench/README, "Session 17"), above the paper's 0.5x, which moves the pass to a
+separate GPU. DeepSeek-V3.2's indexer keeps low-precision copies of its keys for
+the same job (score every token, keep the top 2048). Here: per (slot, KV head,
+position) an int8 key and its fp32 scale, 132 bytes instead of 256 at D = 128,
+read contiguously instead of gathered through ``req_to_token``::
+
+    amax  = max_d |k[d]|                      (fp32)
+    kq[d] = clamp(floor(k[d] * (127 / amax) + 0.5), -127, 127)   (0 where amax <= 1e-30)
+    kscale = amax / 127
+    s[b, h, pos] = max_{g in group(h)} (q_hat[b, g] . kq[pos, h]) * kscale[pos, h] * sm_scale
+
+Every fp32 operation above is rounded once, in this order, in the kernel and in
+``quantize_keys`` (IEEE divisions, no fused multiply-add: the launch turns fp
+fusion off), so the kernel's copies are bit-identical to the reference's.
+
+The copies are filled lazily by the scoring launch itself, so neither prefill
+nor the decode step's KV write needs a hook: per (layer, slot) two counters
+``filled[slot, 2]`` say up to which position the copies of the slot's current
+request are valid. A launch scoring ``[lo, hi)`` reads ``filled[slot, 1 - hi % 2]``
+(what the launch of the previous step, whose ``hi`` was one less, wrote), scores
+the positions below it from the copies, quantizes the ones above it from the KV
+pool (all of them on a request's first step, then the one position a step that
+enters the scored range), stores those copies, and writes ``hi`` to
+``filled[slot, hi % 2]``: the counter it reads is never the one a program of the
+same launch writes. A step that skipped the slot (``hi`` grew by more than one)
+reads an older, smaller count and re-quantizes a few more positions: same
+values. The owner of the store zeroes both counters when a request takes the
+slot (query_serving.on_extend). The scored range never reaches the decode
+step's own position (``hi <= n + 1 - recent``), so every key copied is final.
+
+``kq`` is exact in bf16 and fp16 (|kq| <= 127), so the scores are the same
+tensor-core dots as ``token_scores`` (an fp32 ``q_hat`` split into two parts).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import cdiv, device_num_sms
+from .token_scores import _load_q_parts, _scores_tile, group_tile_meta
+
+__all__ = ["QMAX", "quantize_keys", "index_token_scores", "index_token_scores_ref"]
+
+#: The int8 code range, symmetric: [-QMAX, QMAX].
+QMAX = 127.0
+#: Keys whose largest |k| is at most this quantize to 0.
+TINY = 1e-30
+
+
+def quantize_keys(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``keys [..., D]`` -> ``(kq [..., D] int8, kscale [...] fp32)`` (the module's
+    formula; the definition the kernel's copies must equal bit for bit)."""
+    kf = keys.float()
+    amax = kf.abs().amax(-1)
+    # keys below TINY quantize to 0 (127 / amax would overflow fp32 for subnormal maxima);
+    # a tensor / tensor division: `127.0 / amax` is reciprocal-then-multiply in torch,
+    # not the correctly rounded quotient the kernel's div_rn computes
+    inv = torch.where(amax > TINY, torch.full_like(amax, QMAX) / amax.clamp(min=TINY), torch.zeros_like(amax))
+    kq = torch.floor(kf * inv[..., None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    return kq, amax / torch.full_like(amax, QMAX)
+
+
+@triton.jit
+def _quantize_tile(k):
+    """[BLOCK_N, BLOCK_D] fp32 keys -> (codes as fp32 integers, per-row scale)."""
+    amax = tl.max(tl.abs(k), 1)
+    qmax = tl.full(amax.shape, 127.0, tl.float32)
+    inv = tl.where(amax > 1e-30, tl.math.div_rn(qmax, tl.maximum(amax, 1e-30)), 0.0)  # TINY
+    x = k * inv[:, None]
+    kq = tl.minimum(tl.maximum(tl.floor(x + 0.5), -127.0), 127.0)
+    return kq, tl.math.div_rn(amax, qmax)
+
+
+@triton.jit(do_not_specialize=["N_MAX", "IDX_CTX", "stride_ob", "stride_oh", "stride_cs", "stride_ch", "stride_ss",
+                               "stride_sh"])
+def _index_scores_kernel(
+    Q,  # [bs, Hq, D]
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    LO,
+    HI,
+    KQ,  # [bs, Hkv, IDX_CTX, D] int8, stride 1 along D
+    KSCALE,  # [bs, Hkv, IDX_CTX] fp32, stride 1 along positions
+    FILLED,  # [bs, 2] int32
+    OUT,  # [bs, Hkv, n_max] fp32
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_cs,
+    stride_ch,
+    stride_ss,
+    stride_sh,
+    stride_ob,
+    stride_oh,
+    N_MAX,
+    MAX_CTX,
+    IDX_CTX,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    cur_b = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    pid = tl.program_id(2)
+    nprog = tl.num_programs(2)
+    lo = tl.minimum(tl.maximum(tl.load(LO + cur_b), 0), N_MAX)
+    hi_req = tl.minimum(tl.load(HI + cur_b), N_MAX)
+    if hi_req <= lo:  # a slot without a row this step: O(1), its counters untouched
+        return
+    hi = tl.minimum(tl.minimum(hi_req, MAX_CTX), IDX_CTX)  # never past req_to_token's row or the copies
+    par = hi_req % 2  # the step's parity (hi_req grows by one a step), whatever clamps hi
+    valid_to = tl.load(FILLED + cur_b * 2 + 1 - par)
+    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+    q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                               BLOCK_H, BLOCK_D, Q_SPLIT)
+    mask_h = tl.arange(0, BLOCK_H) < GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    kq_base = KQ + cur_b.to(tl.int64) * stride_cs + cur_h.to(tl.int64) * stride_ch
+    ks_base = KSCALE + cur_b.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    out_base = OUT + cur_b * stride_ob + cur_h * stride_oh
+    blk_lo = lo // BLOCK_N
+    blk_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), blk_lo)
+    for blk in range(blk_lo + pid, blk_hi, nprog):
+        offs = blk * BLOCK_N + offs_n
+        valid = (offs >= lo) & (offs < hi)
+        cached = valid & (offs < valid_to)
+        fresh = valid & (offs >= valid_to)
+        c_ptr = kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+        kq_c = tl.load(c_ptr, mask=cached[:, None] & mask_d[None, :], other=0)
+        ks_c = tl.load(ks_base + offs, mask=cached, other=0.0)
+        # positions that entered the range since the last launch: from the pool, copied
+        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
+        k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                    mask=fresh[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        kq_f, ks_f = _quantize_tile(k)
+        tl.store(c_ptr, kq_f.to(tl.int8), mask=fresh[:, None] & mask_d[None, :])
+        tl.store(ks_base + offs, ks_f, mask=fresh)
+        kq = tl.where(fresh[:, None], kq_f, kq_c.to(tl.float32)).to(K_POOL.dtype.element_ty)
+        ks = tl.where(fresh, ks_f, ks_c)
+        s = _scores_tile(q_hi, q_lo, kq, mask_h, Q_SPLIT, FP32_DOT) * ks * sm_scale
+        tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
+    # the range's part past req_to_token's row or the copies (if any) holds -inf
+    neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for blk in range(blk_hi + pid, tl.cdiv(hi_req, BLOCK_N), nprog):
+        offs = blk * BLOCK_N + offs_n
+        tl.store(out_base + offs, neg_inf, mask=(offs >= tl.maximum(hi, lo)) & (offs < hi_req))
+    if (cur_h == 0) & (pid == 0):
+        tl.store(FILLED + cur_b * 2 + par, hi)
+
+
+def index_token_scores(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    n_max: int,
+    kq: torch.Tensor,
+    kscale: torch.Tensor,
+    filled: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    num_programs: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Scores of ``q_hat`` over ``[lo[b], hi[b])`` from row ``b``'s int8 key copies
+    (the module's formula), fp32 ``[bs, Hkv, n_max]``; only ``[lo, hi)`` is written
+    (``topk_range`` over the same range reads nothing else), rows with an empty
+    range cost O(1). Updates the copies and ``filled`` (module docstring).
+
+    Args:
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max: as
+            :func:`token_scores` (row ``b`` is also the copies' row).
+        kq: ``[bs, Hkv, ctx, D]`` int8; kscale ``[bs, Hkv, ctx]`` fp32; positions
+            ``>= ctx`` are never scored (-inf).
+        filled: ``[bs, 2]`` int32, zeroed when the row's request changes.
+    """
+    bs, num_q_heads, head_dim = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    assert num_q_heads % num_kv_heads == 0 and k_pool.shape[2] == head_dim
+    assert q_hat.dtype in (k_pool.dtype, torch.float32) and k_pool.dtype in (torch.bfloat16, torch.float16)
+    assert q_hat.stride(2) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
+    assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
+    ctx = kq.shape[2]
+    assert kq.dtype == torch.int8 and kq.shape == (bs, num_kv_heads, ctx, head_dim)
+    assert kq.stride(3) == 1 and kq.stride(2) == head_dim
+    assert kscale.dtype == torch.float32 and kscale.shape == (bs, num_kv_heads, ctx) and kscale.stride(2) == 1
+    assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
+    n_max = int(n_max)
+    assert n_max > 0
+    if out is None:
+        out = torch.empty((bs, num_kv_heads, n_max), dtype=torch.float32, device=q_hat.device)
+    assert out.shape == (bs, num_kv_heads, n_max) and out.dtype == torch.float32 and out.stride(2) == 1
+    if num_programs is None:
+        sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
+        num_programs = max(1, min(cdiv(n_max, block_n), cdiv(4 * sms, max(1, bs * num_kv_heads))))
+    _index_scores_kernel[(bs, num_kv_heads, int(num_programs))](
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, kq, kscale, filled, out, float(sm_scale),
+        q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1), out.stride(0), out.stride(1),
+        n_max, req_to_token.shape[1], ctx,
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+def index_token_scores_ref(
+    q_hat: torch.Tensor,
+    k_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    n_max: int,
+    ctx: Optional[int] = None,
+) -> torch.Tensor:
+    """Reference for :func:`index_token_scores` in float64 (returned fp32, -inf outside
+    ``[lo, min(hi, n_max, max_ctx, ctx))``): the keys quantized by
+    :func:`quantize_keys` on the fly, no copies kept."""
+    bs, num_q_heads, _ = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    limit = min(n_max, req_to_token.shape[1], ctx if ctx is not None else n_max)
+    out = torch.full((bs, num_kv_heads, n_max), float("-inf"), dtype=torch.float64, device=q_hat.device)
+    for b in range(bs):
+        l, h_ = max(int(lo[b].item()), 0), min(int(hi[b].item()), limit)
+        if h_ <= l:
+            continue
+        toks = req_to_token[int(req_pool_idx[b].item()), l:h_].long()
+        kq, ks = quantize_keys(k_pool[toks])  # [n, Hkv, D], [n, Hkv]
+        qb = q_hat[b].double().view(num_kv_heads, group, -1)
+        s = torch.einsum("hgd,nhd->hgn", qb, kq.double()).amax(1)
+        out[b, :, l:h_] = s * ks.double().T * sm_scale
+    return out.float()

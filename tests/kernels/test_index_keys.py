@@ -1,0 +1,152 @@
+"""kernels.index_keys against its references, in the Triton interpreter at small shapes.
+
+- The copies the launches leave are bit-identical to ``quantize_keys`` of the pool's
+  keys (int8 codes and fp32 scales), on every position a launch scored.
+- Scores match the float64 reference of the formula (keys quantized on the fly) to
+  fp32 rounding, over several steps of a decode: the first step quantizes the whole
+  range, later steps read the copies and quantize the one new position; a step that
+  skipped the slot, a counter reset (a new request in the slot), an empty range, a
+  range past the copies' width. Ragged lengths not multiples of the 16-position
+  block, GQA 1/4/8, bf16 and fp16 pools, q_hat in fp32 (AsyncSpade's prediction).
+  The output is NaN-poisoned: an unwritten score in [lo, hi) fails.
+- The copy's scores rank like the exact scores (the approximation's size): the Top-K
+  of the int8 scores keeps almost all of the exact Top-K on random keys with outlier
+  channels.
+"""
+
+import pytest
+import torch
+
+from sgl_sparse.kernels import testing as T
+from sgl_sparse.kernels.index_keys import index_token_scores, index_token_scores_ref, quantize_keys
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(seq_lens, group, dtype, seed, head_dim=64, num_kv_heads=2):
+    n = len(seq_lens)
+    return T.make_decode_case(
+        seq_lens, [0] * n, [(0, s) for s in seq_lens], num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+        cap=1, dtype=dtype, device=DEVICE, seed=seed,
+    )
+
+
+def _copies(bs, hkv, ctx, d):
+    kq = torch.full((bs, hkv, ctx, d), 99, dtype=torch.int8, device=DEVICE)  # garbage: a previous owner's
+    ks = torch.full((bs, hkv, ctx), 7.0, device=DEVICE)
+    filled = torch.zeros(bs, 2, dtype=torch.int32, device=DEVICE)
+    return kq, ks, filled
+
+
+def _close(s, ref, lo, hi, rtol=2e-5):
+    """s matches ref on every [lo, hi) (the only part written); NaN never passes."""
+    for b in range(s.shape[0]):
+        l, h = int(lo[b]), int(hi[b])
+        if h <= l:
+            continue
+        got, want = s[b, :, l:h], ref[b, :, l:h]
+        assert not torch.isnan(got).any(), f"row {b}: unwritten (NaN) score"
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)), b
+        fin = torch.isfinite(want)
+        scale = want[fin].abs().max().item() if fin.any() else 1.0
+        torch.testing.assert_close(got[fin], want[fin], rtol=rtol, atol=rtol * scale)
+
+
+def _check_copies(case, kq, ks, lo, hi):
+    for b in range(len(lo)):
+        l, h = int(lo[b]), min(int(hi[b]), kq.shape[2])
+        if h <= l:
+            continue
+        toks = case.req_to_token[int(case.req_pool_idx[b]), l:h].long()
+        want_q, want_s = quantize_keys(case.k_pool[toks])  # [n, Hkv, D], [n, Hkv]
+        assert torch.equal(kq[b, :, l:h], want_q.transpose(0, 1)), f"row {b}: int8 copies differ"
+        assert torch.equal(ks[b, :, l:h], want_s.T), f"row {b}: scales differ"
+
+
+CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("idx", range(len(CONFIGS)))
+def test_steps_read_and_fill_the_copies(idx):
+    dtype, group = CONFIGS[idx]
+    seq_lens = [150, 47, 90, 33]
+    case = _case(seq_lens, group, dtype, seed=idx)
+    bs, hkv, d = 4, case.k_pool.shape[1], case.k_pool.shape[2]
+    ctx = 140  # row 0's range runs past the copies' width at its last steps
+    kq, ks, filled = _copies(bs, hkv, ctx, d)
+    gen = torch.Generator(device=DEVICE).manual_seed(100 + idx)
+    lo = torch.tensor([4, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    # hi per step: +1 a step; row 1 skips steps 2-3 (hi grows by 3), row 3 has no row at step 1 (hi 0)
+    steps = [[120, 30, 50, 20], [121, 31, 51, 0], [122, 32, 52, 21], [141, 35, 53, 22], [146, 36, 3, 23]]
+    n_max = 150
+    for step, his in enumerate(steps):
+        hi = torch.tensor(his, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(bs, hkv * group, d, generator=gen, device=DEVICE)  # fp32, as the prediction
+        args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
+        out = torch.full((bs, hkv, n_max), float("nan"), device=DEVICE)
+        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16)
+        ref = index_token_scores_ref(*args, ctx=ctx)
+        _close(s, ref, lo, hi)
+        _check_copies(case, kq, ks, lo, hi)
+        for b, h in enumerate(his):
+            if h > int(lo[b]):  # scored: this step's counter says how far the copies go
+                assert int(filled[b, h % 2]) == min(h, ctx), (step, b)
+        if step == 2:
+            # row 2 changes owner: its counters are zeroed, its stale copies are rewritten
+            filled[2] = 0
+            kq[2] = -5
+    # the range past the copies' width scores -inf (row 0: [140, 146))
+    assert torch.isneginf(s[0, :, ctx:146]).all()
+
+
+def test_covering_range_equals_token_scores_of_quantized_pool():
+    """At one step with nothing copied yet, the scores equal token_scores over a pool
+    holding the dequantized keys kq * kscale up to the product's rounding: the same
+    dots, the scale applied after."""
+    from sgl_sparse.kernels import token_scores
+
+    case = _case([77, 64], 4, torch.float16, seed=9)
+    bs, hkv, d = 2, case.k_pool.shape[1], case.k_pool.shape[2]
+    kq, ks, filled = _copies(bs, hkv, 80, d)
+    lo = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([77, 60], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(bs, hkv * 4, d, device=DEVICE).to(torch.float16)
+    s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 80, kq, ks,
+                           filled, block_n=16)
+    codes, scales = quantize_keys(case.k_pool)
+    pool = (codes.float() * scales[..., None]).to(torch.float32)
+    want = token_scores(q.float(), pool.to(torch.float16), case.req_to_token, case.req_pool_idx, lo, hi,
+                        case.sm_scale, 80, block_n=16)
+    _close(s, want, lo, hi, rtol=3e-3)  # the dequantized fp16 pool rounds kq * kscale
+
+
+def test_quantize_keys_edges():
+    k = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -1.0, 0.5, -0.25], [1e-35, 0.0, -1e-35, 0.0],
+                      [3.0, 1.5, -0.0117, 2.9999]], dtype=torch.float32)
+    kq, ks = quantize_keys(k)
+    assert kq.dtype == torch.int8 and ks.dtype == torch.float32
+    assert kq[0].eq(0).all() and ks[0] == 0  # all-zero key
+    assert kq[1].tolist() == [127, -127, 64, -32]  # 63.5 rounds half up, -31.75 to -32
+    assert kq[2].eq(0).all()  # below TINY: zero codes, no inf / NaN
+    assert kq[3, 0] == 127 and kq[3, 2] == -0 and kq[3, 3] == 127
+    assert not torch.isnan(ks).any() and (kq.abs() <= 127).all()
+    # relative reconstruction error of a key is at most half a code of its largest entry
+    x = torch.randn(64, 128) * torch.rand(64, 1) * 10
+    q, s = quantize_keys(x)
+    err = (q.float() * s[:, None] - x).abs().amax(-1)
+    assert (err <= 0.5 * s * (1 + 1e-5) + 1e-12).all()
+
+
+def test_topk_of_int8_scores_keeps_the_exact_topk():
+    """The approximation's size on keys with a few large channels (as LLM keys have):
+    the Top-64 of 2048 positions by int8 scores against the Top-64 by exact scores."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, k = 2048, 128, 64
+    keys = torch.randn(n, 1, d, generator=gen)
+    keys[..., :4] *= 8  # outlier channels
+    q = torch.randn(d, generator=gen)
+    exact = keys[:, 0] @ q
+    codes, scales = quantize_keys(keys.to(torch.bfloat16))
+    approx = (codes[:, 0].float() @ q) * scales[:, 0]
+    overlap = len(set(exact.topk(k).indices.tolist()) & set(approx.topk(k).indices.tolist())) / k
+    assert overlap >= 0.9, overlap
