@@ -223,9 +223,19 @@ class QueryStoreConfig(_Strict):
                                                  "selection captured, run at every decode step)")
 
 
+class AsyncSpadeStoreConfig(QueryStoreConfig):
+    # [ours] AsyncSpade scores every key of the context each step: on one GPU that pass
+    # reads half the KV cache's bytes and bounds its TPOT (bench/README, "Session 17").
+    # int8 copies with a per-(position, KV head) scale halve those bytes (and are read
+    # contiguously); the Top-K then ranks approximate scores (kernels/index_keys.py).
+    index_keys: Literal["kv", "int8"] = Field(
+        "kv", description="keys the scoring pass reads: the KV cache's ('kv'), or int8 copies kept per slot "
+                          "('int8': slots x layers x KV heads x max_context x (head_dim + 4) bytes more)")
+
+
 class QueryAwareConfig(_Strict):
     quest: QueryStoreConfig = QueryStoreConfig()
-    asyncspade: QueryStoreConfig = QueryStoreConfig()
+    asyncspade: AsyncSpadeStoreConfig = AsyncSpadeStoreConfig()
     lfps: QueryStoreConfig = QueryStoreConfig()
 
 

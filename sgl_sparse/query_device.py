@@ -404,6 +404,7 @@ class QueryAwareDevice:
 
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
+        from sgl_sparse.kernels.index_keys import index_token_scores
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores
         from sgl_sparse.kernels.topk_range import topk_range
@@ -414,7 +415,11 @@ class QueryAwareDevice:
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
-        scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
+        if store.index_keys:  # from the slot's int8 copies, the new positions copied on the way
+            scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
+                                        store.kq[li], store.kscale[li], store.filled[li])
+        else:
+            scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from sgl_sparse.decision import DecodePlan
+from sgl_sparse.kernels.index_keys import quantize_keys
 from sgl_sparse.policies import quest, query_aware
 from sgl_sparse.policies.base import PolicyId, RowInit
 from sgl_sparse.query_device import POLICIES as DEVICE_POLICIES
@@ -177,6 +178,8 @@ class QueryAwareRuntime:
                 win[0, w - c:] = q3[e.q_end - c: e.q_end]
                 slot = torch.tensor([e.slot], device=q3.device)
                 aspd.ring_load(store.ring[li], store.total[li], slot, win, torch.tensor([c], device=q3.device))
+                if store.index_keys:  # the slot's key copies are its previous owner's
+                    store.filled[li, e.slot] = 0
             else:
                 knobs = lfps_knobs(e.spec)
                 s = min(knobs.s, e.q_end - e.q_start)
@@ -278,7 +281,12 @@ class QueryAwareRuntime:
         keys = k_cache[req_to_token[rpi, : g.n_max].long()]
         sink = torch.full_like(n, g.spec.sink)
         next_b = (n + 1 - g.spec.recent).clamp(min=0)  # b_start of the next step
-        scores = aspd.score_positions(q_hat, keys, n, sink, next_b, scale)
+        if store.index_keys:
+            # the copies the device path keeps are these, computed on the fly here
+            kq, kscale = quantize_keys(keys)
+            scores = aspd.score_index_positions(q_hat, kq, kscale, n, sink, next_b, scale)
+        else:
+            scores = aspd.score_positions(q_hat, keys, n, sink, next_b, scale)
         pos, cnt = aspd.select_topk(scores, torch.full_like(n, g.spec.budget), g.spec.budget)
         cap = store.cfg.capacity
         pos, cnt = prepend_sink(pos, cnt, sink, next_b, cap)

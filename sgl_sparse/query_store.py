@@ -17,6 +17,12 @@ Layouts (slot = one live request of the policy; layers of this rank):
               one extra slot (`scratch_slot`, the last) takes the writes of the
               batch rows that are not asyncspade's: the CUDA-graph path
               (query_device.py) writes every row, masked by where it writes
+              with `index_keys: int8` [ours], what its scoring pass reads
+              (kernels/index_keys.py; filled by that pass, not at prefill):
+              kq           [layers, slots, Hkv, max_context, D] int8
+              kscale       [layers, slots, Hkv, max_context] fp32
+              filled       [layers, slots, 2] int32  how far kq is valid,
+                                                     zeroed when a request takes the slot
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
@@ -57,9 +63,18 @@ class AsyncSpadeStore:
         self.total = torch.zeros(num_layers, self.rows, dtype=torch.int64, device=device)
         self.sel_pos = torch.zeros(num_layers, self.rows, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
         self.sel_count = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.int32, device=device)
+        self.index_keys = getattr(cfg, "index_keys", "kv") == "int8"
+        self.kq = self.kscale = self.filled = None
+        if self.index_keys:
+            self.kq = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, head_dim, dtype=torch.int8,
+                                  device=device)
+            self.kscale = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, dtype=torch.float32,
+                                      device=device)
+            self.filled = torch.zeros(num_layers, cfg.slots, 2, dtype=torch.int32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ring, self.total, self.sel_pos, self.sel_count
+        index = (self.kq, self.kscale, self.filled) if self.index_keys else ()
+        return self.ring, self.total, self.sel_pos, self.sel_count, *index
 
 
 class LfpsStore:

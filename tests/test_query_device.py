@@ -51,13 +51,13 @@ class Twin:
     (specs / lens: request row -> policy / prompt length; store: query_aware overrides)."""
 
     def __init__(self, group: int, use_kernels: bool, seed: int = 0, specs: dict | None = None,
-                 lens: dict | None = None, store: dict | None = None):
+                 lens: dict | None = None, store: dict | None = None, index_keys: str = "kv"):
         gen = torch.Generator().manual_seed(seed)
         self.group = group
         self.specs, self.lens = specs or SPECS, lens or LENS
         store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": MAXCTX, **(store or {})}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {p: store for p in ("quest", "asyncspade", "lfps")},
+            "query_aware": {"quest": store, "lfps": store, "asyncspade": {**store, "index_keys": index_keys}},
             "policies": {"asyncspade": {"window": 4}},
         })
         self.st = SparseState(12, "cpu", cfg)
@@ -134,10 +134,14 @@ def _same_stores(a: Twin, b: Twin) -> None:
             assert sorted(sa.sel_pos[0, s, h, :c].tolist()) == sorted(sb.sel_pos[0, s, h, :c].tolist())
 
 
-@pytest.mark.parametrize("group", [1, 4])
-def test_device_path_matches_the_torch_path(group):
+@pytest.mark.parametrize("group,index_keys", [(1, "kv"), (4, "kv"), (1, "int8"), (4, "int8")])
+def test_device_path_matches_the_torch_path(group, index_keys):
+    """index_keys int8: the torch path quantizes the keys on the fly at every step, the
+    device path scores its slot copies (all quantized at the first step, one new
+    position a step after): the same selections, and copies equal to the keys'."""
     gen = torch.Generator().manual_seed(100 + group)
-    ref, dev = Twin(group, use_kernels=False), Twin(group, use_kernels=True)
+    ref = Twin(group, use_kernels=False, index_keys=index_keys)
+    dev = Twin(group, use_kernels=True, index_keys=index_keys)
     assert ref.rt.device is None and dev.rt.device is not None
     q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
     ref.admit(q_ext)
@@ -146,6 +150,23 @@ def test_device_path_matches_the_torch_path(group):
     # 12 steps cross page boundaries, row 3 turns indexed at n = 53
     indexed = compare_steps(ref, dev, [5, 1, 7, 3, 0, 4, 2, 6], 12, gen)
     assert {r for _, r, _ in indexed} == {1, 2, 3, 4, 5, 6}
+    if index_keys == "int8":
+        _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
+
+
+def _copies_are_the_keys(twin: Twin, n_of) -> None:
+    """Each asyncspade slot's int8 copies equal quantize_keys of its keys on [sink, hi),
+    hi the last step's scored bound (n + 1 - recent), which its counter holds."""
+    from sgl_sparse.kernels.index_keys import quantize_keys
+
+    store = twin.st.query_stores[PolicyId.ASYNCSPADE]
+    for r in _rows_of(twin, "asyncspade"):
+        s, spec, n = twin.st.row_init(r).slot, twin.specs[r], n_of(r)
+        hi = n + 1 - spec.recent
+        assert int(store.filled[0, s, hi % 2]) == hi, (r, store.filled[0, s])
+        kq, ks = quantize_keys(twin.k[twin.r2t[r, spec.sink:hi].long()])
+        assert torch.equal(store.kq[0, s, :, spec.sink:hi], kq.transpose(0, 1)), r
+        assert torch.equal(store.kscale[0, s, :, spec.sink:hi], ks.T), r
 
 
 def compare_steps(ref: Twin, dev: Twin, rows: list[int], steps: int, gen: torch.Generator) -> list[tuple]:
@@ -188,14 +209,17 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-def test_device_path_replays_without_host_planning():
+@pytest.mark.parametrize("index_keys", ["kv", "int8"])
+def test_device_path_replays_without_host_planning(index_keys):
     """Steps 2.. reuse step 1's host planning (as a CUDA-graph replay does), with
     other lengths and queries written into the same input buffers: the selections
     still equal the torch path's, the device path reads nothing back to the host,
-    and it issues the same ops with the same shapes every step."""
+    and it issues the same ops with the same shapes every step (int8 index keys:
+    the copies filled by the same launch whether a step copies every position or one)."""
     group = 2
     gen = torch.Generator().manual_seed(7)
-    ref, dev = Twin(group, use_kernels=True), Twin(group, use_kernels=True)
+    ref = Twin(group, use_kernels=True, index_keys=index_keys)
+    dev = Twin(group, use_kernels=True, index_keys=index_keys)
     ref.rt = QueryAwareRuntime(ref.st, use_kernels=False)
     q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
     ref.admit(q_ext)
@@ -227,6 +251,8 @@ def test_device_path_replays_without_host_planning():
                 assert torch.equal(p_ref.a_len_per_head[b], lplan.a_len_per_head[b])
         _same_stores(ref, dev)
     assert len(shapes[0]) > 10 and all(s == shapes[0] for s in shapes[1:])
+    if index_keys == "int8":
+        _copies_are_the_keys(dev, lambda r: LENS[r] + 4)
 
 
 def test_when_the_device_path_runs():

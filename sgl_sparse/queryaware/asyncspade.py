@@ -227,6 +227,15 @@ def score_positions(q_hat: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, lo
     return s.masked_fill(~ok, _NEG_INF)
 
 
+def score_index_positions(q_hat: torch.Tensor, kq: torch.Tensor, kscale: torch.Tensor, n: torch.Tensor,
+                          lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """score_positions over int8 key copies (`index_keys: int8`, kernels/index_keys.py):
+    s[b, h, j] = max_g (q_hat . kq[b, j, h]) * kscale[b, j, h] * scale on the allowed
+    positions, -inf elsewhere. kq [bs, n_max, Hkv, D] int8, kscale [bs, n_max, Hkv]."""
+    s = score_positions(q_hat, kq, n, lo, hi, scale)
+    return torch.where(torch.isfinite(s), s * kscale.transpose(1, 2).to(s.dtype), s)
+
+
 def select_topk(scores: torch.Tensor, budget: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level Top-K per KV head.
 
