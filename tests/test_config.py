@@ -73,6 +73,9 @@ def test_config_file_yaml_and_json(tmp_path):
         ("polices: {}\n", "polices: unknown field"),
         ("- a\n- b\n", "top level"),
         ("a: [\n", "not valid YAML"),
+        # asyncspade's alone: quest / lfps score no keys with a predicted query
+        ("query_aware:\n  quest: {index_keys: int8}\n", "query_aware.quest.index_keys: unknown field"),
+        ("query_aware:\n  asyncspade: {index_keys: fp8}\n", "query_aware.asyncspade.index_keys"),
     ],
 )
 def test_bad_config_file_names_field(tmp_path, text, words):

@@ -16,6 +16,10 @@ D=128, bf16), one layer:
 * ``quest_select``: ``torch.topk`` + expansion into ``a_pos`` (budget pages).
 * ``token_scores``: every key of the context scored with a predicted query
   (AsyncSpade), for a bf16 and an fp32 ``q_hat``.
+* ``index_scores_{cold,steady}``: the same scores from int8 key copies
+  (``kernels/index_keys.py``, ``index_keys: int8``): ``cold`` quantizes and
+  copies every key (a request's first step), ``steady`` reads the copies and
+  copies one new position (every later step).
 * ``token_select``: ``torch.topk`` of the token scores + the expansion into
   ``a_pos`` (``--budget`` tokens per KV head).
 * ``token_scores_at``: ``--candidates`` listed positions per KV head (LFPS).
@@ -186,6 +190,36 @@ def main(argv=None) -> int:
                     torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
                 nbytes = bs * n * (hkv * d * elem + 4) + bs * hkv * n * 4
                 record(n, bs, f"token_scores_{tag}", fn, nbytes, ok, "keys + r2t read, scores written")
+            # ---- AsyncSpade over int8 key copies (index_keys: int8) -------------
+            from sgl_sparse.kernels.index_keys import index_token_scores, index_token_scores_ref
+
+            kq = torch.empty(bs, hkv, n, d, dtype=torch.int8, device=dev)
+            kscale = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
+            filled = torch.zeros(bs, 2, dtype=torch.int32, device=dev)
+            q_hat = case.q.float()
+            par = (hi % 2).long()
+            rows = torch.arange(bs, device=dev)
+            for tag, valid_to in (("cold", torch.zeros_like(hi)), ("steady", hi - 1)):
+                # the counter every launch reads (it writes the other one): 0, nothing
+                # copied yet, or hi - 1, the previous step's (the copies are filled by
+                # the cold runs before it)
+                filled[rows, 1 - par] = valid_to
+                fn = lambda: index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale, filled,  # noqa: E731
+                                                out=ts_out)
+                fn()
+                ref = index_token_scores_ref(q_hat[:1], *pool, lo[:1], hi[:1], case.sm_scale, n)
+                m = torch.zeros_like(ref, dtype=torch.bool)
+                m[:, :, int(lo[0]):int(hi[0])] = True
+                fin = torch.isfinite(ref) & m
+                ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
+                span = (hi - lo).float().sum().item()
+                new = span if tag == "cold" else bs
+                # copies read (D + 4 bytes a position and head), new keys read and copied, scores written
+                nbytes = int((span - new) * hkv * (d + 4) + new * (hkv * d * (elem + 1) + hkv * 4 + 4)
+                             + span * hkv * 4)
+                record(n, bs, f"index_scores_{tag}", fn, nbytes, ok, "int8 copies read, new keys copied")
+            del kq, kscale, filled
+
             keep = min(args.budget, n)
             b_start = seq - args.recent
             fn = lambda: K.token_select_positions(ts_out, keep, b_start, max_select=keep, n_sink=4)  # noqa: E731

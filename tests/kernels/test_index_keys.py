@@ -150,3 +150,24 @@ def test_topk_of_int8_scores_keeps_the_exact_topk():
     approx = (codes[:, 0].float() @ q) * scales[:, 0]
     overlap = len(set(exact.topk(k).indices.tolist()) & set(approx.topk(k).indices.tolist())) / k
     assert overlap >= 0.9, overlap
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_index_scores_long():
+    """128K and 32K rows at D 128, default tiling and program count: a first step
+    (everything copied), then two steps reading the copies; copies bit-identical to
+    quantize_keys on the GPU (IEEE division, no fused multiply-add)."""
+    seq = [131072 - 9, 32768]
+    case = _case(seq, 2, torch.bfloat16, seed=60, head_dim=128)
+    kq, ks, filled = _copies(2, 2, 131072, 128)
+    lo = torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(61)
+    for step in range(3):
+        hi = torch.tensor([seq[0] - 258 + step, seq[1] - 258 + step], dtype=torch.int32, device=DEVICE)
+        q = torch.randn(2, 4, 128, generator=gen, device=DEVICE)
+        args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 131072)
+        out = torch.full((2, 2, 131072), float("nan"), device=DEVICE)
+        s = index_token_scores(*args, kq, ks, filled, out=out)
+        _close(s, index_token_scores_ref(*args), lo, hi, rtol=1e-4)
+        _check_copies(case, kq, ks, lo, hi)
