@@ -20,6 +20,9 @@ Public API:
 * Token scores (:mod:`.token_scores`, AsyncSpade / LFPS): :func:`token_scores`
   over a position range, :func:`token_scores_at` over per-head candidate lists,
   :func:`token_select_positions` (top-k -> ``a_pos`` for segment A).
+* :func:`index_token_scores` (:mod:`.index_keys`) -- AsyncSpade's scores from
+  int8 copies of the keys that the launch itself keeps filled;
+  :func:`quantize_keys` (the copies' definition), :func:`index_token_scores_ref`.
 * :func:`topk_range` (:mod:`.topk_range`) -- top-k over a ragged ``[lo, hi)``
   per row, ascending positions out, cost bounded by the live range (quest /
   asyncspade under CUDA graphs, the Selector's step 6); :func:`topk_range_ref`.
@@ -36,6 +39,7 @@ Public API:
 """
 
 from .asyncspade_predict import asyncspade_predict, asyncspade_predict_ref, make_arrivals
+from .index_keys import index_token_scores, index_token_scores_ref, quantize_keys
 from .layer_pools import LayerPools
 from .lfps_sparsity import lfps_head_sparsity
 from .pack_compact import pack_compact, pack_compact_layers
@@ -97,6 +101,9 @@ __all__ = [
     "token_scores",
     "token_scores_at",
     "token_select_positions",
+    "index_token_scores",
+    "index_token_scores_ref",
+    "quantize_keys",
     "two_segment_decode_ref",
     "pack_compact_ref",
     "pack_compact_layers_ref",

@@ -191,8 +191,7 @@ def main(argv=None) -> int:
                 nbytes = bs * n * (hkv * d * elem + 4) + bs * hkv * n * 4
                 record(n, bs, f"token_scores_{tag}", fn, nbytes, ok, "keys + r2t read, scores written")
             # ---- AsyncSpade over int8 key copies (index_keys: int8) -------------
-            from sgl_sparse.kernels.index_keys import index_token_scores, index_token_scores_ref
-
+            IK = import_kernels("index_keys")
             kq = torch.empty(bs, hkv, n, d, dtype=torch.int8, device=dev)
             kscale = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
             filled = torch.zeros(bs, 2, dtype=torch.int32, device=dev)
@@ -204,10 +203,10 @@ def main(argv=None) -> int:
                 # copied yet, or hi - 1, the previous step's (the copies are filled by
                 # the cold runs before it)
                 filled[rows, 1 - par] = valid_to
-                fn = lambda: index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale, filled,  # noqa: E731
-                                                out=ts_out)
+                fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale,  # noqa: E731
+                                                   filled, out=ts_out)
                 fn()
-                ref = index_token_scores_ref(q_hat[:1], *pool, lo[:1], hi[:1], case.sm_scale, n)
+                ref = IK.index_token_scores_ref(q_hat[:1], *pool, lo[:1], hi[:1], case.sm_scale, n)
                 m = torch.zeros_like(ref, dtype=torch.bool)
                 m[:, :, int(lo[0]):int(hi[0])] = True
                 fin = torch.isfinite(ref) & m
