@@ -35,8 +35,9 @@ values. The owner of the store zeroes both counters when a request takes the
 slot (query_serving.on_extend). The scored range never reaches the decode
 step's own position (``hi <= n + 1 - recent``), so every key copied is final.
 
-``kq`` is exact in bf16 and fp16 (|kq| <= 127), so the scores are the same
-tensor-core dots as ``token_scores`` (an fp32 ``q_hat`` split into two parts).
+The launch is ``token_scores``'s kernel with its ``INDEX_KEYS`` variant: ``kq`` is
+exact in bf16 and fp16 (|kq| <= 127), so the scores are the same tensor-core dots
+(an fp32 ``q_hat`` split into two parts), times the scale.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ import triton
 import triton.language as tl
 
 from ._utils import cdiv, device_num_sms
-from .token_scores import _load_q_parts, _scores_tile, group_tile_meta
 
 __all__ = ["QMAX", "quantize_keys", "index_token_scores", "index_token_scores_ref"]
 
@@ -80,93 +80,6 @@ def _quantize_tile(k):
     x = k * inv[:, None]
     kq = tl.minimum(tl.maximum(tl.floor(x + 0.5), -127.0), 127.0)
     return kq, tl.math.div_rn(amax, qmax)
-
-
-@triton.jit(do_not_specialize=["N_MAX", "IDX_CTX", "stride_ob", "stride_oh", "stride_cs", "stride_ch", "stride_ss",
-                               "stride_sh"])
-def _index_scores_kernel(
-    Q,  # [bs, Hq, D]
-    K_POOL,
-    REQ_TO_TOKEN,
-    REQ_POOL_IDX,
-    LO,
-    HI,
-    KQ,  # [bs, Hkv, IDX_CTX, D] int8, stride 1 along D
-    KSCALE,  # [bs, Hkv, IDX_CTX] fp32, stride 1 along positions
-    FILLED,  # [bs, 2] int32
-    OUT,  # [bs, Hkv, n_max] fp32
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_r2t,
-    stride_cs,
-    stride_ch,
-    stride_ss,
-    stride_sh,
-    stride_ob,
-    stride_oh,
-    N_MAX,
-    MAX_CTX,
-    IDX_CTX,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    Q_SPLIT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-):
-    cur_b = tl.program_id(0)
-    cur_h = tl.program_id(1)
-    pid = tl.program_id(2)
-    nprog = tl.num_programs(2)
-    lo = tl.minimum(tl.maximum(tl.load(LO + cur_b), 0), N_MAX)
-    hi_req = tl.minimum(tl.load(HI + cur_b), N_MAX)
-    if hi_req <= lo:  # a slot without a row this step: O(1), its counters untouched
-        return
-    hi = tl.minimum(tl.minimum(hi_req, MAX_CTX), IDX_CTX)  # never past req_to_token's row or the copies
-    par = hi_req % 2  # the step's parity (hi_req grows by one a step), whatever clamps hi
-    valid_to = tl.load(FILLED + cur_b * 2 + 1 - par)
-    req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
-    q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
-                               BLOCK_H, BLOCK_D, Q_SPLIT)
-    mask_h = tl.arange(0, BLOCK_H) < GROUP
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    kq_base = KQ + cur_b.to(tl.int64) * stride_cs + cur_h.to(tl.int64) * stride_ch
-    ks_base = KSCALE + cur_b.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
-    out_base = OUT + cur_b * stride_ob + cur_h * stride_oh
-    blk_lo = lo // BLOCK_N
-    blk_hi = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), blk_lo)
-    for blk in range(blk_lo + pid, blk_hi, nprog):
-        offs = blk * BLOCK_N + offs_n
-        valid = (offs >= lo) & (offs < hi)
-        cached = valid & (offs < valid_to)
-        fresh = valid & (offs >= valid_to)
-        c_ptr = kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
-        kq_c = tl.load(c_ptr, mask=cached[:, None] & mask_d[None, :], other=0)
-        ks_c = tl.load(ks_base + offs, mask=cached, other=0.0)
-        # positions that entered the range since the last launch: from the pool, copied
-        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
-        k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                    mask=fresh[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        kq_f, ks_f = _quantize_tile(k)
-        tl.store(c_ptr, kq_f.to(tl.int8), mask=fresh[:, None] & mask_d[None, :])
-        tl.store(ks_base + offs, ks_f, mask=fresh)
-        kq = tl.where(fresh[:, None], kq_f, kq_c.to(tl.float32)).to(K_POOL.dtype.element_ty)
-        ks = tl.where(fresh, ks_f, ks_c)
-        s = _scores_tile(q_hi, q_lo, kq, mask_h, Q_SPLIT, FP32_DOT) * ks * sm_scale
-        tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
-    # the range's part past req_to_token's row or the copies (if any) holds -inf
-    neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for blk in range(blk_hi + pid, tl.cdiv(hi_req, BLOCK_N), nprog):
-        offs = blk * BLOCK_N + offs_n
-        tl.store(out_base + offs, neg_inf, mask=(offs >= tl.maximum(hi, lo)) & (offs < hi_req))
-    if (cur_h == 0) & (pid == 0):
-        tl.store(FILLED + cur_b * 2 + par, hi)
 
 
 def index_token_scores(
@@ -219,12 +132,15 @@ def index_token_scores(
     if num_programs is None:
         sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
         num_programs = max(1, min(cdiv(n_max, block_n), cdiv(4 * sms, max(1, bs * num_kv_heads))))
-    _index_scores_kernel[(bs, num_kv_heads, int(num_programs))](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, kq, kscale, filled, out, float(sm_scale),
+    from .token_scores import _token_scores_kernel, group_tile_meta
+
+    _token_scores_kernel[(bs, num_kv_heads, int(num_programs))](
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1), out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1),
         n_max, req_to_token.shape[1], ctx,
-        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool),
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=False, INDEX_KEYS=True,
+        # the copies must equal quantize_keys': k * inv + 0.5 rounded twice, as torch does
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return out
@@ -242,20 +158,13 @@ def index_token_scores_ref(
     ctx: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference for :func:`index_token_scores` in float64 (returned fp32, -inf outside
-    ``[lo, min(hi, n_max, max_ctx, ctx))``): the keys quantized by
-    :func:`quantize_keys` on the fly, no copies kept."""
-    bs, num_q_heads, _ = q_hat.shape
-    num_kv_heads = k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
-    limit = min(n_max, req_to_token.shape[1], ctx if ctx is not None else n_max)
-    out = torch.full((bs, num_kv_heads, n_max), float("-inf"), dtype=torch.float64, device=q_hat.device)
-    for b in range(bs):
-        l, h_ = max(int(lo[b].item()), 0), min(int(hi[b].item()), limit)
-        if h_ <= l:
-            continue
-        toks = req_to_token[int(req_pool_idx[b].item()), l:h_].long()
-        kq, ks = quantize_keys(k_pool[toks])  # [n, Hkv, D], [n, Hkv]
-        qb = q_hat[b].double().view(num_kv_heads, group, -1)
-        s = torch.einsum("hgd,nhd->hgn", qb, kq.double()).amax(1)
-        out[b, :, l:h_] = s * ks.double().T * sm_scale
-    return out.float()
+    ``[lo, min(hi, n_max, max_ctx, ctx))``): ``token_scores_ref`` over the pool's keys
+    quantized by :func:`quantize_keys` and scaled back in float64, no copies kept
+    (``q . (kq * kscale) == (q . kq) * kscale`` up to float64 rounding)."""
+    from .reference import token_scores_ref
+
+    kq, kscale = quantize_keys(k_pool)
+    pool = kq.double() * kscale.double()[..., None]
+    if ctx is not None:
+        hi = torch.clamp(hi, max=ctx)
+    return token_scores_ref(q_hat, pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max)

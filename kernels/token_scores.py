@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from .index_keys import _quantize_tile
 from .quest_pages import expand_selection
 from .two_segment_decode import _dot
 
@@ -78,7 +79,29 @@ def _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT: tl.constexpr, FP32_DOT: tl.cons
     return tl.max(s, 0)
 
 
-@triton.jit(do_not_specialize=["N_MAX", "stride_ob", "stride_oh"])
+@triton.jit
+def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row, stride_r2t, stride_kt,
+                     cur_h, stride_kh, offs_d, mask_d, HEAD_DIM: tl.constexpr):
+    """A block's int8 key copies (kernels/index_keys.py) as KV-dtype codes and fp32
+    scales: positions below ``valid_to`` read from the copies, the others quantized
+    from the pool and copied."""
+    cached = valid & (offs < valid_to)
+    fresh = valid & (offs >= valid_to)
+    c_ptr = kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    kq_c = tl.load(c_ptr, mask=cached[:, None] & mask_d[None, :], other=0)
+    ks_c = tl.load(ks_base + offs, mask=cached, other=0.0)
+    tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
+    k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                mask=fresh[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    kq_f, ks_f = _quantize_tile(k)
+    tl.store(c_ptr, kq_f.to(tl.int8), mask=fresh[:, None] & mask_d[None, :])
+    tl.store(ks_base + offs, ks_f, mask=fresh)
+    kq = tl.where(fresh[:, None], kq_f, kq_c.to(tl.float32)).to(K_POOL.dtype.element_ty)  # |codes| <= 127: exact
+    return kq, tl.where(fresh, ks_f, ks_c)
+
+
+@triton.jit(do_not_specialize=["N_MAX", "stride_ob", "stride_oh", "IDX_CTX", "stride_cs", "stride_ch", "stride_ss",
+                               "stride_sh"])
 def _token_scores_kernel(
     Q,  # [bs, Hq, D]
     K_POOL,
@@ -87,6 +110,9 @@ def _token_scores_kernel(
     LO,
     HI,
     OUT,  # [bs, Hkv, n_max] fp32
+    KQ,  # INDEX_KEYS: [bs, Hkv, IDX_CTX, D] int8, stride 1 along D
+    KSCALE,  # INDEX_KEYS: [bs, Hkv, IDX_CTX] fp32, stride 1 along positions
+    FILLED,  # INDEX_KEYS: [bs, 2] int32
     sm_scale,
     stride_qb,
     stride_qh,
@@ -95,8 +121,13 @@ def _token_scores_kernel(
     stride_r2t,
     stride_ob,
     stride_oh,
+    stride_cs,
+    stride_ch,
+    stride_ss,
+    stride_sh,
     N_MAX,
     MAX_CTX,
+    IDX_CTX,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -105,6 +136,7 @@ def _token_scores_kernel(
     Q_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
     FILL: tl.constexpr,
+    INDEX_KEYS: tl.constexpr,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -116,6 +148,14 @@ def _token_scores_kernel(
     if not FILL:
         if hi_req <= lo:  # an empty range and nothing to fill: the program has nothing to do
             return
+    if INDEX_KEYS:
+        hi = tl.minimum(hi, IDX_CTX)  # nor past the copies
+        # the counter the previous step's launch wrote (its hi was one less); this
+        # launch writes the other one (kernels/index_keys.py)
+        par = hi_req % 2
+        valid_to = tl.load(FILLED + cur_b * 2 + 1 - par)
+        kq_base = KQ + cur_b.to(tl.int64) * stride_cs + cur_h.to(tl.int64) * stride_ch
+        ks_base = KSCALE + cur_b.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
     q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                BLOCK_H, BLOCK_D, Q_SPLIT)
@@ -134,16 +174,24 @@ def _token_scores_kernel(
     for blk in range(blk_lo + pid, blk_hi, nprog):
         offs = blk * BLOCK_N + offs_n
         valid = (offs >= lo) & (offs < hi)
-        tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)
-        s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
+        if INDEX_KEYS:
+            kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
+                                      stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
+            s = _scores_tile(q_hi, q_lo, kq, mask_h, Q_SPLIT, FP32_DOT) * ks * sm_scale
+        else:
+            tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
+            k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
         tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    if not FILL:  # the range's part past req_to_token's row (if any) holds -inf
+    if not FILL:  # the range's part past req_to_token's row or the copies (if any) holds -inf
         for blk in range(blk_hi + pid, tl.cdiv(hi_req, BLOCK_N), nprog):
             offs = blk * BLOCK_N + offs_n
             tl.store(out_base + offs, neg_inf, mask=(offs >= tl.maximum(hi, lo)) & (offs < hi_req))
+    if INDEX_KEYS:
+        if (cur_h == 0) & (pid == 0):
+            tl.store(FILLED + cur_b * 2 + par, hi)
     if FILL:
         for blk in range(pid, blk_lo, nprog):
             tl.store(out_base + blk * BLOCK_N + offs_n, neg_inf)  # blk < blk_lo: entirely below lo <= N_MAX
@@ -220,10 +268,10 @@ def token_scores(
         num_programs = max(1, min(n_blocks, cdiv(4 * sms, max(1, bs * num_kv_heads))))
     grid = (bs, num_kv_heads, int(num_programs))
     _token_scores_kernel[grid](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, float(sm_scale),
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, out, out, out, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), n_max, req_to_token.shape[1],
-        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill),
+        out.stride(0), out.stride(1), 0, 0, 0, 0, n_max, req_to_token.shape[1], 0,
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=False,
         num_warps=num_warps,
     )
     return out
