@@ -134,7 +134,8 @@ def _same_stores(a: Twin, b: Twin) -> None:
             assert sorted(sa.sel_pos[0, s, h, :c].tolist()) == sorted(sb.sel_pos[0, s, h, :c].tolist())
 
 
-@pytest.mark.parametrize("group,index_keys", [(1, "kv"), (4, "kv"), (1, "int8"), (4, "int8")])
+# int8 at group 1 here; GQA 2 in the replay test below, 1/4/8 in tests/kernels/test_index_keys.py
+@pytest.mark.parametrize("group,index_keys", [(1, "kv"), (4, "kv"), (1, "int8")])
 def test_device_path_matches_the_torch_path(group, index_keys):
     """index_keys int8: the torch path quantizes the keys on the fly at every step, the
     device path scores its slot copies (all quantized at the first step, one new
