@@ -37,6 +37,23 @@ def env_switch(name: str, default: bool) -> bool:
     return default
 
 
+def env_count(name: str, default: int, lo: int, hi: int) -> int:
+    """An operator count ``SGLANG_SPARSE_<name>`` (``SGL_SPARSE_<name>`` too, as
+    :func:`env_switch`), an integer in ``[lo, hi]``; anything else stops with an
+    error naming the variable."""
+    for key in (f"SGLANG_SPARSE_{name}", f"SGL_SPARSE_{name}"):
+        value = os.environ.get(key)
+        if value is not None:
+            try:
+                n = int(value.strip())
+            except ValueError:
+                n = None
+            if n is None or not lo <= n <= hi:
+                raise ValueError(f"{key}: an integer in [{lo}, {hi}] (got {value!r})")
+            return n
+    return default
+
+
 def is_interpreter() -> bool:
     """True when Triton kernels run in the numpy interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")

@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import env_switch
+from sgl_sparse.kernels._utils import env_count, env_switch
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -67,6 +67,13 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: as the main-stream path, 66% of the shorter phase hidden) and served a 32768 x 8
 #: e2e without error (bench/README.md, "Session 7").
 ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
+#: Side streams the layers' selections alternate over (SGLANG_SPARSE_ASPD_SIDE_STREAMS,
+#: 1-4, default 1). On one stream a layer's Top-K (latency-bound: a few hundred
+#: programs walking their rows) waits for the previous layer's scoring (bandwidth-
+#: bound) and the next layer's scoring for it; on two, layer l + 1's scoring runs
+#: beside layer l's Top-K. Not yet measured on a GPU (bench/README's waiting list):
+#: one until it is.
+ASPD_SIDE_STREAMS = env_count("ASPD_SIDE_STREAMS", 1, 1, 4)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -198,7 +205,7 @@ class QueryAwareDevice:
         # one policy this forward: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
-        self._side: torch.cuda.Stream | None = None
+        self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
         self._side_pending = False
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
@@ -213,7 +220,7 @@ class QueryAwareDevice:
                                      device=ring.device)
             self._last_layer = ring.shape[0] - 1
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
-                self._side = torch.cuda.Stream(device=ring.device)
+                self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -387,19 +394,23 @@ class QueryAwareDevice:
         only what outlives the forward (q_hat of this layer, the KV pool,
         req_to_token, this forward's slot tensors) and writes only the store's
         selection of this layer, which nothing reads before the join."""
-        if self._side is None:
+        if not self._sides:
             with only_if(self._on[PolicyId.ASYNCSPADE]):
                 self._aspd_select_next(li, k_cache, req_to_token, scale)
             return
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side), only_if(self._on[PolicyId.ASYNCSPADE]):
+        # layers alternate over the side streams (ASPD_SIDE_STREAMS); each stream's
+        # temporaries are allocated and freed on it, so no block crosses streams
+        side = self._sides[li % len(self._sides)]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
             self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer:
             self._join_side()
 
     def _join_side(self) -> None:
-        torch.cuda.current_stream().wait_stream(self._side)
+        for side in self._sides:
+            torch.cuda.current_stream().wait_stream(side)
         self._side_pending = False
 
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:

@@ -49,13 +49,14 @@ LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 class Twin:
     def __init__(self, use_kernels: bool, specs: dict | None = None, lens: dict | None = None,
-                 max_ctx: int = MAXCTX, num_layers: int = 1):
+                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv"):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
         self.specs, self.lens, self.num_layers = specs or SPECS, lens or LENS, num_layers
         store = {"slots": 4, "max_context": max_ctx, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {"quest": store, "asyncspade": store, "lfps": {**store, "candidates": max_ctx}},
+            "query_aware": {"quest": store, "asyncspade": {**store, "index_keys": index_keys},
+                            "lfps": {**store, "candidates": max_ctx}},
             "policies": {"asyncspade": {"window": 4}},
         })
         self.st = SparseState(ROWS, dev, cfg)
@@ -288,13 +289,16 @@ def test_full_batches_skip_the_gated_work():
 
 def test_asyncspade_selection_overlaps_the_main_stream():
     """asyncspade's next-step selection (scoring every key with q_hat, Top-K) runs
-    on a side stream forked after each layer's prediction and joined after the
+    on side streams forked after each layer's prediction and joined after the
     last layer (sgl_sparse/query_device.py). Captured pipeline of 8 layers, each a
     stand-in for the layer's other work on the main stream (a batch-8 GEMM over
     48 MB of weights) plus select + finish, 4 asyncspade rows at 16K: the replay
-    with the side stream must not be slower than with the selection on the main
-    stream, and both must leave the same selections in the store. Prints the
-    times and the share of the shorter phase hidden."""
+    with one side stream must not be slower than with the selection on the main
+    stream, and every variant must leave the same selections in the store. Timed
+    and printed for the KV cache's keys and for int8 index keys (steady state: the
+    copies filled, one position copied a replay), each on the main stream, one
+    side stream and two (ASPD_SIDE_STREAMS: layers alternating) -- the A/B that
+    decides that switch's default and measures index_keys at layer level."""
     from sgl_sparse import query_device
 
     dev = torch.device("cuda")
@@ -306,13 +310,14 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     lens = {r: n + 7 * r for r in specs}
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
-    def build(side: bool, with_main: bool = True, with_aspd: bool = True):
-        saved = query_device.ASPD_SIDE_STREAM
-        query_device.ASPD_SIDE_STREAM = side
+    def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True):
+        saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
+        query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
         try:
-            twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers)
+            twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers,
+                        index_keys=index_keys)
         finally:
-            query_device.ASPD_SIDE_STREAM = saved
+            query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = saved
         gen = torch.Generator(device=dev).manual_seed(3)
         twin.admit(torch.randn(sum(lens.values()), HKV * G, D, generator=gen, device=dev).to(KV))
         rows = [1, 2, 3, 4, 5, 0, 0, 0]
@@ -335,27 +340,47 @@ def test_asyncspade_selection_overlaps_the_main_stream():
                     for _ in range(4):
                         torch.mm(x, w)
 
-        return twin, _capture(step)
+        graph = _capture(step)
+        store = twin.st.query_stores[PolicyId.ASYNCSPADE]
+        if store.index_keys:
+            # every replay scores the same range: a counter one below it (what the
+            # previous step of a decode leaves) makes it copy one position, not all
+            graph.replay()
+            torch.cuda.synchronize()
+            store.filled.copy_(store.filled.amax(-1, keepdim=True) - 1)
+        return twin, graph
 
     def replay_ms(graph):
         return _replay_ms(graph, n=20, warmup=3)
 
     # each graph replays over its twin's tensors: keep the twin alive while it does
-    tw_main, g_main = build(False, with_aspd=False)
+    tw_main, g_main = build(0, with_aspd=False)
     t_main = replay_ms(g_main)
-    tw_aspd, g_aspd = build(False, with_main=False)
-    t_aspd = replay_ms(g_aspd)
-    del tw_main, g_main, tw_aspd, g_aspd
-    tw_serial, g_serial = build(False)
-    tw_side, g_side = build(True)
-    t_serial, t_side = replay_ms(g_serial), replay_ms(g_side)
-    hidden = (t_serial - t_side) / max(min(t_main, t_aspd), 1e-9)
-    print(f"{layers} layers: main work {t_main:.3f} ms, asyncspade select+finish {t_aspd:.3f} ms; "
-          f"serial {t_serial:.3f} ms, side stream {t_side:.3f} ms: {hidden:.0%} of the shorter phase hidden")
-    assert t_side <= 1.02 * t_serial, (t_side, t_serial)
-    a, b = tw_serial.st.query_stores[PolicyId.ASYNCSPADE], tw_side.st.query_stores[PolicyId.ASYNCSPADE]
-    assert torch.equal(a.sel_count, b.sel_count)
-    assert torch.equal(a.total, b.total)
+    del tw_main, g_main
+    t_aspd, t, sel = {}, {}, {}
+    for keys in ("kv", "int8"):
+        tw, g = build(0, keys, with_main=False)
+        t_aspd[keys] = replay_ms(g)
+        del tw, g
+        for sides in (0, 1, 2):
+            tw, g = build(sides, keys)
+            t[keys, sides] = replay_ms(g)
+            a = tw.st.query_stores[PolicyId.ASYNCSPADE]
+            sel[keys, sides] = (a.sel_count.clone(), a.total.clone(),
+                                [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
+                                 for li in range(layers) for s in range(4) for h in range(HKV)])
+            del tw, g
+        serial = t[keys, 0]
+        for sides in (1, 2):
+            hidden = (serial - t[keys, sides]) / max(min(t_main, t_aspd[keys]), 1e-9)
+            print(f"{layers} layers, {keys} keys: main work {t_main:.3f} ms, asyncspade select+finish "
+                  f"{t_aspd[keys]:.3f} ms; serial {serial:.3f} ms, {sides} side stream(s) {t[keys, sides]:.3f} ms: "
+                  f"{hidden:.0%} of the shorter phase hidden")
+        assert t[keys, 1] <= 1.02 * serial, (keys, t[keys, 1], serial)
+        for sides in (1, 2):
+            count, total, sets = sel[keys, sides]
+            assert torch.equal(count, sel[keys, 0][0]) and torch.equal(total, sel[keys, 0][1])
+            assert sets == sel[keys, 0][2], (keys, sides)
 
 
 @pytest.mark.parametrize("max_ctx", [MAXCTX, 32768])
