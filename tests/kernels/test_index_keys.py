@@ -171,3 +171,38 @@ def test_gpu_index_scores_long():
         s = index_token_scores(*args, kq, ks, filled, out=out)
         _close(s, index_token_scores_ref(*args), lo, hi, rtol=1e-4)
         _check_copies(case, kq, ks, lo, hi)
+
+
+VEC16 = r"cp\.async\.cg\.shared\.global[^;]*0x10"
+
+
+def _sm90(index_keys: bool) -> dict:
+    """token_scores' kernel compiled for the H100 (no GPU needed), as the backend
+    launches it: fp32 q_hat, bf16 pool, D 128, GQA 2; the index variant with fp
+    fusion off, as index_token_scores launches it."""
+    from sgl_sparse.kernels.token_scores import _token_scores_kernel as fn
+
+    ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
+            "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32"}
+    const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
+                 FILL=False, INDEX_KEYS=index_keys)
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "sm_scale" else "i32") for n in fn.arg_names}
+    # as the launcher specializes serving's strides (multiples of D = 128)
+    divisible = [n for n in fn.arg_names
+                 if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_cs", "stride_ch")]
+    # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
+    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16]
+    return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
+                          options={"enable_fp_fusion": not index_keys}, patterns=patterns)
+
+
+def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
+    """What the interpreter cannot check: Triton's compiler takes the INDEX_KEYS
+    variant for sm_90 (a kernel the interpreter runs may still fail to compile),
+    the quantization divides with IEEE rounding (div.rn, the reference's torch
+    division) and no multiply-add is fused (the reference rounds k * inv, then
+    + 0.5), and the int8 copies are read in 16-byte vectors like the pool's bf16 rows."""
+    kv, idx = _sm90(False), _sm90(True)
+    assert idx[r"div\.rn\.f32"] >= 2, idx  # 127 / amax and amax / 127
+    assert idx[r"fma\.rn\.f32"] == 0, idx
+    assert kv[VEC16] > 0 and idx[VEC16] > kv[VEC16], (idx, kv)  # the copies' tiles beside the gathered ones
