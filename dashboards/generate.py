@@ -275,6 +275,12 @@ def policy_drilldown() -> Json:
                    [(f"sum by (model_name) (sglang_sparse_compact_buffer_in_use_bytes{{{SEL}}})", "in use {{model_name}}"),
                     (f"sum by (model_name) (sglang_sparse_compact_buffer_capacity_bytes{{{SEL}}})", "capacity {{model_name}}")],
                    "bytes", w=8),
+        timeseries("Query-aware store memory",
+                   "Bytes reserved at start-up for each query-aware policy's per-request store "
+                   "(asyncspade's int8 index keys included), taken from what --mem-fraction-static leaves.",
+                   [(f"sum by (policy, model_name) (sglang_sparse_query_store_capacity_bytes{{{PSEL}}})",
+                     "{{policy}} {{model_name}}")],
+                   "bytes", w=8),
     ]
     return dashboard("sgl-sparse-policy", "sgl_sparse / Policy drill-down",
                      "One or more policies in detail: TPOT, retention, slow steps, fallbacks, Selector, compact buffers.",

@@ -644,6 +644,8 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
         state.query_stores[pid] = store
         logger.info("sgl_sparse: %s store: %d slots x %d tokens, %.3f GiB", name, scfg.slots,
                     scfg.max_context, query_store.nbytes(store) / 2**30)
+        if state.metrics is not None:
+            state.metrics.set_query_store(name, query_store.nbytes(store))
 
 
 def _balance_enabled() -> bool:

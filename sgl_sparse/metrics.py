@@ -127,6 +127,11 @@ class SchedulerMetrics:
             "sglang_sparse_compact_buffer_capacity_bytes",
             "Bytes of all SFI compact-buffer slots reserved at start-up, on all GPUs of the TP group.", ["model_name"],
             multiprocess_mode="livesum")
+        self.query_store_capacity = Gauge(
+            "sglang_sparse_query_store_capacity_bytes",
+            "Bytes of a query-aware policy's per-request store reserved at start-up (asyncspade's "
+            "int8 index keys included), on all GPUs of the TP group, by policy.", labels,
+            multiprocess_mode="livesum")
         self.kernel_compiles = Counter(
             "sglang_sparse_kernel_compiles_total",
             "Triton compiles of sgl_sparse's kernels, by phase: startup, or serving (a class of "
@@ -228,6 +233,10 @@ class SchedulerMetrics:
         self._slot_bytes = slot * self.tp_ranks
         self.compact_capacity.labels(self.model_name).set(self._slot_bytes * store.slots)
         self.compact_in_use.labels(self.model_name).set(0)
+
+    def set_query_store(self, policy: str, nbytes: int) -> None:
+        """Bytes of one query-aware policy's store on this rank (query_store.nbytes), once."""
+        self.query_store_capacity.labels(policy, self.model_name).set(nbytes * self.tp_ranks)
 
     def observe_compact(self, compact, slots_in_use: int) -> None:
         """Per forward and after each release: slots change at admission (in the

@@ -218,13 +218,16 @@ def test_labels_are_bounded(stack, traffic):
     names = {s["__name__"] for s in series}
     for want in ("sglang_sparse_time_per_output_token_seconds_bucket", "sglang_sparse_decode_step_duration_seconds_bucket",
                  "sglang_sparse_selector_refresh_duration_seconds_bucket", "sglang_sparse_compact_buffer_in_use_bytes",
-                 "sglang_sparse_compact_buffer_capacity_bytes",
+                 "sglang_sparse_compact_buffer_capacity_bytes", "sglang_sparse_query_store_capacity_bytes",
                  "sglang_sparse_decode_prepare_duration_seconds_bucket", "sglang_sparse_kernel_compiles_total"):
         assert want in names
     # No Triton compile on the CPU (the interpreter runs the kernels); both phases'
     # series exist from start-up, at 0, so the alert on them evaluates.
     phases = {s["phase"] for s in series if s["__name__"] == "sglang_sparse_kernel_compiles_total"}
     assert phases == {"startup", "serving"}
+    # the default config reserves a store for each query-aware policy
+    stores = {s["policy"] for s in series if s["__name__"] == "sglang_sparse_query_store_capacity_bytes"}
+    assert stores == {"quest", "asyncspade", "lfps"}, stores
     mixes = {s["mix"] for s in series if "mix" in s}
     assert mixes <= {"full", "sparse", "mixed"} and "mixed" in mixes
     # Decode forwards by attention path: every path's series from start-up; on the CPU
