@@ -158,13 +158,19 @@ def index_token_scores_ref(
     ctx: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference for :func:`index_token_scores` in float64 (returned fp32, -inf outside
-    ``[lo, min(hi, n_max, max_ctx, ctx))``): ``token_scores_ref`` over the pool's keys
-    quantized by :func:`quantize_keys` and scaled back in float64, no copies kept
-    (``q . (kq * kscale) == (q . kq) * kscale`` up to float64 rounding)."""
-    from .reference import token_scores_ref
-
-    kq, kscale = quantize_keys(k_pool)
-    pool = kq.double() * kscale.double()[..., None]
-    if ctx is not None:
-        hi = torch.clamp(hi, max=ctx)
-    return token_scores_ref(q_hat, pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max)
+    ``[lo, min(hi, n_max, max_ctx, ctx))``): each row's keys gathered and quantized by
+    :func:`quantize_keys` on the fly, no copies kept (only the rows' keys: a benchmark's
+    pool can be far larger than what it scores)."""
+    bs, num_q_heads, _ = q_hat.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    limit = min(n_max, req_to_token.shape[1], ctx if ctx is not None else n_max)
+    out = torch.full((bs, num_kv_heads, n_max), float("-inf"), dtype=torch.float64, device=q_hat.device)
+    for b in range(bs):
+        l, h_ = max(int(lo[b].item()), 0), min(int(hi[b].item()), limit)
+        if h_ <= l:
+            continue
+        kq, ks = quantize_keys(k_pool[req_to_token[int(req_pool_idx[b].item()), l:h_].long()])  # [n, Hkv, (D)]
+        qb = q_hat[b].double().view(num_kv_heads, group, -1)
+        out[b, :, l:h_] = torch.einsum("hgd,nhd->hgn", qb, kq.double()).amax(1) * ks.double().T * sm_scale
+    return out.float()
