@@ -229,3 +229,25 @@ def test_topk_range_gpu(n, k_max):
     for splits in (1, max(2, split_count(n, r * h, dev, TOPK_RULE))):  # the single-program and the split kernel
         pos, cnt = topk_range(s, lo, hi, budget, k_max, splits=splits)
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
+
+
+@pytest.mark.parametrize("kernel, const", [
+    ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
+    ("_topk_row_kernel", dict(BLOCK_N=1024)),
+    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True)),
+])
+def test_topk_kernels_compile_for_sm90(kernel, const):
+    """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
+    needed): a constexpr reassigned in a static_range loop ran in the interpreter and
+    failed the H100's compile in session 18; the register-row kernel's histogram
+    passes were refactored after its last GPU run."""
+    import importlib
+
+    from sgl_sparse.kernels.testing import compile_sm90
+
+    fn = getattr(importlib.import_module("sgl_sparse.kernels.topk_range"), kernel)  # the package exports the function
+    ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "OUT": "*i32",
+            "OUT_LEN": "*i32"}
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
+    counts = compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs])
+    assert any(k.startswith("st.global") for k in counts), counts  # it stores positions
