@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, device_num_sms
 
 __all__ = ["QMAX", "quantize_keys", "index_token_scores", "index_token_scores_ref"]
 
@@ -113,37 +112,17 @@ def index_token_scores(
             ``>= ctx`` are never scored (-inf).
         filled: ``[bs, 2]`` int32, zeroed when the row's request changes.
     """
-    bs, num_q_heads, head_dim = q_hat.shape
-    num_kv_heads = k_pool.shape[1]
-    assert num_q_heads % num_kv_heads == 0 and k_pool.shape[2] == head_dim
-    assert q_hat.dtype in (k_pool.dtype, torch.float32) and k_pool.dtype in (torch.bfloat16, torch.float16)
-    assert q_hat.stride(2) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
-    assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
-    ctx = kq.shape[2]
+    from .token_scores import launch_token_scores
+
+    bs, _, head_dim = q_hat.shape
+    num_kv_heads, ctx = k_pool.shape[1], kq.shape[2]
     assert kq.dtype == torch.int8 and kq.shape == (bs, num_kv_heads, ctx, head_dim)
     assert kq.stride(3) == 1 and kq.stride(2) == head_dim
     assert kscale.dtype == torch.float32 and kscale.shape == (bs, num_kv_heads, ctx) and kscale.stride(2) == 1
     assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
-    n_max = int(n_max)
-    assert n_max > 0
-    if out is None:
-        out = torch.empty((bs, num_kv_heads, n_max), dtype=torch.float32, device=q_hat.device)
-    assert out.shape == (bs, num_kv_heads, n_max) and out.dtype == torch.float32 and out.stride(2) == 1
-    if num_programs is None:
-        sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
-        num_programs = max(1, min(cdiv(n_max, block_n), cdiv(4 * sms, max(1, bs * num_kv_heads))))
-    from .token_scores import _token_scores_kernel, group_tile_meta
-
-    _token_scores_kernel[(bs, num_kv_heads, int(num_programs))](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, float(sm_scale),
-        q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1),
-        n_max, req_to_token.shape[1], ctx,
-        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=False, INDEX_KEYS=True,
-        # the copies must equal quantize_keys': k * inv + 0.5 rounded twice, as torch does
-        num_warps=num_warps, enable_fp_fusion=False,
-    )
-    return out
+    return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
+                               num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
+                               fill=False, index_keys=(kq, kscale, filled))
 
 
 def index_token_scores_ref(
@@ -158,19 +137,15 @@ def index_token_scores_ref(
     ctx: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference for :func:`index_token_scores` in float64 (returned fp32, -inf outside
-    ``[lo, min(hi, n_max, max_ctx, ctx))``): each row's keys gathered and quantized by
-    :func:`quantize_keys` on the fly, no copies kept (only the rows' keys: a benchmark's
-    pool can be far larger than what it scores)."""
-    bs, num_q_heads, _ = q_hat.shape
-    num_kv_heads = k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
-    limit = min(n_max, req_to_token.shape[1], ctx if ctx is not None else n_max)
-    out = torch.full((bs, num_kv_heads, n_max), float("-inf"), dtype=torch.float64, device=q_hat.device)
-    for b in range(bs):
-        l, h_ = max(int(lo[b].item()), 0), min(int(hi[b].item()), limit)
-        if h_ <= l:
-            continue
-        kq, ks = quantize_keys(k_pool[req_to_token[int(req_pool_idx[b].item()), l:h_].long()])  # [n, Hkv, (D)]
-        qb = q_hat[b].double().view(num_kv_heads, group, -1)
-        out[b, :, l:h_] = torch.einsum("hgd,nhd->hgn", qb, kq.double()).amax(1) * ks.double().T * sm_scale
-    return out.float()
+    ``[lo, min(hi, n_max, max_ctx, ctx))``): ``token_scores_ref`` with each row's
+    gathered keys quantized by :func:`quantize_keys` and scaled back in float64, no
+    copies kept (``q . (kq * kscale) == (q . kq) * kscale`` up to float64 rounding)."""
+    from .reference import token_scores_ref
+
+    def dequantized(keys: torch.Tensor) -> torch.Tensor:
+        kq, kscale = quantize_keys(keys)
+        return kq.double() * kscale.double()[..., None]
+
+    if ctx is not None:
+        hi = torch.clamp(hi, max=ctx)
+    return token_scores_ref(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, keys_as=dequantized)

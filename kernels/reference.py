@@ -10,7 +10,7 @@ which round to the input dtype), so tests can measure the kernels' error.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -306,9 +306,12 @@ def token_scores_ref(
     hi: torch.Tensor,
     sm_scale: float,
     n_max: int,
+    keys_as: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Reference for :func:`token_scores` in float64, returned as fp32 ``[bs, Hkv, n_max]``:
-    ``max_g (q_hat[b, g] . k[pos, h]) * sm_scale`` on ``[lo, min(hi, n_max, max_ctx))``, -inf elsewhere."""
+    ``max_g (q_hat[b, g] . k[pos, h]) * sm_scale`` on ``[lo, min(hi, n_max, max_ctx))``, -inf elsewhere.
+    ``keys_as``: each row's gathered keys ``[n, Hkv, D]`` -> the float64 keys scored
+    (default: the keys themselves; ``index_token_scores_ref``: their int8 copies)."""
     bs, num_q_heads, _ = q_hat.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
@@ -318,7 +321,7 @@ def token_scores_ref(
         if h_ <= l:
             continue
         toks = req_to_token[int(req_pool_idx[b].item()), l:h_].long()
-        k = k_pool[toks].double()  # [n, Hkv, D]
+        k = keys_as(k_pool[toks]) if keys_as is not None else k_pool[toks].double()  # [n, Hkv, D]
         qb = q_hat[b].double().view(num_kv_heads, group, -1)
         s = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale
         out[b, :, l:h_] = s.amax(1)

@@ -256,6 +256,15 @@ def token_scores(
             programs of a row with an empty range return at once -- the
             CUDA-graph path's slots without a request cost O(1), not ``n_max``.
     """
+    return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
+                               num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
+                               fill=fill)
+
+
+def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
+                        num_sms, block_n, num_warps, fill, index_keys=None) -> torch.Tensor:
+    """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
+    (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False)."""
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
     n_max = int(n_max)
@@ -268,12 +277,20 @@ def token_scores(
         sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
         num_programs = max(1, min(n_blocks, cdiv(4 * sms, max(1, bs * num_kv_heads))))
     grid = (bs, num_kv_heads, int(num_programs))
+    if index_keys is None:
+        kq = kscale = filled = out  # unread: INDEX_KEYS is off
+        idx_strides, idx_ctx = (0, 0, 0, 0), 0
+    else:
+        assert not fill
+        kq, kscale, filled = index_keys
+        idx_strides, idx_ctx = (kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1)), kq.shape[2]
     _token_scores_kernel[grid](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, out, out, out, float(sm_scale),
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), 0, 0, 0, 0, n_max, req_to_token.shape[1], 0,
-        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=False,
-        num_warps=num_warps,
+        out.stride(0), out.stride(1), *idx_strides, n_max, req_to_token.shape[1], idx_ctx,
+        BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
+        # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
+        num_warps=num_warps, enable_fp_fusion=index_keys is None,
     )
     return out
 

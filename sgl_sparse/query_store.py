@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from sgl_sparse.config import QUEST_PAGE, QueryStoreConfig
+from sgl_sparse.config import QUEST_PAGE, AsyncSpadeStoreConfig, QueryStoreConfig
 
 
 class QuestStore:
@@ -54,7 +54,7 @@ class QuestStore:
 
 
 class AsyncSpadeStore:
-    def __init__(self, cfg: QueryStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
+    def __init__(self, cfg: AsyncSpadeStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
                  num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.cfg = cfg
         self.scratch_slot = cfg.slots
@@ -63,7 +63,7 @@ class AsyncSpadeStore:
         self.total = torch.zeros(num_layers, self.rows, dtype=torch.int64, device=device)
         self.sel_pos = torch.zeros(num_layers, self.rows, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
         self.sel_count = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.int32, device=device)
-        self.index_keys = getattr(cfg, "index_keys", "kv") == "int8"
+        self.index_keys = cfg.index_keys == "int8"
         self.kq = self.kscale = self.filled = None
         if self.index_keys:
             self.kq = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, head_dim, dtype=torch.int8,
