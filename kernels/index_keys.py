@@ -14,11 +14,19 @@ read contiguously instead of gathered through ``req_to_token``::
     amax  = max_d |k[d]|                      (fp32)
     kq[d] = clamp(floor(k[d] * (127 / amax) + 0.5), -127, 127)   (0 where amax <= 1e-30)
     kscale = amax / 127
-    s[b, h, pos] = max_{g in group(h)} (q_hat[b, g] . kq[pos, h]) * kscale[pos, h] * sm_scale
+    s[b, h, pos] = max_{g in group(h)} ((qq[b, g] . kq[pos, h]) * qscale[b, g]) * kscale[pos, h] * sm_scale
 
-Every fp32 operation above is rounded once, in this order, in the kernel and in
-``quantize_keys`` (IEEE divisions, no fused multiply-add: the launch turns fp
-fusion off), so the kernel's copies are bit-identical to the reference's.
+with ``(qq, qscale)`` the predicted query quantized per head by the same formula:
+the dots are int8 tensor-core dots with int32 sums (exact: |sum| < 2^24), so the key
+tiles go from memory to the MMA unit as they are. Converting each int8 tile to
+bf16 for a bf16 dot made the pass compute-bound (session 20, H200: 0.88x of
+``token_scores``' time at 32768 x 8 for 0.52x of its bytes). The query's own
+rounding (1/254 of its largest entry) is below the keys'.
+
+Every fp32 operation above is rounded once, in this order, in the kernel, in
+``quantize_keys`` and in the serving path's torch scoring (IEEE divisions, no fused
+multiply-add: the launch turns fp fusion off), so the kernel's copies are
+bit-identical to the reference's and its scores to the torch path's.
 
 The copies are filled lazily by the scoring launch itself, so neither prefill
 nor the decode step's KV write needs a hook: per (layer, slot) two counters
@@ -35,9 +43,7 @@ values. The owner of the store zeroes both counters when a request takes the
 slot (query_serving.on_extend). The scored range never reaches the decode
 step's own position (``hi <= n + 1 - recent``), so every key copied is final.
 
-The launch is ``token_scores``'s kernel with its ``INDEX_KEYS`` variant: ``kq`` is
-exact in bf16 and fp16 (|kq| <= 127), so the scores are the same tensor-core dots
-(an fp32 ``q_hat`` split into two parts), times the scale.
+The launch is ``token_scores``'s kernel with its ``INDEX_KEYS`` variant.
 """
 
 from __future__ import annotations
@@ -97,8 +103,9 @@ def index_token_scores(
     out: Optional[torch.Tensor] = None,
     num_programs: Optional[int] = None,
     num_sms: Optional[int] = None,
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Scores of ``q_hat`` over ``[lo[b], hi[b])`` from row ``b``'s int8 key copies
     (the module's formula), fp32 ``[bs, Hkv, n_max]``; only ``[lo, hi)`` is written
@@ -111,6 +118,9 @@ def index_token_scores(
         kq: ``[bs, Hkv, ctx, D]`` int8; kscale ``[bs, Hkv, ctx]`` fp32; positions
             ``>= ctx`` are never scored (-inf).
         filled: ``[bs, 2]`` int32, zeroed when the row's request changes.
+        block_n: 128, twice ``token_scores``' 64: the int8 tile of 128 positions
+            moves the bytes of a bf16 tile of 64 (H200, session 20: 0.79x the time of
+            64 at 32768 x 8 and 131072 x 8, 0.81x at 32768 x 32).
     """
     from .token_scores import launch_token_scores
 
@@ -122,7 +132,7 @@ def index_token_scores(
     assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
                                num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
-                               fill=False, index_keys=(kq, kscale, filled))
+                               fill=False, index_keys=(kq, kscale, filled), num_stages=num_stages)
 
 
 def index_token_scores_ref(
@@ -137,15 +147,17 @@ def index_token_scores_ref(
     ctx: Optional[int] = None,
 ) -> torch.Tensor:
     """Reference for :func:`index_token_scores` in float64 (returned fp32, -inf outside
-    ``[lo, min(hi, n_max, max_ctx, ctx))``): ``token_scores_ref`` with each row's
-    gathered keys quantized by :func:`quantize_keys` and scaled back in float64, no
-    copies kept (``q . (kq * kscale) == (q . kq) * kscale`` up to float64 rounding)."""
+    ``[lo, min(hi, n_max, max_ctx, ctx))``): ``token_scores_ref`` with the query and
+    each row's gathered keys quantized by :func:`quantize_keys` and scaled back in
+    float64, no copies kept (``(qq * qs) . (kq * ks) == (qq . kq) * qs * ks`` up to
+    float64 rounding)."""
     from .reference import token_scores_ref
 
-    def dequantized(keys: torch.Tensor) -> torch.Tensor:
-        kq, kscale = quantize_keys(keys)
-        return kq.double() * kscale.double()[..., None]
+    def dequantized(x: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_keys(x)
+        return codes.double() * scale.double()[..., None]
 
     if ctx is not None:
         hi = torch.clamp(hi, max=ctx)
-    return token_scores_ref(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, keys_as=dequantized)
+    return token_scores_ref(dequantized(q_hat), k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max,
+                            keys_as=dequantized)

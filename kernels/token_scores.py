@@ -80,11 +80,34 @@ def _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT: tl.constexpr, FP32_DOT: tl.cons
 
 
 @triton.jit
+def _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The group's queries as int8 codes and per-head fp32 scales (the keys' formula,
+    kernels/index_keys.py); padded heads get codes and scale 0."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    qq, qs = _quantize_tile(q)
+    return qq.to(tl.int8), qs
+
+
+@triton.jit
+def _index_scores_tile(qq, qs, kq, ks, mask_h):
+    """max over the group of (qq . kq) * qs, times ks, for a [BLOCK_N, BLOCK_D] int8
+    key tile -> [BLOCK_N] fp32. The int8 dot's int32 sums stay below 2^24, exact in fp32."""
+    s = tl.dot(qq, tl.trans(kq)).to(tl.float32) * qs[:, None]
+    s = tl.where(mask_h[:, None], s, float("-inf"))
+    return tl.max(s, 0) * ks
+
+
+@triton.jit
 def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row, stride_r2t, stride_kt,
                      cur_h, stride_kh, offs_d, mask_d, HEAD_DIM: tl.constexpr):
-    """A block's int8 key copies (kernels/index_keys.py) as KV-dtype codes and fp32
-    scales: positions below ``valid_to`` read from the copies, the others quantized
-    from the pool and copied."""
+    """A block's int8 key copies (kernels/index_keys.py) and fp32 scales: positions
+    below ``valid_to`` read from the copies, the others quantized from the pool and
+    copied."""
     cached = valid & (offs < valid_to)
     fresh = valid & (offs >= valid_to)
     c_ptr = kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
@@ -94,10 +117,10 @@ def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOK
     k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
                 mask=fresh[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     kq_f, ks_f = _quantize_tile(k)
-    tl.store(c_ptr, kq_f.to(tl.int8), mask=fresh[:, None] & mask_d[None, :])
+    kq_f = kq_f.to(tl.int8)  # |codes| <= 127: exact
+    tl.store(c_ptr, kq_f, mask=fresh[:, None] & mask_d[None, :])
     tl.store(ks_base + offs, ks_f, mask=fresh)
-    kq = tl.where(fresh[:, None], kq_f, kq_c.to(tl.float32)).to(K_POOL.dtype.element_ty)  # |codes| <= 127: exact
-    return kq, tl.where(fresh, ks_f, ks_c)
+    return tl.where(fresh[:, None], kq_f, kq_c), tl.where(fresh, ks_f, ks_c)
 
 
 # The copies' strides and width are the store's, fixed per server: specialized, so
@@ -158,8 +181,11 @@ def _token_scores_kernel(
         kq_base = KQ + cur_b.to(tl.int64) * stride_cs + cur_h.to(tl.int64) * stride_ch
         ks_base = KSCALE + cur_b.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
-    q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
-                               BLOCK_H, BLOCK_D, Q_SPLIT)
+    if INDEX_KEYS:
+        qq, qs = _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
+    else:
+        q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                                   BLOCK_H, BLOCK_D, Q_SPLIT)
     mask_h = tl.arange(0, BLOCK_H) < GROUP
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -186,16 +212,14 @@ def _token_scores_kernel(
             kq = tl.load(kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
                          mask=valid[:, None] & mask_d[None, :], other=0)
             ks = tl.load(ks_base + offs, mask=valid, other=0.0)
-            # via fp32: the Triton interpreter casts int8 straight to bf16 as unsigned
-            kq = kq.to(tl.float32).to(K_POOL.dtype.element_ty)
-            s = _scores_tile(q_hi, q_lo, kq, mask_h, Q_SPLIT, FP32_DOT) * ks * sm_scale
+            s = _index_scores_tile(qq, qs, kq, ks, mask_h) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
         for blk in range(blk_new + pid, blk_hi, nprog):
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
             kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
                                       stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
-            s = _scores_tile(q_hi, q_lo, kq, mask_h, Q_SPLIT, FP32_DOT) * ks * sm_scale
+            s = _index_scores_tile(qq, qs, kq, ks, mask_h) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     else:
         for blk in range(blk_lo + pid, blk_hi, nprog):
@@ -283,7 +307,7 @@ def token_scores(
 
 
 def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
-                        num_sms, block_n, num_warps, fill, index_keys=None) -> torch.Tensor:
+                        num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None) -> torch.Tensor:
     """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
     (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False)."""
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
@@ -312,6 +336,7 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
         # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
         num_warps=num_warps, enable_fp_fusion=index_keys is None,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
     )
     return out
 

@@ -227,13 +227,20 @@ def score_positions(q_hat: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, lo
     return s.masked_fill(~ok, _NEG_INF)
 
 
-def score_index_positions(q_hat: torch.Tensor, kq: torch.Tensor, kscale: torch.Tensor, n: torch.Tensor,
-                          lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
-    """score_positions over int8 key copies (`index_keys: int8`, kernels/index_keys.py):
-    s[b, h, j] = max_g (q_hat . kq[b, j, h]) * kscale[b, j, h] * scale on the allowed
-    positions, -inf elsewhere. kq [bs, n_max, Hkv, D] int8, kscale [bs, n_max, Hkv]."""
-    s = score_positions(q_hat, kq, n, lo, hi, scale)
-    return torch.where(torch.isfinite(s), s * kscale.transpose(1, 2).to(s.dtype), s)
+def score_index_positions(qq: torch.Tensor, qs: torch.Tensor, kq: torch.Tensor, kscale: torch.Tensor,
+                          n: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """score_positions over int8 copies of the query and the keys (`index_keys: int8`,
+    kernels/index_keys.py): s[b, h, j] = max_g ((qq[b, g] . kq[b, j, h]) * qs[b, g]) *
+    kscale[b, j, h] * scale on the allowed positions, -inf elsewhere. The device
+    kernel's fp32 operations in its order (the integer dots are exact in fp32), so
+    both give the same scores. qq [bs, Hq, D] int8, qs [bs, Hq], kq [bs, n_max, Hkv, D]
+    int8, kscale [bs, n_max, Hkv]."""
+    bs, Hq, D = qq.shape
+    n_max, Hkv = kq.shape[1], kq.shape[2]
+    dots = qq.float().reshape(bs, Hkv, Hq // Hkv, D) @ kq.float().permute(0, 2, 3, 1)  # [bs, Hkv, G, n_max]
+    s = (dots * qs.reshape(bs, Hkv, -1, 1)).amax(dim=2) * kscale.transpose(1, 2) * scale
+    ok = allowed_positions(n, lo, hi, n_max)[:, None, :]
+    return s.masked_fill(~ok, _NEG_INF)
 
 
 def select_topk(scores: torch.Tensor, budget: torch.Tensor, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:

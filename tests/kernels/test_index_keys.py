@@ -100,9 +100,9 @@ def test_steps_read_and_fill_the_copies(idx):
 
 
 def test_covering_range_equals_token_scores_of_quantized_pool():
-    """At one step with nothing copied yet, the scores equal token_scores over a pool
-    holding the dequantized keys kq * kscale up to the product's rounding: the same
-    dots, the scale applied after."""
+    """At one step with nothing copied yet, the scores equal token_scores of the
+    dequantized query qq * qscale over a pool holding the dequantized keys kq * kscale,
+    up to the products' rounding: the same dots, the scales applied after."""
     from sgl_sparse.kernels import token_scores
 
     case = _case([77, 64], 4, torch.float16, seed=9)
@@ -115,7 +115,8 @@ def test_covering_range_equals_token_scores_of_quantized_pool():
                            filled, block_n=16)
     codes, scales = quantize_keys(case.k_pool)
     pool = (codes.float() * scales[..., None]).to(torch.float32)
-    want = token_scores(q.float(), pool.to(torch.float16), case.req_to_token, case.req_pool_idx, lo, hi,
+    q_codes, q_scales = quantize_keys(q)
+    want = token_scores(q_codes.float() * q_scales[..., None], pool.to(torch.float16), case.req_to_token, case.req_pool_idx, lo, hi,
                         case.sm_scale, 80, block_n=16)
     _close(s, want, lo, hi, rtol=3e-3)  # the dequantized fp16 pool rounds kq * kscale
 
@@ -139,7 +140,8 @@ def test_quantize_keys_edges():
 
 def test_topk_of_int8_scores_keeps_the_exact_topk():
     """The approximation's size on keys with a few large channels (as LLM keys have):
-    the Top-64 of 2048 positions by int8 scores against the Top-64 by exact scores."""
+    the Top-64 of 2048 positions by int8 scores (query and keys quantized, as the
+    kernel scores) against the Top-64 by exact scores."""
     gen = torch.Generator().manual_seed(0)
     n, d, k = 2048, 128, 64
     keys = torch.randn(n, 1, d, generator=gen)
@@ -147,7 +149,8 @@ def test_topk_of_int8_scores_keeps_the_exact_topk():
     q = torch.randn(d, generator=gen)
     exact = keys[:, 0] @ q
     codes, scales = quantize_keys(keys.to(torch.bfloat16))
-    approx = (codes[:, 0].float() @ q) * scales[:, 0]
+    q_codes, q_scale = quantize_keys(q)
+    approx = (codes[:, 0].float() @ q_codes.float()) * q_scale * scales[:, 0]
     overlap = len(set(exact.topk(k).indices.tolist()) & set(approx.topk(k).indices.tolist())) / k
     assert overlap >= 0.9, overlap
 
@@ -174,6 +177,7 @@ def test_gpu_index_scores_long():
 
 
 VEC16 = r"cp\.async\.cg\.shared\.global[^;]*0x10"
+INT8_MMA = r"mma[^;]*\.s32\.s8\.s8"  # mma.sync or wgmma with int8 operands
 
 
 def _sm90(index_keys: bool) -> dict:
@@ -191,7 +195,7 @@ def _sm90(index_keys: bool) -> dict:
     divisible = [n for n in fn.arg_names
                  if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_cs", "stride_ch")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
-    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16]
+    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16"]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
                           options={"enable_fp_fusion": not index_keys}, patterns=patterns)
 
@@ -201,8 +205,10 @@ def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
     variant for sm_90 (a kernel the interpreter runs may still fail to compile),
     the quantization divides with IEEE rounding (div.rn, the reference's torch
     division) and no multiply-add is fused (the reference rounds k * inv, then
-    + 0.5), and the int8 copies are read in 16-byte vectors like the pool's bf16 rows."""
+    + 0.5), the int8 copies are read in 16-byte vectors like the pool's bf16 rows, and
+    the scores are int8 tensor-core dots (no conversion of key tiles to bf16)."""
     kv, idx = _sm90(False), _sm90(True)
+    assert idx[INT8_MMA] > 0 and kv[INT8_MMA] == 0 and idx[r"cvt\.rn\.bf16"] == 0, (idx, kv)
     assert idx[r"div\.rn\.f32"] >= 2, idx  # 127 / amax and amax / 127
     assert idx[r"fma\.rn\.f32"] == 0, idx
     assert kv[VEC16] > 0 and idx[VEC16] > kv[VEC16], (idx, kv)  # the copies' tiles beside the gathered ones
