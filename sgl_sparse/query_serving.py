@@ -65,6 +65,9 @@ class ExtendRow:
     n: int  # sequence length after this chunk
     q_start: int  # the chunk's queries in the forward's q
     q_end: int
+    # (slot, n, queries the asyncspade ring takes) on the device: views of one copy
+    # made per forward, not a blocking host-to-device copy per row and layer
+    dev: Optional[torch.Tensor] = None
 
 
 def lfps_knobs(spec) -> lfps_math.LfpsKnobs:
@@ -156,6 +159,21 @@ class QueryAwareRuntime:
             if i is not None and n <= i.max_context:
                 self.extend_rows.append(ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext))
             start += ext
+        if self.extend_rows:
+            # One copy for all rows, not pageable and so not stream-synchronizing: a
+            # synchronizing copy per row and layer (8 rows x 28 layers a chunk at
+            # 32768 x 8) stalled the host behind the GPU through the whole prefill.
+            host = torch.tensor([[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows], dtype=torch.int64)
+            dev = self.state.device
+            dev_rows = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+            for e, d in zip(self.extend_rows, dev_rows):
+                e.dev = d
+
+    def _ring_take(self, e: ExtendRow) -> int:
+        """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""
+        if e.policy != PolicyId.ASYNCSPADE:
+            return 0
+        return min(self.stores[e.policy].ring.shape[2], e.q_end - e.q_start)
 
     def _init(self, row: int) -> Optional[RowInit]:
         with self.state._lock:
@@ -173,11 +191,10 @@ class QueryAwareRuntime:
                 store.kmax[li, e.slot, :, :pages] = hi.to(store.kmax.dtype)
             elif e.policy == PolicyId.ASYNCSPADE:
                 w = store.ring.shape[2]
-                c = min(w, e.q_end - e.q_start)
+                c = self._ring_take(e)
                 win = q3.new_zeros((1, w, *q3.shape[1:]))
                 win[0, w - c:] = q3[e.q_end - c: e.q_end]
-                slot = torch.tensor([e.slot], device=q3.device)
-                aspd.ring_load(store.ring[li], store.total[li], slot, win, torch.tensor([c], device=q3.device))
+                aspd.ring_load(store.ring[li], store.total[li], e.dev[0:1], win, e.dev[2:3])
                 if store.index_keys:  # the slot's key copies are its previous owner's
                     store.filled[li, e.slot] = 0
             else:
@@ -185,8 +202,7 @@ class QueryAwareRuntime:
                 s = min(knobs.s, e.q_end - e.q_start)
                 lfps_math.init_tables(
                     q3[e.q_end - s: e.q_end][None], k_cache[locs][None], v_cache[locs][None],
-                    torch.tensor([e.n], device=q3.device), scale, store.cfg.max_context, knobs,
-                    out=store.layer(li), rows=torch.tensor([e.slot], device=q3.device))
+                    e.dev[1:2], scale, store.cfg.max_context, knobs, out=store.layer(li), rows=e.dev[0:1])
 
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,
@@ -284,7 +300,7 @@ class QueryAwareRuntime:
         if store.index_keys:
             # the copies the device path keeps are these, computed on the fly here
             kq, kscale = quantize_keys(keys)
-            scores = aspd.score_index_positions(q_hat, kq, kscale, n, sink, next_b, scale)
+            scores = aspd.score_index_positions(*quantize_keys(q_hat), kq, kscale, n, sink, next_b, scale)
         else:
             scores = aspd.score_positions(q_hat, keys, n, sink, next_b, scale)
         pos, cnt = aspd.select_topk(scores, torch.full_like(n, g.spec.budget), g.spec.budget)

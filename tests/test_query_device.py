@@ -256,6 +256,31 @@ def test_device_path_replays_without_host_planning(index_keys):
         _copies_are_the_keys(dev, lambda r: LENS[r] + 4)
 
 
+def test_extend_builds_no_tensor_from_host_values_per_layer():
+    """on_extend runs at every layer of every prefill chunk. A tensor built there from
+    host values is, on a GPU, a copy from pageable memory that waits for the stream:
+    one per row and layer stalled the host behind the GPU through the prefill
+    (bench/README, session 20). Its slots and counts are views of plan_extend's one
+    copy per forward; what it computes is the same (the other tests' stores)."""
+    gen = torch.Generator().manual_seed(3)
+    twin = Twin(2, use_kernels=True)
+    rows = list(twin.specs)
+    inits = [MODULES[s.policy if s is not None else "full"].init_row(s, [], [], (None, None))
+             for s in twin.specs.values()]
+    admitted = twin.st.admit(rows, inits)
+    lens = [twin.lens[r] for r in rows]
+    q_ext = torch.randn(sum(lens), HKV * 2, D, generator=gen).to(KV)
+    with _Watch() as w:
+        twin.rt.plan_extend(rows, lens, lens, admitted)
+    per_forward = sum("lift_fresh" in f for f, _ in w.shapes)
+    assert per_forward == 1, w.shapes  # the rows' slots, lengths and ring counts at once
+    assert {e.policy for e in twin.rt.extend_rows} >= {PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS}
+    with _Watch() as w:
+        for _ in range(3):  # layers
+            twin.rt.on_extend(0, q_ext, twin.k, twin.v, twin.r2t, SCALE)
+    assert not [f for f, _ in w.shapes if "lift_fresh" in f] and w.syncs == 0
+
+
 def test_when_the_device_path_runs():
     """Eager forwards run it only for batches holding quest / asyncspade / lfps rows
     (no host groups then); a forward that may be a CUDA-graph capture or replay
