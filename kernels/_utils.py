@@ -30,28 +30,34 @@ def env_switch(name: str, default: bool) -> bool:
     ``SGLANG_`` one wins: following that warning must not silently drop a switch.
     "0", "false", "no", "off" (any case) mean off; any other value means on.
     """
-    for key in (f"SGLANG_SPARSE_{name}", f"SGL_SPARSE_{name}"):
-        value = os.environ.get(key)
-        if value is not None:
-            return value.strip().lower() not in ("0", "false", "no", "off")
-    return default
+    found = _env(name)
+    return default if found is None else found[1].strip().lower() not in ("0", "false", "no", "off")
 
 
 def env_count(name: str, default: int, lo: int, hi: int) -> int:
     """An operator count ``SGLANG_SPARSE_<name>`` (``SGL_SPARSE_<name>`` too, as
     :func:`env_switch`), an integer in ``[lo, hi]``; anything else stops with an
     error naming the variable."""
+    found = _env(name)
+    if found is None:
+        return default
+    key, value = found
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = None
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"{key}: an integer in [{lo}, {hi}] (got {value!r})")
+    return n
+
+
+def _env(name: str):
+    """``(key, value)`` of ``SGLANG_SPARSE_<name>``, else of ``SGL_SPARSE_<name>``, else None."""
     for key in (f"SGLANG_SPARSE_{name}", f"SGL_SPARSE_{name}"):
         value = os.environ.get(key)
         if value is not None:
-            try:
-                n = int(value.strip())
-            except ValueError:
-                n = None
-            if n is None or not lo <= n <= hi:
-                raise ValueError(f"{key}: an integer in [{lo}, {hi}] (got {value!r})")
-            return n
-    return default
+            return key, value
+    return None
 
 
 def is_interpreter() -> bool:

@@ -53,14 +53,21 @@ __all__ = ["token_scores", "token_scores_at", "token_select_positions"]
 
 
 @triton.jit
-def _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, KV_DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr):
-    """The group's queries as KV-dtype tile(s): (hi, lo) with q == hi + lo (lo = 0 unless Q_SPLIT)."""
+def _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """KV head cur_h's query group of row cur_b as a [BLOCK_H, BLOCK_D] tile, 0 where padded."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)
+    return tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                   mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, KV_DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """The group's queries as KV-dtype tile(s): (hi, lo) with q == hi + lo (lo = 0 unless Q_SPLIT)."""
+    q = _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
     q_hi = q.to(KV_DTYPE)
     if Q_SPLIT:
         q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(KV_DTYPE)
@@ -84,12 +91,8 @@ def _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """The group's queries as int8 codes and per-head fp32 scales (the keys' formula,
     kernels/index_keys.py); padded heads get codes and scale 0."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    qq, qs = _quantize_tile(q)
+    q = _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
+    qq, qs = _quantize_tile(q.to(tl.float32))
     return qq.to(tl.int8), qs
 
 
@@ -103,6 +106,14 @@ def _index_scores_tile(qq, qs, kq, ks, mask_h):
 
 
 @triton.jit
+def _copies_tile(offs, mask, kq_base, ks_base, offs_d, mask_d, HEAD_DIM: tl.constexpr):
+    """The int8 key copies and scales of positions ``offs`` where ``mask`` (0 elsewhere)."""
+    kq = tl.load(kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                 mask=mask[:, None] & mask_d[None, :], other=0)
+    return kq, tl.load(ks_base + offs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row, stride_r2t, stride_kt,
                      cur_h, stride_kh, offs_d, mask_d, HEAD_DIM: tl.constexpr):
     """A block's int8 key copies (kernels/index_keys.py) and fp32 scales: positions
@@ -110,9 +121,8 @@ def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOK
     copied."""
     cached = valid & (offs < valid_to)
     fresh = valid & (offs >= valid_to)
+    kq_c, ks_c = _copies_tile(offs, cached, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
     c_ptr = kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
-    kq_c = tl.load(c_ptr, mask=cached[:, None] & mask_d[None, :], other=0)
-    ks_c = tl.load(ks_base + offs, mask=cached, other=0.0)
     tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
     k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
                 mask=fresh[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
@@ -209,9 +219,7 @@ def _token_scores_kernel(
         for blk in range(blk_lo + pid, blk_new, nprog):
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
-            kq = tl.load(kq_base + offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                         mask=valid[:, None] & mask_d[None, :], other=0)
-            ks = tl.load(ks_base + offs, mask=valid, other=0.0)
+            kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
             s = _index_scores_tile(qq, qs, kq, ks, mask_h) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
         for blk in range(blk_new + pid, blk_hi, nprog):
