@@ -231,6 +231,15 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
     index_keys: Literal["kv", "int8"] = Field(
         "kv", description="keys the scoring pass reads: the KV cache's ('kv'), or int8 copies kept per slot "
                           "('int8': slots x layers x KV heads x max_context x (head_dim + 4) bytes more)")
+    # [ours] A layer's Top-K over 64 rows of 32K scores (8 slots x 8 KV heads) leaves
+    # most of the GPU idle and is latency-bound (126 us a layer on the H200, session
+    # 20's profile: the side stream's largest cost). A layer's selection is for the
+    # next step, so the Top-Ks of several layers can run as one launch over all their
+    # rows, after the last one's scoring; their scores are kept until then.
+    topk_layers: int = Field(1, ge=1, le=1024,
+                             description="layers whose next-step Top-K runs as one launch (decode on a GPU; "
+                                         "their scores are kept: topk_layers x slots x KV heads x max_context x "
+                                         "4 bytes more)")
 
 
 class QueryAwareConfig(_Strict):

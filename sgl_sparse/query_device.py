@@ -177,6 +177,27 @@ class _AspdForward:
         self.hi = torch.where(sr.valid, self.next_b, 0).to(torch.int32)  # slots without a row: nothing scored
         self.rpi = sr.take(req_pool_indices)
         self.budget = sr.take(knobs.budget).to(torch.int32)
+        # the group Top-K's rows (topk_layers > 1): layer g of a group is rows
+        # [g * slots, (g + 1) * slots) of its scores, and rows g * (slots + 1) + slot of
+        # the store's sel_pos / sel_count from the group's first layer on
+        self.group = None
+        if store.topk_layers > 1:
+            self.group = _AspdGroupRows(self, store.topk_layers, store.rows)
+
+
+class _AspdGroupRows:
+    """_AspdForward's per-slot tensors tiled over the layers of a Top-K group (the
+    same for every layer of a forward); a group of g < G layers (the last) reads the
+    first g * slots rows."""
+
+    def __init__(self, f: _AspdForward, layers: int, store_rows: int):
+        self.sink = f.sink.repeat(layers)
+        self.hi = f.hi.repeat(layers)
+        self.budget = f.budget.repeat(layers)
+        self.next_b = f.next_b.repeat(layers)
+        push = f.push.repeat(layers)
+        layer = torch.arange(layers, device=push.device, dtype=push.dtype).repeat_interleave(f.push.shape[0])
+        self.push = torch.where(push >= 0, push + layer * store_rows, -1)
 
 
 class QueryAwareDevice:
@@ -206,6 +227,7 @@ class QueryAwareDevice:
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
         self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
+        self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
@@ -285,6 +307,9 @@ class QueryAwareDevice:
             if pid == PolicyId.QUEST:
                 # static k: as _QuestForward
                 f.k = max(1, min(self.quest.max_pages, self.cap // QUEST_PAGE + 1))
+            if pid == PolicyId.ASYNCSPADE:  # as _AspdForward
+                f.group = _AspdGroupRows(f, self.aspd.topk_layers, self.aspd.rows) if self.aspd.topk_layers > 1 \
+                    else None
             self._on[pid] = graph_gate.flag(f.valid)
             setattr(self, attr, f)
 
@@ -402,6 +427,17 @@ class QueryAwareDevice:
         # temporaries are allocated and freed on it, so no block crosses streams
         side = self._sides[li % len(self._sides)]
         side.wait_stream(torch.cuda.current_stream())
+        group = self.aspd.topk_layers
+        if group > 1 and len(self._sides) > 1:
+            if li % group == group - 1 or li == self._last_layer:
+                # the group's Top-K reads the scores every stream wrote
+                for other in self._sides:
+                    if other is not side:
+                        side.wait_stream(other)
+                self._aspd_topk_side = side
+            elif li >= group and self._aspd_topk_side is not side:
+                # this layer's row of the scores is free once the previous group's Top-K has read it
+                side.wait_stream(self._aspd_topk_side)
         with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
             self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
@@ -422,21 +458,36 @@ class QueryAwareDevice:
 
         store = self.aspd
         f = self._fwd_aspd
-        slot = f.slot
         q_hat = self._qhat[li]
         n_max = store.cfg.max_context
+        group = store.topk_layers
+        g = li % group
+        out = store.scores[g] if group > 1 else None
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
         if store.index_keys:  # from the slot's int8 copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
-                                        store.kq[li], store.kscale[li], store.filled[li])
+                                        store.kq[li], store.kscale[li], store.filled[li], out=out)
         else:
-            scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False)
+            scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
+                                  out=out)
+        if group == 1:
+            rows, first, n_layers = f, li, 1
+        elif g == group - 1 or li == self._last_layer:
+            # the group's layers [li - g, li] in one launch over their rows
+            rows, first, n_layers = f.group, li - g, g + 1
+            scores = store.scores[:n_layers].flatten(0, 1)
+        else:
+            return
+        n = scores.shape[0]
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
+        sink = rows.sink[:n]
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
-        idx, n_tok = topk_range(scores, f.sink, f.hi, f.budget, k,
-                                out=torch.empty(slot.shape[0], k_cache.shape[1], k, dtype=torch.int32,
-                                                device=q_hat.device))
-        # straight into the store; slots without a row: their programs return at once
-        expand_selection(None, idx, k, f.next_b, store.sel_pos[li], store.sel_count[li], page=1, n_sink=f.sink,
-                         count=n_tok, out_rows=f.push)
+        idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
+                                out=torch.empty(n, k_cache.shape[1], k, dtype=torch.int32, device=q_hat.device))
+        # straight into the store (layer first + j's rows from row j * (slots + 1) of
+        # these views); slots without a row: their programs return at once
+        layers = slice(first, first + n_layers)
+        expand_selection(None, idx, k, rows.next_b[:n], store.sel_pos[layers].flatten(0, 1),
+                         store.sel_count[layers].flatten(0, 1), page=1, n_sink=sink, count=n_tok,
+                         out_rows=rows.push[:n])

@@ -23,6 +23,10 @@ Layouts (slot = one live request of the policy; layers of this rank):
               kscale       [layers, slots, Hkv, max_context] fp32
               filled       [layers, slots, 2] int32  how far kq is valid,
                                                      zeroed when a request takes the slot
+              with `topk_layers: G > 1` [ours]: the scores of a group's layers,
+              kept from each layer's scoring to the group's one Top-K launch
+              (overwritten every step, never read across steps):
+              scores       [G, slots, Hkv, max_context] fp32
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
@@ -71,10 +75,17 @@ class AsyncSpadeStore:
             self.kscale = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, dtype=torch.float32,
                                       device=device)
             self.filled = torch.zeros(num_layers, cfg.slots, 2, dtype=torch.int32, device=device)
+        # layers per Top-K launch (query_device._aspd_next), at most all of them
+        self.topk_layers = max(1, min(cfg.topk_layers, num_layers))
+        self.scores = None
+        if self.topk_layers > 1:
+            self.scores = torch.empty(self.topk_layers, cfg.slots, num_kv_heads, cfg.max_context,
+                                      dtype=torch.float32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         index = (self.kq, self.kscale, self.filled) if self.index_keys else ()
-        return self.ring, self.total, self.sel_pos, self.sel_count, *index
+        scores = (self.scores,) if self.scores is not None else ()
+        return self.ring, self.total, self.sel_pos, self.sel_count, *index, *scores
 
 
 class LfpsStore:

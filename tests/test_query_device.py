@@ -51,18 +51,21 @@ class Twin:
     (specs / lens: request row -> policy / prompt length; store: query_aware overrides)."""
 
     def __init__(self, group: int, use_kernels: bool, seed: int = 0, specs: dict | None = None,
-                 lens: dict | None = None, store: dict | None = None, index_keys: str = "kv"):
+                 lens: dict | None = None, store: dict | None = None, index_keys: str = "kv",
+                 num_layers: int = 1, aspd: dict | None = None):
         gen = torch.Generator().manual_seed(seed)
         self.group = group
+        self.num_layers = num_layers
         self.specs, self.lens = specs or SPECS, lens or LENS
         store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": MAXCTX, **(store or {})}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {"quest": store, "lfps": store, "asyncspade": {**store, "index_keys": index_keys}},
+            "query_aware": {"quest": store, "lfps": store,
+                            "asyncspade": {**store, "index_keys": index_keys, **(aspd or {})}},
             "policies": {"asyncspade": {"window": 4}},
         })
         self.st = SparseState(12, "cpu", cfg)
         qs = cfg.query_aware
-        shape = dict(num_layers=1, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"))
+        shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"))
         hq = HKV * group
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=hq,
@@ -86,19 +89,30 @@ class Twin:
         admitted = self.st.admit(rows, inits)
         lens = [self.lens[r] for r in rows]
         self.rt.plan_extend(rows, lens, lens, admitted)
-        self.rt.on_extend(0, q_ext, self.k, self.v, self.r2t, SCALE)
+        for li in range(self.num_layers):  # every layer over the same KV, its own queries
+            self.rt.on_extend(li, q_ext.roll(li, 0), self.k, self.v, self.r2t, SCALE)
 
     def step(self, rows: list[int], lens: list[int], q: torch.Tensor, graphed: bool = False):
+        o, plans = self.step_layers(rows, lens, [q], graphed)
+        return o[0], plans[0]
+
+    def step_layers(self, rows: list[int], lens: list[int], qs: list[torch.Tensor], graphed: bool = False):
+        """One decode step through layers 0..len(qs) - 1, layer li's queries qs[li]:
+        per layer (attention output, plan)."""
         rows_t, lens_t = torch.tensor(rows), torch.tensor(lens, dtype=torch.int32)
         plan = plan_decode(self.st, rows_t, torch.ones(len(rows), dtype=torch.long), lens_t, (None, None),
                            num_kv_heads=HKV)
         self.rt.plan_step(rows, lens, torch.device("cpu"), graphed=graphed)
-        lplan = self.rt.select(0, plan, q, self.k, self.r2t, rows_t, lens_t, SCALE) if self.rt.active() else plan
-        o = torch.zeros(q.shape[0], q.shape[1], D, dtype=torch.float32)
-        reference.decode_attention(q, o, self.k, self.v, self.r2t, rows_t, lplan, SCALE, self.group > 1)
-        if self.rt.active():
-            self.rt.finish(0, lplan, q, o, self.k, self.r2t, rows_t, lens_t, SCALE)
-        return o, lplan
+        outs, plans = [], []
+        for li, q in enumerate(qs):
+            lplan = self.rt.select(li, plan, q, self.k, self.r2t, rows_t, lens_t, SCALE) if self.rt.active() else plan
+            o = torch.zeros(q.shape[0], q.shape[1], D, dtype=torch.float32)
+            reference.decode_attention(q, o, self.k, self.v, self.r2t, rows_t, lplan, SCALE, self.group > 1)
+            if self.rt.active():
+                self.rt.finish(li, lplan, q, o, self.k, self.r2t, rows_t, lens_t, SCALE)
+            outs.append(o)
+            plans.append(lplan)
+        return outs, plans
 
 
 def _sets(plan, b: int) -> list[list[int]]:
@@ -153,6 +167,37 @@ def test_device_path_matches_the_torch_path(group, index_keys):
     assert {r for _, r, _ in indexed} == {1, 2, 3, 4, 5, 6}
     if index_keys == "int8":
         _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
+
+
+@pytest.mark.parametrize("topk_layers", [2, 5])
+def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers):
+    """`topk_layers`: one Top-K launch over the rows of a group of layers (of 5: the
+    last group shorter where the size does not divide them) stores every layer the
+    selection its own launch stores, and the same attention follows."""
+    layers, group = 5, 2
+    gen = torch.Generator().manual_seed(31 + topk_layers)
+    one = Twin(group, use_kernels=True, num_layers=layers)
+    grouped = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers})
+    s1, s2 = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (one, grouped))
+    assert s1.scores is None and s2.scores.shape == (topk_layers, 4, HKV, MAXCTX)
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
+    one.admit(q_ext)
+    grouped.admit(q_ext)
+    rows = [5, 1, 7, 4, 0, 2]
+    slots = [one.st.row_init(r).slot for r in _rows_of(one, "asyncspade")]
+    for t in range(4):
+        lens = [LENS[r] + 1 + t if r else 1 for r in rows]
+        qs = [torch.randn(len(rows), HKV * group, D, generator=gen).to(KV) for _ in range(layers)]
+        o1, _ = one.step_layers(rows, lens, qs)
+        o2, _ = grouped.step_layers(rows, lens, qs)
+        for li in range(layers):
+            assert torch.equal(o1[li], o2[li]), (t, li)
+        assert torch.equal(s1.sel_count, s2.sel_count)
+        kept = torch.arange(CAP) < s1.sel_count[..., None]
+        assert torch.equal(torch.where(kept, s1.sel_pos, -1), torch.where(kept, s2.sel_pos, -1)), t
+    # selections were made, and differ between layers (their rows were not mixed up)
+    assert all(int(s1.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
+    assert not torch.equal(s1.sel_pos[0, slots[0]], s1.sel_pos[layers - 1, slots[0]])
 
 
 def _copies_are_the_keys(twin: Twin, n_of) -> None:

@@ -73,6 +73,9 @@ def _cases(smoke: bool):
         ("quest-2k-batch64", 64, 8, 136, 128, [0.95] * 64),
         # the Selector's rows at 2048 x 64 (rows x layers: one refresh of 16 requests)
         ("selector-448x2176", 448, 8, 2176, 2048, [1.0] * 448),
+        # asyncspade's Top-K at 32768 x 8 (8 slots of 33024, 32768 live) for one layer
+        # and for `topk_layers` layers in one launch (their rows stacked): per layer, time / G
+        *[(f"aspd-layers-{g}", 8 * g, 8, 33024, 2048, [32768 / 33024] * (8 * g)) for g in (1, 4, 7, 14, 28)],
     ]
 
 

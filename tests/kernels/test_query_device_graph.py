@@ -49,13 +49,14 @@ LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 class Twin:
     def __init__(self, use_kernels: bool, specs: dict | None = None, lens: dict | None = None,
-                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv"):
+                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv", topk_layers: int = 1):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
         self.specs, self.lens, self.num_layers = specs or SPECS, lens or LENS, num_layers
         store = {"slots": 4, "max_context": max_ctx, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
-            "query_aware": {"quest": store, "asyncspade": {**store, "index_keys": index_keys},
+            "query_aware": {"quest": store, "asyncspade": {**store, "index_keys": index_keys,
+                                                           "topk_layers": topk_layers},
                             "lfps": {**store, "candidates": max_ctx}},
             "policies": {"asyncspade": {"window": 4}},
         })
@@ -298,7 +299,9 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     and printed for the KV cache's keys and for int8 index keys (steady state: the
     copies filled, one position copied a replay), each on the main stream, one
     side stream and two (ASPD_SIDE_STREAMS: layers alternating) -- the A/B that
-    decides that switch's default and measures index_keys at layer level."""
+    decides that switch's default and measures index_keys at layer level -- and,
+    for int8 keys, with the Top-K of 4 and of all 8 layers in one launch
+    (`topk_layers`): the same selections, and their times."""
     from sgl_sparse import query_device
 
     dev = torch.device("cuda")
@@ -310,12 +313,13 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     lens = {r: n + 7 * r for r in specs}
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
-    def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True):
+    def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True,
+              topk_layers: int = 1):
         saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
         query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
         try:
             twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers,
-                        index_keys=index_keys)
+                        index_keys=index_keys, topk_layers=topk_layers)
         finally:
             query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = saved
         gen = torch.Generator(device=dev).manual_seed(3)
@@ -362,25 +366,28 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         tw, g = build(0, keys, with_main=False)
         t_aspd[keys] = replay_ms(g)
         del tw, g
-        for sides in (0, 1, 2):
-            tw, g = build(sides, keys)
-            t[keys, sides] = replay_ms(g)
+        variants = [(sides, 1) for sides in (0, 1, 2)]
+        if keys == "int8":
+            variants += [(sides, tl) for tl in (4, layers) for sides in (0, 1, 2)]
+        for sides, tl in variants:
+            tw, g = build(sides, keys, topk_layers=tl)
+            t[keys, sides, tl] = replay_ms(g)
             a = tw.st.query_stores[PolicyId.ASYNCSPADE]
-            sel[keys, sides] = (a.sel_count.clone(), a.total.clone(),
-                                [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
-                                 for li in range(layers) for s in range(4) for h in range(HKV)])
+            sel[keys, sides, tl] = (a.sel_count.clone(), a.total.clone(),
+                                    [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
+                                     for li in range(layers) for s in range(4) for h in range(HKV)])
             del tw, g
-        serial = t[keys, 0]
-        for sides in (1, 2):
-            hidden = (serial - t[keys, sides]) / max(min(t_main, t_aspd[keys]), 1e-9)
-            print(f"{layers} layers, {keys} keys: main work {t_main:.3f} ms, asyncspade select+finish "
-                  f"{t_aspd[keys]:.3f} ms; serial {serial:.3f} ms, {sides} side stream(s) {t[keys, sides]:.3f} ms: "
-                  f"{hidden:.0%} of the shorter phase hidden")
-        assert t[keys, 1] <= 1.02 * serial, (keys, t[keys, 1], serial)
-        for sides in (1, 2):
-            count, total, sets = sel[keys, sides]
-            assert torch.equal(count, sel[keys, 0][0]) and torch.equal(total, sel[keys, 0][1])
-            assert sets == sel[keys, 0][2], (keys, sides)
+        serial = t[keys, 0, 1]
+        for sides, tl in variants:
+            hidden = (serial - t[keys, sides, tl]) / max(min(t_main, t_aspd[keys]), 1e-9)
+            print(f"{layers} layers, {keys} keys, Top-K of {tl} layer(s) a launch: main work {t_main:.3f} ms, "
+                  f"asyncspade select+finish {t_aspd[keys]:.3f} ms; serial {serial:.3f} ms, {sides} side "
+                  f"stream(s) {t[keys, sides, tl]:.3f} ms: {hidden:.0%} of the shorter phase hidden")
+        assert t[keys, 1, 1] <= 1.02 * serial, (keys, t[keys, 1, 1], serial)
+        for sides, tl in variants:
+            count, total, sets = sel[keys, sides, tl]
+            assert torch.equal(count, sel[keys, 0, 1][0]) and torch.equal(total, sel[keys, 0, 1][1])
+            assert sets == sel[keys, 0, 1][2], (keys, sides, tl)
 
 
 @pytest.mark.parametrize("max_ctx", [MAXCTX, 32768])
