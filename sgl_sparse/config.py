@@ -240,6 +240,14 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
                              description="layers whose next-step Top-K runs as one launch (decode on a GPU; "
                                          "their scores are kept: topk_layers x slots x KV heads x max_context x "
                                          "4 bytes more)")
+    # [ours] The scoring pass runs on a side stream beside the main stream's layers. Its
+    # programs each walk a share of a row for the whole launch (~120 us a layer at
+    # 32768 x 8): at 4 a SM they hold every SM, and the main stream's kernels wait for
+    # them (H200 profile, session 21: 8.3 ms of kernels in a 7.2 ms step, 4.6 of them
+    # the side stream's). Fewer programs leave SMs to the main stream.
+    score_programs_per_sm: int = Field(4, ge=1, le=16,
+                                       description="programs of the scoring pass per SM (decode on a GPU; fewer "
+                                                   "leave room for the main stream's kernels beside it)")
 
 
 class QueryAwareConfig(_Strict):

@@ -449,6 +449,15 @@ class QueryAwareDevice:
             torch.cuda.current_stream().wait_stream(side)
         self._side_pending = False
 
+    def _aspd_score_programs(self, q_hat: torch.Tensor, k_cache: torch.Tensor, n_max: int) -> int:
+        """Programs per (slot, KV head) of the scoring pass: about
+        `score_programs_per_sm` per SM in all, at most one per 128-position block."""
+        from sgl_sparse.kernels._utils import cdiv, device_num_sms
+
+        per_sm = self.aspd.cfg.score_programs_per_sm
+        rows = q_hat.shape[0] * k_cache.shape[1]
+        return max(1, min(cdiv(n_max, 128), cdiv(per_sm * device_num_sms(q_hat.device), rows)))
+
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
@@ -463,13 +472,15 @@ class QueryAwareDevice:
         group = store.topk_layers
         g = li % group
         out = store.scores[g] if group > 1 else None
+        programs = self._aspd_score_programs(q_hat, k_cache, n_max)
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
         if store.index_keys:  # from the slot's int8 copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
-                                        store.kq[li], store.kscale[li], store.filled[li], out=out)
+                                        store.kq[li], store.kscale[li], store.filled[li], out=out,
+                                        num_programs=programs)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
-                                  out=out)
+                                  out=out, num_programs=programs)
         if group == 1:
             rows, first, n_layers = f, li, 1
         elif g == group - 1 or li == self._last_layer:
