@@ -235,8 +235,11 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
     # most of the GPU idle and is latency-bound (126 us a layer on the H200, session
     # 20's profile: the side stream's largest cost). A layer's selection is for the
     # next step, so the Top-Ks of several layers can run as one launch over all their
-    # rows, after the last one's scoring; their scores are kept until then.
-    topk_layers: int = Field(1, ge=1, le=1024,
+    # rows, after the last one's scoring; their scores are kept until then. H200,
+    # session 21: 74 -> 41 us a layer at 14 layers a launch (37 at 28); end to end at
+    # 32768 x 8 (28 layers) 14 gave 1.251x stock against 1.233x per layer, and the
+    # first group overlaps the later layers, where 28 would all run after the last.
+    topk_layers: int = Field(14, ge=1, le=1024,
                              description="layers whose next-step Top-K runs as one launch (decode on a GPU; "
                                          "their scores are kept: topk_layers x slots x KV heads x max_context x "
                                          "4 bytes more)")
@@ -244,10 +247,19 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
     # programs each walk a share of a row for the whole launch (~120 us a layer at
     # 32768 x 8): at 4 a SM they hold every SM, and the main stream's kernels wait for
     # them (H200 profile, session 21: 8.3 ms of kernels in a 7.2 ms step, 4.6 of them
-    # the side stream's). Fewer programs leave SMs to the main stream.
-    score_programs_per_sm: int = Field(4, ge=1, le=16,
-                                       description="programs of the scoring pass per SM (decode on a GPU; fewer "
-                                                   "leave room for the main stream's kernels beside it)")
+    # the side stream's). Fewer programs leave SMs to the main stream: with the int8
+    # copies 2 gave 1.272x stock against 4's 1.251x (same run, session 21). Unset: 2
+    # with `index_keys: int8`, 4 (the former grid, unmeasured at 2) with `kv`, whose
+    # gathered loads need more programs in flight.
+    score_programs_per_sm: Optional[int] = Field(None, ge=1, le=16,
+                                                 description="programs of the scoring pass per SM (decode on a "
+                                                             "GPU; fewer leave room for the main stream's kernels "
+                                                             "beside it); default 2 with int8 keys, 4 with kv")
+
+    def scoring_programs_per_sm(self) -> int:
+        if self.score_programs_per_sm is not None:
+            return self.score_programs_per_sm
+        return 2 if self.index_keys == "int8" else 4
 
 
 class QueryAwareConfig(_Strict):

@@ -12,6 +12,7 @@ and the GPU-idle share of the profiled span (host overhead the GPU waits on).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import glob
 import gzip
 import json
@@ -26,7 +27,7 @@ from collections import defaultdict
 import requests
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_compare import batch_wall, parse_policy, wait_ready  # noqa: E402
+from server_compare import batch_wall, gen_stream, parse_policy, wait_ready  # noqa: E402
 
 
 def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
@@ -59,9 +60,29 @@ def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str
     # Enough tokens that the profiled steps fall inside the decode even when a
     # step takes ~2 ms (a 512x8 run once finished before the profiler started).
     out_len = max(out_len, 8 * steps)
-    th = threading.Thread(target=batch_wall, args=(url, prompts, out_len, policy))
+    # The profile starts once every request has its second token, i.e. the whole batch
+    # decodes. (A sleep of 1.1x a prefill-only batch's time overshot the 512-token
+    # decode of sfi-pinned at 130000 x 4 in sessions 18 and 21: it started after the
+    # batch had finished, and no step was profiled.)
+    decoding = threading.Event()
+    lock, seen = threading.Lock(), set()
+
+    def on_tokens(i: int, count: int) -> None:
+        if count >= 2:
+            with lock:
+                seen.add(i)
+                if len(seen) == len(prompts):
+                    decoding.set()
+
+    def batch() -> None:
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            list(ex.map(lambda i: gen_stream(url, prompts[i], out_len, policy, lambda c: on_tokens(i, c)),
+                        range(len(prompts))))
+        decoding.set()  # finished (or failed) without decoding together: the profile then says so
+
+    th = threading.Thread(target=batch)
     th.start()
-    time.sleep(t_prefill * 1.1 + 0.05)  # decoding has begun
+    decoding.wait(timeout=max(600.0, 3 * t_prefill))
     os.makedirs(outdir, exist_ok=True)
     r = requests.post(url + "/start_profile", json={"output_dir": outdir, "num_steps": steps,
                                                      "activities": ["GPU"]}, timeout=600)

@@ -52,8 +52,9 @@ def gen(url, ids, n, sparse=None):
     return r.json()
 
 
-def gen_stream(url, ids, n, sparse=None):
-    """Greedy generation streamed: (arrival time, tokens generated so far) per chunk."""
+def gen_stream(url, ids, n, sparse=None, on_tokens=None):
+    """Greedy generation streamed: (arrival time, tokens generated so far) per chunk;
+    `on_tokens(count)` is called as each chunk arrives."""
     out, buf = [], b""
     req = {"input_ids": ids, "sampling_params": sampling(n, sparse), "stream": True}
     with requests.post(url + "/generate", json=req, stream=True, timeout=900) as r:
@@ -66,6 +67,8 @@ def gen_stream(url, ids, n, sparse=None):
                 body = line[5:].strip() if line.startswith(b"data:") else b""
                 if body and body != b"[DONE]":
                     out.append((t, json.loads(body)["meta_info"]["completion_tokens"]))
+                    if on_tokens is not None:
+                        on_tokens(out[-1][1])
     return out
 
 
