@@ -30,6 +30,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from server_compare import batch_wall, gen_stream, parse_policy, wait_ready  # noqa: E402
 
 
+def busy_union(kernels: list[dict]) -> float:
+    """Time (us) during which at least one of the kernels ran."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
     with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
         events = json.load(f)["traceEvents"]
@@ -44,10 +55,20 @@ def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
     t1 = max(e["ts"] + e["dur"] for e in kernels)
     busy = sum(e["dur"] for e in kernels)  # kernels of one stream do not overlap
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    by_stream = defaultdict(float)
+    for e in kernels:
+        by_stream[str(e.get("args", {}).get("stream", e.get("tid")))] += e["dur"]
+    union = busy_union(kernels)
     return {
-        "steps": steps, "span_ms_per_step": round((t1 - t0) / 1e3 / steps, 3),
-        "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+        "steps": steps, "span_ms_per_step": per_step(t1 - t0),
+        "gpu_busy_ms_per_step": per_step(busy),
         "gpu_idle_share": round(1 - busy / max(t1 - t0, 1e-9), 3),
+        # several streams (asyncspade's side stream): each one's kernel time, the time
+        # any kernel ran, and how much of the streams' time ran concurrently
+        "stream_busy_ms_per_step": {k: per_step(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
+        "any_busy_ms_per_step": per_step(union),
+        "concurrent_ms_per_step": per_step(busy - union),
         "kernels_per_step": round(len(kernels) / steps, 1),
         "top": [{"name": n[:90], "ms_per_step": round(t / 1e3 / steps, 4), "calls_per_step": round(c / steps, 2)}
                 for n, (t, c) in rows],

@@ -1,0 +1,45 @@
+"""bench/gpu/profile_decode.py's trace summary: a step's kernels on two streams
+(asyncspade's side stream beside the main one) -- each stream's kernel time, the
+time any kernel ran, and the concurrent time, from a trace in the torch
+profiler's format."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang_independent
+
+_GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+sys.path.insert(0, str(_GPU))
+_spec = importlib.util.spec_from_file_location("profile_decode", _GPU / "profile_decode.py")
+profile_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile_decode)
+
+
+def _kernel(name: str, ts: float, dur: float, stream: int) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": stream,
+            "args": {"stream": stream, "device": 0}}
+
+
+def test_two_streams_busy_union_and_concurrency(tmp_path):
+    # two steps of 10 ms (times in us): main stream 0-6 and 10-16 ms, side stream 4-9
+    # and 15-19.5 ms (2 + 1 ms beside the main one), plus a CPU op the summary ignores
+    events = [_kernel("gemm", 0, 6000, 7), _kernel("scores", 4000, 5000, 9), _kernel("gemm", 10000, 6000, 7),
+              _kernel("scores", 15000, 4500, 9), {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5e4}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = profile_decode.summarize(str(path), steps=2)
+    assert s["span_ms_per_step"] == pytest.approx(9.75)
+    assert s["gpu_busy_ms_per_step"] == pytest.approx(10.75)
+    assert s["stream_busy_ms_per_step"] == {"7": pytest.approx(6.0), "9": pytest.approx(4.75)}
+    assert s["any_busy_ms_per_step"] == pytest.approx(9.25)
+    assert s["concurrent_ms_per_step"] == pytest.approx(1.5)
+    assert [r["name"] for r in s["top"]] == ["gemm", "scores"]
+    assert s["kernels_per_step"] == 2.0
