@@ -1,7 +1,7 @@
 """bench/gpu/server_compare.py's reading of /metrics: the per-row figures the GPU
-tables print (slow ratio, retention, host time per step, Selector runs per step and rows
-per run, the balanced-splits share of decode forwards, refresh-graph captures, compiles
-while serving).
+tables print (slow ratio, retention, the share of steps served dense, host time per
+step, Selector runs per step and rows per run, the balanced-splits share of decode
+forwards, refresh-graph captures, compiles while serving).
 Not marked sglang_independent: the script imports `requests`, whose version may differ
 between the SGLang venvs."""
 
@@ -17,7 +17,8 @@ _spec.loader.exec_module(server_compare)
 
 
 def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,
-          forwards: float, runs: float, rows: float, balanced: float = 0.0, captures: float = 0.0) -> str:
+          forwards: float, runs: float, rows: float, balanced: float = 0.0, captures: float = 0.0,
+          fallback: float = 3.0) -> str:
     m = 'model_name="/root/model"'
     return "\n".join([
         "# HELP sglang_sparse_decode_steps_total Request decode steps, by policy.",
@@ -27,6 +28,7 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
         f'sglang_sparse_attended_tokens_total{{{m},policy="sfi"}} {attended}',
         f'sglang_sparse_cached_tokens_total{{{m},policy="sfi"}} {cached}',
         f'sglang_sparse_dense_fallback_steps_total{{{m},policy="sfi",reason="selection_pending"}} 3.0',
+        f'sglang_sparse_dense_fallback_steps_total{{{m},policy="sfi",reason="context_exceeds_store"}} {fallback}',
         f'sglang_sparse_kernel_compiles_total{{{m},phase="startup"}} 44.0',
         f'sglang_sparse_kernel_compiles_total{{{m},phase="serving"}} {serving}',
         f"sglang_sparse_decode_prepare_duration_seconds_sum{{{m}}} {prep_s}",
@@ -45,11 +47,12 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
 def test_row_figures_are_the_differences_over_the_timed_batches():
     before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100, 2, 40, balanced=10, captures=5))
     after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72, balanced=74,
-                                               captures=7))
+                                               captures=7, fallback=67))
     assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
     assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 74
     assert server_compare.sparse_stats(before, after, "sfi") == {
-        "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
+        "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
+        "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
         "balanced_forward_share": 0.25, "refresh_graph_captures": 2, "compiles_while_serving": 2}
     assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures

@@ -189,6 +189,10 @@ def sparse_stats(before, after, policy):
     balanced, all_paths = paths.get("path=kernel_balanced", 0.0), sum(paths.values())
     return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
+            # steps of the policy served dense (no store slot, a sequence past the store's
+            # max_context, ...): a row measuring a sparse policy should have none (session
+            # 21's first 512-token A/B left its 33024-position store after ~256 steps)
+            "dense_fallback_share": round(d("sglang_sparse_dense_fallback_steps_total") / steps, 4),
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
             "selector_runs_per_step": round(runs / forwards, 4) if forwards else None,
             "selector_rows_per_run": round(rows / runs, 2) if runs else None,
@@ -423,7 +427,8 @@ def main():
             ratio = lambda x, y: round(x / y, 3) if x and y else None  # noqa: E731
             row = {"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": st["decode_tok_s"],
                    "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
-                   "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention")}
+                   "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention"),
+                   "dense_fallback_share": c.get("dense_fallback_share")}
             if c.get("itl_ms_mean") and st.get("itl_ms_mean"):  # --itl: per-step latency, client side
                 row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
                 # the slow tail against a dense step at the same length (issue 4: <= 1.3)
@@ -449,7 +454,9 @@ def main():
                   f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |"
                   + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else "")
                   + (f" itl ratio {row['itl_ratio']}, p99 / stock p50 {row['itl_p99_over_stock_p50']}"
-                     if "itl_ratio" in row else ""))
+                     if "itl_ratio" in row else "")
+                  + (f" DENSE FALLBACK on {row['dense_fallback_share']:.0%} of its steps"
+                     if row.get("dense_fallback_share") else ""))
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
 
