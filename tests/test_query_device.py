@@ -176,7 +176,7 @@ def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers):
     selection its own launch stores, and the same attention follows."""
     layers, group = 5, 2
     gen = torch.Generator().manual_seed(31 + topk_layers)
-    one = Twin(group, use_kernels=True, num_layers=layers)
+    one = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": 1})
     grouped = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers})
     s1, s2 = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (one, grouped))
     assert s1.scores is None and s2.scores.shape == (topk_layers, 4, HKV, MAXCTX)

@@ -51,7 +51,8 @@ def _device(gen, stores=("quest", "asyncspade", "lfps")) -> QueryAwareDevice:
         st.query_stores[PolicyId.QUEST] = types.SimpleNamespace(cfg=cfg, max_pages=10)
     if "asyncspade" in stores:
         st.query_stores[PolicyId.ASYNCSPADE] = types.SimpleNamespace(
-            cfg=cfg, scratch_slot=SLOTS, ring=torch.empty(1, SLOTS + 1, 4, 2, 16), rows=SLOTS + 1)
+            cfg=cfg, scratch_slot=SLOTS, ring=torch.empty(1, SLOTS + 1, 4, 2, 16), rows=SLOTS + 1,
+            topk_layers=3)  # the group Top-K's tiled rows (_AspdGroupRows) built by both paths
     dev = QueryAwareDevice.__new__(QueryAwareDevice)  # the per-forward state only
     dev.state, dev.cap = st, 80
     dev.quest = st.query_stores.get(PolicyId.QUEST)
@@ -108,6 +109,9 @@ def _compare(dev, plan, rpi, seq):
         _same(g.sr.b_any, r.sr.b_any, f"{key}.b_any")
         _same(g.sr.b, r.sr.b, f"{key}.b")
         _same(g.valid, r.sr.valid, f"{key}.valid")
+        if key == "asyncspade":  # the group Top-K's rows, tiled from the fields above
+            for name in ("sink", "hi", "budget", "next_b", "push"):
+                _same(g.group.__dict__[name], r.group.__dict__[name], f"{key}.group.{name}")
 
 
 @pytest.mark.parametrize("seed", range(6))
