@@ -180,15 +180,18 @@ class _AspdForward:
         # the group Top-K's rows (topk_layers > 1): layer g of a group is rows
         # [g * slots, (g + 1) * slots) of its scores, and rows g * (slots + 1) + slot of
         # the store's sel_pos / sel_count from the group's first layer on
-        self.group = None
-        if store.topk_layers > 1:
-            self.group = _AspdGroupRows(self, store.topk_layers, store.rows)
+        self.group = _AspdGroupRows.of(self, store)
 
 
 class _AspdGroupRows:
     """_AspdForward's per-slot tensors tiled over the layers of a Top-K group (the
     same for every layer of a forward); a group of g < G layers (the last) reads the
     first g * slots rows."""
+
+    @staticmethod
+    def of(f, store) -> "_AspdGroupRows | None":
+        """f's group rows under store's topk_layers; None when each layer selects alone."""
+        return _AspdGroupRows(f, store.topk_layers, store.rows) if store.topk_layers > 1 else None
 
     def __init__(self, f: _AspdForward, layers: int, store_rows: int):
         self.sink = f.sink.repeat(layers)
@@ -308,8 +311,7 @@ class QueryAwareDevice:
                 # static k: as _QuestForward
                 f.k = max(1, min(self.quest.max_pages, self.cap // QUEST_PAGE + 1))
             if pid == PolicyId.ASYNCSPADE:  # as _AspdForward
-                f.group = _AspdGroupRows(f, self.aspd.topk_layers, self.aspd.rows) if self.aspd.topk_layers > 1 \
-                    else None
+                f.group = _AspdGroupRows.of(f, self.aspd)
             self._on[pid] = graph_gate.flag(f.valid)
             setattr(self, attr, f)
 

@@ -74,3 +74,34 @@ class Timer:
         except Exception as e:  # noqa: BLE001 - eager timing still stands
             print(f"  [graph timing failed: {type(e).__name__}: {e}]", file=sys.stderr)
             return None
+
+
+def graph_replay_ms(fn, reps: int = 20, warm_replays: int = 0) -> float:
+    """Median ms of one CUDA-graph replay of ``fn``: run three times on a side stream
+    (compiles, warms), captured once, then ``warm_replays`` untimed replays and
+    ``reps`` timed ones (CUDA events around each). A caller that also captures work
+    on streams of its own forks and joins them inside ``fn``."""
+    import statistics
+
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(warm_replays):
+        g.replay()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from _bench_env import graph_replay_ms
 
 from sgl_sparse.kernels import balanced_splits, balances, make_split_counters, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
@@ -45,27 +45,6 @@ def _factor() -> int:
     import importlib
 
     return importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def case(ctx: int, bs: int, dense: int) -> dict:
@@ -107,8 +86,8 @@ def case(ctx: int, bs: int, dense: int) -> dict:
                                    max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
         return step
 
-    t_default = graph_ms(launch("default", False))
-    t_bal = graph_ms(launch("balanced", True))
+    t_default = graph_replay_ms(launch("default", False))
+    t_bal = graph_replay_ms(launch("balanced", True))
     err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
            / outs["default"].float().abs().max().clamp(min=1e-6)).item()
     moved = LAYERS * keys * D * 2 * 2  # K and V bytes read

@@ -39,7 +39,7 @@ import os
 import platform
 import sys
 
-from _bench_env import import_kernels, use_cuda_or_exit
+from _bench_env import graph_replay_ms, import_kernels, use_cuda_or_exit
 
 
 def parse_args(argv=None):
@@ -151,28 +151,8 @@ def main(argv=None) -> int:
                 row[f"{name}_ms"] = None
                 continue
             side = torch.cuda.Stream()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step(per_sm, stages, with_main, with_side, side)  # compile, warm
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(per_sm, stages, with_main, with_side, side)
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            row[f"{name}_ms"] = sorted(times)[len(times) // 2]
-            del graph
+            row[f"{name}_ms"] = graph_replay_ms(
+                lambda: step(per_sm, stages, with_main, with_side, side), args.reps, warm_replays=3)
         if use_cuda:
             m, sd, both = row["main_ms"], row["side_ms"], row["both_ms"]
             row["hidden"] = round((m + sd - both) / min(m, sd), 3)
