@@ -61,6 +61,8 @@ __all__ = ["QMAX", "quantize_keys", "index_token_scores", "index_token_scores_re
 QMAX = 127.0
 #: Keys whose largest |k| is at most this quantize to 0.
 TINY = 1e-30
+#: The scoring dot's orientation by default (``index_token_scores``' ``keys_as_m``).
+KEYS_AS_M = True
 
 
 def quantize_keys(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +108,7 @@ def index_token_scores(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: Optional[int] = None,
+    keys_as_m: bool = KEYS_AS_M,
 ) -> torch.Tensor:
     """Scores of ``q_hat`` over ``[lo[b], hi[b])`` from row ``b``'s int8 key copies
     (the module's formula), fp32 ``[bs, Hkv, n_max]``; only ``[lo, hi)`` is written
@@ -121,6 +124,9 @@ def index_token_scores(
         block_n: 128, twice ``token_scores``' 64: the int8 tile of 128 positions
             moves the bytes of a bf16 tile of 64 (H200, session 20: 0.79x the time of
             64 at 32768 x 8 and 131072 x 8, 0.81x at 32768 x 32).
+        keys_as_m: the key tile as the dot's M side (``token_scores._index_scores_tile``):
+            a warpgroup MMA from shared memory on sm_90, instead of ``mma.sync`` with
+            the group's queries as M. The same scores.
     """
     from .token_scores import launch_token_scores
 
@@ -132,7 +138,8 @@ def index_token_scores(
     assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
                                num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
-                               fill=False, index_keys=(kq, kscale, filled), num_stages=num_stages)
+                               fill=False, index_keys=(kq, kscale, filled), num_stages=num_stages,
+                               keys_as_m=keys_as_m)
 
 
 def index_token_scores_ref(

@@ -97,12 +97,22 @@ def _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _index_scores_tile(qq, qs, kq, ks, mask_h):
+def _index_scores_tile(qq, qs, kq, ks, mask_h, KEYS_AS_M: tl.constexpr):
     """max over the group of (qq . kq) * qs, times ks, for a [BLOCK_N, BLOCK_D] int8
-    key tile -> [BLOCK_N] fp32. The int8 dot's int32 sums stay below 2^24, exact in fp32."""
-    s = tl.dot(qq, tl.trans(kq)).to(tl.float32) * qs[:, None]
-    s = tl.where(mask_h[:, None], s, float("-inf"))
-    return tl.max(s, 0) * ks
+    key tile -> [BLOCK_N] fp32. The int8 dot's int32 sums stay below 2^24, exact in fp32.
+
+    KEYS_AS_M: the keys are the dot's M side (``kq @ qq^T``, ``[BLOCK_N, BLOCK_H]``):
+    with 128-position tiles on sm_90 that is a warpgroup MMA reading the key tile
+    from shared memory where the pipeline put it; otherwise the group's BLOCK_H = 16
+    queries are M (``mma.sync``, the keys through registers). Same products, same
+    fp32 operations per element: the same scores either way."""
+    if KEYS_AS_M:
+        s_nh = tl.dot(kq, tl.trans(qq)).to(tl.float32) * qs[None, :]
+        best = tl.max(tl.where(mask_h[None, :], s_nh, float("-inf")), 1)
+    else:
+        s_hn = tl.dot(qq, tl.trans(kq)).to(tl.float32) * qs[:, None]
+        best = tl.max(tl.where(mask_h[:, None], s_hn, float("-inf")), 0)
+    return best * ks
 
 
 @triton.jit
@@ -171,6 +181,8 @@ def _token_scores_kernel(
     FP32_DOT: tl.constexpr,
     FILL: tl.constexpr,
     INDEX_KEYS: tl.constexpr,
+    FRESH_N: tl.constexpr = 16,
+    KEYS_AS_M: tl.constexpr = False,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -220,14 +232,20 @@ def _token_scores_kernel(
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
             kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
-            s = _index_scores_tile(qq, qs, kq, ks, mask_h) * sm_scale
+            s = _index_scores_tile(qq, qs, kq, ks, mask_h, KEYS_AS_M) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
-        for blk in range(blk_new + pid, blk_hi, nprog):
-            offs = blk * BLOCK_N + offs_n
+        # The rest in FRESH_N-position tiles: a [FRESH_N, D] fp32 tile to quantize
+        # instead of [BLOCK_N, D] keeps this loop's registers under the copies
+        # loop's. Its 128-position fp32 tile took the kernel to 249-255 registers a
+        # thread and 2 programs a SM, for a loop that runs one block a step (ncu,
+        # H200, session 22: 12% occupancy, DRAM at 48% of peak).
+        offs_f = tl.arange(0, FRESH_N)
+        for blk in range(blk_new * (BLOCK_N // FRESH_N) + pid, blk_hi * (BLOCK_N // FRESH_N), nprog):
+            offs = blk * FRESH_N + offs_f
             valid = (offs >= lo) & (offs < hi)
             kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
                                       stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
-            s = _index_scores_tile(qq, qs, kq, ks, mask_h) * sm_scale
+            s = _index_scores_tile(qq, qs, kq, ks, mask_h, False) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     else:
         for blk in range(blk_lo + pid, blk_hi, nprog):
@@ -315,7 +333,8 @@ def token_scores(
 
 
 def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
-                        num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None) -> torch.Tensor:
+                        num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None,
+                        keys_as_m: bool = False) -> torch.Tensor:
     """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
     (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False)."""
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
@@ -342,6 +361,7 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1), *idx_strides, n_max, req_to_token.shape[1], idx_ctx,
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
+        KEYS_AS_M=bool(keys_as_m) and index_keys is not None, FRESH_N=min(16, block_n),
         # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
         num_warps=num_warps, enable_fp_fusion=index_keys is None,
         **({} if num_stages is None else dict(num_stages=num_stages)),

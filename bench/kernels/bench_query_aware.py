@@ -69,8 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--index-tiles", default="",
-                   help="also time index_scores_steady at these BLOCK_NxWARPS[xSTAGES[xPROGRAMS]], e.g. 64x8,128x4x3x18 "
-                        "(the launch's tile, pipeline depth, programs per row and KV head)")
+                   help="also time index_scores_steady at these BLOCK_NxWARPS[xSTAGES[xPROGRAMS]][w|s], e.g. "
+                        "64x8,128x4x3x18w (the launch's tile, pipeline depth, programs per row and KV head; w: the "
+                        "keys as the dot's M side, s: the queries, index_token_scores' keys_as_m)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -221,10 +222,11 @@ def main(argv=None) -> int:
                              + span * hkv * 4)
                 record(n, bs, f"index_scores_{tag}", fn, nbytes, ok, "int8 copies read, new keys copied")
             for tile in filter(None, args.index_tiles.split(",")):
-                bn, nw, ns, npg = ([int(x) for x in tile.split("x")] + [0, 0])[:4]
+                orient = {"w": dict(keys_as_m=True), "s": dict(keys_as_m=False)}.get(tile[-1], {})
+                bn, nw, ns, npg = ([int(x) for x in tile.rstrip("ws").split("x")] + [0, 0])[:4]
                 fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale,  # noqa: E731
                                                    filled, out=ts_out, block_n=bn, num_warps=nw,
-                                                   num_stages=ns or None, num_programs=npg or None)
+                                                   num_stages=ns or None, num_programs=npg or None, **orient)
                 fn()
                 ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
                 record(n, bs, f"index_scores_steady_{tile}", fn, nbytes, ok, f"BLOCK_N x warps [x stages x programs] {tile}")

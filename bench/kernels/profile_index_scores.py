@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--programs", type=int, default=0, help="programs per (row, KV head); 0: the kernel's default")
     p.add_argument("--stages", type=int, default=0, help="pipeline stages; 0: the kernel's default")
+    p.add_argument("--keys-as-m", type=int, choices=(-1, 0, 1), default=-1,
+                   help="the scoring dot's orientation (index_token_scores' keys_as_m); -1: its default")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     import torch
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
     kscale = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
     filled = torch.zeros(bs, 2, dtype=torch.int32, device=dev)
     out = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
-    kw = dict(out=out, num_programs=args.programs or None, num_stages=args.stages or None)
+    kw = dict(out=out, num_programs=args.programs or None, num_stages=args.stages or None,
+              **({} if args.keys_as_m < 0 else dict(keys_as_m=bool(args.keys_as_m))))
 
     def launch():
         IK.index_token_scores(q_hat, k_pool, req_to_token, rpi, lo, hi, d ** -0.5, n, kq, kscale, filled, **kw)

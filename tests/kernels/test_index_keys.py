@@ -69,6 +69,7 @@ CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group
 @pytest.mark.parametrize("idx", range(len(CONFIGS)))
 def test_steps_read_and_fill_the_copies(idx):
     dtype, group = CONFIGS[idx]
+    keys_as_m = idx % 2 == 0  # both orientations of the scoring dot over the configs
     seq_lens = [150, 47, 90, 33]
     case = _case(seq_lens, group, dtype, seed=idx)
     bs, hkv, d = 4, case.k_pool.shape[1], case.k_pool.shape[2]
@@ -84,7 +85,7 @@ def test_steps_read_and_fill_the_copies(idx):
         q = torch.randn(bs, hkv * group, d, generator=gen, device=DEVICE)  # fp32, as the prediction
         args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
         out = torch.full((bs, hkv, n_max), float("nan"), device=DEVICE)
-        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16)
+        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16, keys_as_m=keys_as_m)
         ref = index_token_scores_ref(*args, ctx=ctx)
         _close(s, ref, lo, hi)
         _check_copies(case, kq, ks, lo, hi)
@@ -97,6 +98,30 @@ def test_steps_read_and_fill_the_copies(idx):
             kq[2] = -5
     # the range past the copies' width scores -inf (row 0: [140, 146))
     assert torch.isneginf(s[0, :, ctx:146]).all()
+
+
+def test_dot_orientations_give_the_same_scores():
+    """keys_as_m (the key tile as the dot's M side) and the queries as M: the same
+    int32 sums and the same fp32 operations, so the same scores bit for bit, on a
+    first step (new keys quantized, 16 positions at a time within 32-position tiles)
+    and on the next (the copies read); ragged lengths, GQA 4."""
+    case = _case([77, 45, 100], 4, torch.bfloat16, seed=21)
+    bs, hkv, d = 3, case.k_pool.shape[1], case.k_pool.shape[2]
+    lo = torch.tensor([4, 0, 9], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(bs, hkv * 4, d, device=DEVICE)
+    got = {}
+    for keys_as_m in (True, False):
+        kq, ks, filled = _copies(bs, hkv, 104, d)
+        for hi_v in ([60, 30, 99], [61, 31, 100]):
+            hi = torch.tensor(hi_v, dtype=torch.int32, device=DEVICE)
+            out = torch.full((bs, hkv, 104), float("nan"), device=DEVICE)
+            s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 104,
+                                   kq, ks, filled, out=out, num_programs=3, block_n=32, keys_as_m=keys_as_m)
+            got[keys_as_m, hi_v[0]] = s.clone()
+    for h in (60, 61):
+        a, b = got[True, h], got[False, h]
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), h
 
 
 def test_covering_range_equals_token_scores_of_quantized_pool():
@@ -180,24 +205,30 @@ VEC16 = r"cp\.async\.cg\.shared\.global[^;]*0x10"
 INT8_MMA = r"mma[^;]*\.s32\.s8\.s8"  # mma.sync or wgmma with int8 operands
 
 
-def _sm90(index_keys: bool) -> dict:
+WGMMA = r"wgmma\.mma_async[^;]*\.s8\.s8"
+
+
+def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False) -> dict:
     """token_scores' kernel compiled for the H100 (no GPU needed), as the backend
-    launches it: fp32 q_hat, bf16 pool, D 128, GQA 2; the index variant with fp
-    fusion off, as index_token_scores launches it."""
+    launches it: fp32 q_hat, bf16 pool, D 128, GQA 2, 4 warps, 3 stages; the index
+    variant with fp fusion off, as index_token_scores launches it."""
     from sgl_sparse.kernels.token_scores import _token_scores_kernel as fn
 
     ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
             "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32"}
-    const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
-                 FILL=False, INDEX_KEYS=index_keys)
+    const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
+                 FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m)
     sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "sm_scale" else "i32") for n in fn.arg_names}
-    # as the launcher specializes serving's strides (multiples of D = 128)
+    # as the launcher specializes serving's strides and widths (multiples of 16): without
+    # the copies' strides Triton cannot prove their rows aligned and does not pipeline them
     divisible = [n for n in fn.arg_names
-                 if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_cs", "stride_ch")]
+                 if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_r2t", "stride_cs",
+                                       "stride_ch", "stride_ss", "stride_sh", "MAX_CTX", "IDX_CTX")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
-    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16"]
+    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
-                          options={"enable_fp_fusion": not index_keys}, patterns=patterns)
+                          options={"enable_fp_fusion": not index_keys, "num_warps": 4, "num_stages": 3},
+                          patterns=patterns, resources=resources)
 
 
 def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
@@ -212,3 +243,19 @@ def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
     assert idx[r"div\.rn\.f32"] >= 2, idx  # 127 / amax and amax / 127
     assert idx[r"fma\.rn\.f32"] == 0, idx
     assert kv[VEC16] > 0 and idx[VEC16] > kv[VEC16], (idx, kv)  # the copies' tiles beside the gathered ones
+
+
+@pytest.mark.parametrize("keys_as_m", [False, True])
+def test_index_variant_fits_several_programs_per_sm(keys_as_m):
+    """The serving tile (128 positions, 4 warps, 3 stages) in registers and shared
+    memory that leave room for 4+ programs an SM. Before session 22 the loop that
+    quantizes new keys held a [128, D] fp32 tile: 249 registers a thread (ncu, H200),
+    2 programs an SM, 12% occupancy and the pass at 48% of DRAM peak; it now
+    quantizes 16 positions at a time. With ``keys_as_m`` the scores are a warpgroup
+    MMA over the key tile in shared memory."""
+    r = _sm90(True, block_n=128, keys_as_m=keys_as_m, resources=True)
+    assert r["stack_bytes"] == 0, r  # no spills
+    assert r["registers"] * 128 * 4 <= 65536, r  # 4 programs of 128 threads in the register file
+    assert (r["shared_bytes"] + 1024) * 4 <= 233472, r  # and in shared memory (+1 KiB the driver's)
+    assert r[VEC16] > 0, r  # the copies' tiles pipelined
+    assert (r[WGMMA] > 0) == keys_as_m, r
