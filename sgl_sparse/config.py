@@ -243,23 +243,15 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
                              description="layers whose next-step Top-K runs as one launch (decode on a GPU; "
                                          "their scores are kept: topk_layers x slots x KV heads x max_context x "
                                          "4 bytes more)")
-    # [ours] The scoring pass runs on a side stream beside the main stream's layers. Its
-    # programs each walk a share of a row for the whole launch (~120 us a layer at
-    # 32768 x 8): at 4 a SM they hold every SM, and the main stream's kernels wait for
-    # them (H200 profile, session 21: 8.3 ms of kernels in a 7.2 ms step, 4.6 of them
-    # the side stream's). Fewer programs leave SMs to the main stream: with the int8
-    # copies 2 gave 1.272x stock against 4's 1.251x (same run, session 21). Unset: 2
-    # with `index_keys: int8`, 4 (the former grid, unmeasured at 2) with `kv`, whose
-    # gathered loads need more programs in flight.
-    score_programs_per_sm: Optional[int] = Field(None, ge=1, le=16,
-                                                 description="programs of the scoring pass per SM (decode on a "
-                                                             "GPU; fewer leave room for the main stream's kernels "
-                                                             "beside it); default 2 with int8 keys, 4 with kv")
-
-    def scoring_programs_per_sm(self) -> int:
-        if self.score_programs_per_sm is not None:
-            return self.score_programs_per_sm
-        return 2 if self.index_keys == "int8" else 4
+    # [ours] The scoring pass's programs per SM, on its side stream beside the main
+    # stream's layers; each walks a share of the rows for the whole launch. Session 21
+    # measured 2 a SM ahead of 4 (1.272x stock against 1.251x), but then a program took
+    # 249 registers and only 2 fit an SM, so 4 a SM ran in two waves. With ~96 registers
+    # (session 22, H200, 32768 x 8, same run): 4 a SM 1.396x stock, 2 a SM 1.321x; the
+    # pass alone 74 us a layer (3.7 TB/s) against 112-123 before.
+    score_programs_per_sm: int = Field(4, ge=1, le=16,
+                                       description="programs of the scoring pass per SM (decode on a GPU; "
+                                                   "fewer leave room for the main stream's kernels beside it)")
 
 
 class QueryAwareConfig(_Strict):

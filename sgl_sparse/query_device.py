@@ -459,7 +459,7 @@ class QueryAwareDevice:
         128-position block."""
         from sgl_sparse.kernels._utils import cdiv, device_num_sms
 
-        per_sm = self.aspd.cfg.scoring_programs_per_sm()
+        per_sm = self.aspd.cfg.score_programs_per_sm
         rows = q_hat.shape[0] * k_cache.shape[1]
         return max(1, min(cdiv(n_max, 128), per_sm * device_num_sms(q_hat.device) // rows))
 

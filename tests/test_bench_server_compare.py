@@ -51,7 +51,7 @@ def test_row_figures_are_the_differences_over_the_timed_batches():
     assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
     assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 74
     assert server_compare.sparse_stats(before, after, "sfi") == {
-        "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
+        "decode_steps": 256, "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
         "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
         "balanced_forward_share": 0.25, "refresh_graph_captures": 2, "compiles_while_serving": 2}

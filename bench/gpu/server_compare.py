@@ -187,7 +187,8 @@ def sparse_stats(before, after, policy):
     fw = "sglang_sparse_decode_forwards_total"
     paths = {k[1]: after[k] - before.get(k, 0.0) for k in after if k[0] == fw}
     balanced, all_paths = paths.get("path=kernel_balanced", 0.0), sum(paths.values())
-    return {"slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
+    return {"decode_steps": int(steps),  # request-steps: counted once per step whatever the TP size
+            "slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
             # steps of the policy served dense (no store slot, a sequence past the store's
             # max_context, ...): a row measuring a sparse policy should have none (session
@@ -336,6 +337,8 @@ def time_cases(a, servers: list) -> None:
             stats = sparse_stats(before[i], after[i], (pol or {}).get("policy", ""))
             if a.interleave:  # the host-time counter is per server: mixed over its policies here
                 stats.pop("prepare_ms_per_step", None)
+            if "decode_steps" in stats:  # 1.0: every decoded token of the timed batches counted once
+                stats["steps_per_decoded_token"] = round(stats["decode_steps"] / (a.repeats * bs * (a.out_len - 1)), 3)
             tl = statistics.median(walls[i])
             # None where a batch was not slower than its prefill alone: no decode time to divide by
             tok = lambda w: bs * (a.out_len - 1) / (w - t1[i]) if w > t1[i] else None  # noqa: E731
