@@ -36,24 +36,27 @@ import collections, importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, sig, const, divisible, options, patterns = json.loads(sys.argv[1])
+module, kernel, sig, const, divisible, options, patterns, keep_ptx = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), kernel)
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
 ptx = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 counts = collections.Counter(re.findall(r"(?:ld|st)\\.global[.\\w]*", ptx))
 for p in patterns:
     counts[p] = len(re.findall(p, ptx))
+if keep_ptx:
+    counts["ptx"] = ptx
 print(json.dumps(counts))
 """
 
 
 def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
                  divisible: Sequence[str] = (), options: Optional[dict] = None,
-                 patterns: Sequence[str] = ()) -> dict:
+                 patterns: Sequence[str] = (), keep_ptx: bool = False) -> dict:
     """Compile ``module.kernel`` for sm_90 (no GPU needed) and count its global
     loads/stores by width (e.g. ``ld.global.v4.b32``: 16-byte loads), and the
     matches of each regex of ``patterns`` in the PTX (keyed by the regex).
-    ``options``: the launch's compile options (e.g. ``enable_fp_fusion``).
+    ``options``: the launch's compile options (e.g. ``enable_fp_fusion``, ``num_warps``).
+    ``keep_ptx``: the PTX text itself too, under the key ``"ptx"``.
 
     Runs in a fresh interpreter without ``TRITON_INTERPRET``: in the test
     process the kernels are interpreted and cannot be compiled. ``signature``
@@ -67,7 +70,8 @@ def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    arg = json.dumps([module, kernel, signature, constexprs, list(divisible), options or {}, list(patterns)])
+    arg = json.dumps([module, kernel, signature, constexprs, list(divisible), options or {}, list(patterns),
+                      bool(keep_ptx)])
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90, arg], env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{out.stderr[-3000:]}")
