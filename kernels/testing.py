@@ -36,7 +36,7 @@ import collections, importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, sig, const, divisible, options, patterns, resources = json.loads(sys.argv[1])
+module, kernel, sig, const, divisible, options, patterns, resources, keep_ptx = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), kernel)
 attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
 compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
@@ -56,20 +56,23 @@ if resources:  # Triton's own ptxas, as its launcher would assemble the PTX
     stack = re.search(r"(\\d+) bytes cumulative stack size", info)
     counts["stack_bytes"] = int(stack.group(1)) if stack else 0
     counts["shared_bytes"] = compiled.metadata.shared
+if keep_ptx:
+    counts["ptx"] = ptx
 print(json.dumps(counts))
 """
 
 
 def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
                  divisible: Sequence[str] = (), options: Optional[dict] = None,
-                 patterns: Sequence[str] = (), resources: bool = False) -> dict:
+                 patterns: Sequence[str] = (), resources: bool = False, keep_ptx: bool = False) -> dict:
     """Compile ``module.kernel`` for sm_90 (no GPU needed) and count its global
     loads/stores by width (e.g. ``ld.global.v4.b32``: 16-byte loads), and the
     matches of each regex of ``patterns`` in the PTX (keyed by the regex).
-    ``options``: the launch's compile options (e.g. ``enable_fp_fusion``).
+    ``options``: the launch's compile options (e.g. ``enable_fp_fusion``, ``num_warps``).
     ``resources``: also ``registers`` a thread and ``stack_bytes`` (spills) from
     Triton's ptxas, and ``shared_bytes`` a program: what bounds the programs
     resident on an SM (the occupancy ncu reports).
+    ``keep_ptx``: the PTX text itself too, under the key ``"ptx"``.
 
     Runs in a fresh interpreter without ``TRITON_INTERPRET``: in the test
     process the kernels are interpreted and cannot be compiled. ``signature``
@@ -84,7 +87,7 @@ def compile_sm90(module: str, kernel: str, signature: dict, constexprs: dict,
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     arg = json.dumps([module, kernel, signature, constexprs, list(divisible), options or {}, list(patterns),
-                      bool(resources)])
+                      bool(resources), bool(keep_ptx)])
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90, arg], env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"compiling {module}.{kernel} for sm_90 failed:\n{out.stderr[-3000:]}")

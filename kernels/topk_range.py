@@ -20,11 +20,20 @@ sync, shapes static: ``k_max`` is the output width):
 
 1. The exact k-th largest finite score ``t``, by radix select over an
    order-reversing uint32 key of the fp32 bits (``_radix.py``, shared with the
-   Selector's medians): the top-byte histogram also counts ``F``, so ``k`` is
-   known before the select; after the top 16 bits the few values left are
-   gathered to a scratch row (``gather=True``) and the last two passes read
-   those only. The select also says how many entries equal to ``t`` are kept
-   (``k`` minus those strictly above).
+   Selector's medians): the top digit's histogram also counts ``F``, so ``k`` is
+   known before the select. By default (``small_digits``) two 64-bin histograms
+   walk ``[lo, hi)`` (bits 31..26, then 25..20 among the values with that top
+   digit), the values sharing those top 12 bits are gathered to a scratch row
+   (``gather=True``) and three passes over those alone finish the key (7 + 7 + 6
+   bits). ``small_digits=False``: two 256-bin histograms over the row, the values
+   sharing the top 16 bits gathered, two 256-bin passes over those (the kernel
+   before). Why 64 bins: Triton's histogram costs, per value, a ballot per
+   bin-index bit plus an AND per bit for every bin a lane owns (bins / 32), so a
+   pass over the row compiles to ~30% fewer instructions on 64 bins than on 256
+   (``_radix.py``); the histogram passes are the Top-K's main cost on the GPU.
+   The gain there is to be measured (``bench/kernels/bench_topk.py``,
+   ``topk_range 8bit``). The select also says how many entries equal to ``t`` are
+   kept (``k`` minus those strictly above).
 2. One compaction pass over ``[lo, hi)``: an entry is kept if ``s > t``, or
    ``s == t`` and it is among the first ties by position, up to ``k`` in all
    (compared as keys: the select's exact order, ``-0 == +0``, no denormal flush);
@@ -33,18 +42,21 @@ sync, shapes static: ``k_max`` is the output width):
 
 Rows that fit one block (``N <= ROW_BLOCK_MAX``: quest's pages up to 128K tokens,
 lfps's ranks, the covered Selector rows) take ``_topk_row_kernel`` instead: the row
-is loaded into registers once and the four 8-bit digit histograms and the
-compaction read those, one pass over memory instead of six serial ones (two
-histograms, the gather, the gathered values' two, the compaction), each with its
-load latency, and no scratch row. Same output bit for bit (same select, same tie
-rule). On the H100 at 32768 x 1 quest's radix Top-K was the largest kernel of its
+is loaded into registers once and the digit histograms (six: bits 31..26,
+25..20, then four 5-bit digits; ``small_digits=False``: four 8-bit ones) and the
+compaction read those, one pass over memory instead of seven serial ones (two
+histograms, the gather, the gathered values' three -- two with 8-bit digits --,
+the compaction), each with its load latency, and no scratch row. Same output bit
+for bit (same select, same tie rule). On the H100 at 32768 x 1 quest's radix
+Top-K was the largest kernel of its
 step (20 us a layer for 8 rows x 2049 pages, 2048-wide blocks, bench/README
 "Session 18"), a latency chain, not a bandwidth one.
 
 Long rows with few (row, head) programs (the Selector's 32K-128K rows, a few
 hundred programs) leave that serial walk latency-bound: there each row is split
 over several programs (``topk_split.py``, grid ``(R, H, S)``, four launches), with
-the same output bit for bit.
+the same output bit for bit; it keeps 8-bit digits (its per-slice histograms are
+256 wide, shared with the Selector's medians): ``small_digits`` does not apply.
 
 Non-finite scores: ``-inf`` is how the callers mark positions that are not
 candidates, ``NaN`` is never a valid score, and ``+inf`` is left out with them
@@ -63,7 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._radix import _pick_digit, digit_histogram, load_key, place_kept, radix_select, topk_bounds
+from ._radix import (_pick_digit, digit_hist, digit_histogram, load_key, pick_digit, place_kept, radix_select,
+                     radix_select_small, topk_bounds)
 from ._split import TOPK_RULE, resolve_splits
 from ._utils import device_num_sms, env_switch
 
@@ -91,6 +104,7 @@ def _topk_range_kernel(
     stride_lr,
     BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr,
+    SMALL_DIGITS: tl.constexpr,  # with GATHER: 6-bit digits over [lo, hi) (radix_select_small)
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -101,10 +115,17 @@ def _topk_range_kernel(
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
-    h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
-    k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
-    hi = tl.where(k > 0, hi, lo)
-    key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)  # the k-th largest's key
+    # The top digit's histogram also counts them (F): k = min(k, F) before the select.
+    if SMALL_DIGITS and GATHER:
+        h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
+        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        hi = tl.where(k > 0, hi, lo)
+        key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
+    else:
+        h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
+        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        hi = tl.where(k > 0, hi, lo)
+        key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
     ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
     t = key.to(tl.uint32, bitcast=True)
     out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
@@ -113,19 +134,20 @@ def _topk_range_kernel(
 
 
 @triton.jit
-def _row_histogram(bits, sel, SHIFT: tl.constexpr):
-    """256-bin histogram of the digit (key >> SHIFT) & 255 of the keys held in
-    registers where `sel`: the others land in bin 0 and are taken out."""
-    h = tl.histogram(tl.where(sel, (bits >> SHIFT) & 255, 0), 256)
-    return tl.where(tl.arange(0, 256) == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
+def _row_histogram(bits, sel, SHIFT: tl.constexpr, DBITS: tl.constexpr):
+    """2^DBITS-bin histogram of the digit (key >> SHIFT) & (2^DBITS - 1) of the keys
+    held in registers where `sel`: the others land in bin 0 and are taken out."""
+    NBINS: tl.constexpr = 1 << DBITS
+    h = tl.histogram(tl.where(sel, (bits >> SHIFT) & (NBINS - 1), 0), NBINS)
+    return tl.where(tl.arange(0, NBINS) == 0, h - tl.sum((~sel).to(tl.int32), 0), h)
 
 
 @triton.jit
-def _row_digit(bits, ok, rank, prefix, SHIFT: tl.constexpr):
-    """One radix pass over keys held in registers: the digit (key >> SHIFT) & 255 of
-    the keys whose higher bits equal `prefix`, and the bin holding the rank-th."""
-    sel = ok & (((bits >> (SHIFT + 8)) & ((1 << (24 - SHIFT)) - 1)) == prefix)
-    return _pick_digit(_row_histogram(bits, sel, SHIFT), rank, prefix)
+def _row_digit(bits, ok, rank, prefix, SHIFT: tl.constexpr, DBITS: tl.constexpr):
+    """One radix pass over keys held in registers: the DBITS-bit digit at SHIFT of the
+    keys whose higher bits equal `prefix`, and the bin holding the rank-th."""
+    sel = ok & (((bits >> (SHIFT + DBITS)) & ((1 << (32 - SHIFT - DBITS)) - 1)) == prefix)
+    return pick_digit(_row_histogram(bits, sel, SHIFT, DBITS), rank, prefix, DBITS)
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr"])
@@ -144,10 +166,11 @@ def _topk_row_kernel(
     stride_oh,
     stride_lr,
     BLOCK_N: tl.constexpr,
+    SMALL_DIGITS: tl.constexpr,  # 6- and 5-bit digits: 64- and 32-bin histograms
 ):
     """_topk_range_kernel for a row held in registers: the same radix select (the
-    k-th largest finite score's key, 8 bits a pass from the top) and the same
-    compaction, over one load of the row."""
+    k-th largest finite score's key, from the top: 8 bits a pass, or 6, 6, 5, 5, 5, 5
+    with SMALL_DIGITS) and the same compaction, over one load of the row."""
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
@@ -157,12 +180,24 @@ def _topk_row_kernel(
     row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
     offs = tl.arange(0, BLOCK_N)
     _, bits, ok = load_key(row, offs, (offs >= lo) & (offs < hi), 0.0, 2)  # KEY_DESC: finite scores only
-    h = _row_histogram(bits, ok, 24)  # the top digit's also counts the finite scores
-    k = tl.minimum(k, tl.sum(h, 0))
-    rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
-    rank, prefix = _row_digit(bits, ok, rank, prefix, 16)
-    rank, prefix = _row_digit(bits, ok, rank, prefix, 8)
-    rank, prefix = _row_digit(bits, ok, rank, prefix, 0)
+    # SMALL_DIGITS: bits 31..26, 25..20, then four 5-bit digits, not 6 + 6 + 6 + 2: under
+    # 32 bins a histogram still takes 5 ballots a value, and 32 bins are one per lane.
+    if SMALL_DIGITS:
+        h = _row_histogram(bits, ok, 26, 6)  # the top digit's also counts the finite scores
+        k = tl.minimum(k, tl.sum(h, 0))
+        rank, prefix = pick_digit(h, tl.maximum(k - 1, 0), 0, 6)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 20, 6)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 15, 5)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 10, 5)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 5, 5)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 5)
+    else:  # bits 31..24, 23..16, 15..8, 7..0
+        h = _row_histogram(bits, ok, 24, 8)
+        k = tl.minimum(k, tl.sum(h, 0))
+        rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 16, 8)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 8, 8)
+        rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 8)
     # keep keys below the k-th's, and the first rank + 1 equal to it by position (k = 0:
     # no finite score, nothing is ok)
     t = prefix.to(tl.uint32, bitcast=True)
@@ -179,6 +214,10 @@ def _topk_row_kernel(
 #: the block-walking kernels. 8192 fp32 over 16 warps: 16 values a thread.
 ROW_BLOCK_MAX = 8192
 ONE_BLOCK_ENABLED = env_switch("TOPK_ONE_BLOCK", True)
+#: The select's passes over a whole row on 6-bit digits (64-bin histograms: fewer
+#: instructions than 256-bin ones, the module doc); ``SGLANG_SPARSE_TOPK_SMALL_DIGITS=0``:
+#: 8-bit ones, the kernels before.
+SMALL_DIGITS = env_switch("TOPK_SMALL_DIGITS", True)
 
 
 def row_block_fits(n: int) -> bool:
@@ -233,6 +272,7 @@ def topk_range(
     num_warps: Optional[int] = None,
     splits: Optional[int] = None,
     one_block: Optional[bool] = None,
+    small_digits: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -256,6 +296,13 @@ def topk_range(
         one_block: the row held in registers (``_topk_row_kernel``); default: when
             ``N <= ROW_BLOCK_MAX`` and none of ``block_n``, ``num_warps``, ``splits``,
             ``gather=False`` is asked for (``SGL_SPARSE_TOPK_ONE_BLOCK=0``: never).
+        small_digits: the select's passes over the row on 6-bit digits (64-bin
+            histograms; the register row: 6- and 5-bit ones) instead of 8-bit ones
+            (256 bins); the same output bit for bit. Default
+            :data:`SMALL_DIGITS` (``SGLANG_SPARSE_TOPK_SMALL_DIGITS``, on). No effect
+            with ``gather=False`` (four 8-bit passes over the row, as before) nor on
+            the split kernel (``splits > 1``: its per-slice histograms are 256 wide,
+            shared with the Selector's medians).
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -267,6 +314,7 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
+    small_digits = SMALL_DIGITS if small_digits is None else bool(small_digits)
     if one_block is None:
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
                      and splits is None and row_block_fits(n))
@@ -291,7 +339,7 @@ def topk_range(
         _topk_row_kernel[(r, h)](
             scores, lo, hi, budget, out, out_len, n, k_max,
             scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out_len.stride(0),
-            BLOCK_N=block_n, num_warps=num_warps,
+            BLOCK_N=block_n, SMALL_DIGITS=small_digits, num_warps=num_warps,
         )
         return out, out_len
     if splits > 1:
@@ -305,7 +353,7 @@ def topk_range(
         n, k_max,
         scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
         out.stride(0), out.stride(1), out_len.stride(0),
-        BLOCK_N=block_n, GATHER=bool(gather), num_warps=num_warps,
+        BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, num_warps=num_warps,
     )
     return out, out_len
 

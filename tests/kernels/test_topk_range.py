@@ -7,6 +7,9 @@ the positions are distinct, in range, finite and ascending."""
 
 from __future__ import annotations
 
+import re
+from typing import List, Tuple
+
 import pytest
 import torch
 
@@ -135,6 +138,66 @@ def test_topk_range_split_is_bit_identical(rows, splits, block_n, ints, holes):
     _check(s, lo, hi, budget, k_max, *got)
 
 
+def _digits_case(gen, kind: str, r: int, h: int, n: int) -> torch.Tensor:
+    """Scores for the small/8-bit digit A/B: ``kind`` picks what the cutoff meets."""
+    if kind in ("normal", "ints", "holes"):
+        return _case(gen, r, h, n, ints=kind == "ints", holes=0.3 if kind == "holes" else 0.0)
+    if kind == "equal":  # every score tied, in every row
+        return torch.full((r, h, n), 1.5)
+    if kind == "zeros":  # mostly -0.0 and +0.0 (they tie), a few +-1
+        vals = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 1.0, -1.0])
+        return vals[torch.randint(0, len(vals), (r, h, n), generator=gen)]
+    assert kind == "extremes"  # 2^e for e in [-149, 127] (denormals to near fp32 max), both signs
+    e = torch.randint(-149, 128, (r, h, n), generator=gen).double()
+    m = 1.0 + torch.rand(r, h, n, generator=gen, dtype=torch.float64)
+    sign = torch.where(torch.rand(r, h, n, generator=gen) < 0.5, -1.0, 1.0).double()
+    return (sign * m * torch.exp2(e)).clamp(-3.4e38, 3.4e38).float()
+
+
+@pytest.mark.parametrize("kind", ["normal", "ints", "holes", "equal", "zeros", "extremes"])
+@pytest.mark.parametrize("launch", [dict(one_block=True), dict(one_block=False, splits=1, block_n=16),
+                                    dict(one_block=False, splits=1, block_n=32),
+                                    dict(one_block=False, splits=1, block_n=256)])
+def test_topk_small_digits_are_bit_identical(kind, launch):
+    """The select on 6-bit digits over the row (small_digits=True, the default) against
+    the 8-bit one (small_digits=False, the kernels before): the same positions, order
+    and counts, on both kernels; N = 150 is no multiple of the block. Rows: the whole
+    range, a budget above the live length, an empty range, hi < lo, a budget of 0, and
+    a live length (40) below both the budget and k_max."""
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)) + launch.get("block_n", 0))
+    r, h, n, k_max = 6, 2, 150, 48
+    s = _digits_case(gen, kind, r, h, n)
+    lo = torch.tensor([0, 9, 30, 50, 0, 100], dtype=torch.int32)
+    hi = torch.tensor([n, 131, 30, 3, n, 140], dtype=torch.int32)
+    budget = torch.tensor([k_max, 10 ** 6, 5, 7, 0, 60], dtype=torch.int32)
+    small = topk_range(s, lo, hi, budget, k_max, small_digits=True, **launch)
+    wide = topk_range(s, lo, hi, budget, k_max, small_digits=False, **launch)
+    assert torch.equal(small[0], wide[0]) and torch.equal(small[1], wide[1])
+    _check(s, lo, hi, budget, k_max, *small)
+    assert not small[1][2:5].any()  # empty ranges, budget 0: nothing selected
+
+
+def test_topk_small_digits_default_and_switch(monkeypatch):
+    """small_digits=None takes the module's SMALL_DIGITS (SGLANG_SPARSE_TOPK_SMALL_DIGITS,
+    on by default), in both kernels."""
+    import importlib
+
+    from sgl_sparse.kernels._utils import env_switch
+
+    T = importlib.import_module("sgl_sparse.kernels.topk_range")  # the package exports the function
+    assert T.SMALL_DIGITS is env_switch("TOPK_SMALL_DIGITS", True)  # on unless the operator says 0
+    gen = torch.Generator().manual_seed(5)
+    s = _case(gen, 2, 2, 150, ints=True)
+    lo, hi = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([150, 101], dtype=torch.int32)
+    budget = torch.tensor([30, 70], dtype=torch.int32)
+    want = topk_range(s, lo, hi, budget, 64, block_n=32, splits=1, small_digits=False)
+    for default in (True, False):
+        monkeypatch.setattr(T, "SMALL_DIGITS", default)
+        for launch in (dict(block_n=32, splits=1), dict()):  # the block-walking kernel, the register row
+            got = topk_range(s, lo, hi, budget, 64, **launch)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (default, launch)
+
+
 def test_topk_range_split_count():
     from sgl_sparse.kernels._split import STATS_RULE, TOPK_RULE, split_count
 
@@ -231,16 +294,8 @@ def test_topk_range_gpu(n, k_max):
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
 
 
-@pytest.mark.parametrize("kernel, const", [
-    ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
-    ("_topk_row_kernel", dict(BLOCK_N=1024)),
-    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True)),
-])
-def test_topk_kernels_compile_for_sm90(kernel, const):
-    """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
-    needed): a constexpr reassigned in a static_range loop ran in the interpreter and
-    failed the H100's compile in session 18; the register-row kernel's histogram
-    passes were refactored after its last GPU run."""
+def _compile_topk(kernel: str, const: dict, **kw) -> dict:
+    """compile_sm90 of a topk_range kernel (pointers 16-aligned, as launched)."""
     import importlib
 
     from sgl_sparse.kernels.testing import compile_sm90
@@ -249,5 +304,55 @@ def test_topk_kernels_compile_for_sm90(kernel, const):
     ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "OUT": "*i32",
             "OUT_LEN": "*i32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-    counts = compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs])
+    return compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs],
+                        **kw)
+
+
+@pytest.mark.parametrize("small_digits", [True, False])
+@pytest.mark.parametrize("kernel, const", [
+    ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
+    ("_topk_row_kernel", dict(BLOCK_N=1024)),
+    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True)),
+])
+def test_topk_kernels_compile_for_sm90(kernel, const, small_digits):
+    """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
+    needed): a constexpr reassigned in a static_range loop ran in the interpreter and
+    failed the H100's compile in session 18; the register-row kernel's histogram
+    passes were refactored after its last GPU run."""
+    counts = _compile_topk(kernel, dict(const, SMALL_DIGITS=small_digits))
     assert any(k.startswith("st.global") for k in counts), counts  # it stores positions
+
+
+def _loop_bodies(ptx: str) -> List[Tuple[int, int]]:
+    """(instructions, ballots) of each loop of the PTX in program order: the lines
+    from a label to a branch back to it."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    at, loops = {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"(\$L__BB\d+_\d+):", line)
+        back = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if label:
+            at[label[1]] = i
+        elif back and back[1] in at:
+            body = [x for x in lines[at[back[1]]:i + 1] if x.endswith(";")]
+            loops.append((len(body), sum("vote.sync.ballot" in x for x in body)))
+    return loops
+
+
+def test_topk_small_digits_cost_fewer_instructions():
+    """The premise of small_digits, on sm_90 PTX (asyncspade's launch: 1024-blocks, 4
+    warps, gather on). tl.histogram takes a ballot per bin-index bit per value, then
+    each lane ANDs those into the indicator of every bin it owns and popcounts it:
+    per value ~log2(bins) ballots and (bins / 32) x log2(bins) ANDs. So each pass over
+    the whole row (the top two digits' histograms) costs fewer ballots and fewer
+    instructions on 64 bins than on 256, and the kernel's popcounts drop. (Summed over
+    every pass the ballots do not drop: one per key bit per value either way.)"""
+    const = dict(BLOCK_N=1024, GATHER=True)
+    ptx = {sd: _compile_topk("_topk_range_kernel", dict(const, SMALL_DIGITS=sd), options={"num_warps": 4},
+                             patterns=[r"\bpopc\."], keep_ptx=True) for sd in (False, True)}
+    # the first two histogram loops walk [lo, hi); then the gather, the survivors' passes, the compaction
+    wide, small = ([b for b in _loop_bodies(ptx[sd]["ptx"]) if b[1]][:2] for sd in (False, True))
+    assert len(wide) == len(small) == 2
+    for (i_wide, b_wide), (i_small, b_small) in zip(wide, small):
+        assert b_small < b_wide and i_small < 0.8 * i_wide, (wide, small)  # 64 -> 48 ballots, ~800 -> ~570
+    assert ptx[True][r"\bpopc\."] < ptx[False][r"\bpopc\."]  # 259 -> 115 (triton 3.7)
