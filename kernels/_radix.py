@@ -15,7 +15,7 @@ Digit widths. :func:`radix_select` (the Selector's medians, the split select of
 ``_split.py``, ``topk_range`` with ``small_digits=False``) takes 8-bit digits:
 two 256-bin passes over the row, then (GATHER) the values sharing the top 16
 bits copied to a scratch row and the last two digits read from there.
-:func:`radix_select_small` (``topk_range``'s default) takes 6-bit digits over
+:func:`radix_select_small` (``topk_range``'s ``small_digits``, opt-in) takes 6-bit digits over
 the row: two 64-bin passes, the values sharing the top 12 bits gathered, then
 7 + 7 + 6 bits over those alone. Why: ``tl.histogram`` (Triton's warp-level
 histogram) takes one ballot per bin-index bit per value, then each lane ANDs
