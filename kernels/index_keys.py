@@ -105,6 +105,7 @@ def index_token_scores(
     out: Optional[torch.Tensor] = None,
     num_programs: Optional[int] = None,
     num_sms: Optional[int] = None,
+    programs_per_sm: int = 4,
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: Optional[int] = None,
@@ -116,8 +117,9 @@ def index_token_scores(
     range cost O(1). Updates the copies and ``filled`` (module docstring).
 
     Args:
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max: as
-            :func:`token_scores` (row ``b`` is also the copies' row).
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, num_programs,
+            num_sms, programs_per_sm: as :func:`token_scores` (row ``b`` is also the
+            copies' row).
         kq: ``[bs, Hkv, ctx, D]`` int8; kscale ``[bs, Hkv, ctx]`` fp32; positions
             ``>= ctx`` are never scored (-inf).
         filled: ``[bs, 2]`` int32, zeroed when the row's request changes.
@@ -137,7 +139,8 @@ def index_token_scores(
     assert kscale.dtype == torch.float32 and kscale.shape == (bs, num_kv_heads, ctx) and kscale.stride(2) == 1
     assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
-                               num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
+                               num_programs=num_programs, num_sms=num_sms, programs_per_sm=programs_per_sm,
+                               block_n=block_n, num_warps=num_warps,
                                fill=False, index_keys=(kq, kscale, filled), num_stages=num_stages,
                                keys_as_m=keys_as_m)
 

@@ -305,6 +305,7 @@ def token_scores(
     out: Optional[torch.Tensor] = None,
     num_programs: Optional[int] = None,
     num_sms: Optional[int] = None,
+    programs_per_sm: int = 4,
     block_n: int = 64,
     num_warps: int = 4,
     fill: bool = True,
@@ -320,21 +321,22 @@ def token_scores(
             int32; req_pool_idx ``[bs]``; lo, hi ``[bs]`` int32.
         n_max: static output width (e.g. the graph's max context). Positions
             ``>= max_ctx`` (the width of ``req_to_token``) are never read: -inf.
-        num_programs: programs per (row, KV head) (default: at most 4 per SM in
-            all, from static shapes only).
+        num_programs: programs per (row, KV head) (default: at most
+            ``programs_per_sm`` per SM in all, from static shapes only; rounded down,
+            since a grid one program past what is resident starts a second wave).
         fill: write ``-inf`` outside the range. ``False``: only ``[lo, hi)`` is
             written (what ``topk_range`` over the same range reads) and the
             programs of a row with an empty range return at once -- the
             CUDA-graph path's slots without a request cost O(1), not ``n_max``.
     """
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
-                               num_programs=num_programs, num_sms=num_sms, block_n=block_n, num_warps=num_warps,
-                               fill=fill)
+                               num_programs=num_programs, num_sms=num_sms, programs_per_sm=programs_per_sm,
+                               block_n=block_n, num_warps=num_warps, fill=fill)
 
 
 def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
                         num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None,
-                        keys_as_m: bool = False) -> torch.Tensor:
+                        keys_as_m: bool = False, programs_per_sm: int = 4) -> torch.Tensor:
     """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
     (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False)."""
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
@@ -349,7 +351,7 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
         # rounded down: a grid one program past what is resident starts a second wave
         # (H200, index keys at 32768 x 8: 9 programs per row and head 94.5 us, 8 74 us)
-        num_programs = max(1, min(n_blocks, 4 * sms // max(1, bs * num_kv_heads)))
+        num_programs = max(1, min(n_blocks, programs_per_sm * sms // max(1, bs * num_kv_heads)))
     grid = (bs, num_kv_heads, int(num_programs))
     if index_keys is None:
         kq = kscale = filled = out  # unread: INDEX_KEYS is off

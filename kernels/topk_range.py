@@ -22,17 +22,18 @@ sync, shapes static: ``k_max`` is the output width):
    order-reversing uint32 key of the fp32 bits (``_radix.py``, shared with the
    Selector's medians): the top digit's histogram also counts ``F``, so ``k`` is
    known before the select. With ``small_digits`` (opt-in until a GPU has timed
-   it) two 64-bin histograms walk ``[lo, hi)`` (bits 31..26, then 25..20 among the values with that top
-   digit), the values sharing those top 12 bits are gathered to a scratch row
-   (``gather=True``) and three passes over those alone finish the key (7 + 7 + 6
-   bits). ``small_digits=False`` (the default): two 256-bin histograms over the
-   row, the values sharing the top 16 bits gathered, two 256-bin passes over those. Why 64 bins: Triton's histogram costs, per value, a ballot per
-   bin-index bit plus an AND per bit for every bin a lane owns (bins / 32), so a
-   pass over the row compiles to ~30% fewer instructions on 64 bins than on 256
-   (``_radix.py``); the histogram passes are the Top-K's main cost on the GPU.
-   The gain there is to be measured (``bench/kernels/bench_topk.py``,
-   ``topk_range 8bit``). The select also says how many entries equal to ``t`` are
-   kept (``k`` minus those strictly above).
+   it) two 64-bin histograms walk ``[lo, hi)`` (bits 31..26, then 25..20 among
+   the values with that top digit), the values sharing those top 12 bits are
+   gathered to a scratch row (``gather=True``) and three passes over those alone
+   finish the key (7 + 7 + 6 bits). ``small_digits=False`` (the default): two
+   256-bin histograms over the row, the values sharing the top 16 bits gathered,
+   two 256-bin passes over those. Why 64 bins: Triton's histogram costs, per
+   value, a ballot per bin-index bit plus an AND per bit for every bin a lane owns
+   (bins / 32), so a pass over the row compiles to ~30% fewer instructions on 64
+   bins than on 256 (``_radix.py``); the histogram passes are the Top-K's main
+   cost on the GPU. The gain there is to be measured
+   (``bench/kernels/bench_topk.py``, ``topk_range 6bit``). The select also says
+   how many entries equal to ``t`` are kept (``k`` minus those strictly above).
 2. One compaction pass over ``[lo, hi)``: an entry is kept if ``s > t``, or
    ``s == t`` and it is among the first ties by position, up to ``k`` in all
    (compared as keys: the select's exact order, ``-0 == +0``, no denormal flush);

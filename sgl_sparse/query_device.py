@@ -451,18 +451,6 @@ class QueryAwareDevice:
             torch.cuda.current_stream().wait_stream(side)
         self._side_pending = False
 
-    def _aspd_score_programs(self, q_hat: torch.Tensor, k_cache: torch.Tensor, n_max: int) -> int:
-        """Programs per (slot, KV head) of the scoring pass: at most
-        `score_programs_per_sm` per SM in all (rounded down: one program over
-        the resident count starts a second wave, which ncu measured as 1.21 waves
-        at 2 a SM, 5 per (slot, KV head) of 64, session 22), at most one per
-        128-position block."""
-        from sgl_sparse.kernels._utils import cdiv, device_num_sms
-
-        per_sm = self.aspd.cfg.score_programs_per_sm
-        rows = q_hat.shape[0] * k_cache.shape[1]
-        return max(1, min(cdiv(n_max, 128), per_sm * device_num_sms(q_hat.device) // rows))
-
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
@@ -477,15 +465,16 @@ class QueryAwareDevice:
         group = store.topk_layers
         g = li % group
         out = store.scores[g] if group > 1 else None
-        programs = self._aspd_score_programs(q_hat, k_cache, n_max)
+        # the pass's programs per SM on the side stream (fewer leave room for the main stream)
+        per_sm = store.cfg.score_programs_per_sm
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
         if store.index_keys:  # from the slot's int8 copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
-                                        num_programs=programs)
+                                        programs_per_sm=per_sm)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
-                                  out=out, num_programs=programs)
+                                  out=out, programs_per_sm=per_sm)
         if group == 1:
             rows, first, n_layers = f, li, 1
         elif g == group - 1 or li == self._last_layer:
