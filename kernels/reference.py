@@ -62,6 +62,7 @@ def two_segment_decode_ref(
     return_lse: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
     a_pos: Optional[torch.Tensor] = None,
+    a_pos_slots: bool = False,
     row_mask: Optional[torch.Tensor] = None,
     **_tuning_kwargs,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +72,8 @@ def two_segment_decode_ref(
     ``a_slot[b] < 0``, pool positions ``[0, min(a_len[b, h], b_start[b]))``; or,
     when ``a_slot[b] == -2`` and ``a_pos`` is given, pool positions
     ``a_pos[b, h, :min(a_len[b, h], cap_pos, b_start[b])]`` clamped into
-    ``[0, b_start[b])``) followed by
+    ``[0, b_start[b])``; with ``a_pos_slots`` the entries are pool slots, clamped
+    into the pool) followed by
     ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
     Rows with ``row_mask[b] != 1`` are left at their initial value (zeros in
     ``out``, -inf in ``lse``): the kernel does not write them.
@@ -98,8 +100,10 @@ def two_segment_decode_ref(
             lim = min(s, a_pos.shape[2]) if indexed else (s if slot < 0 else cap)
             n_a = min(max(int(a_len[b, h].item()), 0), lim)
             if n_a > 0 and indexed:  # in place: the listed positions
-                pos = a_pos[b, h, :n_a].long().clamp(0, s - 1)
-                a_tokens = req_to_token[rp, pos].long()
+                if a_pos_slots:
+                    a_tokens = a_pos[b, h, :n_a].long().clamp(0, k_pool.shape[0] - 1)
+                else:
+                    a_tokens = req_to_token[rp, a_pos[b, h, :n_a].long().clamp(0, s - 1)].long()
                 ka, va = k_pool[a_tokens, h], v_pool[a_tokens, h]
             elif n_a > 0 and slot < 0:  # in place: positions [0, n_a) of the pool
                 a_tokens = req_to_token[rp, :n_a].long()

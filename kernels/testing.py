@@ -353,6 +353,19 @@ def set_indexed_rows(
     return case
 
 
+def pool_slots_of(case: "DecodeCase") -> torch.Tensor:
+    """``case.a_pos`` with every entry a pool slot (``a_pos_slots=True``): the
+    request's ``req_to_token`` entry of the position, clamped into ``[0,
+    b_start)`` as the kernel clamps positions; rows that are not indexed keep their
+    (garbage) values, which the kernel never reads."""
+    a_pos = case.a_pos.clone()
+    for b in range(a_pos.shape[0]):
+        if int(case.a_slot[b].item()) == -2 and int(case.b_start[b].item()) > 0:
+            pos = a_pos[b].long().clamp(0, int(case.b_start[b].item()) - 1)
+            a_pos[b] = case.req_to_token[int(case.req_pool_idx[b].item())][pos].to(torch.int32)
+    return a_pos
+
+
 def policy_segments(policy: str, seq_len: int, budget: int = 0, *, sink: int = 4, recent: int = 256):
     """(a_len, (b_start, b_end)) of one request under a named policy.
 

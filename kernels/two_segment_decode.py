@@ -233,6 +233,7 @@ def _two_segment_decode_stage1(
     A_CAP,
     A_POS_CAP,
     MIN_SPLIT_BLOCKS,
+    POOL_ROWS,  # k_pool.shape[0]: the clamp of listed pool slots (A_POS_SLOTS)
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -247,6 +248,7 @@ def _two_segment_decode_stage1(
     QUEST_BOUNDS: tl.constexpr,
     QB_PAGE: tl.constexpr,
     HAS_A_POS: tl.constexpr,
+    A_POS_SLOTS: tl.constexpr,  # a_pos lists pool slots (req_to_token applied), not positions
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
     BALANCE: tl.constexpr,
@@ -375,14 +377,22 @@ def _two_segment_decode_stage1(
             offs = n0 + offs_n
             mask_n = offs < a_hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            pos = offs
-            if HAS_A_POS:
-                # Indexed rows read their position list; prefix rows skip the
-                # load (masked off) and keep pos = offs. The clamp only guards
-                # memory against a bad list: a valid one is already in range.
+            if HAS_A_POS and A_POS_SLOTS:
+                # The lists hold pool slots: no load's address waits on another
+                # load but the K/V tiles', as in segment B (prefix rows map offs
+                # through req_to_token, indexed rows skip that load).
                 listed = tl.load(apos_base + offs, mask=mask_n & a_indexed, other=0)
-                pos = tl.where(a_indexed, tl.minimum(tl.maximum(listed, 0), b_start - 1), offs)
-            tok = tl.load(r2t_a + pos, mask=mask_n, other=0).to(tl.int64)
+                t_pre = tl.load(r2t_a + offs, mask=mask_n & (slot != -2), other=0)
+                tok = tl.where(a_indexed, tl.minimum(tl.maximum(listed, 0), POOL_ROWS - 1), t_pre).to(tl.int64)
+            else:
+                pos = offs
+                if HAS_A_POS:
+                    # Indexed rows read their position list; prefix rows skip the
+                    # load (masked off) and keep pos = offs. The clamp only guards
+                    # memory against a bad list: a valid one is already in range.
+                    listed = tl.load(apos_base + offs, mask=mask_n & a_indexed, other=0)
+                    pos = tl.where(a_indexed, tl.minimum(tl.maximum(listed, 0), b_start - 1), offs)
+                tok = tl.load(r2t_a + pos, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
@@ -708,6 +718,7 @@ def two_segment_decode(
     q_save: Optional[torch.Tensor] = None,
     q_save_slot: Optional[torch.Tensor] = None,
     a_pos: Optional[torch.Tensor] = None,
+    a_pos_slots: bool = False,
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     balance: bool = False,
@@ -763,6 +774,12 @@ def two_segment_decode(
             ``min(cap_pos, b_start)``, and out-of-range entries are clamped into
             ``[0, b_start)`` so a bad list can never read out of bounds. Rows
             with other ``a_slot`` values never read ``a_pos``.
+        a_pos_slots: ``a_pos`` lists pool slots (``req_to_token[req, pos]``, what
+            the caller read when it listed the positions) instead of positions:
+            the kernel's gather then waits on one load before the K/V tiles
+            instead of two, as segment B's does. Entries are clamped into the
+            pool (``[0, k_pool.shape[0])``); the caller guarantees they are
+            slots of the request's own positions below ``b_start``.
         fused_merge: with ``num_splits > 1``, merge the split partials inside
             the same launch (the last split program of each (row, KV head) to
             finish merges, see the kernel's epilogue) instead of a second
@@ -971,6 +988,7 @@ def two_segment_decode(
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
         min_split_blocks,
+        k_pool.shape[0],
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_H=block_h,
@@ -985,6 +1003,7 @@ def two_segment_decode(
         QUEST_BOUNDS=quest_bounds is not None,
         QB_PAGE=QUEST_PAGE_SIZE,
         HAS_A_POS=a_pos is not None,
+        A_POS_SLOTS=bool(a_pos_slots) and a_pos is not None,
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,

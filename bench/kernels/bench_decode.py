@@ -100,6 +100,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="also sweep block_n x num_warps x num_stages x num_splits scale for our kernel "
                         "and report the best config per shape")
+    p.add_argument("--sweep-indexed", action="store_true",
+                   help="sweep block_n x num_stages x num_splits for the indexed segment A, as position lists "
+                        "and as pool-slot lists (a_pos_slots)")
     p.add_argument("--with-pack", action="store_true", help="also time pack_compact for the sparse fractions")
     p.add_argument("--no-indexed", action="store_true", help="skip the indexed segment-A (a_pos) rows")
     p.add_argument("--no-fused", action="store_true", help="skip the fused_merge=True rows")
@@ -125,6 +128,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.min_split_len = args.min_split_len or 16
         args.sparse_contexts = None
         args.sweep = False
+        args.sweep_indexed = False
     return args
 
 
@@ -407,7 +411,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                         record(ctx=n, bs=bs, kernel="ours_sparse_indexed" + ("_fused" if fused else ""), frac=frac,
                                keys=a + ben - bst, num_splits=ns, time_us=t, graph_us=timer.graph_us(run),
                                bytes=ibytes, rel_err=err, note=f"A={a} listed B={ben - bst}")
-                    del icase, a_pos, iref
+                    # The same lists as pool slots (a_pos_slots): one dependent load
+                    # before the K/V tiles instead of two.
+                    slots = T.pool_slots_of(icase)
+                    for fused in ((False, True) if ns > 1 and not args.no_fused else (False,)):
+                        kw_i = dict(kw, a_pos=slots, a_pos_slots=True, fused_merge=fused, split_counters=counters)
+                        run = lambda: K.two_segment_decode(*icase.args(), **kw_i)  # noqa: E731
+                        out.fill_(float("nan"))
+                        run()
+                        err = T.rel_error(out.float(), iref)
+                        t = timer.eager_us(run)
+                        record(ctx=n, bs=bs, kernel="ours_sparse_indexed_slots" + ("_fused" if fused else ""),
+                               frac=frac, keys=a + ben - bst, num_splits=ns, time_us=t, graph_us=timer.graph_us(run),
+                               bytes=ibytes, rel_err=err, note=f"A={a} listed as pool slots B={ben - bst}")
+                    if args.sweep_indexed:
+                        for mode, lists in (("positions", dict(a_pos=icase.a_pos)),
+                                            ("slots", dict(a_pos=slots, a_pos_slots=True))):
+                            sweep_indexed(args, K, T, torch, timer, icase, iref, max_kv_len, results, n, bs, frac,
+                                          ibytes, mode, lists, counters)
+                    del icase, a_pos, iref, slots
                 if args.sweep:
                     sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, "ours_sparse", frac, nbytes)
                 if args.with_pack and a > 0:
@@ -462,6 +484,47 @@ def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kerne
                             best = (t, cfg)
     if best:
         print(f"  sweep best ctx={n} bs={bs} {kernel} frac={frac:.4f}: {best[0]:.1f} us "
+              f"({nbytes / (best[0] * 1e-6) / 1e9:.0f} GB/s) {best[1]}", flush=True)
+
+
+def sweep_indexed(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, frac, nbytes, mode, lists,
+                  counters):
+    """Tuning knobs of the indexed segment A (position lists or pool-slot lists),
+    CUDA-graph replay; records every config as ``ours_sparse_indexed_<mode>_sweep``
+    and prints the best. Splits past FUSED_MERGE_MAX_SPLITS take the two-launch merge."""
+    hkv = case.k_pool.shape[1]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base_ns = K.choose_num_splits(bs, hkv, max_kv_len, num_sms)
+    out = torch.empty_like(case.q)
+    best = None
+    for block_n in (32, 64, 128):
+        for num_stages in (2, 3, 4):
+            for ns in sorted({base_ns, 2 * base_ns, 4 * base_ns}):
+                fused = 1 < ns <= 8
+                kw = dict(num_splits=ns, out=out, block_n=block_n, num_warps=4, num_stages=num_stages,
+                          min_split_len=block_n, fused_merge=fused, split_counters=counters, **lists)
+                run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+                try:
+                    out.fill_(float("nan"))
+                    run()
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"  sweep_indexed {mode} {block_n}/{num_stages}/{ns} failed: {type(e).__name__}",
+                          file=sys.stderr)
+                    continue
+                err = T.rel_error(out.float(), ref)
+                if not err < args.check_tol:
+                    print(f"  sweep_indexed {mode} {block_n}/{num_stages}/{ns}: rel_err {err:.3g}", file=sys.stderr)
+                    continue
+                t = timer.graph_us(run) or timer.eager_us(run)
+                cfg = dict(block_n=block_n, num_warps=4, num_stages=num_stages, num_splits=ns, fused=fused)
+                results.append(dict(ctx=n, bs=bs, kernel=f"ours_sparse_indexed_{mode}_sweep", frac=frac, time_us=t,
+                                    bytes=nbytes, gbps=nbytes / (t * 1e-6) / 1e9, rel_err=err, config=cfg))
+                print(f"  sweep_indexed {mode} ctx={n} bs={bs} {cfg}: {t:.1f} us "
+                      f"({nbytes / (t * 1e-6) / 1e9:.0f} GB/s)", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+    if best:
+        print(f"  sweep_indexed best {mode} ctx={n} bs={bs} frac={frac:.4f}: {best[0]:.1f} us "
               f"({nbytes / (best[0] * 1e-6) / 1e9:.0f} GB/s) {best[1]}", flush=True)
 
 

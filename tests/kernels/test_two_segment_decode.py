@@ -415,6 +415,36 @@ def test_indexed_a_mixed_modes(idx):
         torch.testing.assert_close(lse[on], ref_lse[on], atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("idx", [0, 4])
+def test_indexed_a_as_pool_slots(idx):
+    """``a_pos_slots``: the lists hold pool slots instead of positions. The same
+    tokens in the same order: bit for bit the output of the position lists, in a
+    launch that also holds compact, prefix, dense and masked-off rows."""
+    dtype, group = INDEXED_CONFIGS[idx]
+    n = [97, 81, 70, 66, 90]
+    case = T.make_decode_case(
+        n, [0, [5, 9], [4, 4], 0, 0], [(n[0] - 17, n[0]), (n[1] - 9, n[1]), (n[2] - 30, n[2]), (0, n[3]),
+                                       (n[4] - 11, n[4])],
+        num_kv_heads=2, group=group, head_dim=64, cap=24, dtype=dtype, device=DEVICE, seed=50 + idx,
+        empty_slot_value=None,
+    )
+    case.a_slot[2] = -1
+    T.set_indexed_rows(case, {0: [40, 0], 4: [7, 33]}, cap_pos=45, seed=idx)
+    slots = T.pool_slots_of(case)
+    row_mask = torch.tensor([1, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 3):
+        kw = dict(return_lse=True, row_mask=row_mask, num_splits=num_splits, **SMALL)
+        o_pos, lse_pos = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")),
+                                              a_pos=case.a_pos, **kw)
+        o_sl, lse_sl = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")),
+                                            a_pos=slots, a_pos_slots=True, **kw)
+        on = row_mask.bool()
+        assert not torch.isnan(o_sl[on]).any() and torch.isnan(o_sl[~on]).all()
+        assert torch.equal(o_sl[on], o_pos[on]) and torch.equal(lse_sl[on], lse_pos[on])
+        ref = K.two_segment_decode_ref(*case.args(), row_mask=row_mask, a_pos=slots, a_pos_slots=True)
+        assert T.rel_error(o_sl[on].float(), ref[on]) < TOL[dtype]
+
+
 def test_indexed_a_differs_from_prefix():
     """The same a_len read as a prefix gives a different answer: the list is used."""
     case = _standard_case(seed=21, empty_slot_value=None)
