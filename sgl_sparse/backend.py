@@ -557,7 +557,7 @@ class SparseAttnBackend(AttentionBackend):
             split_counters=self._split_counters,
             balance=self._row_splits is not None,
             row_splits=self._row_splits,
-            a_pos=plan.a_pos,
+            **plan.indexed_lists(),
             **sfi_args,
         )
         self._finish_query_aware(layer, forward_batch, plan, q3, o.view(bs, layer.tp_q_head_num, layer.v_head_dim))

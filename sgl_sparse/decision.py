@@ -47,6 +47,9 @@ class DecodePlan:
     q_save_slot: Optional[torch.Tensor] = None
     # INDEXED rows: [bs, Hkv, K] int32 positions (per layer, see above).
     a_pos: Optional[torch.Tensor] = None
+    # The same lists as pool slots (req_to_token applied; kernels/indexed_slots.py),
+    # where the kernel path made them: what the decode kernel gathers from fastest.
+    a_slots: Optional[torch.Tensor] = None
 
     def attended(self) -> torch.Tensor:
         """Tokens per row (INDEXED rows: segment B only until a layer fills A)."""
@@ -58,10 +61,18 @@ class DecodePlan:
             return torch.zeros_like(self.b_end, dtype=torch.bool)
         return self.a_slot == query_aware.INDEXED
 
-    def with_indexed(self, a_pos: torch.Tensor, a_len_per_head: torch.Tensor) -> "DecodePlan":
+    def indexed_lists(self) -> dict:
+        """two_segment_decode's keyword arguments for the INDEXED rows' lists: the pool
+        slots where they were mapped, else the positions."""
+        if self.a_slots is not None:
+            return {"a_pos": self.a_slots, "a_pos_slots": True}
+        return {"a_pos": self.a_pos}
+
+    def with_indexed(self, a_pos: torch.Tensor, a_len_per_head: torch.Tensor,
+                     a_slots: Optional[torch.Tensor] = None) -> "DecodePlan":
         """This layer's plan: INDEXED rows read a_pos / a_len_per_head (other rows'
-        entries of both are ignored)."""
-        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len_per_head)
+        entries of both are ignored), and a_slots where the lists were mapped."""
+        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len_per_head, a_slots=a_slots)
 
 
 def plan_decode(

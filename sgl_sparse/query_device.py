@@ -366,6 +366,18 @@ class QueryAwareDevice:
                     self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
         return a_pos, a_len
 
+    def pool_slots(self, plan: DecodePlan, a_pos: torch.Tensor, a_len: torch.Tensor, req_to_token: torch.Tensor,
+                   req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """This layer's indexed lists as pool slots (kernels/indexed_slots.py), after
+        select(): one launch, skipped at replay with the query-aware blocks when the
+        batch has no such row (the buffer is read by indexed rows only)."""
+        from sgl_sparse.kernels.indexed_slots import indexed_pool_slots
+
+        out = torch.empty_like(a_pos)
+        with only_if(self._any):
+            indexed_pool_slots(a_pos, a_len, plan.a_slot, plan.b_start, req_to_token, req_pool_indices, out=out)
+        return out
+
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
         from sgl_sparse.kernels.topk_range import topk_range

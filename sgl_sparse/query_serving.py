@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from sgl_sparse.decision import DecodePlan
+from sgl_sparse.kernels import indexed_slots
 from sgl_sparse.kernels.index_keys import quantize_keys
 from sgl_sparse.policies import quest, query_aware
 from sgl_sparse.policies.base import PolicyId, RowInit
@@ -252,7 +253,12 @@ class QueryAwareRuntime:
                 cnt = torch.where(res.bypass, 0, cnt)  # replaced by V̄ after the attention
             a_pos[g.batch_idx, :, : pos.shape[-1]] = pos
             a_len[g.batch_idx] = torch.where(indexed[g.batch_idx, None], cnt, a_len[g.batch_idx])
-        return plan.with_indexed(a_pos, a_len)
+        # The decode kernel gathers fastest from pool slots (kernels/indexed_slots.py);
+        # the device path only: its forwards hold no host groups.
+        a_slots = None
+        if self.device_active and not self.groups and indexed_slots.ENABLED and plan.a_slot is not None:
+            a_slots = self.device.pool_slots(plan, a_pos, a_len, req_to_token, req_pool_indices)
+        return plan.with_indexed(a_pos, a_len, a_slots)
 
     def _quest_current_page(self, li, store, g: Group, k_cache, req_to_token, rpi, n) -> None:
         """Bounds of the page holding the key just written (position n - 1), from

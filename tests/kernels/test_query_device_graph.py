@@ -190,7 +190,7 @@ def test_capture_once_replay_mixed_batches():
         plan = plan_decode(gph.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
         lp = rt.select(0, plan, q, gph.k, gph.r2t, rows_t, lens_t, SCALE)
         two_segment_decode(q, no_compact, no_compact, lp.a_slot, lp.a_len_per_head, gph.k, gph.v, gph.r2t, rows_t,
-                           lp.b_start, lp.b_end, SCALE, max_kv_len=MAXCTX + CAP, out=o, a_pos=lp.a_pos)
+                           lp.b_start, lp.b_end, SCALE, max_kv_len=MAXCTX + CAP, out=o, **lp.indexed_lists())
         rt.finish(0, lp, q, o, gph.k, gph.r2t, rows_t, lens_t, SCALE)
         out["plan"] = lp
 
@@ -249,6 +249,9 @@ def test_capture_once_replay_mixed_batches():
                     got = set(lp.a_pos[b, h, :n_a].tolist())
                     want = set(lp_ref.a_pos[b, h, :n_a].tolist())
                     assert len(got) == n_a and len(got - want) <= slack, (rows[b], h, sorted(got ^ want))
+                    # what the decode gathers from: the same lists as pool slots
+                    pos = lp.a_pos[b, h, :n_a].long()
+                    assert torch.equal(lp.a_slots[b, h, :n_a], gph.r2t[int(rows_t[b])][pos])
             torch.testing.assert_close(o[: len(rows)].float(), o_ref.float(), rtol=3e-2, atol=3e-2)
             for r in rows:
                 s = ref.st.row_init(r).slot
