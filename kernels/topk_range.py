@@ -21,18 +21,18 @@ sync, shapes static: ``k_max`` is the output width):
 1. The exact k-th largest finite score ``t``, by radix select over an
    order-reversing uint32 key of the fp32 bits (``_radix.py``, shared with the
    Selector's medians): the top digit's histogram also counts ``F``, so ``k`` is
-   known before the select. With ``small_digits`` (opt-in until a GPU has timed
-   it) two 64-bin histograms walk ``[lo, hi)`` (bits 31..26, then 25..20 among
+   known before the select. With ``small_digits`` (the default) two 64-bin
+   histograms walk ``[lo, hi)`` (bits 31..26, then 25..20 among
    the values with that top digit), the values sharing those top 12 bits are
    gathered to a scratch row (``gather=True``) and three passes over those alone
-   finish the key (7 + 7 + 6 bits). ``small_digits=False`` (the default): two
+   finish the key (7 + 7 + 6 bits). ``small_digits=False``: two
    256-bin histograms over the row, the values sharing the top 16 bits gathered,
    two 256-bin passes over those. Why 64 bins: Triton's histogram costs, per
    value, a ballot per bin-index bit plus an AND per bit for every bin a lane owns
    (bins / 32), so a pass over the row compiles to ~30% fewer instructions on 64
    bins than on 256 (``_radix.py``); the histogram passes are the Top-K's main
-   cost on the GPU. The gain there is to be measured
-   (``bench/kernels/bench_topk.py``, ``topk_range 6bit``). The select also says
+   cost on the GPU: 0.83x the time of 8-bit digits over asyncspade's rows on an
+   H200 (``bench/kernels/bench_topk.py``, ``topk_range 6bit``). The select also says
    how many entries equal to ``t`` are kept (``k`` minus those strictly above).
 2. One compaction pass over ``[lo, hi)``: an entry is kept if ``s > t``, or
    ``s == t`` and it is among the first ties by position, up to ``k`` in all
@@ -215,10 +215,11 @@ def _topk_row_kernel(
 ROW_BLOCK_MAX = 8192
 ONE_BLOCK_ENABLED = env_switch("TOPK_ONE_BLOCK", True)
 #: The select's passes over a whole row on 6-bit digits (64-bin histograms: fewer
-#: instructions than 256-bin ones, the module doc), with ``SGLANG_SPARSE_TOPK_SMALL_DIGITS=1``.
-#: Off by default until a GPU has timed it (written in session 22 after the session's
-#: device time was spent; bench/README "Written, waiting for a GPU").
-SMALL_DIGITS = env_switch("TOPK_SMALL_DIGITS", False)
+#: instructions than 256-bin ones, the module doc); ``SGLANG_SPARSE_TOPK_SMALL_DIGITS=0``
+#: keeps 8-bit ones. H200, graph replay (bench/README "Session 23", ``bench_topk.py``):
+#: asyncspade's 14 layers x 64 rows of 32768 575.8 -> 478.9 us, quest's 4 x 8 rows of
+#: 8126 pages 32.1 -> 26.5 us and 8 x 8 of 2049 15.0 -> 13.6 us; the split rows as before.
+SMALL_DIGITS = env_switch("TOPK_SMALL_DIGITS", True)
 
 
 def row_block_fits(n: int) -> bool:
@@ -300,7 +301,7 @@ def topk_range(
         small_digits: the select's passes over the row on 6-bit digits (64-bin
             histograms; the register row: 6- and 5-bit ones) instead of 8-bit ones
             (256 bins); the same output bit for bit. Default
-            :data:`SMALL_DIGITS` (``SGLANG_SPARSE_TOPK_SMALL_DIGITS``, off). No effect
+            :data:`SMALL_DIGITS` (``SGLANG_SPARSE_TOPK_SMALL_DIGITS``, on). No effect
             with ``gather=False`` (four 8-bit passes over the row, as before) nor on
             the split kernel (``splits > 1``: its per-slice histograms are 256 wide,
             shared with the Selector's medians).

@@ -179,13 +179,13 @@ def test_topk_small_digits_are_bit_identical(kind, launch):
 
 def test_topk_small_digits_default_and_switch(monkeypatch):
     """small_digits=None takes the module's SMALL_DIGITS (SGLANG_SPARSE_TOPK_SMALL_DIGITS,
-    off by default until a GPU has timed it), in both kernels."""
+    on by default since an H200 timed it), in both kernels."""
     import importlib
 
     from sgl_sparse.kernels._utils import env_switch
 
     T = importlib.import_module("sgl_sparse.kernels.topk_range")  # the package exports the function
-    assert T.SMALL_DIGITS is env_switch("TOPK_SMALL_DIGITS", False)  # off unless the operator says 1
+    assert T.SMALL_DIGITS is env_switch("TOPK_SMALL_DIGITS", True)  # on unless the operator says 0
     gen = torch.Generator().manual_seed(5)
     s = _case(gen, 2, 2, 150, ints=True)
     lo, hi = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([150, 101], dtype=torch.int32)
