@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 _spec = importlib.util.spec_from_file_location(
     "server_compare", Path(__file__).resolve().parent.parent / "bench" / "gpu" / "server_compare.py")
 server_compare = importlib.util.module_from_spec(_spec)
@@ -60,6 +62,11 @@ def test_row_figures_are_the_differences_over_the_timed_batches():
 
 def test_a_second_sparse_server_takes_its_own_config():
     """BACKENDS=flashinfer,sgl_sparse,sgl_sparse@B.yaml: the A/B of a server-wide setting."""
+    assert server_compare.split_env("sgl_sparse@b.yaml+SGLANG_SPARSE_X=0+Y=a=b") == (
+        "sgl_sparse@b.yaml", {"SGLANG_SPARSE_X": "0", "Y": "a=b"})
+    assert server_compare.split_env("flashinfer") == ("flashinfer", {})
+    with pytest.raises(ValueError, match="'\\+X' is not NAME=VALUE"):
+        server_compare.split_env("sgl_sparse+X")
     assert server_compare.split_backend("sgl_sparse") == ("sgl_sparse", None)
     assert server_compare.split_backend("sgl_sparse@bench/gpu/b.yaml") == ("sgl_sparse", "bench/gpu/b.yaml")
     extra = "--sparse-config a.yaml --foo 1"

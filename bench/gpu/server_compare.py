@@ -218,16 +218,18 @@ class Server:
     """One SGLang server process (`--attention-backend backend`) and what it ran."""
 
     def __init__(self, a, spec: str, port: int, log: str, mem_fraction: float, max_tokens: int | None = None):
-        backend, config = split_backend(spec)
+        base, env = split_env(spec)
+        backend, config = split_backend(base)
         self.backend, self.url = backend, f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
                *(["--max-total-tokens", str(max_tokens)] if max_tokens else []), "--enable-metrics",
                "--disable-radix-cache"] + a.extra.split() + (sparse_flags(a.sparse_extra, config)
                                                              if backend == "sgl_sparse" else [])
-        self.res = {"backend": spec, "cmd": " ".join(cmd), "cases": []}
+        self.res = {"backend": spec, "cmd": " ".join(cmd), "env": env, "cases": []}
         with open(log, "w") as lf:
-            self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **env})
         self.policies = ([("stock", None)] if backend != "sgl_sparse"
                          else [parse_policy(p) for p in a.policies.split(",")])
 
@@ -265,6 +267,20 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
+
+
+def split_env(spec: str) -> tuple[str, dict[str, str]]:
+    """'sgl_sparse@c.yaml+SGLANG_SPARSE_X=0' -> ('sgl_sparse@c.yaml', {'SGLANG_SPARSE_X': '0'}):
+    the server's process gets those environment variables on top of this one's (an
+    A/B of an operator switch in one run, each server labelled by its whole spec)."""
+    base, *pairs = spec.split("+")
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"backend {spec!r}: '+{pair}' is not NAME=VALUE")
+        env[name] = value
+    return base, env
 
 
 def split_backend(spec: str) -> tuple[str, str | None]:
