@@ -21,7 +21,9 @@ batch without an lfps row pays three near-empty launches:
 * :func:`lfps_select_out`: C2 (``cand[idx[i]]``, ``i < count``, ascending) ->
   the slot's batch row of ``a_pos`` / ``a_len``: its sinks, then the C2
   positions in ``[sink, b_start)`` (``expand_selection``'s listing), ``a_len``
-  0 on a bypassed head (V̄ replaces its output).
+  0 on a bypassed head (V̄ replaces its output); optionally the same entries as
+  pool slots (``req_to_token[rpi, pos]``) into ``a_slots``, what the decode
+  gathers from fastest, without kernels/indexed_slots.py's launch.
 * :func:`lfps_finish`: after the attention, a bypassed head's output rows get
   V̄; otherwise, with ``|C2| > 0``, Eq. (10): the weights ``w_i`` (each query
   head's softmax over C2 of ``scale q.k_i``, the group's mean), the tables
@@ -33,6 +35,8 @@ No host sync, grids from static shapes only (CUDA-graph capturable).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -191,6 +195,9 @@ def _lfps_select_out_kernel(
     BYPASS,  # [S, Hkv] int8
     A_POS,  # [bs, Hkv, >= WIDTH] int32 out
     A_LEN,  # [bs, Hkv] int32 out
+    REQ_TO_TOKEN,  # [reqs, CTX] int32 (only if HAS_SLOTS)
+    REQ_POOL_IDX,  # [S] int: the slot's request (only if HAS_SLOTS)
+    A_SLOTS,  # shaped as A_POS, int32 out: the listed positions' pool slots (only if HAS_SLOTS)
     stride_cs,
     stride_ch,
     stride_is,
@@ -198,10 +205,15 @@ def _lfps_select_out_kernel(
     stride_pb,
     stride_ph,
     stride_lb,
+    stride_r2t,
+    stride_sb,
+    stride_sh,
     K,
     WIDTH,
+    CTX,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -222,10 +234,22 @@ def _lfps_select_out_kernel(
     n_sink = tl.minimum(sink, tl.maximum(b_start, 0))
     off = n_sink + tl.cumsum(cnt, 0) - cnt
     base = A_POS + row * stride_pb + cur_h * stride_ph
+    if HAS_SLOTS:
+        r2t = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_s).to(tl.int64) * stride_r2t
+        slot_base = A_SLOTS + row * stride_sb + cur_h * stride_sh
     offs_s = tl.arange(0, BLOCK_S)
     for s0 in range(0, n_sink, BLOCK_S):
-        tl.store(base + s0 + offs_s, s0 + offs_s, mask=(s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH))
+        ok_s = (s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH)
+        tl.store(base + s0 + offs_s, s0 + offs_s, mask=ok_s)
+        if HAS_SLOTS:
+            tl.store(slot_base + s0 + offs_s, tl.load(r2t + tl.minimum(s0 + offs_s, CTX - 1), mask=ok_s, other=0),
+                     mask=ok_s)
     tl.store(base + off, pos, mask=listed & (off < WIDTH))
+    if HAS_SLOTS:
+        # the clamp: memory safety only (listed positions are in [sink, b_start))
+        ok_l = listed & (off < WIDTH)
+        tl.store(slot_base + off, tl.load(r2t + tl.minimum(tl.maximum(pos, 0), CTX - 1), mask=ok_l, other=0),
+                 mask=ok_l)
     a_len = tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH)
     byp = tl.load(BYPASS + cur_s * nh + cur_h)
     tl.store(A_LEN + row * stride_lb + cur_h, tl.where(byp != 0, 0, a_len))
@@ -233,21 +257,35 @@ def _lfps_select_out_kernel(
 
 def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
                     cand: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor,
-                    a_pos: torch.Tensor, a_len: torch.Tensor, width: int) -> None:
+                    a_pos: torch.Tensor, a_len: torch.Tensor, width: int, *,
+                    slots: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
     """C2 of each live slot -> its batch row ``row[s]`` of ``a_pos`` (first ``width``
-    entries: sinks, then C2 in ``[sink, b_start)``) and ``a_len`` (0 if bypassed), in place."""
+    entries: sinks, then C2 in ``[sink, b_start)``) and ``a_len`` (0 if bypassed), in place.
+
+    ``slots`` = ``(req_to_token [reqs, ctx] int32, rpi [S] int, a_slots)``: the same
+    entries of ``a_slots`` (shaped as ``a_pos``) get ``req_to_token[rpi[s], pos]``
+    (``rpi`` per slot, like ``n``)."""
     s, hkv, k = idx.shape
     assert cand.shape[:2] == (s, hkv) and cand.dtype == torch.int32 and cand.stride(2) == 1
     assert idx.dtype == torch.int32 and idx.stride(2) == 1 and count.shape == (s, hkv) and count.is_contiguous()
     assert row.shape == (s,) and bypass.shape == (s, hkv) and bypass.is_contiguous()
     assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1 and a_len.stride(1) == 1
     assert width <= a_pos.shape[2]
+    if slots is not None:
+        req_to_token, rpi, a_slots = slots
+        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+        assert rpi.shape == (s,) and rpi.is_contiguous()
+        assert a_slots.shape == a_pos.shape and a_slots.dtype == torch.int32 and a_slots.stride(2) == 1
+    else:
+        req_to_token, rpi, a_slots = n, n, a_pos  # not read
     if s == 0 or hkv == 0:
         return
     _lfps_select_out_kernel[(s, hkv)](
-        row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len,
+        row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, req_to_token, rpi, a_slots,
         cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1), a_pos.stride(0), a_pos.stride(1),
-        a_len.stride(0), k, int(width), BLOCK_K=max(16, next_pow2(k)), BLOCK_S=16, num_warps=1 if k <= 64 else 4,
+        a_len.stride(0), req_to_token.stride(0) if slots is not None else 0, a_slots.stride(0), a_slots.stride(1),
+        k, int(width), req_to_token.shape[1] if slots is not None else 1,
+        BLOCK_K=max(16, next_pow2(k)), BLOCK_S=16, HAS_SLOTS=slots is not None, num_warps=1 if k <= 64 else 4,
     )
 
 

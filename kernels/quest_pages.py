@@ -394,6 +394,12 @@ def quest_page_scores(
 # -----------------------------------------------------------------------------
 
 
+@triton.jit
+def _store_slots(DST, R2T_ROW, pos, mask, CTX):
+    # pos clamped into the request's row for memory safety only (listed positions are < b_start)
+    tl.store(DST, tl.load(R2T_ROW + tl.minimum(tl.maximum(pos, 0), CTX - 1), mask=mask, other=0), mask=mask)
+
+
 @triton.jit(do_not_specialize=["budget_all"])
 def _expand_selection_kernel(
     VALS,  # [bs, Hkv, K] fp32 top-k scores (descending); HAS_COUNT: [bs, Hkv] int32 entries listed
@@ -405,6 +411,9 @@ def _expand_selection_kernel(
     A_POS,  # [bs, Hkv, WIDTH] int32 out (WIDTH >= n_sink + PAGE K unless HAS_SINK)
     A_LEN,  # [bs, Hkv] int32 out
     OUT_ROWS,  # [bs] int: the row of A_POS / A_LEN that row b writes, < 0: none (only if HAS_ROWS)
+    REQ_TO_TOKEN,  # [reqs, CTX] int32 (only if HAS_SLOTS)
+    REQ_POOL_IDX,  # [bs] int: row b's request (only if HAS_SLOTS)
+    A_SLOTS,  # shaped as A_POS, int32 out: the listed positions' pool slots (only if HAS_SLOTS)
     stride_vb,
     stride_vh,
     stride_ib,
@@ -414,10 +423,14 @@ def _expand_selection_kernel(
     stride_pb,
     stride_ph,
     stride_lb,
+    stride_r2t,
+    stride_sb,
+    stride_sh,
     budget_all,
     K,
     N_SINK,
     WIDTH,
+    CTX,
     PAGE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -426,6 +439,7 @@ def _expand_selection_kernel(
     HAS_SINK: tl.constexpr,
     HAS_COUNT: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     """Top-k entries -> [sinks, listed positions] per (row, KV head), compacted.
 
@@ -437,6 +451,9 @@ def _expand_selection_kernel(
     sink runs are written in a loop of BLOCK_S and nothing is written at or past
     WIDTH (a_len is capped there too), so a row's knobs can never overrun the
     fixed-width buffer.
+    HAS_SLOTS: every listed position (sinks included) also as its pool slot
+    ``req_to_token[req_pool_idx[b], pos]``, at the same place of A_SLOTS (the
+    decode's fastest gather, kernels/indexed_slots.py, without a launch of its own).
     """
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -469,19 +486,31 @@ def _expand_selection_kernel(
     n_sink = tl.minimum(sink_all, tl.maximum(b_start, 0))
     off = n_sink + tl.cumsum(cnt, 0) - cnt  # exclusive prefix sum: where each page's run goes
     pos_base = A_POS + out_b * stride_pb + cur_h * stride_ph
+    if HAS_SLOTS:
+        r2t = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_b).to(tl.int64) * stride_r2t
+        slot_base = A_SLOTS + out_b * stride_sb + cur_h * stride_sh
     offs_s = tl.arange(0, BLOCK_S)
     if HAS_SINK:
         for s0 in range(0, n_sink, BLOCK_S):
-            tl.store(pos_base + s0 + offs_s, s0 + offs_s, mask=(s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH))
+            ok_s = (s0 + offs_s < n_sink) & (s0 + offs_s < WIDTH)
+            tl.store(pos_base + s0 + offs_s, s0 + offs_s, mask=ok_s)
+            if HAS_SLOTS:
+                _store_slots(slot_base + s0 + offs_s, r2t, s0 + offs_s, ok_s, CTX)
     else:
         tl.store(pos_base + offs_s, offs_s, mask=offs_s < n_sink)
+        if HAS_SLOTS:
+            _store_slots(slot_base + offs_s, r2t, offs_s, offs_s < n_sink, CTX)
     if PAGE == 1:
         tl.store(pos_base + off, start, mask=(cnt > 0) & (off < WIDTH))
+        if HAS_SLOTS:
+            _store_slots(slot_base + off, r2t, start, (cnt > 0) & (off < WIDTH), CTX)
     else:
         offs_j = tl.arange(0, PAGE)
         dst = off[:, None] + offs_j[None, :]
-        tl.store(pos_base + dst, start[:, None] + offs_j[None, :],
-                 mask=(offs_j[None, :] < cnt[:, None]) & (dst < WIDTH))
+        ok_j = (offs_j[None, :] < cnt[:, None]) & (dst < WIDTH)
+        tl.store(pos_base + dst, start[:, None] + offs_j[None, :], mask=ok_j)
+        if HAS_SLOTS:
+            _store_slots(slot_base + dst, r2t, start[:, None] + offs_j[None, :], ok_j, CTX)
     tl.store(A_LEN + out_b * stride_lb + cur_h, tl.minimum(n_sink + tl.sum(cnt, 0), WIDTH))
 
 
@@ -551,6 +580,7 @@ def expand_selection(
     cand_pos: Optional[torch.Tensor] = None,
     count: Optional[torch.Tensor] = None,
     out_rows: Optional[torch.Tensor] = None,
+    slots: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """Launch :func:`_expand_selection_kernel` (shared by the Quest and token-level selections).
 
@@ -565,7 +595,13 @@ def expand_selection(
     ``out_rows`` (int ``[bs]``): row ``b`` writes row ``out_rows[b]`` of ``out_pos`` /
     ``out_len`` (which may have any number of rows), nothing where it is ``< 0``
     (its program returns at once): the CUDA-graph path writes the slots'
-    selections straight into the batch rows or the store that hold them."""
+    selections straight into the batch rows or the store that hold them.
+
+    ``slots`` = ``(req_to_token [reqs, ctx] int32, req_pool_idx, out_slots)``: every
+    entry written to ``out_pos`` (sinks included) is written to ``out_slots``
+    (shaped as ``out_pos``, same row) as ``req_to_token[req_pool_idx[b], pos]``;
+    ``req_pool_idx`` is per INPUT row b (``[bs]``, like ``b_start``), not per
+    ``out_rows`` row."""
     if count is not None:
         assert vals is None and count.shape == idx.shape[:2] and count.dtype == torch.int32 and count.stride(1) == 1
         vals = count[..., None]  # only its strides are read below
@@ -585,16 +621,25 @@ def expand_selection(
         assert out_pos.shape[1] == num_kv_heads and out_len.shape == (out_pos.shape[0], num_kv_heads)
     else:
         assert out_pos.shape[0] == bs and out_len.shape[0] == bs
+    if slots is not None:
+        req_to_token, req_pool_idx, out_slots = slots
+        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+        assert req_pool_idx.shape == (bs,) and req_pool_idx.is_contiguous()
+        assert out_slots.shape == out_pos.shape and out_slots.dtype == torch.int32 and out_slots.stride(2) == 1
+    else:
+        req_to_token, req_pool_idx, out_slots = b_start, b_start, out_pos  # not read
     _expand_selection_kernel[(bs, num_kv_heads)](
         vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start,
         n_sink if has_sink else b_start, b_start,
-        out_pos, out_len, out_rows if out_rows is not None else b_start,
+        out_pos, out_len, out_rows if out_rows is not None else b_start, req_to_token, req_pool_idx, out_slots,
         vals.stride(0), vals.stride(1), idx.stride(0), idx.stride(1),
         cand_pos.stride(0) if cand_pos is not None else 0, cand_pos.stride(1) if cand_pos is not None else 0,
         out_pos.stride(0), out_pos.stride(1), out_len.stride(0),
+        req_to_token.stride(0) if slots is not None else 0, out_slots.stride(0), out_slots.stride(1),
         0 if has_budget else int(budget), k, 0 if has_sink else int(n_sink), out_pos.shape[2],
+        req_to_token.shape[1] if slots is not None else 1,
         PAGE=page, BLOCK_K=next_pow2(k), BLOCK_S=16 if has_sink else max(2, next_pow2(n_sink)),
         HAS_BUDGET=has_budget, HAS_CAND=cand_pos is not None, HAS_SINK=has_sink, HAS_COUNT=count is not None,
-        HAS_ROWS=out_rows is not None,
+        HAS_ROWS=out_rows is not None, HAS_SLOTS=slots is not None,
         num_warps=1 if k <= 64 else 4,
     )

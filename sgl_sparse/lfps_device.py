@@ -84,9 +84,10 @@ class LfpsDevice:
         return LfpsForward(self.store, state, sr, knobs, plan, indexed, req_pool_indices)
 
     def select(self, li: int, f: LfpsForward, q3: torch.Tensor, k_cache: torch.Tensor, req_to_token: torch.Tensor,
-               scale: float, a_pos: torch.Tensor, a_len: torch.Tensor) -> None:
+               scale: float, a_pos: torch.Tensor, a_len: torch.Tensor, a_slots: torch.Tensor | None = None) -> None:
         """Segment A of the live slots' batch rows, IN PLACE into a_pos [bs, Hkv, >= capacity]
-        and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention)."""
+        and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention), and as
+        pool slots into a_slots (shaped as a_pos) where given."""
         from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
         from sgl_sparse.kernels.lfps_tables import lfps_priority, lfps_select_out
         from sgl_sparse.kernels.token_scores import token_scores_at
@@ -109,7 +110,8 @@ class LfpsDevice:
         idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
         idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx)
         self._sel = LfpsSelection(bypass, cand, idx, count)
-        lfps_select_out(f.row, f.n, f.sink, f.b_start, cand, idx, count, bypass, a_pos, a_len, store.cfg.capacity)
+        lfps_select_out(f.row, f.n, f.sink, f.b_start, cand, idx, count, bypass, a_pos, a_len, store.cfg.capacity,
+                        slots=None if a_slots is None else (req_to_token, f.rpi, a_slots))
 
     def finish(self, li: int, f: LfpsForward, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, scale: float) -> None:

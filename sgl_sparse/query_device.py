@@ -343,42 +343,40 @@ class QueryAwareDevice:
 
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-               a_pos: torch.Tensor, a_len: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               a_pos: torch.Tensor, a_len: torch.Tensor, scale: float, *, slots: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Fill this layer's quest, asyncspade and lfps INDEXED rows of a_pos
         [bs, Hkv, cap] and a_len [bs, Hkv] IN PLACE (other rows' a_len as given;
         their a_pos entries may change: nothing reads a_pos beyond a_len), and
-        return both. In place, because under a CUDA graph a skipped block (no row
-        of the policy this step) must leave valid outputs behind: the inputs."""
+        return both (and a_slots, below). In place, because under a CUDA graph a skipped block (no row
+        of the policy this step) must leave valid outputs behind: the inputs.
+
+        slots: the same lists as pool slots too (a_slots, the third result, else
+        None), written by the producers in the same pass (kernels/indexed_slots.py
+        is their definition): what the decode gathers from fastest, without a
+        launch of its own. Only the entries below a_len of the rows filled here are
+        written; nothing else of it is read (other rows are not INDEXED, or their
+        a_len is the plan's 0)."""
         self._forward(plan, req_pool_indices, seq_lens)
+        a_slots = torch.empty_like(a_pos) if slots else None
         with only_if(self._any):
             if self._fwd_quest is not None:
                 with self._gate(PolicyId.QUEST):
-                    self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len)
+                    self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len, a_slots)
             if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     from sgl_sparse.kernels.gather_selection import gather_selection
 
                     # one launch; rows without a selection return at once
                     gather_selection(self._fwd_aspd.src, self.aspd.sel_pos[li], self.aspd.sel_count[li], a_pos,
-                                     a_len)
+                                     a_len, slots=None if a_slots is None else (req_to_token, req_pool_indices,
+                                                                                a_slots))
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
-                    self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len)
-        return a_pos, a_len
+                    self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len, a_slots)
+        return a_pos, a_len, a_slots
 
-    def pool_slots(self, plan: DecodePlan, a_pos: torch.Tensor, a_len: torch.Tensor, req_to_token: torch.Tensor,
-                   req_pool_indices: torch.Tensor) -> torch.Tensor:
-        """This layer's indexed lists as pool slots (kernels/indexed_slots.py), after
-        select(): one launch, skipped at replay with the query-aware blocks when the
-        batch has no such row (the buffer is read by indexed rows only)."""
-        from sgl_sparse.kernels.indexed_slots import indexed_pool_slots
-
-        out = torch.empty_like(a_pos)
-        with only_if(self._any):
-            indexed_pool_slots(a_pos, a_len, plan.a_slot, plan.b_start, req_to_token, req_pool_indices, out=out)
-        return out
-
-    def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len):
+    def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len, a_slots=None):
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
         from sgl_sparse.kernels.topk_range import topk_range
 
@@ -395,8 +393,9 @@ class QueryAwareDevice:
                                   out=torch.empty(scores.shape[0], scores.shape[1], f.k, dtype=torch.int32,
                                                   device=scores.device))
         # straight into the selected slots' batch rows; the other slots' programs return at once
+        # (the programs are slots: their request is the slot's, f.rpi)
         expand_selection(None, idx, f.k, f.b_start, a_pos, a_len, page=QUEST_PAGE, n_sink=f.sink, count=n_pages,
-                         out_rows=f.out_row)
+                         out_rows=f.out_row, slots=None if a_slots is None else (req_to_token, f.rpi, a_slots))
 
     def finish(self, li: int, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

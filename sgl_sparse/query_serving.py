@@ -225,9 +225,14 @@ class QueryAwareRuntime:
         else:
             a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=q3.device)
         self._lfps_out = {}
+        # The decode kernel gathers fastest from pool slots (kernels/indexed_slots.py),
+        # written by the device path's producers with the positions; the device path
+        # only: its forwards hold no host groups.
+        a_slots = None
         if self.device_active:
-            a_pos, a_len = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices, seq_lens,
-                                              a_pos, a_len, scale)
+            slots = not self.groups and indexed_slots.ENABLED and plan.a_slot is not None
+            a_pos, a_len, a_slots = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices,
+                                                       seq_lens, a_pos, a_len, scale, slots=slots)
         indexed = plan.indexed() if self.groups else None
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
@@ -253,11 +258,6 @@ class QueryAwareRuntime:
                 cnt = torch.where(res.bypass, 0, cnt)  # replaced by V̄ after the attention
             a_pos[g.batch_idx, :, : pos.shape[-1]] = pos
             a_len[g.batch_idx] = torch.where(indexed[g.batch_idx, None], cnt, a_len[g.batch_idx])
-        # The decode kernel gathers fastest from pool slots (kernels/indexed_slots.py);
-        # the device path only: its forwards hold no host groups.
-        a_slots = None
-        if self.device_active and not self.groups and indexed_slots.ENABLED and plan.a_slot is not None:
-            a_slots = self.device.pool_slots(plan, a_pos, a_len, req_to_token, req_pool_indices)
         return plan.with_indexed(a_pos, a_len, a_slots)
 
     def _quest_current_page(self, li, store, g: Group, k_cache, req_to_token, rpi, n) -> None:

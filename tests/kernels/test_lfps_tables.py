@@ -127,6 +127,22 @@ def test_select_out_and_finish(group, o_dtype):
     untouched = [b for b in range(bs) if b not in row[torch.tensor(on)].tolist()]
     assert (a_len[untouched] == -7).all() and (a_pos[untouched] == -7).all()
     assert (a_pos[:, :, width:] == -7).all()
+    # slots: the same entries (sinks included) as pool slots of the slot's request rpi[i]
+    pos_s = torch.full_like(a_pos, -7)
+    len_s = torch.full_like(a_len, -7)
+    a_slots = torch.full_like(a_pos, -9)
+    run_on_device(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, pos_s, len_s, width,
+                  slots=(r2t, rpi, a_slots))
+    assert torch.equal(pos_s, a_pos) and torch.equal(len_s, a_len)
+    for i in range(s):
+        if not on[i]:
+            continue
+        b = int(row[i])
+        for h in range(HKV):
+            m = int((a_pos[b, h] != -7).sum())  # written entries (a bypassed head's too)
+            assert torch.equal(a_slots[b, h, :m], r2t[int(rpi[i])][a_pos[b, h, :m].long()]), (i, h)
+            assert (a_slots[b, h, m:] == -9).all()
+    assert (a_slots[untouched] == -9).all()
 
     # finish: the old torch ops (lfps_device.py before the kernels), per slot
     o_ref, ver_ref, sla_ref = o.clone(), ver.clone(), sla.clone()

@@ -285,3 +285,46 @@ def test_expand_selection_out_rows(page):
     untouched = [o for o in range(7) if o not in rows.tolist()]
     assert (pos[untouched] == -7).all() and (length[untouched] == -7).all()
     assert int((ref_len > 0).sum()) >= 4  # rows list something
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_expand_selection_slots(page):
+    """slots: every listed entry (sinks included) also as its pool slot,
+    req_to_token[req_pool_idx[b], pos] with the request of the INPUT row b (a store
+    slot on the serving path), at the same place of the out_rows row; positions and
+    lengths as without; nothing else of the slot buffer written."""
+    from sgl_sparse.kernels.quest_pages import expand_selection
+    from sgl_sparse.kernels.topk_range import topk_range
+
+    gen = torch.Generator().manual_seed(10 + page)
+    r, h, n, k, width, ctx = 5, 2, 40, 8, 48 if page == 1 else 160, 700
+    scores = torch.randn(r, h, n, generator=gen).to(DEVICE)
+    lo = torch.tensor([0, 3, 1, 0, 5], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([40, 30, 1, 17, 40], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    budget = torch.tensor([8, 5, 8, 3, 6], dtype=torch.int32, device=DEVICE)
+    idx, count = topk_range(scores, lo, hi, budget, k)
+    sink = torch.tensor([4, 0, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    b_start = torch.tensor([600, 300, 20, 9, 500], dtype=torch.int32, device=DEVICE) // (16 // page)
+    rows = torch.tensor([6, -1, 0, 3, 2], device=DEVICE)
+    rpi = torch.tensor([1, 0, 3, 2, 0], device=DEVICE)  # per input row
+    r2t = torch.randint(0, 1 << 20, (4, ctx), generator=gen, dtype=torch.int32).to(DEVICE)
+    ref_pos = torch.full((7, h, width), -7, dtype=torch.int32, device=DEVICE)
+    ref_len = torch.full((7, h), -7, dtype=torch.int32, device=DEVICE)
+    expand_selection(None, idx, k, b_start, ref_pos, ref_len, page=page, n_sink=sink, count=count, out_rows=rows)
+    pos = torch.full((7, h, width), -7, dtype=torch.int32, device=DEVICE)
+    length = torch.full((7, h), -7, dtype=torch.int32, device=DEVICE)
+    a_slots = torch.full((7, h, width), -9, dtype=torch.int32, device=DEVICE)
+    expand_selection(None, idx, k, b_start, pos, length, page=page, n_sink=sink, count=count, out_rows=rows,
+                     slots=(r2t, rpi, a_slots))
+    assert torch.equal(pos, ref_pos) and torch.equal(length, ref_len)
+    for b, o in enumerate(rows.tolist()):
+        if o < 0:
+            continue
+        for hh in range(h):
+            m = int(length[o, hh])
+            want = r2t[int(rpi[b])][pos[o, hh, :m].long()]
+            assert torch.equal(a_slots[o, hh, :m], want), (b, hh)
+            assert (a_slots[o, hh, m:] == -9).all()
+    untouched = [o for o in range(7) if o not in rows.tolist()]
+    assert (a_slots[untouched] == -9).all()
+    assert int(length[6, 0]) > 4 and int((length[rows[rows >= 0]] > 0).sum()) >= 4  # sinks and pages listed
