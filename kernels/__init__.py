@@ -34,6 +34,11 @@ Public API:
   (sink bypass) per query head from the sink and local keys read in place.
 * :func:`qa_forward` (:mod:`.qa_forward`) -- quest / asyncspade / lfps's
   per-forward tensors (slot -> row maps, knobs, masks, ranges) in one launch.
+* :mod:`.indexed_slots` -- the indexed rows' position lists as pool slots
+  (``two_segment_decode(..., a_pos_slots=True)`` gathers from those fastest); the
+  serving path's producers (``gather_selection``, ``expand_selection``,
+  ``lfps_select_out``: ``slots=``) write them in the same pass, and
+  :func:`~.indexed_slots.indexed_pool_slots` is the definition they are tested against.
 * Plain-PyTorch references: :func:`two_segment_decode_ref`,
   :func:`pack_compact_ref`, :func:`dense_decode_ref`.
 """
