@@ -1,6 +1,6 @@
 """
-Indexed segment A: position lists -> pool-slot lists, one launch per layer
-=========================================================================
+Indexed segment A: position lists -> pool-slot lists
+====================================================
 
 The selections of quest, asyncspade and lfps list *positions* (``a_pos [bs, Hkv,
 cap]``, rows with ``a_slot == -2``): what their references, tests and metrics
@@ -13,8 +13,8 @@ synchronous inside the loop then, and the gather ran at 1.72 TB/s on an H200 at
 like segment B's and the same launch ran at 2.51 TB/s: 44.6 -> 30.5 us
 (bench/README "Session 23", ``bench_decode.py``'s ``ours_sparse_indexed_slots``).
 
-This kernel does the mapping once per layer for every indexed row, into a
-separate buffer, so the positions stay what every other consumer reads. One
+This kernel does the mapping for every indexed row of a layer in one launch, into
+a separate buffer, so the positions stay what every other consumer reads. One
 program per (row, KV head); rows that are not indexed return at once (CUDA
 graphs capture the launch whatever the batch holds). Positions are clamped into
 ``[0, b_start)`` exactly as the decode kernel clamps them, so a bad list reads the
