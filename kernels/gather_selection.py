@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._utils import next_pow2
+from .indexed_slots import unpack_slots
 
 __all__ = ["gather_selection"]
 
@@ -79,13 +80,7 @@ def gather_selection(src: torch.Tensor, pos: torch.Tensor, length: torch.Tensor,
     assert a_pos.shape[0] == bs and a_pos.shape[1] == hkv and a_pos.shape[2] >= w and a_pos.stride(2) == 1
     assert a_len.shape == (bs, hkv) and a_len.stride(1) == 1 and src.is_contiguous()
     assert pos.dtype == a_pos.dtype and length.dtype == a_len.dtype
-    if slots is not None:
-        req_to_token, req_pool_idx, a_slots = slots
-        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-        assert req_pool_idx.shape == (bs,) and req_pool_idx.is_contiguous()
-        assert a_slots.shape == a_pos.shape and a_slots.dtype == torch.int32 and a_slots.stride(2) == 1
-    else:
-        req_to_token, req_pool_idx, a_slots = src, src, a_pos  # not read
+    req_to_token, req_pool_idx, a_slots = unpack_slots(slots, bs, a_pos, src)
     if bs == 0 or hkv == 0:
         return
     blk = min(int(block), max(16, next_pow2(w)))

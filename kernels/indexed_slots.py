@@ -68,6 +68,19 @@ def _indexed_pool_slots_kernel(A_POS, A_LEN, A_SLOT, B_START, REQ_TO_TOKEN, REQ_
         tl.store(dst + start + offs, tl.load(row + pos, mask=ok, other=0), mask=ok)
 
 
+def unpack_slots(slots: Optional[tuple], rows: int, a_pos: torch.Tensor, dummy: torch.Tensor) -> tuple:
+    """A producer's ``slots=(req_to_token, req_pool_idx [rows], a_slots)`` checked
+    (``a_slots`` shaped as ``a_pos``), or placeholders that the kernel never reads
+    when ``slots`` is None: ``(dummy, dummy, a_pos)``."""
+    if slots is None:
+        return dummy, dummy, a_pos
+    req_to_token, req_pool_idx, a_slots = slots
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    assert req_pool_idx.shape == (rows,) and req_pool_idx.is_contiguous()
+    assert a_slots.shape == a_pos.shape and a_slots.dtype == torch.int32 and a_slots.stride(2) == 1
+    return req_to_token, req_pool_idx, a_slots
+
+
 def indexed_pool_slots(a_pos: torch.Tensor, a_len: torch.Tensor, a_slot: torch.Tensor, b_start: torch.Tensor,
                        req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, *,
                        out: Optional[torch.Tensor] = None, block: int = 1024, num_warps: int = 4) -> torch.Tensor:

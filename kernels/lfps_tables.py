@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._utils import needs_bf16_rtne, next_pow2
+from .indexed_slots import unpack_slots
 from .asyncspade_predict import _round_bf16_rtne
 from .token_scores import _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
@@ -271,13 +272,7 @@ def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_st
     assert row.shape == (s,) and bypass.shape == (s, hkv) and bypass.is_contiguous()
     assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1 and a_len.stride(1) == 1
     assert width <= a_pos.shape[2]
-    if slots is not None:
-        req_to_token, rpi, a_slots = slots
-        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-        assert rpi.shape == (s,) and rpi.is_contiguous()
-        assert a_slots.shape == a_pos.shape and a_slots.dtype == torch.int32 and a_slots.stride(2) == 1
-    else:
-        req_to_token, rpi, a_slots = n, n, a_pos  # not read
+    req_to_token, rpi, a_slots = unpack_slots(slots, s, a_pos, n)
     if s == 0 or hkv == 0:
         return
     _lfps_select_out_kernel[(s, hkv)](

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ._utils import QUEST_PAGE_SIZE, cdiv, needs_fp32_dot, next_pow2
+from .indexed_slots import unpack_slots
 from .two_segment_decode import _dot
 
 __all__ = [
@@ -621,13 +622,7 @@ def expand_selection(
         assert out_pos.shape[1] == num_kv_heads and out_len.shape == (out_pos.shape[0], num_kv_heads)
     else:
         assert out_pos.shape[0] == bs and out_len.shape[0] == bs
-    if slots is not None:
-        req_to_token, req_pool_idx, out_slots = slots
-        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
-        assert req_pool_idx.shape == (bs,) and req_pool_idx.is_contiguous()
-        assert out_slots.shape == out_pos.shape and out_slots.dtype == torch.int32 and out_slots.stride(2) == 1
-    else:
-        req_to_token, req_pool_idx, out_slots = b_start, b_start, out_pos  # not read
+    req_to_token, req_pool_idx, out_slots = unpack_slots(slots, bs, out_pos, b_start)
     _expand_selection_kernel[(bs, num_kv_heads)](
         vals, idx, cand_pos if cand_pos is not None else b_start, budget if has_budget else b_start,
         n_sink if has_sink else b_start, b_start,
