@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
-from .index_keys import _quantize_tile
+from .index_keys import _quantize_halves, _quantize_tile
 from .quest_pages import expand_selection
 from .two_segment_decode import _dot
 
@@ -143,6 +143,74 @@ def _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOK
     return tl.where(fresh[:, None], kq_f, kq_c), tl.where(fresh, ks_f, ks_c)
 
 
+@triton.jit
+def _load_q_codes4(Q, F_BASE, cur_b, cur_h, stride_qb, stride_qh, HALF: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """The group's queries times the smoothing ``f`` as int8 codes, in the 4-bit
+    layout's two halves (channels ``[0, D/2)`` and ``[D/2, D)``), per-head scales, and
+    ``8 * sum(codes)`` per head (the nibble offset's share of each dot)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < GROUP)[:, None]
+    base = Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :]
+    qa = tl.load(base, mask=mask, other=0.0).to(tl.float32) * tl.load(F_BASE + offs_d)[None, :]
+    qb = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32) * tl.load(F_BASE + HALF + offs_d)[None, :]
+    ca, cb, qs = _quantize_halves(qa, qb, 127.0)
+    qsum8 = (tl.sum(ca, 1) + tl.sum(cb, 1)).to(tl.int32) * 8  # NIBBLE_OFFSET
+    return ca.to(tl.int8), cb.to(tl.int8), qs, qsum8
+
+
+@triton.jit
+def _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, KEYS_AS_M: tl.constexpr):
+    """:func:`_index_scores_tile` over the 4-bit layout: ``ka``/``kb`` [BLOCK_N, D/2]
+    int8 hold ``code + 8`` of the two halves' channels; the int32 sum of both
+    halves' dots minus ``8 * sum(qq)`` is ``qq . codes``, exact."""
+    if KEYS_AS_M:
+        acc = tl.dot(ka, tl.trans(qa), out_dtype=tl.int32)
+        acc = tl.dot(kb, tl.trans(qb), acc, out_dtype=tl.int32)
+        s_nh = (acc - qsum8[None, :]).to(tl.float32) * qs[None, :]
+        best = tl.max(tl.where(mask_h[None, :], s_nh, float("-inf")), 1)
+    else:
+        acc = tl.dot(qa, tl.trans(ka), out_dtype=tl.int32)
+        acc = tl.dot(qb, tl.trans(kb), acc, out_dtype=tl.int32)
+        s_hn = (acc - qsum8[:, None]).to(tl.float32) * qs[:, None]
+        best = tl.max(tl.where(mask_h[:, None], s_hn, float("-inf")), 0)
+    return best * ks
+
+
+@triton.jit
+def _copies_tile4(offs, mask, kq_base, ks_base, HALF: tl.constexpr):
+    """The 4-bit copies of positions ``offs`` where ``mask``, unpacked to their two
+    halves' ``code + 8`` (8, a zero code, elsewhere: byte 0x88), and their scales."""
+    offs_d = tl.arange(0, HALF)
+    p = tl.load(kq_base + offs[:, None].to(tl.int64) * HALF + offs_d[None, :], mask=mask[:, None], other=-120)
+    return (p & 0xF).to(tl.int8), ((p >> 4) & 0xF).to(tl.int8), tl.load(ks_base + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _index_keys_tile4(offs, valid, valid_to, kq_base, ks_base, rf_a, rf_b, K_POOL, REQ_TO_TOKEN, req_row,
+                      stride_r2t, stride_kt, cur_h, stride_kh, HALF: tl.constexpr):
+    """:func:`_index_keys_tile` for the 4-bit copies: new positions' keys times
+    ``1 / f``, quantized to 7, packed and copied."""
+    cached = valid & (offs < valid_to)
+    fresh = valid & (offs >= valid_to)
+    ka_c, kb_c, ks_c = _copies_tile4(offs, cached, kq_base, ks_base, HALF)
+    offs_d = tl.arange(0, HALF)
+    tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
+    k_ptr = K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :]
+    ka = tl.load(k_ptr, mask=fresh[:, None], other=0.0).to(tl.float32) * rf_a[None, :]
+    kb = tl.load(k_ptr + HALF, mask=fresh[:, None], other=0.0).to(tl.float32) * rf_b[None, :]
+    ca, cb, ks_f = _quantize_halves(ka, kb, 7.0)  # QMAX4
+    ua = (ca + 8.0).to(tl.int32)  # code + NIBBLE_OFFSET, 1..15
+    ub = (cb + 8.0).to(tl.int32)
+    tl.store(kq_base + offs[:, None].to(tl.int64) * HALF + offs_d[None, :], (ua | (ub << 4)).to(tl.int8),
+             mask=fresh[:, None])
+    tl.store(ks_base + offs, ks_f, mask=fresh)
+    f2 = fresh[:, None]
+    return (tl.where(f2, ua.to(tl.int8), ka_c), tl.where(f2, ub.to(tl.int8), kb_c),
+            tl.where(fresh, ks_f, ks_c))
+
+
 # The copies' strides and width are the store's, fixed per server: specialized, so
 # Triton knows the int8 rows are 16-byte aligned and reads them in vectors.
 @triton.jit(do_not_specialize=["N_MAX", "stride_ob", "stride_oh"])
@@ -157,6 +225,7 @@ def _token_scores_kernel(
     KQ,  # INDEX_KEYS: [bs, Hkv, IDX_CTX, D] int8, stride 1 along D
     KSCALE,  # INDEX_KEYS: [bs, Hkv, IDX_CTX] fp32, stride 1 along positions
     FILLED,  # INDEX_KEYS: [bs, 2] int32
+    KSMOOTH,  # INDEX_BITS 4: [bs, Hkv, D] fp32, stride 1 along D
     sm_scale,
     stride_qb,
     stride_qh,
@@ -169,6 +238,8 @@ def _token_scores_kernel(
     stride_ch,
     stride_ss,
     stride_sh,
+    stride_fs,
+    stride_fh,
     N_MAX,
     MAX_CTX,
     IDX_CTX,
@@ -183,6 +254,7 @@ def _token_scores_kernel(
     INDEX_KEYS: tl.constexpr,
     FRESH_N: tl.constexpr = 16,
     KEYS_AS_M: tl.constexpr = False,
+    INDEX_BITS: tl.constexpr = 8,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -203,8 +275,16 @@ def _token_scores_kernel(
         kq_base = KQ + cur_b.to(tl.int64) * stride_cs + cur_h.to(tl.int64) * stride_ch
         ks_base = KSCALE + cur_b.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     req_row = tl.load(REQ_POOL_IDX + cur_b).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
     if INDEX_KEYS:
-        qq, qs = _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
+        if INDEX_BITS == 4:
+            f_base = KSMOOTH + cur_b.to(tl.int64) * stride_fs + cur_h.to(tl.int64) * stride_fh
+            qa, qb, qs, qsum8 = _load_q_codes4(Q, f_base, cur_b, cur_h, stride_qb, stride_qh, HALF, GROUP, BLOCK_H)
+            # 1 / f, as the reference's torch division (f a power of two: exact)
+            rf_a = tl.math.div_rn(tl.full([HALF], 1.0, tl.float32), tl.load(f_base + tl.arange(0, HALF)))
+            rf_b = tl.math.div_rn(tl.full([HALF], 1.0, tl.float32), tl.load(f_base + HALF + tl.arange(0, HALF)))
+        else:
+            qq, qs = _load_q_codes(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
     else:
         q_hi, q_lo = _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                    BLOCK_H, BLOCK_D, Q_SPLIT)
@@ -231,8 +311,12 @@ def _token_scores_kernel(
         for blk in range(blk_lo + pid, blk_new, nprog):
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
-            kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
-            s = _index_scores_tile(qq, qs, kq, ks, mask_h, KEYS_AS_M) * sm_scale
+            if INDEX_BITS == 4:
+                ka, kb, ks = _copies_tile4(offs, valid, kq_base, ks_base, HALF)
+                s = _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, KEYS_AS_M) * sm_scale
+            else:
+                kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
+                s = _index_scores_tile(qq, qs, kq, ks, mask_h, KEYS_AS_M) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
         # The rest in FRESH_N-position tiles: a [FRESH_N, D] fp32 tile to quantize
         # instead of [BLOCK_N, D] keeps this loop's registers under the copies
@@ -243,9 +327,14 @@ def _token_scores_kernel(
         for blk in range(blk_new * (BLOCK_N // FRESH_N) + pid, blk_hi * (BLOCK_N // FRESH_N), nprog):
             offs = blk * FRESH_N + offs_f
             valid = (offs >= lo) & (offs < hi)
-            kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
-                                      stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
-            s = _index_scores_tile(qq, qs, kq, ks, mask_h, False) * sm_scale
+            if INDEX_BITS == 4:
+                ka, kb, ks = _index_keys_tile4(offs, valid, valid_to, kq_base, ks_base, rf_a, rf_b, K_POOL,
+                                               REQ_TO_TOKEN, req_row, stride_r2t, stride_kt, cur_h, stride_kh, HALF)
+                s = _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, False) * sm_scale
+            else:
+                kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
+                                          stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
+                s = _index_scores_tile(qq, qs, kq, ks, mask_h, False) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     else:
         for blk in range(blk_lo + pid, blk_hi, nprog):
@@ -353,19 +442,22 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         # (H200, index keys at 32768 x 8: 9 programs per row and head 94.5 us, 8 74 us)
         num_programs = max(1, min(n_blocks, programs_per_sm * sms // max(1, bs * num_kv_heads)))
     grid = (bs, num_kv_heads, int(num_programs))
+    ksmooth = None
     if index_keys is None:
         kq = kscale = filled = out  # unread: INDEX_KEYS is off
         idx_strides, idx_ctx = (0, 0, 0, 0), 0
     else:
         assert not fill
-        kq, kscale, filled = index_keys
+        kq, kscale, filled, ksmooth = index_keys
         idx_strides, idx_ctx = (kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1)), kq.shape[2]
+    bits = 4 if ksmooth is not None else 8  # ksmooth: the 4-bit copies (index_keys.py)
+    f = ksmooth if ksmooth is not None else out  # unread with 8 bits
     _token_scores_kernel[grid](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, float(sm_scale),
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, f, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), *idx_strides, n_max, req_to_token.shape[1], idx_ctx,
+        out.stride(0), out.stride(1), *idx_strides, f.stride(0), f.stride(1), n_max, req_to_token.shape[1], idx_ctx,
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
-        KEYS_AS_M=bool(keys_as_m) and index_keys is not None, FRESH_N=min(16, block_n),
+        KEYS_AS_M=bool(keys_as_m) and index_keys is not None, FRESH_N=min(16, block_n), INDEX_BITS=bits,
         # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
         num_warps=num_warps, enable_fp_fusion=index_keys is None,
         **({} if num_stages is None else dict(num_stages=num_stages)),

@@ -228,9 +228,12 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
     # reads half the KV cache's bytes and bounds its TPOT (bench/README, "Session 17").
     # int8 copies with a per-(position, KV head) scale halve those bytes (and are read
     # contiguously); the Top-K then ranks approximate scores (kernels/index_keys.py).
-    index_keys: Literal["kv", "int8"] = Field(
-        "kv", description="keys the scoring pass reads: the KV cache's ('kv'), or int8 copies kept per slot "
-                          "('int8': slots x layers x KV heads x max_context x (head_dim + 4) bytes more)")
+    # int4: 4-bit codes of the keys divided by per-channel powers of two taken from the
+    # prompt, about half int8's bytes again.
+    index_keys: Literal["kv", "int8", "int4"] = Field(
+        "kv", description="keys the scoring pass reads: the KV cache's ('kv'), or copies kept per slot: "
+                          "'int8' (slots x layers x KV heads x max_context x (head_dim + 4) bytes more) or "
+                          "'int4' (x (head_dim / 2 + 4) bytes, channels smoothed by the prompt's keys)")
     # [ours] A layer's Top-K over 64 rows of 32K scores (8 slots x 8 KV heads) leaves
     # most of the GPU idle and is latency-bound (126 us a layer on the H200, session
     # 20's profile: the side stream's largest cost). A layer's selection is for the

@@ -479,10 +479,11 @@ class QueryAwareDevice:
         # the pass's programs per SM on the side stream (fewer leave room for the main stream)
         per_sm = store.cfg.score_programs_per_sm
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
-        if store.index_keys:  # from the slot's int8 copies, the new positions copied on the way
+        if store.index_keys:  # from the slot's int8 / 4-bit copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
-                                        programs_per_sm=per_sm)
+                                        programs_per_sm=per_sm,
+                                        ksmooth=store.ksmooth[li] if store.ksmooth is not None else None)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
                                   out=out, programs_per_sm=per_sm)

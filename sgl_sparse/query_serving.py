@@ -37,7 +37,7 @@ import torch
 
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse.kernels import indexed_slots
-from sgl_sparse.kernels.index_keys import quantize_keys
+from sgl_sparse.kernels.index_keys import channel_smoothing, quantize_keys, smoothed_codes, smoothed_query
 from sgl_sparse.policies import quest, query_aware
 from sgl_sparse.policies.base import PolicyId, RowInit
 from sgl_sparse.query_device import POLICIES as DEVICE_POLICIES
@@ -198,6 +198,8 @@ class QueryAwareRuntime:
                 aspd.ring_load(store.ring[li], store.total[li], e.dev[0:1], win, e.dev[2:3])
                 if store.index_keys:  # the slot's key copies are its previous owner's
                     store.filled[li, e.slot] = 0
+                if store.ksmooth is not None:  # the prompt so far, radix-cache hits included
+                    store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
             else:
                 knobs = lfps_knobs(e.spec)
                 s = min(knobs.s, e.q_end - e.q_start)
@@ -303,7 +305,11 @@ class QueryAwareRuntime:
         keys = k_cache[req_to_token[rpi, : g.n_max].long()]
         sink = torch.full_like(n, g.spec.sink)
         next_b = (n + 1 - g.spec.recent).clamp(min=0)  # b_start of the next step
-        if store.index_keys:
+        if store.ksmooth is not None:  # 4-bit copies: as the device path's, computed on the fly
+            f = store.ksmooth[li, g.slots]
+            kq, kscale = smoothed_codes(keys, f[:, None])
+            scores = aspd.score_index_positions(*smoothed_query(q_hat, f), kq, kscale, n, sink, next_b, scale)
+        elif store.index_keys:
             # the copies the device path keeps are these, computed on the fly here
             kq, kscale = quantize_keys(keys)
             scores = aspd.score_index_positions(*quantize_keys(q_hat), kq, kscale, n, sink, next_b, scale)

@@ -17,12 +17,15 @@ Layouts (slot = one live request of the policy; layers of this rank):
               one extra slot (`scratch_slot`, the last) takes the writes of the
               batch rows that are not asyncspade's: the CUDA-graph path
               (query_device.py) writes every row, masked by where it writes
-              with `index_keys: int8` [ours], what its scoring pass reads
+              with `index_keys: int8 | int4` [ours], what its scoring pass reads
               (kernels/index_keys.py; filled by that pass, not at prefill):
               kq           [layers, slots, Hkv, max_context, D] int8
+                           (int4: [..., D / 2], two codes a byte)
               kscale       [layers, slots, Hkv, max_context] fp32
               filled       [layers, slots, 2] int32  how far kq is valid,
                                                      zeroed when a request takes the slot
+              ksmooth      [layers, slots, Hkv, D] fp32 (int4 only): the channels'
+                           powers of two, from the prompt's keys at each extend chunk
               with `topk_layers: G > 1` [ours]: the scores of a group's layers,
               kept from each layer's scoring to the group's one Top-K launch
               (overwritten every step, never read across steps):
@@ -67,14 +70,22 @@ class AsyncSpadeStore:
         self.total = torch.zeros(num_layers, self.rows, dtype=torch.int64, device=device)
         self.sel_pos = torch.zeros(num_layers, self.rows, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
         self.sel_count = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.int32, device=device)
-        self.index_keys = cfg.index_keys == "int8"
-        self.kq = self.kscale = self.filled = None
+        if cfg.index_keys == "int4" and (head_dim < 64 or head_dim & (head_dim - 1)):
+            raise ValueError(f"sgl_sparse: query_aware.asyncspade.index_keys: 'int4' needs a head_dim that is a power of two "
+                             f">= 64 (its scoring dots take D/2 channels each), this model's is {head_dim}")
+        self.index_keys = cfg.index_keys != "kv"
+        self.index_bits = 4 if cfg.index_keys == "int4" else 8
+        self.kq = self.kscale = self.filled = self.ksmooth = None
         if self.index_keys:
-            self.kq = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, head_dim, dtype=torch.int8,
+            width = head_dim // 2 if self.index_bits == 4 else head_dim  # two 4-bit codes a byte
+            self.kq = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, width, dtype=torch.int8,
                                   device=device)
             self.kscale = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, dtype=torch.float32,
                                       device=device)
             self.filled = torch.zeros(num_layers, cfg.slots, 2, dtype=torch.int32, device=device)
+        if self.index_bits == 4 and self.index_keys:
+            self.ksmooth = torch.ones(num_layers, cfg.slots, num_kv_heads, head_dim, dtype=torch.float32,
+                                      device=device)
         # layers per Top-K launch (query_device._aspd_next), at most all of them
         self.topk_layers = max(1, min(cfg.topk_layers, num_layers))
         self.scores = None
@@ -84,6 +95,7 @@ class AsyncSpadeStore:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         index = (self.kq, self.kscale, self.filled) if self.index_keys else ()
+        index += (self.ksmooth,) if self.ksmooth is not None else ()
         scores = (self.scores,) if self.scores is not None else ()
         return self.ring, self.total, self.sel_pos, self.sel_count, *index, *scores
 

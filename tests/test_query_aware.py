@@ -360,3 +360,18 @@ def test_layer_plan_through_the_two_segment_kernel_equals_reference(dtype):
                              block_n=16, min_split_len=16)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < (1e-2 if dtype == torch.bfloat16 else 5e-3), err
+
+
+def test_int4_index_keys_need_a_head_dim_of_64_or_more():
+    """Start-up stops with the field named (the backend raises it while building the
+    stores) instead of a kernel failing to compile at the first decode step."""
+    from sgl_sparse.config import AsyncSpadeStoreConfig
+    from sgl_sparse.query_store import AsyncSpadeStore
+
+    cfg = AsyncSpadeStoreConfig(slots=1, max_context=64, capacity=16, index_keys="int4")
+    shape = dict(window=2, num_layers=1, num_kv_heads=1, num_q_heads=2, dtype=torch.float16,
+                 device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"query_aware\.asyncspade\.index_keys: 'int4'.*head_dim.*32"):
+        AsyncSpadeStore(cfg, head_dim=32, **shape)
+    store = AsyncSpadeStore(cfg, head_dim=64, **shape)
+    assert store.kq.shape[-1] == 32 and store.ksmooth.shape == (1, 1, 1, 64) and store.ksmooth.eq(1).all()

@@ -55,6 +55,8 @@ class Twin:
                  num_layers: int = 1, aspd: dict | None = None):
         gen = torch.Generator().manual_seed(seed)
         self.group = group
+        # 4-bit copies are scored as two dots over D/2 channels: int8 dots take K >= 32 on a GPU
+        self.d = 64 if index_keys == "int4" else D
         self.num_layers = num_layers
         self.specs, self.lens = specs or SPECS, lens or LENS
         store = {"slots": 4, "max_context": MAXCTX, "capacity": CAP, "candidates": MAXCTX, **(store or {})}
@@ -65,15 +67,15 @@ class Twin:
         })
         self.st = SparseState(12, "cpu", cfg)
         qs = cfg.query_aware
-        shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"))
+        shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=self.d, device=torch.device("cpu"))
         hq = HKV * group
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=hq,
                                                                     dtype=KV, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=hq, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
-        self.k = torch.randn(2000, HKV, D, generator=gen).to(KV)
-        self.v = torch.randn(2000, HKV, D, generator=gen).to(KV)
+        self.k = torch.randn(2000, HKV, self.d, generator=gen).to(KV)
+        self.v = torch.randn(2000, HKV, self.d, generator=gen).to(KV)
         # unused entries point at real keys: reading them is a wrong answer
         self.r2t = torch.randint(0, 2000, (12, MAXCTX + 40), generator=gen, dtype=torch.int32)
         perm = torch.randperm(1999, generator=gen).to(torch.int32) + 1
@@ -108,7 +110,7 @@ class Twin:
             lplan = self.rt.select(li, plan, q, self.k, self.r2t, rows_t, lens_t, SCALE) if self.rt.active() else plan
             if lplan.a_slots is not None:
                 _check_slots(lplan, self.r2t, rows_t)
-            o = torch.zeros(q.shape[0], q.shape[1], D, dtype=torch.float32)
+            o = torch.zeros(q.shape[0], q.shape[1], self.d, dtype=torch.float32)
             reference.decode_attention(q, o, self.k, self.v, self.r2t, rows_t, lplan, SCALE, self.group > 1)
             if self.rt.active():
                 self.rt.finish(li, lplan, q, o, self.k, self.r2t, rows_t, lens_t, SCALE)
@@ -159,24 +161,26 @@ def _same_stores(a: Twin, b: Twin) -> None:
             assert sorted(sa.sel_pos[0, s, h, :c].tolist()) == sorted(sb.sel_pos[0, s, h, :c].tolist())
 
 
-# int8 at group 1 here; GQA 2 in the replay test below, 1/4/8 in tests/kernels/test_index_keys.py
-@pytest.mark.parametrize("group,index_keys", [(1, "kv"), (4, "kv"), (1, "int8")])
+# int8 / int4 at group 1 and 4 here; GQA 2 in the replay test below, 1/4/8 in
+# tests/kernels/test_index_keys.py
+@pytest.mark.parametrize("group,index_keys", [(1, "kv"), (4, "kv"), (1, "int8"), (4, "int4")])
 def test_device_path_matches_the_torch_path(group, index_keys):
-    """index_keys int8: the torch path quantizes the keys on the fly at every step, the
-    device path scores its slot copies (all quantized at the first step, one new
-    position a step after): the same selections, and copies equal to the keys'."""
+    """index_keys int8 / int4: the torch path quantizes the keys on the fly at every
+    step, the device path scores its slot copies (all quantized at the first step, one
+    new position a step after): the same selections, and copies equal to the keys'
+    (int4: under the channel smoothing both read from the store, set at extend)."""
     gen = torch.Generator().manual_seed(100 + group)
     ref = Twin(group, use_kernels=False, index_keys=index_keys)
     dev = Twin(group, use_kernels=True, index_keys=index_keys)
     assert ref.rt.device is None and dev.rt.device is not None
-    q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, dev.d, generator=gen).to(KV)
     ref.admit(q_ext)
     dev.admit(q_ext)
     # batch order shuffled, a padding row (request row 0, length 1) in the middle;
     # 12 steps cross page boundaries, row 3 turns indexed at n = 53
     indexed = compare_steps(ref, dev, [5, 1, 7, 3, 0, 4, 2, 6], 12, gen)
     assert {r for _, r, _ in indexed} == {1, 2, 3, 4, 5, 6}
-    if index_keys == "int8":
+    if index_keys != "kv":
         _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
 
 
@@ -213,16 +217,25 @@ def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers):
 
 def _copies_are_the_keys(twin: Twin, n_of) -> None:
     """Each asyncspade slot's int8 copies equal quantize_keys of its keys on [sink, hi),
-    hi the last step's scored bound (n + 1 - recent), which its counter holds."""
-    from sgl_sparse.kernels.index_keys import quantize_keys
+    hi the last step's scored bound (n + 1 - recent), which its counter holds; 4-bit
+    copies unpack to the smoothed codes, under the smoothing of the slot's prompt."""
+    from sgl_sparse.kernels.index_keys import channel_smoothing, quantize_keys, smoothed_codes, unpack_int4
 
     store = twin.st.query_stores[PolicyId.ASYNCSPADE]
     for r in _rows_of(twin, "asyncspade"):
         s, spec, n = twin.st.row_init(r).slot, twin.specs[r], n_of(r)
         hi = n + 1 - spec.recent
         assert int(store.filled[0, s, hi % 2]) == hi, (r, store.filled[0, s])
-        kq, ks = quantize_keys(twin.k[twin.r2t[r, spec.sink:hi].long()])
-        assert torch.equal(store.kq[0, s, :, spec.sink:hi], kq.transpose(0, 1)), r
+        keys = twin.k[twin.r2t[r, spec.sink:hi].long()]
+        if store.ksmooth is None:
+            kq, ks = quantize_keys(keys)
+            got = store.kq[0, s, :, spec.sink:hi]
+        else:
+            f = channel_smoothing(twin.k[twin.r2t[r, :LENS[r]].long()])  # the prompt's keys
+            assert torch.equal(store.ksmooth[0, s], f) and not f.eq(1).all(), r
+            kq, ks = smoothed_codes(keys, f)
+            got = unpack_int4(store.kq[0, s, :, spec.sink:hi])
+        assert torch.equal(got, kq.transpose(0, 1)), r
         assert torch.equal(store.kscale[0, s, :, spec.sink:hi], ks.T), r
 
 
@@ -234,7 +247,7 @@ def compare_steps(ref: Twin, dev: Twin, rows: list[int], steps: int, gen: torch.
     indexed = []
     for t in range(steps):
         lens = [dev.lens[r] + 1 + t if r else 1 for r in rows]
-        q = torch.randn(len(rows), HKV * dev.group, D, generator=gen).to(KV)
+        q = torch.randn(len(rows), HKV * dev.group, dev.d, generator=gen).to(KV)
         o_ref, p_ref = ref.step(rows, lens, q)
         o_dev, p_dev = dev.step(rows, lens, q)
         assert torch.equal(p_ref.a_slot, p_dev.a_slot)
@@ -266,7 +279,7 @@ class _Watch(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("index_keys", ["kv", "int8"])
+@pytest.mark.parametrize("index_keys", ["kv", "int8", "int4"])
 def test_device_path_replays_without_host_planning(index_keys):
     """Steps 2.. reuse step 1's host planning (as a CUDA-graph replay does), with
     other lengths and queries written into the same input buffers: the selections
@@ -278,14 +291,14 @@ def test_device_path_replays_without_host_planning(index_keys):
     ref = Twin(group, use_kernels=True, index_keys=index_keys)
     dev = Twin(group, use_kernels=True, index_keys=index_keys)
     ref.rt = QueryAwareRuntime(ref.st, use_kernels=False)
-    q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, dev.d, generator=gen).to(KV)
     ref.admit(q_ext)
     dev.admit(q_ext)
     rows = [1, 4, 0, 5, 2, 7, 6, 0]  # padded to a captured size of 8
     bs = len(rows)
     rows_t = torch.tensor(rows)
     lens_t = torch.ones(bs, dtype=torch.int32)
-    q = torch.zeros(bs, HKV * group, D, dtype=KV)
+    q = torch.zeros(bs, HKV * group, dev.d, dtype=KV)
     dev.rt.plan_step(rows, [1] * bs, torch.device("cpu"), graphed=True)  # "capture" time: once
     assert dev.rt.device_active and not dev.rt.groups
     rt = dev.rt
@@ -293,12 +306,12 @@ def test_device_path_replays_without_host_planning(index_keys):
     for t in range(4):
         lens = [LENS[r] + 1 + t if r else 1 for r in rows]  # one key per step, as decode writes
         lens_t.copy_(torch.tensor(lens, dtype=torch.int32))
-        q.copy_(torch.randn(bs, HKV * group, D, generator=gen).to(KV))
+        q.copy_(torch.randn(bs, HKV * group, dev.d, generator=gen).to(KV))
         o_ref, p_ref = ref.step(rows, lens, q.clone())
         plan = plan_decode(dev.st, rows_t, torch.ones(bs, dtype=torch.long), lens_t, (None, None), num_kv_heads=HKV)
         with _Watch() as w:
             lplan = rt.select(0, plan, q, dev.k, dev.r2t, rows_t, lens_t, SCALE)
-            o = torch.zeros(bs, HKV * group, D, dtype=torch.float32)
+            o = torch.zeros(bs, HKV * group, dev.d, dtype=torch.float32)
             rt.finish(0, lplan, q, o, dev.k, dev.r2t, rows_t, lens_t, SCALE)
         assert w.syncs == 0
         shapes.append(w.shapes)
@@ -308,7 +321,7 @@ def test_device_path_replays_without_host_planning(index_keys):
                 assert torch.equal(p_ref.a_len_per_head[b], lplan.a_len_per_head[b])
         _same_stores(ref, dev)
     assert len(shapes[0]) > 10 and all(s == shapes[0] for s in shapes[1:])
-    if index_keys == "int8":
+    if index_keys != "kv":
         _copies_are_the_keys(dev, lambda r: LENS[r] + 4)
 
 

@@ -19,7 +19,9 @@ D=128, bf16), one layer:
 * ``index_scores_{cold,steady}``: the same scores from int8 key copies
   (``kernels/index_keys.py``, ``index_keys: int8``): ``cold`` quantizes and
   copies every key (a request's first step), ``steady`` reads the copies and
-  copies one new position (every later step).
+  copies one new position (every later step). ``index4_scores_*``: from the 4-bit
+  copies (``index_keys: int4``). ``steady`` rows give their Top-``--budget``'s mean
+  and smallest overlap with the exact scores' over the (row, KV head)s.
 * ``token_select``: ``torch.topk`` of the token scores + the expansion into
   ``a_pos`` (``--budget`` tokens per KV head).
 * ``token_scores_at``: ``--candidates`` listed positions per KV head (LFPS).
@@ -194,43 +196,68 @@ def main(argv=None) -> int:
                     torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
                 nbytes = bs * n * (hkv * d * elem + 4) + bs * hkv * n * 4
                 record(n, bs, f"token_scores_{tag}", fn, nbytes, ok, "keys + r2t read, scores written")
-            # ---- AsyncSpade over int8 key copies (index_keys: int8) -------------
+            # ---- AsyncSpade over int8 / 4-bit key copies (index_keys: int8 | int4) -----
             IK = import_kernels("index_keys")
-            kq = torch.empty(bs, hkv, n, d, dtype=torch.int8, device=dev)
-            kscale = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
-            filled = torch.zeros(bs, 2, dtype=torch.int32, device=dev)
             q_hat = case.q.float()
+            # the exact scores' Top-k, for the copies' overlap with it (random keys here:
+            # no outlier channels, unlike LLM keys; tests/kernels/test_index_keys.py has those)
+            K.token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, out=ts_out)
+            keep_ov = max(1, min(args.budget, int((hi - lo).min())))
+            exact_top = ts_out.topk(keep_ov, dim=-1).indices.sort(-1).values
             par = (hi % 2).long()
             rows = torch.arange(bs, device=dev)
-            for tag, valid_to in (("cold", torch.zeros_like(hi)), ("steady", hi - 1)):
-                # the counter every launch reads (it writes the other one): 0, nothing
-                # copied yet, or hi - 1, the previous step's (the copies are filled by
-                # the cold runs before it)
-                filled[rows, 1 - par] = valid_to
-                fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale,  # noqa: E731
-                                                   filled, out=ts_out)
-                fn()
-                ref = IK.index_token_scores_ref(q_hat[:1], *pool, lo[:1], hi[:1], case.sm_scale, n)
-                m = torch.zeros_like(ref, dtype=torch.bool)
-                m[:, :, int(lo[0]):int(hi[0])] = True
-                fin = torch.isfinite(ref) & m
-                ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
-                span = (hi - lo).float().sum().item()
-                new = span if tag == "cold" else bs
-                # copies read (D + 4 bytes a position and head), new keys read and copied, scores written
-                nbytes = int((span - new) * hkv * (d + 4) + new * (hkv * d * (elem + 1) + hkv * 4 + 4)
-                             + span * hkv * 4)
-                record(n, bs, f"index_scores_{tag}", fn, nbytes, ok, "int8 copies read, new keys copied")
-            for tile in filter(None, args.index_tiles.split(",")):
-                orient = {"w": dict(keys_as_m=True), "s": dict(keys_as_m=False)}.get(tile[-1], {})
-                bn, nw, ns, npg = ([int(x) for x in tile.rstrip("ws").split("x")] + [0, 0])[:4]
-                fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq, kscale,  # noqa: E731
-                                                   filled, out=ts_out, block_n=bn, num_warps=nw,
-                                                   num_stages=ns or None, num_programs=npg or None, **orient)
-                fn()
-                ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
-                record(n, bs, f"index_scores_steady_{tile}", fn, nbytes, ok, f"BLOCK_N x warps [x stages x programs] {tile}")
-            del kq, kscale, filled
+            for bits in (8, 4):
+                width = d // 2 if bits == 4 else d
+                kq = torch.empty(bs, hkv, n, width, dtype=torch.int8, device=dev)
+                kscale = torch.empty(bs, hkv, n, dtype=torch.float32, device=dev)
+                filled = torch.zeros(bs, 2, dtype=torch.int32, device=dev)
+                ksm = None
+                if bits == 4:  # each row's smoothing from its keys (serving: from the prompt's)
+                    ksm = torch.stack([IK.channel_smoothing(case.k_pool[case.req_to_token[int(case.req_pool_idx[b]),
+                                                                                          :n].long()])
+                                       for b in range(bs)])
+                name = "index_scores" if bits == 8 else "index4_scores"
+                for tag, valid_to in (("cold", torch.zeros_like(hi)), ("steady", hi - 1)):
+                    # the counter every launch reads (it writes the other one): 0, nothing
+                    # copied yet, or hi - 1, the previous step's (the copies are filled by
+                    # the cold runs before it)
+                    filled[rows, 1 - par] = valid_to
+                    fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq,  # noqa: E731
+                                                       kscale, filled, out=ts_out, ksmooth=ksm)
+                    fn()
+                    ref = IK.index_token_scores_ref(q_hat[:1], *pool, lo[:1], hi[:1], case.sm_scale, n,
+                                                    ksmooth=None if ksm is None else ksm[:1])
+                    m = torch.zeros_like(ref, dtype=torch.bool)
+                    m[:, :, int(lo[0]):int(hi[0])] = True
+                    fin = torch.isfinite(ref) & m
+                    ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
+                    span = (hi - lo).float().sum().item()
+                    new = span if tag == "cold" else bs
+                    # copies read (width + 4 bytes a position and head), new keys read and
+                    # copied, scores written
+                    nbytes = int((span - new) * hkv * (width + 4) + new * (hkv * (d * elem + width) + hkv * 4 + 4)
+                                 + span * hkv * 4)
+                    note = f"{bits}-bit copies read, new keys copied"
+                    if tag == "steady":
+                        top = ts_out.topk(keep_ov, dim=-1).indices.sort(-1).values
+                        # |top ∩ exact_top| / k, per (row, head), by sorted membership
+                        idx = torch.searchsorted(exact_top, top).clamp(max=keep_ov - 1)
+                        overlap = (exact_top.gather(-1, idx) == top).float().mean(-1)
+                        note += f"; top-{keep_ov} overlap with exact mean {overlap.mean().item():.4f} " \
+                                f"min {overlap.min().item():.4f}"
+                    record(n, bs, f"{name}_{tag}", fn, nbytes, ok, note)
+                for tile in filter(None, args.index_tiles.split(",")):
+                    orient = {"w": dict(keys_as_m=True), "s": dict(keys_as_m=False)}.get(tile[-1], {})
+                    bn, nw, ns, npg = ([int(x) for x in tile.rstrip("ws").split("x")] + [0, 0])[:4]
+                    fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq,  # noqa: E731
+                                                       kscale, filled, out=ts_out, block_n=bn, num_warps=nw,
+                                                       num_stages=ns or None, num_programs=npg or None,
+                                                       ksmooth=ksm, **orient)
+                    fn()
+                    ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
+                    record(n, bs, f"{name}_steady_{tile}", fn, nbytes, ok,
+                           f"BLOCK_N x warps [x stages x programs] {tile}")
+                del kq, kscale, filled
 
             keep = min(args.budget, n)
             b_start = seq - args.recent

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from sgl_sparse.kernels import testing as T
-from sgl_sparse.kernels.index_keys import index_token_scores, index_token_scores_ref, quantize_keys
+from sgl_sparse.kernels.index_keys import (channel_smoothing, index_token_scores, index_token_scores_ref, pack_int4,
+                                           quantize_keys, smoothed_codes, smoothed_query, unpack_int4)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,8 +32,9 @@ def _case(seq_lens, group, dtype, seed, head_dim=64, num_kv_heads=2):
     )
 
 
-def _copies(bs, hkv, ctx, d):
-    kq = torch.full((bs, hkv, ctx, d), 99, dtype=torch.int8, device=DEVICE)  # garbage: a previous owner's
+def _copies(bs, hkv, ctx, d, bits=8):
+    width = d // 2 if bits == 4 else d
+    kq = torch.full((bs, hkv, ctx, width), 99, dtype=torch.int8, device=DEVICE)  # garbage: a previous owner's
     ks = torch.full((bs, hkv, ctx), 7.0, device=DEVICE)
     filled = torch.zeros(bs, 2, dtype=torch.int32, device=DEVICE)
     return kq, ks, filled
@@ -52,29 +54,48 @@ def _close(s, ref, lo, hi, rtol=2e-5):
         torch.testing.assert_close(got[fin], want[fin], rtol=rtol, atol=rtol * scale)
 
 
-def _check_copies(case, kq, ks, lo, hi):
+def _check_copies(case, kq, ks, lo, hi, ksmooth=None):
     for b in range(len(lo)):
         l, h = int(lo[b]), min(int(hi[b]), kq.shape[2])
         if h <= l:
             continue
         toks = case.req_to_token[int(case.req_pool_idx[b]), l:h].long()
-        want_q, want_s = quantize_keys(case.k_pool[toks])  # [n, Hkv, D], [n, Hkv]
-        assert torch.equal(kq[b, :, l:h], want_q.transpose(0, 1)), f"row {b}: int8 copies differ"
+        if ksmooth is None:
+            want_q, want_s = quantize_keys(case.k_pool[toks])  # [n, Hkv, D], [n, Hkv]
+            got = kq[b, :, l:h]
+        else:
+            want_q, want_s = smoothed_codes(case.k_pool[toks], ksmooth[b])
+            got = unpack_int4(kq[b, :, l:h])
+            assert torch.equal(kq[b, :, l:h], pack_int4(want_q.transpose(0, 1))), f"row {b}: packing differs"
+        assert torch.equal(got, want_q.transpose(0, 1)), f"row {b}: copies differ"
         assert torch.equal(ks[b, :, l:h], want_s.T), f"row {b}: scales differ"
 
 
-CONFIGS = [(dtype, group) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+CONFIGS = [(dtype, group, 8) for dtype in (torch.bfloat16, torch.float16) for group in (1, 4, 8)]
+CONFIGS += [(torch.bfloat16, 1, 4), (torch.float16, 4, 4), (torch.bfloat16, 8, 4)]
+
+
+def _smoothing(case, seq_lens, bs):
+    """Each row's 4-bit smoothing from its whole sequence's keys (serving takes the
+    prompt's), with a few channels scaled up first so the factors differ by channel."""
+    case.k_pool[:, :, :3] *= 16
+    rows = [case.k_pool[case.req_to_token[int(case.req_pool_idx[b]), :seq_lens[b]].long()] for b in range(bs)]
+    f = torch.stack([channel_smoothing(k) for k in rows])
+    assert f.unique().numel() > 1
+    return f
 
 
 @pytest.mark.parametrize("idx", range(len(CONFIGS)))
 def test_steps_read_and_fill_the_copies(idx):
-    dtype, group = CONFIGS[idx]
+    """int8 copies, and 4-bit ones under a channel smoothing (the last configs)."""
+    dtype, group, bits = CONFIGS[idx]
     keys_as_m = idx % 2 == 0  # both orientations of the scoring dot over the configs
     seq_lens = [150, 47, 90, 33]
     case = _case(seq_lens, group, dtype, seed=idx)
     bs, hkv, d = 4, case.k_pool.shape[1], case.k_pool.shape[2]
     ctx = 140  # row 0's range runs past the copies' width at its last steps
-    kq, ks, filled = _copies(bs, hkv, ctx, d)
+    kq, ks, filled = _copies(bs, hkv, ctx, d, bits)
+    f = _smoothing(case, seq_lens, bs) if bits == 4 else None
     gen = torch.Generator(device=DEVICE).manual_seed(100 + idx)
     lo = torch.tensor([4, 0, 3, 1], dtype=torch.int32, device=DEVICE)
     # hi per step: +1 a step; row 1 skips steps 2-3 (hi grows by 3), row 3 has no row at step 1 (hi 0)
@@ -85,10 +106,11 @@ def test_steps_read_and_fill_the_copies(idx):
         q = torch.randn(bs, hkv * group, d, generator=gen, device=DEVICE)  # fp32, as the prediction
         args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
         out = torch.full((bs, hkv, n_max), float("nan"), device=DEVICE)
-        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16, keys_as_m=keys_as_m)
-        ref = index_token_scores_ref(*args, ctx=ctx)
+        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16, keys_as_m=keys_as_m,
+                               ksmooth=f)
+        ref = index_token_scores_ref(*args, ctx=ctx, ksmooth=f)
         _close(s, ref, lo, hi)
-        _check_copies(case, kq, ks, lo, hi)
+        _check_copies(case, kq, ks, lo, hi, f)
         for b, h in enumerate(his):
             if h > int(lo[b]):  # scored: this step's counter says how far the copies go
                 assert int(filled[b, h % 2]) == min(h, ctx), (step, b)
@@ -180,6 +202,78 @@ def test_topk_of_int8_scores_keeps_the_exact_topk():
     assert overlap >= 0.9, overlap
 
 
+def test_4bit_dot_orientations_give_the_same_scores():
+    """The 4-bit variant's two orientations (keys as M: a warpgroup MMA on sm_90)
+    give the same scores bit for bit, on a first step and the next; GQA 4."""
+    case = _case([77, 45, 100], 4, torch.bfloat16, seed=22)
+    bs, hkv, d = 3, case.k_pool.shape[1], case.k_pool.shape[2]
+    f = _smoothing(case, [77, 45, 100], bs)
+    lo = torch.tensor([4, 0, 9], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(bs, hkv * 4, d, device=DEVICE)
+    got = {}
+    for keys_as_m in (True, False):
+        kq, ks, filled = _copies(bs, hkv, 104, d, bits=4)
+        for hi_v in ([60, 30, 99], [61, 31, 100]):
+            hi = torch.tensor(hi_v, dtype=torch.int32, device=DEVICE)
+            out = torch.full((bs, hkv, 104), float("nan"), device=DEVICE)
+            s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 104,
+                                   kq, ks, filled, out=out, num_programs=3, block_n=32, keys_as_m=keys_as_m,
+                                   ksmooth=f)
+            got[keys_as_m, hi_v[0]] = s.clone()
+    for h in (60, 61):
+        a, b = got[True, h], got[False, h]
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), h
+
+
+def test_int4_packing_and_smoothing_edges():
+    codes = torch.randint(-8, 8, (7, 3, 64), dtype=torch.int8)
+    packed = pack_int4(codes)
+    assert packed.shape == (7, 3, 32) and packed.dtype == torch.int8
+    assert torch.equal(unpack_int4(packed), codes)
+    # code + 8 in each nibble: channel d low, channel d + 32 high
+    assert int(packed[0, 0, 0]) & 0xFF == (int(codes[0, 0, 0]) + 8) | ((int(codes[0, 0, 32]) + 8) << 4)
+    keys = torch.tensor([[[0.3, -5.0, 0.0, 1e-35]], [[-0.2, 2.0, 0.0, 0.0]], [[0.5, 1.0, 0.0, -1e-36]]])
+    f = channel_smoothing(keys)  # [1, 4]
+    assert f.tolist() == [[1.0, 8.0, 1.0, 1.0]]  # max |k| in [f/2, f); 1 where max <= TINY
+    assert channel_smoothing(keys[:0]).eq(1).all()  # no positions: no smoothing
+    # exact: the codes of k / f times f are the codes of the smoothed keys, and q * f . k / f == q . k
+    k = torch.randn(50, 2, 64) * torch.linspace(0.01, 40, 64)
+    f = channel_smoothing(k)
+    assert torch.equal((k * (1.0 / f)) * f, k)
+    codes, scales = smoothed_codes(k, f)
+    assert codes.abs().max() <= 7 and codes.dtype == torch.int8
+    qq, qs = smoothed_query(torch.randn(3, 4, 64), f.expand(3, 2, 64))
+    assert qq.shape == (3, 4, 64) and qs.shape == (3, 4)
+
+
+def _topk_overlap(approx: torch.Tensor, exact: torch.Tensor, k: int) -> float:
+    return len(set(exact.topk(k).indices.tolist()) & set(approx.topk(k).indices.tolist())) / k
+
+
+def test_topk_of_4bit_scores_with_smoothing():
+    """Why the 4-bit copies are smoothed: on keys with a few large channels, per-token
+    4-bit codes alone spend their 15 levels on those channels (the others round to 0
+    or +-1) and the Top-64 of 2048 loses much of the exact one; dividing each channel
+    by its power of two first keeps most of it."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, k = 2048, 128, 64
+    keys = torch.randn(n, 1, d, generator=gen)
+    keys[..., :4] *= 8  # outlier channels
+    keys = keys.to(torch.bfloat16)
+    q = torch.randn(1, 1, d, generator=gen)
+    exact = keys[:, 0].float() @ q[0, 0]
+    plain_c, plain_s = quantize_keys(keys, 7.0)
+    q8, q8s = quantize_keys(q)
+    plain = (plain_c[:, 0].float() @ q8[0, 0].float()) * q8s[0, 0] * plain_s[:, 0]
+    f = channel_smoothing(keys)
+    codes, scales = smoothed_codes(keys, f)
+    qq, qs = smoothed_query(q, f[None])
+    smooth = (codes[:, 0].float() @ qq[0, 0].float()) * qs[0, 0] * scales[:, 0]
+    o_plain, o_smooth = _topk_overlap(plain, exact, k), _topk_overlap(smooth, exact, k)
+    assert o_smooth >= 0.75 and o_smooth > o_plain + 0.1, (o_smooth, o_plain)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_index_scores_long():
@@ -208,22 +302,24 @@ INT8_MMA = r"mma[^;]*\.s32\.s8\.s8"  # mma.sync or wgmma with int8 operands
 WGMMA = r"wgmma\.mma_async[^;]*\.s8\.s8"
 
 
-def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False) -> dict:
+def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False,
+          bits: int = 8) -> dict:
     """token_scores' kernel compiled for the H100 (no GPU needed), as the backend
     launches it: fp32 q_hat, bf16 pool, D 128, GQA 2, 4 warps, 3 stages; the index
     variant with fp fusion off, as index_token_scores launches it."""
     from sgl_sparse.kernels.token_scores import _token_scores_kernel as fn
 
     ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
-            "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32"}
+            "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32", "KSMOOTH": "*fp32"}
     const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
-                 FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m)
+                 FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m, INDEX_BITS=bits)
     sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "sm_scale" else "i32") for n in fn.arg_names}
     # as the launcher specializes serving's strides and widths (multiples of 16): without
     # the copies' strides Triton cannot prove their rows aligned and does not pipeline them
     divisible = [n for n in fn.arg_names
                  if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_r2t", "stride_cs",
-                                       "stride_ch", "stride_ss", "stride_sh", "MAX_CTX", "IDX_CTX")]
+                                       "stride_ch", "stride_ss", "stride_sh", "stride_fs", "stride_fh",
+                                       "MAX_CTX", "IDX_CTX")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
     patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
@@ -243,6 +339,18 @@ def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
     assert idx[r"div\.rn\.f32"] >= 2, idx  # 127 / amax and amax / 127
     assert idx[r"fma\.rn\.f32"] == 0, idx
     assert kv[VEC16] > 0 and idx[VEC16] > kv[VEC16], (idx, kv)  # the copies' tiles beside the gathered ones
+
+
+def test_4bit_variant_compiles_for_sm90():
+    """The 4-bit copies' variant for sm_90: int8 tensor-core dots over the unpacked
+    halves (a warpgroup MMA with the keys as M), IEEE divisions and no fused
+    multiply-add (its copies must equal the reference's), no spills, and registers
+    and shared memory for 4 programs an SM at the serving tile."""
+    r = _sm90(True, block_n=128, keys_as_m=True, resources=True, bits=4)
+    assert r[WGMMA] > 0 and r[r"cvt\.rn\.bf16"] == 0, r
+    assert r[r"div\.rn\.f32"] >= 2 and r[r"fma\.rn\.f32"] == 0, r
+    assert r["stack_bytes"] == 0 and r["registers"] * 128 * 4 <= 65536, r
+    assert (r["shared_bytes"] + 1024) * 4 <= 233472, r
 
 
 @pytest.mark.parametrize("keys_as_m", [False, True])
