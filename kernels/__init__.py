@@ -25,7 +25,9 @@ Public API:
   :func:`quantize_keys` (the copies' definition), :func:`index_token_scores_ref`.
 * :func:`topk_range` (:mod:`.topk_range`) -- top-k over a ragged ``[lo, hi)``
   per row, ascending positions out, cost bounded by the live range (quest /
-  asyncspade under CUDA graphs, the Selector's step 6); :func:`topk_range_ref`.
+  asyncspade under CUDA graphs, the Selector's step 6); :func:`topk_range_ref`;
+  :func:`top_digit_hist_ref`, the definition of its ``h_top`` (the first radix
+  pass's histogram, which the scores' producer may count instead).
 * :func:`asyncspade_predict` (:mod:`.asyncspade_predict`) -- AsyncSpade's
   ring push and next-query prediction (the ridge fits over every window size)
   in one launch per layer; :func:`make_arrivals` (its per-row counters),
@@ -75,7 +77,7 @@ from .two_segment_decode import (
     two_segment_decode,
 )
 from .selector_scores import selector_scores, selector_stats
-from .topk_range import topk_range, topk_range_ref
+from .topk_range import top_digit_hist_ref, topk_range, topk_range_ref
 from .window_evidence import stored_evidence, window_evidence
 
 __all__ = [
@@ -92,6 +94,7 @@ __all__ = [
     "selector_stats",
     "topk_range",
     "topk_range_ref",
+    "top_digit_hist_ref",
     "asyncspade_predict",
     "asyncspade_predict_ref",
     "make_arrivals",

@@ -222,10 +222,12 @@ def select_low16(SCR, cnt, k, prefix, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
+def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr, cap=0, CAPPED: tl.constexpr = False):
     """Write the positions in [a, b) whose key is below the k-th's key ``t``, or equal
     to it among its first ``ties`` (counting ``seen`` earlier equal keys), to
-    ``out[written:]`` in ascending order (a running offset plus a block prefix sum)."""
+    ``out[written:]`` in ascending order (a running offset plus a block prefix sum).
+    CAPPED: none at ``out[cap:]`` (where ``t`` comes from a histogram the kernel did
+    not count itself; a right ``t`` keeps exactly ``cap`` and the cap never bites)."""
     written = written + tl.zeros([], dtype=tl.int32)  # literal 0s arrive as constexprs: the loop carries tensors
     seen = seen + tl.zeros([], dtype=tl.int32)
     for n0 in range(a, b, BLOCK_N):
@@ -236,7 +238,10 @@ def place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N: tl.constexpr):
         eq = (ok & (u == t)).to(tl.int32)
         keep = (ok & (u < t)) | ((eq != 0) & (seen + tl.cumsum(eq, 0) - eq < ties))
         keep_i = keep.to(tl.int32)
-        tl.store(out + written + tl.cumsum(keep_i, 0) - keep_i, offs, mask=keep)
+        at = written + tl.cumsum(keep_i, 0) - keep_i
+        if CAPPED:
+            keep = keep & (at < cap)
+        tl.store(out + at, offs, mask=keep)
         written += tl.sum(keep_i, 0)
         seen += tl.sum(eq, 0)
 

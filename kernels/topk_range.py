@@ -40,6 +40,14 @@ sync, shapes static: ``k_max`` is the output width):
    kept positions are written at a running offset plus a block prefix sum
    (``tl.cumsum``), so they come out ascending.
 
+The top digit's histogram from the producer (``h_top=``): the first of those
+serial passes over the whole row (bits 31..26), a large share of a Top-K that is
+ALU/latency bound on the GPU, not bandwidth bound (``bench/kernels/bench_topk.py``'s
+``topk_range htop`` rows time the kernel without it). The kernel that writes the scores can count
+the same 64 bins with atomics as it writes them; given them, the block-walking
+kernel loads them instead of that pass, and zeroes them for the producer's next
+step (``topk_range``'s docstring has the exact contract).
+
 Rows that fit one block (``N <= ROW_BLOCK_MAX``: quest's pages up to 128K tokens,
 lfps's ranks, the covered Selector rows) take ``_topk_row_kernel`` instead: the row
 is loaded into registers once and the digit histograms (six: bits 31..26,
@@ -80,11 +88,21 @@ from ._radix import (_pick_digit, digit_hist, digit_histogram, load_key, pick_di
 from ._split import TOPK_RULE, resolve_splits
 from ._utils import device_num_sms, env_switch
 
-__all__ = ["topk_range", "topk_range_ref", "launch_shape", "LAUNCH_SHAPES"]
+__all__ = ["topk_range", "topk_range_ref", "top_digit_hist_ref", "launch_shape", "LAUNCH_SHAPES"]
+
+
+@triton.jit
+def _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th):
+    """This (row, head)'s 64 bins of h_top, left zeroed for the producer's next
+    accumulation (the program owns them: no other program reads or writes them)."""
+    bins = HTOP + cur_r.to(tl.int64) * stride_tr + cur_h.to(tl.int64) * stride_th + tl.arange(0, 64)
+    h = tl.load(bins)
+    tl.store(bins, tl.zeros([64], dtype=tl.int32))  # same layout as the load: each thread after its own read
+    return h
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
-                               "stride_oh", "stride_lr"])
+                               "stride_oh", "stride_lr", "stride_tr", "stride_th"])
 def _topk_range_kernel(
     S,  # [R, H, N] fp32 scores, stride 1 along N
     LO,  # [R] int32
@@ -93,6 +111,7 @@ def _topk_range_kernel(
     SCR,  # [R, H, N] fp32 scratch (GATHER only)
     OUT,  # [R, H, K_MAX] int32 positions, ascending in the first OUT_LEN entries
     OUT_LEN,  # [R, H] int32
+    HTOP,  # [R, H, 64] int32 top-digit histograms (HAS_HTOP only), zeroed here
     N,
     K_MAX,
     stride_r,
@@ -102,13 +121,18 @@ def _topk_range_kernel(
     stride_or,
     stride_oh,
     stride_lr,
+    stride_tr,
+    stride_th,
     BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr,
     SMALL_DIGITS: tl.constexpr,  # with GATHER: 6-bit digits over [lo, hi) (radix_select_small)
+    HAS_HTOP: tl.constexpr,  # with GATHER and SMALL_DIGITS: the top digit's histogram given, not computed
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
+    if HAS_HTOP:  # taken (and zeroed) before the early exit: every program leaves its bins at 0
+        h_given = _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th)
     if k <= 0:  # an empty range or budget (a slot without a live request): no pass over the row
         tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
         return
@@ -117,7 +141,10 @@ def _topk_range_kernel(
     # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
     # The top digit's histogram also counts them (F): k = min(k, F) before the select.
     if SMALL_DIGITS and GATHER:
-        h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
+        if HAS_HTOP:  # the scores' producer counted it: one serial pass over the row less
+            h = h_given
+        else:
+            h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
         k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
         hi = tl.where(k > 0, hi, lo)
         key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
@@ -129,7 +156,9 @@ def _topk_range_kernel(
     ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
     t = key.to(tl.uint32, bitcast=True)
     out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
-    place_kept(row, lo, hi, t, ties, out, 0, 0, BLOCK_N)
+    # A given h_top that does not match the scores would misplace t: the writes stay under k
+    # (the output is then wrong, not memory past the row's k_max).
+    place_kept(row, lo, hi, t, ties, out, 0, 0, BLOCK_N, k, HAS_HTOP)
     tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
@@ -275,6 +304,7 @@ def topk_range(
     splits: Optional[int] = None,
     one_block: Optional[bool] = None,
     small_digits: Optional[bool] = None,
+    h_top: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -305,6 +335,23 @@ def topk_range(
             with ``gather=False`` (four 8-bit passes over the row, as before) nor on
             the split kernel (``splits > 1``: its per-slice histograms are 256 wide,
             shared with the Selector's medians).
+        h_top: optional ``[R, H, 64]`` int32 (stride 1 along the bins; rows and
+            heads may be strided): per (row, head) the 64-bin histogram of the top
+            6 bits (``(key >> 26) & 63``) of the ``KEY_DESC`` keys (``_radix.load_key``)
+            of the *finite* scores in the kernel's range ``[max(lo, 0), min(hi, N))``
+            -- exactly ``digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)``,
+            the select's first pass over the row, which the kernel then skips
+            (:func:`top_digit_hist_ref` is its torch reference). Accumulated by the
+            producer of the scores while it writes them (atomics), scoring ``[lo, hi)``
+            from the same ``lo``/``hi`` arrays; a (row, head) with ``budget <= 0`` or an
+            empty range is not read. Every program leaves its 64 bins zeroed (read
+            ones or not), so the producer accumulates into the same tensor at the next
+            step without a memset; the call consumes it (a second call on the same
+            scores needs the histogram again). Only for the block-walking kernel on
+            6-bit digits with ``gather`` and no split: ``one_block`` and ``splits`` default
+            to ``False`` and 1 with it, ``small_digits`` to ``True`` (whatever
+            :data:`SMALL_DIGITS` says), and asking otherwise asserts. A histogram that
+            does not match the scores gives a wrong output (no write past ``k``).
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -316,6 +363,8 @@ def topk_range(
     for name, t in (("lo", lo), ("hi", hi), ("budget", budget)):
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
+    if h_top is not None:
+        small_digits, one_block, splits = _htop_launch(h_top, scores, gather, small_digits, one_block, splits)
     small_digits = SMALL_DIGITS if small_digits is None else bool(small_digits)
     if one_block is None:
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
@@ -350,14 +399,32 @@ def topk_range(
         topk_range_split(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps)
         return out, out_len
     scratch = torch.empty_like(scores) if gather and n > 0 else scores
+    htop = out_len if h_top is None else h_top  # an int32 pointer the kernel does not touch without HAS_HTOP
     _topk_range_kernel[(r, h)](
-        scores, lo, hi, budget, scratch, out, out_len,
+        scores, lo, hi, budget, scratch, out, out_len, htop,
         n, k_max,
         scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
-        out.stride(0), out.stride(1), out_len.stride(0),
-        BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, num_warps=num_warps,
+        out.stride(0), out.stride(1), out_len.stride(0), htop.stride(0), htop.stride(1),
+        BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, HAS_HTOP=h_top is not None,
+        num_warps=num_warps,
     )
     return out, out_len
+
+
+def _htop_launch(h_top: torch.Tensor, scores: torch.Tensor, gather: bool, small_digits: Optional[bool],
+                 one_block: Optional[bool], splits: Optional[int]) -> Tuple[bool, bool, int]:
+    """(small_digits, one_block, splits) of a call given ``h_top``: the one path that
+    starts from the top 6-bit digit's histogram (the block-walking kernel, gather, no
+    split); a caller asking for another asserts rather than have its h_top ignored."""
+    r, h, _ = scores.shape
+    assert h_top.shape == (r, h, 64) and h_top.dtype == torch.int32 and h_top.stride(2) == 1, \
+        "h_top: int32 [R, H, 64], stride 1 along the bins"
+    assert h_top.device == scores.device, "h_top: on the scores' device"
+    assert gather, "h_top: only with gather=True"
+    assert small_digits is None or small_digits, "h_top: a 6-bit histogram, only with small_digits"
+    assert not one_block, "h_top: not with one_block (the register row counts its own digits)"
+    assert splits is None or splits == 1, "h_top: not with splits > 1 (the split kernel has 8-bit digits)"
+    return True, False, 1
 
 
 def topk_range_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: torch.Tensor,
@@ -377,3 +444,20 @@ def topk_range_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bud
     out = torch.where(keep, out, 0)
     out = torch.nn.functional.pad(out, (0, k_max - k)) if k < k_max else out[..., :k_max]
     return out.to(torch.int32), count.to(torch.int32)
+
+
+def top_digit_hist_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch reference of :func:`topk_range`'s ``h_top``: ``[R, H, 64]`` int32,
+    per (row, head) the histogram of ``(key >> 26) & 63`` over the finite scores in
+    ``[lo, hi)`` (clipped to ``[0, N)``; empty when ``hi <= lo``), ``key`` the
+    ``KEY_DESC`` key of ``_radix.load_key``: the fp32 bits ``b`` as int32,
+    ``0x7FFFFFFF`` for ``+-0``, ``b ^ 0x7FFFFFFF`` for ``b >= 0``, ``b`` otherwise."""
+    r, h, n = scores.shape
+    pos = torch.arange(n, device=scores.device)
+    live = (pos >= lo[:, None].long()) & (pos < hi[:, None].long())
+    ok = live[:, None, :] & torch.isfinite(scores)  # NaN and +-inf are never counted
+    b = scores.view(torch.int32)
+    key = torch.where(scores == 0, 0x7FFFFFFF, torch.where(b >= 0, b ^ 0x7FFFFFFF, b))
+    hist = torch.zeros(r, h, 64, dtype=torch.int64, device=scores.device)
+    hist.scatter_add_(-1, ((key >> 26) & 63).long(), ok.long())
+    return hist.to(torch.int32)

@@ -20,6 +20,15 @@ Per case ``[R rows, H heads, N]`` fp32 scores, ``-inf`` off each row's live rang
   opt-in until timed here), ``topk_range walk`` (the block-walking kernel for every row: the default
   before session 18) and ``topk_range nogather``;
   then ``topk_range B/Ww`` at each (block_n, num_warps) ``launch_shape`` could pick.
+* ``topk_range htop`` (asyncspade's cases and ``--smoke``): the block-walking kernel given
+  the top digit's histogram (``h_top=``, as the scores' producer would count it), so
+  without its first pass over the row; compare with ``topk_range split1`` (the same
+  kernel, launch and output, computing that pass itself). The kernel zeroes ``h_top``
+  for the producer's next step, so every timed call first refills it from a copy made
+  before timing (``h_top.copy_(saved)``, one small copy kernel in the same graph); the
+  copy alone is timed as ``htop copy``: the first pass's cost is about
+  ``split1 - (htop - htop copy)``. The producer's atomics are not in these rows (they
+  land in the scoring kernel's time).
 
 Cases: the serving shapes of ``query_device`` (8 slots x 8 KV heads, max_context
 40960 and 32768, k = 2048) with half the slots empty and ragged live lengths,
@@ -81,6 +90,18 @@ def _cases(smoke: bool):
     ]
 
 
+def _htop_fns(topk_range, saved, s, lo, hi, budget, k) -> dict:
+    """``topk_range htop``: the Top-K given the producer's top-digit histogram (``saved``,
+    counted once before timing). The kernel zeroes its ``h_top`` as it reads it, so each
+    call refills it first: that copy is in the timed region, and timed alone as
+    ``htop copy`` (not a topk_range row: no output to check)."""
+    h_top = saved.clone()
+    return {
+        "topk_range htop": lambda: (h_top.copy_(saved), topk_range(s, lo, hi, budget, k, h_top=h_top))[1],
+        "htop copy": lambda: h_top.copy_(saved),
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -88,7 +109,8 @@ def main(argv=None) -> int:
     use_cuda = use_cuda_or_exit(args.smoke)
     if use_cuda is None:
         return 2
-    topk_range = import_kernels().topk_range
+    kernels = import_kernels()
+    topk_range, top_digit_hist_ref = kernels.topk_range, kernels.top_digit_hist_ref
     import triton
 
     dev = torch.device("cuda" if use_cuda else "cpu")
@@ -148,6 +170,8 @@ def main(argv=None) -> int:
         # "topk_range" picks split_count(N, R x H, TOPK_RULE)), S = 1: the single-program kernel
         for sp in ((1, 2) if args.smoke else (1, 2, 4, 8, 16)):
             fns[f"topk_range split{sp}"] = lambda sp=sp: topk_range(s, lo, hi, budget, k, splits=sp)
+        if args.smoke or name.startswith("aspd"):
+            fns.update(_htop_fns(topk_range, top_digit_hist_ref(s, lo, hi), s, lo, hi, budget, k))
         live_elems = int(((hi - lo).clamp(min=0)).sum()) * h
         for kname, fn in fns.items():
             if kname.startswith("topk_range"):  # every launch shape: the same output (ties by position)

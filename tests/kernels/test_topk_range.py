@@ -13,7 +13,11 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from sgl_sparse.kernels.topk_range import topk_range, topk_range_ref
+import triton
+import triton.language as tl
+
+from sgl_sparse.kernels._radix import digit_hist
+from sgl_sparse.kernels.topk_range import top_digit_hist_ref, topk_range, topk_range_ref
 
 
 def _check(scores, lo, hi, budget, k_max, pos, cnt):
@@ -177,6 +181,149 @@ def test_topk_small_digits_are_bit_identical(kind, launch):
     assert not small[1][2:5].any()  # empty ranges, budget 0: nothing selected
 
 
+@triton.jit
+def _top_digit_hist_kernel(S, LO, HI, H, N, stride_r, stride_h, BLOCK_N: tl.constexpr):
+    """The select's first pass as _topk_range_kernel runs it (the range clipped as
+    topk_bounds clips it), its 64 bins stored: what h_top must hold."""
+    cur_r = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    lo = tl.maximum(tl.load(LO + cur_r), 0)
+    hi = tl.minimum(tl.load(HI + cur_r), N)
+    row = S + cur_r * stride_r + cur_h * stride_h
+    h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
+    tl.store(H + (cur_r * tl.num_programs(1) + cur_h) * 64 + tl.arange(0, 64), h)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ints", "holes", "equal", "zeros", "extremes"])
+def test_top_digit_hist_ref_matches_digit_hist(kind):
+    """top_digit_hist_ref (torch) against the kernel's own first pass (digit_hist with
+    6-bit digits at bit 26, KEY_DESC): the same 64 counts, on ragged ranges, lo < 0,
+    hi > N, empty ranges, and non-finite scores (never counted)."""
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
+    r, h, n = 6, 3, 150
+    s = _digits_case(gen, kind, r, h, n)
+    s[0, 0, 3:9] = torch.tensor([float("nan"), float("inf"), float("-inf"), -float("nan"), 0.0, -0.0])
+    lo = torch.tensor([0, -5, 30, 50, 149, 7], dtype=torch.int32)
+    hi = torch.tensor([n, 131, 30, 3, n + 9, 8], dtype=torch.int32)
+    got = torch.zeros(r, h, 64, dtype=torch.int32)
+    _top_digit_hist_kernel[(r, h)](s, lo, hi, got, n, s.stride(0), s.stride(1), BLOCK_N=32)
+    want = top_digit_hist_ref(s, lo, hi)
+    assert torch.equal(got, want)
+    finite = torch.isfinite(s)
+    assert int(want[0].sum()) == int(finite[0].sum())  # every finite score counted once, no other
+    assert not want[2:4].any()  # empty ranges
+
+
+def _htop_strided(want: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(h_top, its buffer): strided rows and heads, a [H, R, 80] buffer seen as [R, H, 64]."""
+    r, h, _ = want.shape
+    buf = torch.full((h, r, 80), -1, dtype=torch.int32)
+    t = buf.transpose(0, 1)[..., :64]
+    t.copy_(want)
+    return t, buf
+
+
+@pytest.mark.parametrize("kind", ["normal", "ints", "holes", "equal", "zeros", "extremes"])
+@pytest.mark.parametrize("launch", [dict(block_n=16), dict(block_n=32), dict(block_n=256), dict()])
+def test_topk_htop_is_bit_identical(kind, launch):
+    """h_top from the producer (here its torch reference) instead of the kernel's first
+    pass: the same positions, order and counts as without it, the reference's counts
+    and kept values, and h_top all zeros after the call -- the bins of the (row, head)s
+    the kernel does not read (empty ranges, budget 0) too. Rows as in
+    test_topk_small_digits_are_bit_identical (N = 150: no multiple of the block);
+    ``launch={}``: N fits one block, but h_top takes the block-walking kernel."""
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)) + launch.get("block_n", 0))
+    r, h, n, k_max = 6, 2, 150, 48
+    s = _digits_case(gen, kind, r, h, n)
+    lo = torch.tensor([0, 9, 30, 50, 0, 100], dtype=torch.int32)
+    hi = torch.tensor([n, 131, 30, 3, n, 140], dtype=torch.int32)
+    budget = torch.tensor([k_max, 10 ** 6, 5, 7, 0, 60], dtype=torch.int32)
+    want = topk_range(s, lo, hi, budget, k_max, small_digits=True, one_block=False, splits=1,
+                      block_n=launch.get("block_n"))
+    h_top, buf = _htop_strided(top_digit_hist_ref(s, lo, hi))
+    h_top[2:5] = 7  # not read: an empty range, hi < lo, budget 0 (a producer may count them anyway)
+    got = topk_range(s, lo, hi, budget, k_max, h_top=h_top, **launch)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check(s, lo, hi, budget, k_max, *got)
+    assert not h_top.any()  # zeroed for the producer's next step
+    assert bool((buf[..., 64:] == -1).all())  # nothing past the 64 bins
+
+
+@pytest.mark.parametrize("r,h,n,k_max,ints,holes", [
+    (3, 8, 150, 40, False, 0.2),
+    (4, 8, 150, 200, True, 0.1),  # k_max above the live length
+    (2, 3, 2100, 700, False, 0.05),  # several blocks, N not a multiple of the block
+    (3, 2, 70, 100, False, 0.9),  # mostly non-finite: fewer finite scores than the budget
+])
+def test_topk_htop_matches_torch(r, h, n, k_max, ints, holes):
+    """As test_topk_range_matches_torch, with h_top: ragged ranges, an empty one, hi < lo,
+    budget 0 and above the live length, -inf / NaN / +inf inside the range, ties; the
+    same output as the kernel without h_top, h_top zeroed, and a second step with the
+    producer's histogram of new scores accumulated into the zeroed h_top."""
+    gen = torch.Generator().manual_seed(r * 1000 + n + k_max)
+    lo = torch.randint(0, n // 3, (r,), generator=gen, dtype=torch.int32)
+    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
+    budget = torch.randint(0, k_max + 20, (r,), generator=gen, dtype=torch.int32)
+    if r > 2:
+        hi[1] = lo[1]  # empty
+        hi[2] = max(int(lo[2]) - 5, 0)  # hi < lo
+        budget[0] = 0
+    h_top = torch.zeros(r, h, 64, dtype=torch.int32)
+    for step in range(2):
+        s = _case(gen, r, h, n, ints, holes)
+        s[-1, 0] = float("-inf")  # a (row, head) without a finite score
+        h_top += top_digit_hist_ref(s, lo, hi)  # the producer accumulates into the bins the last call zeroed
+        want = topk_range(s, lo, hi, budget, k_max, block_n=256, splits=1, one_block=False, small_digits=True)
+        got = topk_range(s, lo, hi, budget, k_max, block_n=256, h_top=h_top)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+        _check(s, lo, hi, budget, k_max, *got)
+        assert not h_top.any() and int(got[1][-1, 0]) == 0
+
+
+def test_topk_htop_wrong_histogram_stays_in_bounds():
+    """A histogram that does not match the scores (a producer's bug) gives a wrong
+    output, but never more than k_max positions, in range: the writes are capped at k."""
+    gen = torch.Generator().manual_seed(11)
+    r, h, n, k_max = 3, 2, 150, 20
+    s = _case(gen, r, h, n, ints=True)
+    lo = torch.tensor([0, 10, 40], dtype=torch.int32)
+    hi = torch.tensor([n, 140, 100], dtype=torch.int32)
+    budget = torch.tensor([20, 15, 1000], dtype=torch.int32)
+    right = top_digit_hist_ref(s, lo, hi)
+    for wrong in (right.roll(1, -1), right.roll(-3, -1), 2 * right, right * 0, right + 100):
+        buf = torch.full((r, h, k_max + 64), -7, dtype=torch.int32)
+        pos, cnt = topk_range(s, lo, hi, budget, k_max, block_n=32, out=buf[..., :k_max], h_top=wrong.clone())
+        assert bool((buf[..., k_max:] == -7).all())
+        assert bool((cnt >= 0).all() and (cnt <= k_max).all())
+        assert bool(((pos == -7) | ((pos >= 0) & (pos < n))).all())
+
+
+def test_topk_htop_only_on_its_path(monkeypatch):
+    """h_top applies to the block-walking kernel on 6-bit digits with gather, unsplit: a
+    call asking for another path asserts instead of ignoring it; a bad h_top asserts;
+    small_digits=None takes 6-bit digits with it even where SMALL_DIGITS is off."""
+    import importlib
+
+    T = importlib.import_module("sgl_sparse.kernels.topk_range")
+    s = torch.randn(2, 2, 50)
+    lo, hi = torch.zeros(2, dtype=torch.int32), torch.full((2,), 50, dtype=torch.int32)
+    budget = torch.full((2,), 5, dtype=torch.int32)
+    h_top = top_digit_hist_ref(s, lo, hi)
+    for kw, msg in ((dict(one_block=True), "one_block"), (dict(splits=2), "splits"), (dict(gather=False), "gather"),
+                    (dict(small_digits=False), "small_digits")):
+        with pytest.raises(AssertionError, match=msg):
+            topk_range(s, lo, hi, budget, 8, h_top=h_top.clone(), **kw)
+    for bad in (h_top[:1], h_top.long(), h_top[..., :32], h_top.transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(AssertionError, match="h_top"):
+            topk_range(s, lo, hi, budget, 8, h_top=bad)
+    want = topk_range(s, lo, hi, budget, 8, one_block=False, splits=1, small_digits=True)
+    got = topk_range(s, lo, hi, budget, 8, h_top=h_top, one_block=False, splits=1, small_digits=True, gather=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not h_top.any()
+    monkeypatch.setattr(T, "SMALL_DIGITS", False)
+    got = topk_range(s, lo, hi, budget, 8, h_top=top_digit_hist_ref(s, lo, hi))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_topk_small_digits_default_and_switch(monkeypatch):
     """small_digits=None takes the module's SMALL_DIGITS (SGLANG_SPARSE_TOPK_SMALL_DIGITS,
     on by default since an H200 timed it), in both kernels."""
@@ -302,7 +449,7 @@ def _compile_topk(kernel: str, const: dict, **kw) -> dict:
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.topk_range"), kernel)  # the package exports the function
     ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "OUT": "*i32",
-            "OUT_LEN": "*i32"}
+            "OUT_LEN": "*i32", "HTOP": "*i32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
     return compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs],
                         **kw)
@@ -312,7 +459,7 @@ def _compile_topk(kernel: str, const: dict, **kw) -> dict:
 @pytest.mark.parametrize("kernel, const", [
     ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
     ("_topk_row_kernel", dict(BLOCK_N=1024)),
-    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True)),
+    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True, HAS_HTOP=False)),
 ])
 def test_topk_kernels_compile_for_sm90(kernel, const, small_digits):
     """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
@@ -321,6 +468,20 @@ def test_topk_kernels_compile_for_sm90(kernel, const, small_digits):
     passes were refactored after its last GPU run."""
     counts = _compile_topk(kernel, dict(const, SMALL_DIGITS=small_digits))
     assert any(k.startswith("st.global") for k in counts), counts  # it stores positions
+
+
+def test_topk_htop_kernel_compiles_for_sm90():
+    """With h_top the compiled kernel has one histogram loop (a loop with ballots) fewer
+    than without: the first pass over the row is gone, the rest as before; it loads the
+    64 bins and stores them back zeroed (asyncspade's launch: 1024-blocks, 4 warps)."""
+    const = dict(BLOCK_N=1024, GATHER=True, SMALL_DIGITS=True)
+    got = {has: _compile_topk("_topk_range_kernel", dict(const, HAS_HTOP=has), options={"num_warps": 4},
+                              keep_ptx=True) for has in (False, True)}
+    hist_loops = {has: [b for b in _loop_bodies(got[has]["ptx"]) if b[1]] for has in (False, True)}
+    assert len(hist_loops[True]) == len(hist_loops[False]) - 1, hist_loops
+    assert hist_loops[True] == hist_loops[False][1:]  # the others unchanged
+    st = lambda c: sum(v for k, v in c.items() if k.startswith("st.global"))  # noqa: E731
+    assert st(got[True]) > st(got[False])
 
 
 def _loop_bodies(ptx: str) -> List[Tuple[int, int]]:
@@ -347,7 +508,7 @@ def test_topk_small_digits_cost_fewer_instructions():
     the whole row (the top two digits' histograms) costs fewer ballots and fewer
     instructions on 64 bins than on 256, and the kernel's popcounts drop. (Summed over
     every pass the ballots do not drop: one per key bit per value either way.)"""
-    const = dict(BLOCK_N=1024, GATHER=True)
+    const = dict(BLOCK_N=1024, GATHER=True, HAS_HTOP=False)
     ptx = {sd: _compile_topk("_topk_range_kernel", dict(const, SMALL_DIGITS=sd), options={"num_warps": 4},
                              patterns=[r"\bpopc\."], keep_ptx=True) for sd in (False, True)}
     # the first two histogram loops walk [lo, hi); then the gather, the survivors' passes, the compaction
