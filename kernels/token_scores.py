@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, device_num_sms, needs_fp32_dot, next_pow2
+from ._utils import cdiv, device_num_sms, is_interpreter, needs_fp32_dot, next_pow2
 from .index_keys import _quantize_halves, _quantize_tile
 from .quest_pages import expand_selection
 from .two_segment_decode import _dot
@@ -179,22 +179,44 @@ def _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, KEYS_AS_M: tl.con
 
 
 @triton.jit
-def _copies_tile4(offs, mask, kq_base, ks_base, HALF: tl.constexpr):
+def _nibbles(p, ASM: tl.constexpr):
+    """(low, high) nibbles of int8 bytes ``p``, each 0..15 as int8. ``ASM``: on 32-bit
+    words of 4 bytes, a mask and a shift + mask a word (the compiler's own lowering
+    of the same int8 ops widens each byte to 16 bits: ~5 instructions a byte, which
+    made the loop compute-bound, ~1.3x int8's time on an H200); off in the Triton
+    interpreter, which runs no PTX."""
+    if ASM:
+        lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [p], dtype=tl.int8, is_pure=True,
+                                       pack=4)
+        hi = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
+                                       [p], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        lo = (p & 0xF).to(tl.int8)
+        hi = ((p >> 4) & 0xF).to(tl.int8)
+    return lo, hi
+
+
+@triton.jit
+def _copies_tile4(offs, mask, kq_base, ks_base, HALF: tl.constexpr, ASM: tl.constexpr):
     """The 4-bit copies of positions ``offs`` where ``mask``, unpacked to their two
-    halves' ``code + 8`` (8, a zero code, elsewhere: byte 0x88), and their scales."""
+    halves' ``code + 8``, and their scales. Masked positions read byte 0 (codes -8):
+    their scores are never kept. A fill other than 0 costs a select in registers
+    after the asynchronous copy, and with it a trip of the tile through shared
+    memory again before the MMA (TTGIR, sm_90: the loop ran ~1.35x int8's time)."""
     offs_d = tl.arange(0, HALF)
-    p = tl.load(kq_base + offs[:, None].to(tl.int64) * HALF + offs_d[None, :], mask=mask[:, None], other=-120)
-    return (p & 0xF).to(tl.int8), ((p >> 4) & 0xF).to(tl.int8), tl.load(ks_base + offs, mask=mask, other=0.0)
+    p = tl.load(kq_base + offs[:, None].to(tl.int64) * HALF + offs_d[None, :], mask=mask[:, None], other=0)
+    lo, hi = _nibbles(p, ASM)
+    return lo, hi, tl.load(ks_base + offs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _index_keys_tile4(offs, valid, valid_to, kq_base, ks_base, rf_a, rf_b, K_POOL, REQ_TO_TOKEN, req_row,
-                      stride_r2t, stride_kt, cur_h, stride_kh, HALF: tl.constexpr):
+                      stride_r2t, stride_kt, cur_h, stride_kh, HALF: tl.constexpr, ASM: tl.constexpr):
     """:func:`_index_keys_tile` for the 4-bit copies: new positions' keys times
     ``1 / f``, quantized to 7, packed and copied."""
     cached = valid & (offs < valid_to)
     fresh = valid & (offs >= valid_to)
-    ka_c, kb_c, ks_c = _copies_tile4(offs, cached, kq_base, ks_base, HALF)
+    ka_c, kb_c, ks_c = _copies_tile4(offs, cached, kq_base, ks_base, HALF, ASM)
     offs_d = tl.arange(0, HALF)
     tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=fresh, other=0).to(tl.int64)
     k_ptr = K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :]
@@ -255,6 +277,7 @@ def _token_scores_kernel(
     FRESH_N: tl.constexpr = 16,
     KEYS_AS_M: tl.constexpr = False,
     INDEX_BITS: tl.constexpr = 8,
+    ASM_NIBBLES: tl.constexpr = False,
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -312,7 +335,7 @@ def _token_scores_kernel(
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
             if INDEX_BITS == 4:
-                ka, kb, ks = _copies_tile4(offs, valid, kq_base, ks_base, HALF)
+                ka, kb, ks = _copies_tile4(offs, valid, kq_base, ks_base, HALF, ASM_NIBBLES)
                 s = _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, KEYS_AS_M) * sm_scale
             else:
                 kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
@@ -329,7 +352,8 @@ def _token_scores_kernel(
             valid = (offs >= lo) & (offs < hi)
             if INDEX_BITS == 4:
                 ka, kb, ks = _index_keys_tile4(offs, valid, valid_to, kq_base, ks_base, rf_a, rf_b, K_POOL,
-                                               REQ_TO_TOKEN, req_row, stride_r2t, stride_kt, cur_h, stride_kh, HALF)
+                                               REQ_TO_TOKEN, req_row, stride_r2t, stride_kt, cur_h, stride_kh, HALF,
+                                               ASM_NIBBLES)
                 s = _index_scores_tile4(qa, qb, qs, qsum8, ka, kb, ks, mask_h, False) * sm_scale
             else:
                 kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
@@ -458,6 +482,7 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         out.stride(0), out.stride(1), *idx_strides, f.stride(0), f.stride(1), n_max, req_to_token.shape[1], idx_ctx,
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
         KEYS_AS_M=bool(keys_as_m) and index_keys is not None, FRESH_N=min(16, block_n), INDEX_BITS=bits,
+        ASM_NIBBLES=bits == 4 and not is_interpreter(),
         # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
         num_warps=num_warps, enable_fp_fusion=index_keys is None,
         **({} if num_stages is None else dict(num_stages=num_stages)),

@@ -276,13 +276,17 @@ def test_topk_of_4bit_scores_with_smoothing():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_index_scores_long():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gpu_index_scores_long(bits):
     """128K and 32K rows at D 128, default tiling and program count: a first step
     (everything copied), then two steps reading the copies; copies bit-identical to
-    quantize_keys on the GPU (IEEE division, no fused multiply-add)."""
+    quantize_keys on the GPU (IEEE division, no fused multiply-add). 4 bits: the
+    compiled kernel unpacks nibbles with PTX on 32-bit words (the interpreter runs
+    the plain int8 ops instead): this is where that path is checked."""
     seq = [131072 - 9, 32768]
     case = _case(seq, 2, torch.bfloat16, seed=60, head_dim=128)
-    kq, ks, filled = _copies(2, 2, 131072, 128)
+    kq, ks, filled = _copies(2, 2, 131072, 128, bits)
+    f = _smoothing(case, seq, 2) if bits == 4 else None
     lo = torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(61)
     for step in range(3):
@@ -290,9 +294,9 @@ def test_gpu_index_scores_long():
         q = torch.randn(2, 4, 128, generator=gen, device=DEVICE)
         args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 131072)
         out = torch.full((2, 2, 131072), float("nan"), device=DEVICE)
-        s = index_token_scores(*args, kq, ks, filled, out=out)
-        _close(s, index_token_scores_ref(*args), lo, hi, rtol=1e-4)
-        _check_copies(case, kq, ks, lo, hi)
+        s = index_token_scores(*args, kq, ks, filled, out=out, ksmooth=f)
+        _close(s, index_token_scores_ref(*args, ksmooth=f), lo, hi, rtol=1e-4)
+        _check_copies(case, kq, ks, lo, hi, f)
 
 
 VEC16 = r"cp\.async\.cg\.shared\.global[^;]*0x10"
@@ -300,6 +304,7 @@ INT8_MMA = r"mma[^;]*\.s32\.s8\.s8"  # mma.sync or wgmma with int8 operands
 
 
 WGMMA = r"wgmma\.mma_async[^;]*\.s8\.s8"
+NIBBLE_MASK = r"and\.b32[^;]*0x0F0F0F0F"
 
 
 def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False,
@@ -312,7 +317,8 @@ def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resource
     ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
             "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32", "KSMOOTH": "*fp32"}
     const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
-                 FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m, INDEX_BITS=bits)
+                 FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m, INDEX_BITS=bits,
+                 ASM_NIBBLES=bits == 4)
     sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "sm_scale" else "i32") for n in fn.arg_names}
     # as the launcher specializes serving's strides and widths (multiples of 16): without
     # the copies' strides Triton cannot prove their rows aligned and does not pipeline them
@@ -321,7 +327,7 @@ def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resource
                                        "stride_ch", "stride_ss", "stride_sh", "stride_fs", "stride_fh",
                                        "MAX_CTX", "IDX_CTX")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
-    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA]
+    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA, NIBBLE_MASK]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
                           options={"enable_fp_fusion": not index_keys, "num_warps": 4, "num_stages": 3},
                           patterns=patterns, resources=resources)
@@ -348,6 +354,7 @@ def test_4bit_variant_compiles_for_sm90():
     and shared memory for 4 programs an SM at the serving tile."""
     r = _sm90(True, block_n=128, keys_as_m=True, resources=True, bits=4)
     assert r[WGMMA] > 0 and r[r"cvt\.rn\.bf16"] == 0, r
+    assert r[NIBBLE_MASK] >= 2, r  # nibbles unpacked on 32-bit words (_nibbles' PTX)
     assert r[r"div\.rn\.f32"] >= 2 and r[r"fma\.rn\.f32"] == 0, r
     assert r["stack_bytes"] == 0 and r["registers"] * 128 * 4 <= 65536, r
     assert (r["shared_bytes"] + 1024) * 4 <= 233472, r
