@@ -58,18 +58,26 @@ KEY_DESC = tl.constexpr(2)
 
 
 @triton.jit
+def desc_key(v, ok):
+    """KEY_DESC of fp32 values v: (key bits int32, ok narrowed to the finite values).
+    Also what a producer of scores counts for ``topk_range``'s ``h_top``
+    (``token_scores``' HIST): one definition, so its digits are the select's."""
+    bits = v.to(tl.int32, bitcast=True)
+    ok = ok & (tl.abs(v) < float("inf"))  # NaN compares false: left out too
+    return tl.where(v == 0.0, 0x7FFFFFFF, tl.where(bits >= 0, bits ^ 0x7FFFFFFF, bits)), ok
+
+
+@triton.jit
 def load_key(X, offs, ok, center, KEY: tl.constexpr):
     """(v, key bits int32, ok): v = X[offs] (or |X[offs] - center|); ok narrowed to
     the values the select counts (KEY_DESC: finite ones)."""
     v = tl.load(X + offs, mask=ok, other=0.0)
     if KEY == 1:
         v = tl.abs(v - center)
-    bits = v.to(tl.int32, bitcast=True)
     if KEY == 2:
-        ok = ok & (tl.abs(v) < float("inf"))  # NaN compares false: left out too
-        bits = tl.where(v == 0.0, 0x7FFFFFFF, tl.where(bits >= 0, bits ^ 0x7FFFFFFF, bits))
+        bits, ok = desc_key(v, ok)
     else:
-        bits = bits & 0x7FFFFFFF
+        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     return v, bits, ok
 
 

@@ -188,6 +188,7 @@ def index_token_scores(
     num_stages: Optional[int] = None,
     keys_as_m: bool = KEYS_AS_M,
     ksmooth: Optional[torch.Tensor] = None,
+    h_top: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scores of ``q_hat`` over ``[lo[b], hi[b])`` from row ``b``'s int8 or 4-bit key
     copies (the module's formulas), fp32 ``[bs, Hkv, n_max]``; only ``[lo, hi)`` is written
@@ -210,6 +211,12 @@ def index_token_scores(
         keys_as_m: the key tile as the dot's M side (``token_scores._index_scores_tile``):
             a warpgroup MMA from shared memory on sm_90, instead of ``mma.sync`` with
             the group's queries as M. The same scores.
+        h_top: optional int32 ``[bs, Hkv, 64]`` (stride 1 along the bins): each
+            (row, KV head)'s 64-bin histogram of the top 6 bits of the ``KEY_DESC`` keys
+            of the finite scores written in ``[lo, hi)`` is ADDED to it (atomics, the
+            row's programs each add theirs once) -- ``topk_range``'s ``h_top`` for a
+            Top-K over these scores and the same ``lo``/``hi``, which skips its first
+            pass over the row and leaves it zeroed again. Give it zeroed.
     """
     from .token_scores import launch_token_scores
 
@@ -231,7 +238,7 @@ def index_token_scores(
                                num_programs=num_programs, num_sms=num_sms, programs_per_sm=programs_per_sm,
                                block_n=block_n, num_warps=num_warps,
                                fill=False, index_keys=(kq, kscale, filled, ksmooth if bits == 4 else None),
-                               num_stages=num_stages, keys_as_m=keys_as_m)
+                               num_stages=num_stages, keys_as_m=keys_as_m, h_top=h_top)
 
 
 def index_token_scores_ref(

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._radix import desc_key
 from ._utils import cdiv, device_num_sms, is_interpreter, needs_fp32_dot, next_pow2
 from .index_keys import _quantize_halves, _quantize_tile
 from .quest_pages import expand_selection
@@ -233,6 +234,23 @@ def _index_keys_tile4(offs, valid, valid_to, kq_base, ks_base, rf_a, rf_b, K_POO
             tl.where(fresh, ks_f, ks_c))
 
 
+@triton.jit
+def _top_digit_hist(s):
+    """64-bin histogram of the top 6 bits of the KEY_DESC keys (``_radix.desc_key``) of
+    the finite values of ``s``: one stored tile's share of ``topk_range``'s ``h_top``
+    (its first pass over the row; the tile's -inf, positions not scored, not counted)."""
+    bits, ok = desc_key(s, True)
+    return tl.histogram((bits >> 26) & 63, 64, mask=ok)
+
+
+@triton.jit
+def _add_top_hist(H_TOP, cur_b, cur_h, stride_tb, stride_th, hist):
+    """Adds a program's 64 bins to H_TOP[cur_b, cur_h, :] (the row's other programs add
+    theirs): one atomic per non-empty bin. Relaxed: the reader is a later launch."""
+    bins = H_TOP + cur_b.to(tl.int64) * stride_tb + cur_h.to(tl.int64) * stride_th + tl.arange(0, 64)
+    tl.atomic_add(bins, hist, mask=hist != 0, sem="relaxed")
+
+
 # The copies' strides and width are the store's, fixed per server: specialized, so
 # Triton knows the int8 rows are 16-byte aligned and reads them in vectors.
 @triton.jit(do_not_specialize=["N_MAX", "stride_ob", "stride_oh"])
@@ -248,6 +266,7 @@ def _token_scores_kernel(
     KSCALE,  # INDEX_KEYS: [bs, Hkv, IDX_CTX] fp32, stride 1 along positions
     FILLED,  # INDEX_KEYS: [bs, 2] int32
     KSMOOTH,  # INDEX_BITS 4: [bs, Hkv, D] fp32, stride 1 along D
+    H_TOP,  # HIST: [bs, Hkv, 64] int32, stride 1 along the bins; added to
     sm_scale,
     stride_qb,
     stride_qh,
@@ -262,6 +281,8 @@ def _token_scores_kernel(
     stride_sh,
     stride_fs,
     stride_fh,
+    stride_tb,
+    stride_th,
     N_MAX,
     MAX_CTX,
     IDX_CTX,
@@ -278,6 +299,7 @@ def _token_scores_kernel(
     KEYS_AS_M: tl.constexpr = False,
     INDEX_BITS: tl.constexpr = 8,
     ASM_NIBBLES: tl.constexpr = False,
+    HIST: tl.constexpr = False,  # INDEX_KEYS only: add the written scores' top-digit histogram to H_TOP
 ):
     cur_b = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -331,6 +353,13 @@ def _token_scores_kernel(
         # (session 20, H200: 4.5x token_scores' time at 32768 x 8 when every
         # block took that path).
         blk_new = tl.minimum(tl.maximum(valid_to // BLOCK_N, blk_lo), blk_hi)
+        if HIST:
+            # topk_range's first pass over the row (h_top), counted here from the very
+            # values stored (their -inf, positions outside [lo, hi) or past MAX_CTX /
+            # IDX_CTX, not counted), in registers over both loops (one 64-bin sum
+            # whatever the tile), added to H_TOP once at the end: a Top-K over these
+            # scores then skips a serial pass over each row
+            hist = tl.zeros([64], dtype=tl.int32)
         for blk in range(blk_lo + pid, blk_new, nprog):
             offs = blk * BLOCK_N + offs_n
             valid = (offs >= lo) & (offs < hi)
@@ -340,7 +369,10 @@ def _token_scores_kernel(
             else:
                 kq, ks = _copies_tile(offs, valid, kq_base, ks_base, offs_d, mask_d, HEAD_DIM)
                 s = _index_scores_tile(qq, qs, kq, ks, mask_h, KEYS_AS_M) * sm_scale
-            tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
+            s = tl.where(valid, s, float("-inf"))
+            tl.store(out_base + offs, s, mask=offs < N_MAX)
+            if HIST:
+                hist += _top_digit_hist(s)
         # The rest in FRESH_N-position tiles: a [FRESH_N, D] fp32 tile to quantize
         # instead of [BLOCK_N, D] keeps this loop's registers under the copies
         # loop's. Its 128-position fp32 tile took the kernel to 249-255 registers a
@@ -359,7 +391,12 @@ def _token_scores_kernel(
                 kq, ks = _index_keys_tile(offs, valid, valid_to, kq_base, ks_base, K_POOL, REQ_TO_TOKEN, req_row,
                                           stride_r2t, stride_kt, cur_h, stride_kh, offs_d, mask_d, HEAD_DIM)
                 s = _index_scores_tile(qq, qs, kq, ks, mask_h, False) * sm_scale
-            tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
+            s = tl.where(valid, s, float("-inf"))
+            tl.store(out_base + offs, s, mask=offs < N_MAX)
+            if HIST:
+                hist += _top_digit_hist(s)
+        if HIST:
+            _add_top_hist(H_TOP, cur_b, cur_h, stride_tb, stride_th, hist)
     else:
         for blk in range(blk_lo + pid, blk_hi, nprog):
             offs = blk * BLOCK_N + offs_n
@@ -449,9 +486,12 @@ def token_scores(
 
 def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
                         num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None,
-                        keys_as_m: bool = False, programs_per_sm: int = 4) -> torch.Tensor:
+                        keys_as_m: bool = False, programs_per_sm: int = 4,
+                        h_top: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
-    (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False)."""
+    (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False).
+    ``h_top`` (index keys only): int32 ``[bs, Hkv, 64]``, the written scores' top-digit
+    histograms ADDED to it (``topk_range``'s ``h_top``; the caller zeroes it)."""
     bs, num_kv_heads, _, _ = _common_checks(q_hat, k_pool, req_to_token)
     assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
     n_max = int(n_max)
@@ -476,13 +516,23 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
         idx_strides, idx_ctx = (kq.stride(0), kq.stride(1), kscale.stride(0), kscale.stride(1)), kq.shape[2]
     bits = 4 if ksmooth is not None else 8  # ksmooth: the 4-bit copies (index_keys.py)
     f = ksmooth if ksmooth is not None else out  # unread with 8 bits
+    if h_top is not None:
+        assert index_keys is not None, "h_top: only with index keys"
+        assert h_top.shape == (bs, num_kv_heads, 64) and h_top.dtype == torch.int32 and h_top.stride(2) == 1, \
+            "h_top: int32 [bs, Hkv, 64], stride 1 along the bins"
+        assert h_top.device == out.device, "h_top: on the scores' device"
+    # without h_top: a pointer the kernel never reads, strides 0 (no
+    # specialization follows the output's width)
+    ht, ht_strides = (h_top, (h_top.stride(0), h_top.stride(1))) if h_top is not None else (out, (0, 0))
     _token_scores_kernel[grid](
-        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, f, float(sm_scale),
+        q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, out, kq, kscale, filled, f, ht, float(sm_scale),
         q_hat.stride(0), q_hat.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        out.stride(0), out.stride(1), *idx_strides, f.stride(0), f.stride(1), n_max, req_to_token.shape[1], idx_ctx,
+        out.stride(0), out.stride(1), *idx_strides, f.stride(0), f.stride(1), *ht_strides, n_max,
+        req_to_token.shape[1], idx_ctx,
         BLOCK_N=block_n, **group_tile_meta(q_hat, k_pool), FILL=bool(fill), INDEX_KEYS=index_keys is not None,
         KEYS_AS_M=bool(keys_as_m) and index_keys is not None, FRESH_N=min(16, block_n), INDEX_BITS=bits,
         ASM_NIBBLES=bits == 4 and not is_interpreter(),
+        HIST=h_top is not None,
         # index keys: the copies must equal quantize_keys', k * inv + 0.5 rounded twice as torch does
         num_warps=num_warps, enable_fp_fusion=index_keys is None,
         **({} if num_stages is None else dict(num_stages=num_stages)),

@@ -88,7 +88,7 @@ from ._radix import (_pick_digit, digit_hist, digit_histogram, load_key, pick_di
 from ._split import TOPK_RULE, resolve_splits
 from ._utils import device_num_sms, env_switch
 
-__all__ = ["topk_range", "topk_range_ref", "top_digit_hist_ref", "launch_shape", "LAUNCH_SHAPES"]
+__all__ = ["topk_range", "topk_range_ref", "top_digit_hist_ref", "takes_htop", "launch_shape", "LAUNCH_SHAPES"]
 
 
 @triton.jit
@@ -409,6 +409,20 @@ def topk_range(
         num_warps=num_warps,
     )
     return out, out_len
+
+
+def takes_htop(n: int, programs: int, device: torch.device, *, one_block: Optional[bool] = None) -> bool:
+    """Whether a call over ``programs`` (row, head) rows of ``n`` scores, left to its
+    defaults, runs the kernel ``h_top`` feeds (block-walking, 6-bit digits, gather, no
+    split), so that a producer's ``h_top`` only saves that kernel its first pass. Where
+    the defaults take another (a register row, a split: 4 slices of asyncspade's 64
+    rows of 32K ran 114 -> 74 us; 8-bit digits by the operator's choice), ``h_top``
+    would force this one instead: a producer should not count it there. Host sizes
+    only (static per CUDA graph). ``one_block``: as :func:`topk_range`'s."""
+    if one_block is None:
+        one_block = ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and row_block_fits(n)
+    return bool(SMALL_DIGITS and not one_block and n > 0
+                and resolve_splits(None, n, programs, device, TOPK_RULE) == 1)
 
 
 def _htop_launch(h_top: torch.Tensor, scores: torch.Tensor, gather: bool, small_digits: Optional[bool],

@@ -74,6 +74,13 @@ ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
 #: beside layer l's Top-K. Not yet measured on a GPU (bench/README's waiting list):
 #: one until it is.
 ASPD_SIDE_STREAMS = env_count("ASPD_SIDE_STREAMS", 1, 1, 4)
+#: asyncspade with index keys: the scoring pass also counts, per (slot, KV head), the
+#: 64-bin histogram of the top 6 bits of the scores it writes (kernels/token_scores.py
+#: HIST), and the Top-K reads it (topk_range's h_top) instead of its first serial pass
+#: over each row. Only where the Top-K runs the kernel that takes it anyway
+#: (topk_range.takes_htop: serving's 32K+ rows, unsplit). Same selections bit for bit;
+#: SGLANG_SPARSE_TOPK_HIST_FROM_SCORES=0 turns it off (A/B of a server).
+TOPK_HIST_FROM_SCORES = env_switch("TOPK_HIST_FROM_SCORES", True)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -462,6 +469,21 @@ class QueryAwareDevice:
             torch.cuda.current_stream().wait_stream(side)
         self._side_pending = False
 
+    def _aspd_hist(self, li: int) -> bool:
+        """Whether layer li's scoring counts h_top for its group's Top-K
+        (TOPK_HIST_FROM_SCORES): index keys on, and the Top-K over the group's rows
+        (the last group may be shorter) runs the kernel that reads it. Host sizes
+        only: the same at every step, captured or not."""
+        from sgl_sparse.kernels.topk_range import takes_htop
+
+        store = self.aspd
+        if not TOPK_HIST_FROM_SCORES or store.htop is None:
+            return False
+        group = store.topk_layers
+        layers = min(group, self._last_layer + 1 - (li - li % group))
+        slots, heads = store.htop.shape[1:3]
+        return takes_htop(store.cfg.max_context, layers * slots * heads, store.htop.device)
+
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
@@ -475,6 +497,8 @@ class QueryAwareDevice:
         n_max = store.cfg.max_context
         group = store.topk_layers
         g = li % group
+        # the group's Top-K reads layer li's histograms from row g of store.htop
+        hist = self._aspd_hist(li)
         out = store.scores[g] if group > 1 else None
         # the pass's programs per SM on the side stream (fewer leave room for the main stream)
         per_sm = store.cfg.score_programs_per_sm
@@ -483,7 +507,8 @@ class QueryAwareDevice:
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
                                         programs_per_sm=per_sm,
-                                        ksmooth=store.ksmooth[li] if store.ksmooth is not None else None)
+                                        ksmooth=store.ksmooth[li] if store.ksmooth is not None else None,
+                                        h_top=store.htop[g] if hist else None)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
                                   out=out, programs_per_sm=per_sm)
@@ -499,9 +524,15 @@ class QueryAwareDevice:
         cap = store.sel_pos.shape[-1]
         k = max(1, min(cap, n_max))
         sink = rows.sink[:n]
+        # the scoring launches' histograms of the group's layers, rows in the scores' order:
+        # they scored [f.sink, f.hi) per slot, the same ranges as rows.sink / rows.hi per
+        # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
+        # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
+        extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
-                                out=torch.empty(n, k_cache.shape[1], k, dtype=torch.int32, device=q_hat.device))
+                                out=torch.empty(n, k_cache.shape[1], k, dtype=torch.int32, device=q_hat.device),
+                                **extra)
         # straight into the store (layer first + j's rows from row j * (slots + 1) of
         # these views); slots without a row: their programs return at once
         layers = slice(first, first + n_layers)

@@ -26,6 +26,10 @@ Layouts (slot = one live request of the policy; layers of this rank):
                                                      zeroed when a request takes the slot
               ksmooth      [layers, slots, Hkv, D] fp32 (int4 only): the channels'
                            powers of two, from the prompt's keys at each extend chunk
+              htop         [G, slots, Hkv, 64] int32 (G = topk_layers): the top-digit
+                           histograms of the scores the scoring pass writes, added by it,
+                           read and zeroed by the group's Top-K (topk_range's h_top;
+                           query_device.TOPK_HIST_FROM_SCORES); zero between steps
               with `topk_layers: G > 1` [ours]: the scores of a group's layers,
               kept from each layer's scoring to the group's one Top-K launch
               (overwritten every step, never read across steps):
@@ -92,12 +96,17 @@ class AsyncSpadeStore:
         if self.topk_layers > 1:
             self.scores = torch.empty(self.topk_layers, cfg.slots, num_kv_heads, cfg.max_context,
                                       dtype=torch.float32, device=device)
+        # zeros: the scoring pass adds to them, the Top-K leaves them zeroed after reading
+        self.htop = None
+        if self.index_keys:
+            self.htop = torch.zeros(self.topk_layers, cfg.slots, num_kv_heads, 64, dtype=torch.int32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         index = (self.kq, self.kscale, self.filled) if self.index_keys else ()
         index += (self.ksmooth,) if self.ksmooth is not None else ()
         scores = (self.scores,) if self.scores is not None else ()
-        return self.ring, self.total, self.sel_pos, self.sel_count, *index, *scores
+        htop = (self.htop,) if self.htop is not None else ()
+        return self.ring, self.total, self.sel_pos, self.sel_count, *index, *scores, *htop
 
 
 class LfpsStore:

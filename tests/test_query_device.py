@@ -8,17 +8,22 @@ batches: quest and asyncspade rows with different knobs, an lfps row, a full row
 per-head position sets and a_len, the same attention output, the same stores.
 Then the device path replayed the way a CUDA graph replays it: no host planning
 between steps, inputs changed in place, no host sync and the same tensor shapes.
+asyncspade with index keys: the scoring pass's top-digit histograms feed the Top-K
+(query_device.TOPK_HIST_FROM_SCORES, on) in every test here, as on serving's rows;
+the same selections with it off.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sgl_sparse import reference
+from sgl_sparse import query_device, reference
 from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
@@ -29,8 +34,19 @@ from sgl_sparse.state import SparseState
 
 # Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
 pytestmark = pytest.mark.sglang_independent
+# the module (sgl_sparse.kernels exports its function under the same name)
+topk_mod = importlib.import_module("sgl_sparse.kernels.topk_range")
 
 HKV, D, MAXCTX, CAP = 2, 16, 160, 80
+
+
+@pytest.fixture(autouse=True)
+def _topk_hist_from_scores(monkeypatch):
+    """asyncspade's rows here (MAXCTX scores) would take topk_range's register-row
+    kernel, where h_top does not apply (topk_range.takes_htop), and serving's 32K+
+    ones the block-walking kernel it feeds: taken here too, so that the index-key
+    tests run the scoring pass's histograms into the Top-K, as serving does."""
+    monkeypatch.setattr(topk_mod, "takes_htop", functools.partial(topk_mod.takes_htop, one_block=False))
 SCALE = 1 / math.sqrt(D)
 KV = torch.float16
 
@@ -184,15 +200,17 @@ def test_device_path_matches_the_torch_path(group, index_keys):
         _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
 
 
-@pytest.mark.parametrize("topk_layers", [2, 5])
-def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers):
+@pytest.mark.parametrize("topk_layers,index_keys", [(2, "kv"), (5, "kv"), (2, "int8")])
+def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers, index_keys):
     """`topk_layers`: one Top-K launch over the rows of a group of layers (of 5: the
     last group shorter where the size does not divide them) stores every layer the
-    selection its own launch stores, and the same attention follows."""
+    selection its own launch stores, and the same attention follows (int8 index keys:
+    each group's Top-K reads its layers' histograms from their scoring launches)."""
     layers, group = 5, 2
     gen = torch.Generator().manual_seed(31 + topk_layers)
-    one = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": 1})
-    grouped = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers})
+    one = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": 1}, index_keys=index_keys)
+    grouped = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers},
+                   index_keys=index_keys)
     s1, s2 = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (one, grouped))
     assert s1.scores is None and s2.scores.shape == (topk_layers, 4, HKV, MAXCTX)
     q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
@@ -213,6 +231,47 @@ def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers):
     # selections were made, and differ between layers (their rows were not mixed up)
     assert all(int(s1.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
     assert not torch.equal(s1.sel_pos[0, slots[0]], s1.sel_pos[layers - 1, slots[0]])
+    if index_keys != "kv":  # the Top-Ks left every histogram zeroed for the next step
+        assert s2.htop.shape == (topk_layers, 4, HKV, 64) and not s1.htop.any() and not s2.htop.any()
+
+
+@pytest.mark.parametrize("index_keys,topk_layers", [("int8", 2), ("int4", 1)])
+def test_topk_hist_from_scores_selects_as_without(monkeypatch, index_keys, topk_layers):
+    """TOPK_HIST_FROM_SCORES (read at import: the module constant patched): the same
+    decode steps with the scoring pass's histograms fed to the Top-K and without store
+    the same selections bit for bit, over 3 layers (groups of 2: the last one shorter;
+    or per layer); with it every Top-K got h_top, and left it zeroed."""
+    layers, group = 3, 2
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw.get("h_top") is not None)
+        return real(*args, **kw)
+
+    real = topk_mod.topk_range
+    monkeypatch.setattr(topk_mod, "topk_range", spy)
+    stores = {}
+    for on in (False, True):
+        monkeypatch.setattr(query_device, "TOPK_HIST_FROM_SCORES", on)
+        gen = torch.Generator().manual_seed(77)
+        twin = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers},
+                    index_keys=index_keys)
+        twin.admit(torch.randn(sum(LENS.values()), HKV * group, twin.d, generator=gen).to(KV))
+        rows = [5, 1, 7, 4, 0, 2]
+        store = twin.st.query_stores[PolicyId.ASYNCSPADE]
+        calls.clear()
+        for t in range(3):
+            lens = [LENS[r] + 1 + t if r else 1 for r in rows]
+            qs = [torch.randn(len(rows), HKV * group, twin.d, generator=gen).to(KV) for _ in range(layers)]
+            twin.step_layers(rows, lens, qs)
+            assert not store.htop.any(), (on, t)
+        # on: each step's asyncspade Top-Ks (one a group) and no other took h_top
+        assert sum(calls) == (3 * -(-layers // topk_layers) if on else 0), (on, calls)
+        stores[on] = store
+    a, b = stores[False], stores[True]
+    assert torch.equal(a.sel_count, b.sel_count) and a.sel_count.any()
+    kept = torch.arange(CAP) < a.sel_count[..., None]
+    assert torch.equal(torch.where(kept, a.sel_pos, -1), torch.where(kept, b.sel_pos, -1))
 
 
 def _copies_are_the_keys(twin: Twin, n_of) -> None:

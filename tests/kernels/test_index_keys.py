@@ -9,6 +9,10 @@
   range past the copies' width. Ragged lengths not multiples of the 16-position
   block, GQA 1/4/8, bf16 and fp16 pools, q_hat in fp32 (AsyncSpade's prediction).
   The output is NaN-poisoned: an unwritten score in [lo, hi) fails.
+- With ``h_top``: the histogram the launches add is ``top_digit_hist_ref`` of the
+  scores they wrote in ``[lo, hi)`` (cold and steady steps, several programs a row,
+  empty ranges, a range past the copies), and ``topk_range`` given it selects as
+  without it, bit for bit, leaving it zeroed for the next step.
 - The copy's scores rank like the exact scores (the approximation's size): the Top-K
   of the int8 scores keeps almost all of the exact Top-K on random keys with outlier
   channels.
@@ -120,6 +124,78 @@ def test_steps_read_and_fill_the_copies(idx):
             kq[2] = -5
     # the range past the copies' width scores -inf (row 0: [140, 146))
     assert torch.isneginf(s[0, :, ctx:146]).all()
+
+
+def _in_range(s, lo, hi):
+    """s with -inf outside each row's [lo, hi): what a reference may read (the rest is
+    not written, NaN here)."""
+    clean = torch.full_like(s, float("-inf"))
+    for b in range(s.shape[0]):
+        clean[b, :, int(lo[b]):max(int(hi[b]), int(lo[b]))] = s[b, :, int(lo[b]):int(hi[b])]
+    return clean
+
+
+@pytest.mark.parametrize("bits,group", [(8, 1), (8, 4), (4, 1), (4, 4)])
+def test_scores_add_the_topk_top_digit_histogram(bits, group):
+    """h_top: each step's launch adds to a zeroed histogram exactly the top digits of
+    the finite scores it wrote in [lo, hi) (top_digit_hist_ref), summed over the row's
+    2-3 programs and over both of a program's loops (copies in 32-position tiles, new
+    keys quantized in 16-position ones); then topk_range given it keeps what it keeps
+    without it, bit for bit, and leaves it zeroed for the next step's launch, as
+    serving runs them. Steps: cold (all quantized), steady (copies read, one new
+    position), a skipped step, empty ranges (row 3 at step 1, row 4 always: hi <= lo),
+    row 0 past the copies' width (-inf there, not counted)."""
+    from sgl_sparse.kernels.topk_range import top_digit_hist_ref, topk_range
+
+    seq_lens = [150, 47, 90, 33, 40]
+    case = _case(seq_lens, group, torch.bfloat16, seed=40 + bits + group)
+    bs, hkv, d = 5, case.k_pool.shape[1], case.k_pool.shape[2]
+    ctx, n_max = 140, 150
+    kq, ks, filled = _copies(bs, hkv, ctx, d, bits)
+    f = _smoothing(case, seq_lens, bs) if bits == 4 else None
+    gen = torch.Generator(device=DEVICE).manual_seed(200 + bits + group)
+    lo = torch.tensor([4, 0, 3, 1, 30], dtype=torch.int32, device=DEVICE)
+    steps = [[120, 30, 50, 20, 30], [121, 31, 51, 0, 12], [122, 34, 52, 21, 30], [141, 35, 53, 22, 0],
+             [146, 36, 54, 23, 29]]
+    budget = torch.tensor([20, 5, 0, 7, 3], dtype=torch.int32, device=DEVICE)  # row 2: h_top zeroed unread
+    h = torch.zeros(bs, hkv, 64, dtype=torch.int32, device=DEVICE)
+    for step, his in enumerate(steps):
+        hi = torch.tensor(his, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(bs, hkv * group, d, generator=gen, device=DEVICE)
+        out = torch.full((bs, hkv, n_max), float("nan"), device=DEVICE)
+        s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max,
+                               kq, ks, filled, out=out, num_programs=2 + step % 2, block_n=32,
+                               keys_as_m=step % 2 == 0, ksmooth=f, h_top=h)
+        want = top_digit_hist_ref(_in_range(s, lo, hi), lo, hi)
+        assert torch.equal(h, want), step
+        # every position scored but those past the copies; none of an empty range
+        assert int(want[0].sum()) == hkv * (min(his[0], ctx) - 4) and int(want[3].sum()) == hkv * max(his[3] - 1, 0)
+        assert not want[4].any(), step
+        plain = topk_range(s, lo, hi, budget, 24, one_block=False)
+        given = topk_range(s, lo, hi, budget, 24, h_top=h)
+        assert torch.equal(given[1], plain[1]) and torch.equal(given[0], plain[0]), step
+        assert not h.any(), step  # consumed: the next launch adds to zeros
+        assert int(plain[1][0].min()) == 20 and not plain[1][2].any()
+
+
+def test_h_top_launch_checks():
+    """h_top is the index keys' only, int32 [bs, Hkv, 64] with unit stride along the bins."""
+    from sgl_sparse.kernels.token_scores import launch_token_scores
+
+    case = _case([40, 20], 1, torch.bfloat16, seed=3)
+    hkv, d = case.k_pool.shape[1], case.k_pool.shape[2]
+    kq, ks, filled = _copies(2, hkv, 48, d)
+    lo = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([30, 10], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, hkv, d, device=DEVICE)
+    args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 48)
+    for bad in (torch.zeros(2, hkv, 32, dtype=torch.int32), torch.zeros(2, hkv, 64, dtype=torch.int64),
+                torch.zeros(2, hkv, 128, dtype=torch.int32)[..., ::2]):
+        with pytest.raises(AssertionError, match="h_top"):
+            index_token_scores(*args, kq, ks, filled, h_top=bad.to(DEVICE))
+    with pytest.raises(AssertionError, match="h_top"):
+        launch_token_scores(*args, out=None, num_programs=1, num_sms=None, block_n=16, num_warps=4, fill=False,
+                            h_top=torch.zeros(2, hkv, 64, dtype=torch.int32, device=DEVICE))
 
 
 def test_dot_orientations_give_the_same_scores():
@@ -305,29 +381,33 @@ INT8_MMA = r"mma[^;]*\.s32\.s8\.s8"  # mma.sync or wgmma with int8 operands
 
 WGMMA = r"wgmma\.mma_async[^;]*\.s8\.s8"
 NIBBLE_MASK = r"and\.b32[^;]*0x0F0F0F0F"
+GLOBAL_ATOMIC = r"atom\.global[^;]*\.add"  # HIST's adds to h_top
 
 
 def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False,
-          bits: int = 8) -> dict:
+          bits: int = 8, hist: bool = False) -> dict:
     """token_scores' kernel compiled for the H100 (no GPU needed), as the backend
     launches it: fp32 q_hat, bf16 pool, D 128, GQA 2, 4 warps, 3 stages; the index
-    variant with fp fusion off, as index_token_scores launches it."""
+    variant with fp fusion off, as index_token_scores launches it (``hist``: with
+    ``h_top``, the HIST variant)."""
     from sgl_sparse.kernels.token_scores import _token_scores_kernel as fn
 
     ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
-            "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32", "KSMOOTH": "*fp32"}
+            "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32", "KSMOOTH": "*fp32",
+            "H_TOP": "*i32"}
     const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
                  FILL=False, INDEX_KEYS=index_keys, FRESH_N=16, KEYS_AS_M=keys_as_m, INDEX_BITS=bits,
-                 ASM_NIBBLES=bits == 4)
+                 ASM_NIBBLES=bits == 4, HIST=hist)
     sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "sm_scale" else "i32") for n in fn.arg_names}
     # as the launcher specializes serving's strides and widths (multiples of 16): without
     # the copies' strides Triton cannot prove their rows aligned and does not pipeline them
     divisible = [n for n in fn.arg_names
                  if n in ptrs or n in ("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_r2t", "stride_cs",
                                        "stride_ch", "stride_ss", "stride_sh", "stride_fs", "stride_fh",
-                                       "MAX_CTX", "IDX_CTX")]
+                                       "stride_tb", "stride_th", "MAX_CTX", "IDX_CTX")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
-    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA, NIBBLE_MASK]
+    patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA, NIBBLE_MASK,
+                GLOBAL_ATOMIC]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
                           options={"enable_fp_fusion": not index_keys, "num_warps": 4, "num_stages": 3},
                           patterns=patterns, resources=resources)
@@ -374,3 +454,17 @@ def test_index_variant_fits_several_programs_per_sm(keys_as_m):
     assert (r["shared_bytes"] + 1024) * 4 <= 233472, r  # and in shared memory (+1 KiB the driver's)
     assert r[VEC16] > 0, r  # the copies' tiles pipelined
     assert (r[WGMMA] > 0) == keys_as_m, r
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_hist_variant_fits_several_programs_per_sm(bits):
+    """With h_top (HIST) at the serving tile, keys as M (sm_90's warpgroup MMA): the
+    histogram adds no spills and keeps 4 programs an SM in registers and shared
+    memory; its one atomic a bin is in, and only in, that variant. Registers a thread
+    before -> with HIST: triton 3.7 int8 72 -> 79, int4 125 -> 126; triton 3.6 (the
+    GPU's) 72 -> 81, 127 -> 126; shared memory unchanged (53760 / 28672 bytes)."""
+    for hist in (False, True):
+        r = _sm90(True, block_n=128, keys_as_m=True, resources=True, bits=bits, hist=hist)
+        assert r["stack_bytes"] == 0 and r["registers"] * 128 * 4 <= 65536, (hist, r)
+        assert (r["shared_bytes"] + 1024) * 4 <= 233472, (hist, r)
+        assert (r[GLOBAL_ATOMIC] > 0) == hist, (hist, r)

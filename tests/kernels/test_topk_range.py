@@ -517,3 +517,19 @@ def test_topk_small_digits_cost_fewer_instructions():
     for (i_wide, b_wide), (i_small, b_small) in zip(wide, small):
         assert b_small < b_wide and i_small < 0.8 * i_wide, (wide, small)  # 64 -> 48 ballots, ~800 -> ~570
     assert ptx[True][r"\bpopc\."] < ptx[False][r"\bpopc\."]  # 259 -> 115 (triton 3.7)
+
+
+def test_takes_htop_where_the_defaults_take_its_kernel(monkeypatch):
+    """takes_htop: a producer counts h_top only for calls whose defaults run the
+    block-walking kernel on 6-bit digits unsplit (where h_top would force that kernel
+    on a call that takes another, it says no)."""
+    import importlib
+
+    T = importlib.import_module("sgl_sparse.kernels.topk_range")
+    cpu = torch.device("cpu")  # 4 fake SMs
+    assert T.takes_htop(32768, 64, cpu)  # many programs: unsplit, rows past the register row
+    assert not T.takes_htop(32768, 2, cpu)  # few long rows: split
+    assert not T.takes_htop(160, 64, cpu) and T.takes_htop(160, 64, cpu, one_block=False)  # a register row
+    assert not T.takes_htop(0, 64, cpu)
+    monkeypatch.setattr(T, "SMALL_DIGITS", False)
+    assert not T.takes_htop(32768, 64, cpu)  # 8-bit digits asked for
