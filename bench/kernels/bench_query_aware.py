@@ -246,6 +246,15 @@ def main(argv=None) -> int:
                         note += f"; top-{keep_ov} overlap with exact mean {overlap.mean().item():.4f} " \
                                 f"min {overlap.min().item():.4f}"
                     record(n, bs, f"{name}_{tag}", fn, nbytes, ok, note)
+                    if tag == "steady":
+                        # as serving launches it: the Top-K's top-digit histogram counted too
+                        # (query_device.TOPK_HIST_FROM_SCORES; added up over the replays here)
+                        h_top = torch.zeros(bs, hkv, 64, dtype=torch.int32, device=dev)
+                        fn = lambda: IK.index_token_scores(q_hat, *pool, lo, hi, case.sm_scale, n, kq,  # noqa: E731
+                                                           kscale, filled, out=ts_out, ksmooth=ksm, h_top=h_top)
+                        fn()
+                        ok = bool(torch.allclose(ts_out[:1][fin], ref[fin], rtol=1e-4, atol=1e-3))
+                        record(n, bs, f"{name}_{tag}_hist", fn, nbytes, ok, "+ h_top counted")
                 for tile in filter(None, args.index_tiles.split(",")):
                     orient = {"w": dict(keys_as_m=True), "s": dict(keys_as_m=False)}.get(tile[-1], {})
                     bn, nw, ns, npg = ([int(x) for x in tile.rstrip("ws").split("x")] + [0, 0])[:4]
