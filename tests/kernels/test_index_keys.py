@@ -198,23 +198,27 @@ def test_h_top_launch_checks():
                             h_top=torch.zeros(2, hkv, 64, dtype=torch.int32, device=DEVICE))
 
 
-def test_dot_orientations_give_the_same_scores():
-    """keys_as_m (the key tile as the dot's M side) and the queries as M: the same
-    int32 sums and the same fp32 operations, so the same scores bit for bit, on a
-    first step (new keys quantized, 16 positions at a time within 32-position tiles)
-    and on the next (the copies read); ragged lengths, GQA 4."""
-    case = _case([77, 45, 100], 4, torch.bfloat16, seed=21)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dot_orientations_give_the_same_scores(bits):
+    """keys_as_m (the key tile as the dot's M side: a warpgroup MMA on sm_90) and the
+    queries as M: the same int32 sums and the same fp32 operations, so the same scores
+    bit for bit, on a first step (new keys quantized, 16 positions at a time within
+    32-position tiles) and on the next (the copies read); ragged lengths, GQA 4; int8
+    and 4-bit copies."""
+    case = _case([77, 45, 100], 4, torch.bfloat16, seed=21 if bits == 8 else 22)
     bs, hkv, d = 3, case.k_pool.shape[1], case.k_pool.shape[2]
+    f = _smoothing(case, [77, 45, 100], bs) if bits == 4 else None
     lo = torch.tensor([4, 0, 9], dtype=torch.int32, device=DEVICE)
     q = torch.randn(bs, hkv * 4, d, device=DEVICE)
     got = {}
     for keys_as_m in (True, False):
-        kq, ks, filled = _copies(bs, hkv, 104, d)
+        kq, ks, filled = _copies(bs, hkv, 104, d, bits)
         for hi_v in ([60, 30, 99], [61, 31, 100]):
             hi = torch.tensor(hi_v, dtype=torch.int32, device=DEVICE)
             out = torch.full((bs, hkv, 104), float("nan"), device=DEVICE)
             s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 104,
-                                   kq, ks, filled, out=out, num_programs=3, block_n=32, keys_as_m=keys_as_m)
+                                   kq, ks, filled, out=out, num_programs=3, block_n=32, keys_as_m=keys_as_m,
+                                   ksmooth=f)
             got[keys_as_m, hi_v[0]] = s.clone()
     for h in (60, 61):
         a, b = got[True, h], got[False, h]
@@ -276,30 +280,6 @@ def test_topk_of_int8_scores_keeps_the_exact_topk():
     approx = (codes[:, 0].float() @ q_codes.float()) * q_scale * scales[:, 0]
     overlap = len(set(exact.topk(k).indices.tolist()) & set(approx.topk(k).indices.tolist())) / k
     assert overlap >= 0.9, overlap
-
-
-def test_4bit_dot_orientations_give_the_same_scores():
-    """The 4-bit variant's two orientations (keys as M: a warpgroup MMA on sm_90)
-    give the same scores bit for bit, on a first step and the next; GQA 4."""
-    case = _case([77, 45, 100], 4, torch.bfloat16, seed=22)
-    bs, hkv, d = 3, case.k_pool.shape[1], case.k_pool.shape[2]
-    f = _smoothing(case, [77, 45, 100], bs)
-    lo = torch.tensor([4, 0, 9], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(bs, hkv * 4, d, device=DEVICE)
-    got = {}
-    for keys_as_m in (True, False):
-        kq, ks, filled = _copies(bs, hkv, 104, d, bits=4)
-        for hi_v in ([60, 30, 99], [61, 31, 100]):
-            hi = torch.tensor(hi_v, dtype=torch.int32, device=DEVICE)
-            out = torch.full((bs, hkv, 104), float("nan"), device=DEVICE)
-            s = index_token_scores(q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 104,
-                                   kq, ks, filled, out=out, num_programs=3, block_n=32, keys_as_m=keys_as_m,
-                                   ksmooth=f)
-            got[keys_as_m, hi_v[0]] = s.clone()
-    for h in (60, 61):
-        a, b = got[True, h], got[False, h]
-        assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), h
 
 
 def test_int4_packing_and_smoothing_edges():

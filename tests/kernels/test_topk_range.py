@@ -51,6 +51,19 @@ def _case(gen, r, h, n, ints=False, holes=0.0):
     return s
 
 
+def _ragged_ranges(gen, r, n, k_max):
+    """Per-row ranges and budgets: random, and with r > 2 an empty range (row 1),
+    hi < lo (row 2) and a budget of 0 (row 0)."""
+    lo = torch.randint(0, n // 3, (r,), generator=gen, dtype=torch.int32)
+    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
+    budget = torch.randint(0, k_max + 20, (r,), generator=gen, dtype=torch.int32)
+    if r > 2:
+        hi[1] = lo[1]  # empty
+        hi[2] = max(int(lo[2]) - 5, 0)  # hi < lo
+        budget[0] = 0
+    return lo, hi, budget
+
+
 @pytest.mark.parametrize("r,h,n,k_max,ints,holes", [
     (1, 1, 37, 8, False, 0.0),
     (1, 1, 300, 64, True, 0.0),
@@ -61,13 +74,8 @@ def _case(gen, r, h, n, ints=False, holes=0.0):
 def test_topk_range_matches_torch(r, h, n, k_max, ints, holes):
     gen = torch.Generator().manual_seed(r * 1000 + n + k_max)
     s = _case(gen, r, h, n, ints, holes)
-    lo = torch.randint(0, n // 3, (r,), generator=gen, dtype=torch.int32)
-    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
-    budget = torch.randint(0, k_max + 20, (r,), generator=gen, dtype=torch.int32)
+    lo, hi, budget = _ragged_ranges(gen, r, n, k_max)
     if r > 2:
-        hi[1] = lo[1]  # empty
-        hi[2] = max(int(lo[2]) - 5, 0)  # hi < lo
-        budget[0] = 0
         lo[3 % r] = 0
         hi[3 % r] = n
         budget[3 % r] = 10 ** 6  # above the live length
@@ -261,13 +269,7 @@ def test_topk_htop_matches_torch(r, h, n, k_max, ints, holes):
     same output as the kernel without h_top, h_top zeroed, and a second step with the
     producer's histogram of new scores accumulated into the zeroed h_top."""
     gen = torch.Generator().manual_seed(r * 1000 + n + k_max)
-    lo = torch.randint(0, n // 3, (r,), generator=gen, dtype=torch.int32)
-    hi = torch.randint(n // 2, n + 1, (r,), generator=gen, dtype=torch.int32)
-    budget = torch.randint(0, k_max + 20, (r,), generator=gen, dtype=torch.int32)
-    if r > 2:
-        hi[1] = lo[1]  # empty
-        hi[2] = max(int(lo[2]) - 5, 0)  # hi < lo
-        budget[0] = 0
+    lo, hi, budget = _ragged_ranges(gen, r, n, k_max)
     h_top = torch.zeros(r, h, 64, dtype=torch.int32)
     for step in range(2):
         s = _case(gen, r, h, n, ints, holes)
