@@ -150,12 +150,11 @@ def _load_q_codes4(Q, F_BASE, cur_b, cur_h, stride_qb, stride_qh, HALF: tl.const
     """The group's queries times the smoothing ``f`` as int8 codes, in the 4-bit
     layout's two halves (channels ``[0, D/2)`` and ``[D/2, D)``), per-head scales, and
     ``8 * sum(codes)`` per head (the nibble offset's share of each dot)."""
-    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
-    mask = (offs_h < GROUP)[:, None]
-    base = Q + cur_b * stride_qb + (cur_h * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :]
-    qa = tl.load(base, mask=mask, other=0.0).to(tl.float32) * tl.load(F_BASE + offs_d)[None, :]
-    qb = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32) * tl.load(F_BASE + HALF + offs_d)[None, :]
+    qa = _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HALF, GROUP, BLOCK_H, HALF).to(tl.float32)
+    qb = _load_q_group(Q + HALF, cur_b, cur_h, stride_qb, stride_qh, HALF, GROUP, BLOCK_H, HALF).to(tl.float32)
+    qa = qa * tl.load(F_BASE + offs_d)[None, :]
+    qb = qb * tl.load(F_BASE + HALF + offs_d)[None, :]
     ca, cb, qs = _quantize_halves(qa, qb, 127.0)
     qsum8 = (tl.sum(ca, 1) + tl.sum(cb, 1)).to(tl.int32) * 8  # NIBBLE_OFFSET
     return ca.to(tl.int8), cb.to(tl.int8), qs, qsum8
