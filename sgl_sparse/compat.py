@@ -173,3 +173,38 @@ def dense_decode_graph_wrappers(dense: Any, bs: int) -> Any:
 
 def set_dense_decode_graph_wrappers(dense: Any, bs: int, wrappers: Any) -> None:
     dense.decode_cuda_graph_metadata[bs] = wrappers
+
+
+# ---- the decode graphs' capture stream (query_device's side streams) -------------
+# Both releases: GroupCoordinator.graph_capture(graph_capture_context=None,
+# stream=None) makes a default-priority Stream when given none; DecodeCudaGraphRunner
+# captures on it. PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority,
+# so each captured kernel keeps its capturing stream's priority at replay.
+GRAPH_CAPTURE_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.graph_capture"
+
+
+def capture_graphs_at_high_priority() -> bool:
+    """Make the stream SGLang captures its CUDA graphs on (when it passes none) the
+    device's highest-priority stream. A default-priority stream is the lowest one,
+    so a side stream cannot rank below it: the main stream has to rank above. Idempotent;
+    False where the target is missing (then nothing changes)."""
+    import torch
+
+    try:
+        from sglang.srt.distributed.parallel_state import GroupCoordinator
+    except ImportError:
+        return False
+    orig = GroupCoordinator.graph_capture
+    if getattr(orig, "_sgl_sparse_high_priority", False):
+        return True
+
+    def graph_capture(self, graph_capture_context=None, stream=None):
+        if graph_capture_context is None and stream is None and torch.cuda.is_available():
+            # PyTorch maps a priority past the device's range to its highest
+            stream = torch.cuda.Stream(priority=-64)
+        return orig(self, graph_capture_context, stream)
+
+    graph_capture._sgl_sparse_high_priority = True  # type: ignore[attr-defined]
+    graph_capture.__wrapped__ = orig  # type: ignore[attr-defined]
+    GroupCoordinator.graph_capture = graph_capture
+    return True

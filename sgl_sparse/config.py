@@ -255,6 +255,16 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
     score_programs_per_sm: int = Field(4, ge=1, le=16,
                                        description="programs of the scoring pass per SM (decode on a GPU; "
                                                    "fewer leave room for the main stream's kernels beside it)")
+    # [ours] Persistent programs (above) hold every SM's registers for the whole pass
+    # (~70 us a layer), so the main stream's kernels forked beside it wait until it
+    # ends: session 24's profile had the two streams busy 3.04 and 2.93 ms a step and
+    # overlapping for 0.43. Short programs of B blocks of 128 positions each leave SMs
+    # free every few microseconds, and the main stream (captured at a higher priority
+    # then, compat.capture_graphs_at_high_priority) takes them first.
+    score_blocks_per_program: int = Field(0, ge=0, le=4096,
+                                          description="0: persistent scoring programs (score_programs_per_sm); "
+                                                      "B > 0: one program per B blocks of 128 positions, the main "
+                                                      "stream's graph captured at high priority")
 
 
 class QueryAwareConfig(_Strict):

@@ -55,7 +55,7 @@ import torch
 from sgl_sparse.kernels._utils import env_count, env_switch
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
-from sgl_sparse import graph_gate
+from sgl_sparse import compat, graph_gate
 from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
@@ -81,6 +81,12 @@ ASPD_SIDE_STREAMS = env_count("ASPD_SIDE_STREAMS", 1, 1, 4)
 #: (topk_range.takes_htop: serving's 32K+ rows, unsplit). Same selections bit for bit;
 #: SGLANG_SPARSE_TOPK_HIST_FROM_SCORES=0 turns it off (A/B of a server).
 TOPK_HIST_FROM_SCORES = env_switch("TOPK_HIST_FROM_SCORES", True)
+#: With asyncspade's side streams, the decode graphs are captured on the device's
+#: highest-priority stream (compat.capture_graphs_at_high_priority): a default-priority
+#: stream is the lowest, so only a main stream above it lets the block scheduler give
+#: the main stream's kernels the SMs the scoring's programs free, instead of the
+#: scoring's next ones. SGLANG_SPARSE_ASPD_HIGH_PRIORITY_MAIN=0 leaves SGLang's stream.
+ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -253,6 +259,8 @@ class QueryAwareDevice:
             self._last_layer = ring.shape[0] - 1
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
+                if ASPD_HIGH_PRIORITY_MAIN:
+                    compat.capture_graphs_at_high_priority()
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -484,6 +492,12 @@ class QueryAwareDevice:
         slots, heads = store.htop.shape[1:3]
         return takes_htop(store.cfg.max_context, layers * slots * heads, store.htop.device)
 
+    def _score_programs(self, n_max: int, block_n: int = 128) -> int | None:
+        """The scoring pass's programs per (slot, KV head): None (persistent, sized by
+        score_programs_per_sm) or one per score_blocks_per_program blocks."""
+        blocks = self.aspd.cfg.score_blocks_per_program
+        return None if blocks == 0 else max(1, -(-(-(-n_max // block_n)) // blocks))
+
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
@@ -506,12 +520,12 @@ class QueryAwareDevice:
         if store.index_keys:  # from the slot's int8 / 4-bit copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
-                                        programs_per_sm=per_sm,
+                                        programs_per_sm=per_sm, num_programs=self._score_programs(n_max),
                                         ksmooth=store.ksmooth[li] if store.ksmooth is not None else None,
                                         h_top=store.htop[g] if hist else None)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
-                                  out=out, programs_per_sm=per_sm)
+                                  out=out, programs_per_sm=per_sm, num_programs=self._score_programs(n_max, 64))
         if group == 1:
             rows, first, n_layers = f, li, 1
         elif g == group - 1 or li == self._last_layer:

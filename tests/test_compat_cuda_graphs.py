@@ -124,3 +124,43 @@ def test_attention_parallel_before_sglang_publishes_it():
     runner = SimpleNamespace(ps=SimpleNamespace(tp_rank=1, tp_size=4, pp_rank=0))
     assert compat.attention_parallel(runner) == (1, 4, 0)
     assert compat.attention_parallel(SimpleNamespace()) == (0, 1, 0)
+
+
+
+PRIORITY_SNIPPET = r"""
+import json
+import torch
+from sglang.srt.distributed import parallel_state
+from sgl_sparse import compat
+
+seen = []
+
+def recorder(self, graph_capture_context=None, stream=None):
+    seen.append([graph_capture_context, stream])
+    return "entered"
+
+parallel_state.GroupCoordinator.graph_capture = recorder
+# no CUDA stream can exist here: the stream class records the priority asked instead
+torch.cuda.is_available = lambda: True
+torch.cuda.Stream = lambda priority=0: ["stream", priority]
+twice = compat.capture_graphs_at_high_priority() and compat.capture_graphs_at_high_priority()
+wrapped = parallel_state.GroupCoordinator.graph_capture
+out = dict(twice=twice, wraps_original=wrapped.__wrapped__ is recorder, result=wrapped(object()))
+wrapped(object(), stream="theirs")
+wrapped(object(), "context")
+print(json.dumps(dict(out, seen=seen)))
+"""
+
+
+def test_graph_capture_at_high_priority_gives_sglangs_capture_a_high_priority_stream(tmp_path):
+    """compat.capture_graphs_at_high_priority on the installed SGLang's own
+    GroupCoordinator (in a process with the CPU stand-ins): where SGLang passes no
+    stream (its decode graph runner) the capture gets one made at the highest priority
+    (PyTorch maps -64 to its highest); a stream or context the caller passes is left
+    alone; a second call does not wrap twice."""
+    res, = run_forked([Run(args=[], cwd=str(tmp_path), code=PRIORITY_SNIPPET)],
+                      preload=["sglang.srt.distributed.parallel_state"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["twice"] and out["wraps_original"] and out["result"] == "entered"
+    assert out["seen"] == [[None, ["stream", -64]], [None, "theirs"], ["context", None]]

@@ -235,6 +235,41 @@ def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers, ind
         assert s2.htop.shape == (topk_layers, 4, HKV, 64) and not s1.htop.any() and not s2.htop.any()
 
 
+@pytest.mark.parametrize("index_keys", ["kv", "int4"])
+def test_short_scoring_programs_select_as_persistent(index_keys):
+    """`score_blocks_per_program`: one scoring program per block (the most programs)
+    instead of persistent ones walking their share of a row: the same scores, hence
+    the same selections and attention, step after step (int4: with the Top-K's
+    histograms added up from every program)."""
+    layers, group = 2, 2
+    gen = torch.Generator().manual_seed(47)
+    # one persistent program a (slot, KV head) walks every block (the interpreter's 4
+    # "SMs" over 4 slots x 2 heads), against one program a block
+    base = Twin(group, use_kernels=True, num_layers=layers, index_keys=index_keys,
+                aspd={"score_programs_per_sm": 1})
+    short = Twin(group, use_kernels=True, num_layers=layers, index_keys=index_keys,
+                 aspd={"score_blocks_per_program": 1})
+    assert short.rt.device._score_programs(MAXCTX) == -(-MAXCTX // 128)
+    assert base.rt.device._score_programs(MAXCTX) is None
+    sa, sb = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (base, short))
+    q_ext = torch.randn(sum(LENS.values()), HKV * group, base.d, generator=gen).to(KV)
+    base.admit(q_ext)
+    short.admit(q_ext)
+    rows = [5, 1, 7, 4, 0, 2]
+    for t in range(4):
+        lens = [LENS[r] + 1 + t if r else 1 for r in rows]
+        qs = [torch.randn(len(rows), HKV * group, base.d, generator=gen).to(KV) for _ in range(layers)]
+        o1, _ = base.step_layers(rows, lens, qs)
+        o2, _ = short.step_layers(rows, lens, qs)
+        for li in range(layers):
+            assert torch.isfinite(o1[li]).all() and torch.equal(o1[li], o2[li]), (t, li)
+        assert torch.equal(sa.sel_count, sb.sel_count)
+        kept = torch.arange(CAP) < sa.sel_count[..., None]
+        assert torch.equal(torch.where(kept, sa.sel_pos, -1), torch.where(kept, sb.sel_pos, -1)), t
+    slots = [base.st.row_init(r).slot for r in _rows_of(base, "asyncspade")]
+    assert all(int(sa.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
+
+
 @pytest.mark.parametrize("index_keys,topk_layers", [("int8", 2), ("int4", 1)])
 def test_topk_hist_from_scores_selects_as_without(monkeypatch, index_keys, topk_layers):
     """TOPK_HIST_FROM_SCORES (read at import: the module constant patched): the same

@@ -76,11 +76,13 @@ class Timer:
             return None
 
 
-def graph_replay_ms(fn, reps: int = 20, warm_replays: int = 0) -> float:
+def graph_replay_ms(fn, reps: int = 20, warm_replays: int = 0, capture_stream=None) -> float:
     """Median ms of one CUDA-graph replay of ``fn``: run three times on a side stream
     (compiles, warms), captured once, then ``warm_replays`` untimed replays and
     ``reps`` timed ones (CUDA events around each). A caller that also captures work
-    on streams of its own forks and joins them inside ``fn``."""
+    on streams of its own forks and joins them inside ``fn``. ``capture_stream``: the
+    stream to capture on (its priority becomes the captured kernels' priority:
+    PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority)."""
     import statistics
 
     import torch
@@ -92,7 +94,7 @@ def graph_replay_ms(fn, reps: int = 20, warm_replays: int = 0) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=capture_stream):
         fn()
     for _ in range(warm_replays):
         g.replay()
