@@ -51,6 +51,14 @@ def env_count(name: str, default: int, lo: int, hi: int) -> int:
     return n
 
 
+def env_value(name: str):
+    """The raw value of ``SGLANG_SPARSE_<name>`` (``SGL_SPARSE_<name>`` too, as
+    :func:`env_switch`), None where neither is set: for switches whose default
+    depends on more than the variable."""
+    found = _env(name)
+    return None if found is None else found[1]
+
+
 def _env(name: str):
     """``(key, value)`` of ``SGLANG_SPARSE_<name>``, else of ``SGL_SPARSE_<name>``, else None."""
     for key in (f"SGLANG_SPARSE_{name}", f"SGL_SPARSE_{name}"):

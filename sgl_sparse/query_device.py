@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import env_count, env_switch
+from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import compat, graph_gate
@@ -78,9 +78,15 @@ ASPD_SIDE_STREAMS = env_count("ASPD_SIDE_STREAMS", 1, 1, 4)
 #: 64-bin histogram of the top 6 bits of the scores it writes (kernels/token_scores.py
 #: HIST), and the Top-K reads it (topk_range's h_top) instead of its first serial pass
 #: over each row. Only where the Top-K runs the kernel that takes it anyway
-#: (topk_range.takes_htop: serving's 32K+ rows, unsplit). Same selections bit for bit;
-#: SGLANG_SPARSE_TOPK_HIST_FROM_SCORES=0 turns it off (A/B of a server).
-TOPK_HIST_FROM_SCORES = env_switch("TOPK_HIST_FROM_SCORES", True)
+#: (topk_range.takes_htop: serving's 32K+ rows, unsplit). Same selections bit for bit.
+#: The copies' widths it runs for: int8 by default (H200, 32768 x 8, session 24: 1.560x
+#: stock against 1.519x without). Not 4-bit: there the count costs the pass more than
+#: the Top-K saves (session 25: 49.7 -> 68.7 us a layer, against 858 -> 667 us of Top-K
+#: over 28 layers; end to end 1.862x stock without it, 1.760x with, same run).
+#: SGLANG_SPARSE_TOPK_HIST_FROM_SCORES=1 counts for both widths, =0 for neither.
+TOPK_HIST_FROM_SCORES: frozenset = (frozenset({8}) if env_value("TOPK_HIST_FROM_SCORES") is None
+                                    else frozenset({8, 4}) if env_switch("TOPK_HIST_FROM_SCORES", True)
+                                    else frozenset())
 #: With asyncspade's side streams, the decode graphs are captured on the device's
 #: highest-priority stream (compat.capture_graphs_at_high_priority): a default-priority
 #: stream is the lowest, so only a main stream above it lets the block scheduler give
@@ -485,7 +491,7 @@ class QueryAwareDevice:
         from sgl_sparse.kernels.topk_range import takes_htop
 
         store = self.aspd
-        if not TOPK_HIST_FROM_SCORES or store.htop is None:
+        if store.htop is None or (4 if store.ksmooth is not None else 8) not in TOPK_HIST_FROM_SCORES:
             return False
         group = store.topk_layers
         layers = min(group, self._last_layer + 1 - (li - li % group))

@@ -9,8 +9,8 @@ per-head position sets and a_len, the same attention output, the same stores.
 Then the device path replayed the way a CUDA graph replays it: no host planning
 between steps, inputs changed in place, no host sync and the same tensor shapes.
 asyncspade with index keys: the scoring pass's top-digit histograms feed the Top-K
-(query_device.TOPK_HIST_FROM_SCORES, on) in every test here, as on serving's rows;
-the same selections with it off.
+(query_device.TOPK_HIST_FROM_SCORES: int8 copies by default) in every int8 test here,
+as on serving's rows; the same selections with it off, and with it on for 4-bit copies.
 """
 
 from __future__ import annotations
@@ -246,9 +246,9 @@ def test_short_scoring_programs_select_as_persistent(index_keys):
     # one persistent program a (slot, KV head) walks every block (the interpreter's 4
     # "SMs" over 4 slots x 2 heads), against one program a block
     base = Twin(group, use_kernels=True, num_layers=layers, index_keys=index_keys,
-                aspd={"score_programs_per_sm": 1})
+                aspd={"score_programs_per_sm": 1, "score_blocks_per_program": 0})
     short = Twin(group, use_kernels=True, num_layers=layers, index_keys=index_keys,
-                 aspd={"score_blocks_per_program": 1})
+                 aspd={"score_blocks_per_program": 1})  # the default is 4: the most programs here
     assert short.rt.device._score_programs(MAXCTX) == -(-MAXCTX // 128)
     assert base.rt.device._score_programs(MAXCTX) is None
     sa, sb = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (base, short))
@@ -270,6 +270,16 @@ def test_short_scoring_programs_select_as_persistent(index_keys):
     assert all(int(sa.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
 
 
+@pytest.mark.parametrize("index_keys", ["int8", "int4"])
+def test_topk_hist_from_scores_counts_for_int8_copies_by_default(index_keys):
+    """With SGLANG_SPARSE_TOPK_HIST_FROM_SCORES unset the scoring pass counts the
+    Top-K's histograms from int8 copies, not from 4-bit ones (where the count costs
+    the pass more than the Top-K saves: query_device's measurements)."""
+    assert query_device.TOPK_HIST_FROM_SCORES == frozenset({8})
+    twin = Twin(2, use_kernels=True, num_layers=2, aspd={"topk_layers": 2}, index_keys=index_keys)
+    assert twin.rt.device._aspd_hist(0) == (index_keys == "int8")
+
+
 @pytest.mark.parametrize("index_keys,topk_layers", [("int8", 2), ("int4", 1)])
 def test_topk_hist_from_scores_selects_as_without(monkeypatch, index_keys, topk_layers):
     """TOPK_HIST_FROM_SCORES (read at import: the module constant patched): the same
@@ -287,7 +297,7 @@ def test_topk_hist_from_scores_selects_as_without(monkeypatch, index_keys, topk_
     monkeypatch.setattr(topk_mod, "topk_range", spy)
     stores = {}
     for on in (False, True):
-        monkeypatch.setattr(query_device, "TOPK_HIST_FROM_SCORES", on)
+        monkeypatch.setattr(query_device, "TOPK_HIST_FROM_SCORES", frozenset({8, 4}) if on else frozenset())
         gen = torch.Generator().manual_seed(77)
         twin = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers},
                     index_keys=index_keys)
