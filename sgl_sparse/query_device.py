@@ -55,7 +55,7 @@ import torch
 from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
-from sgl_sparse import compat, graph_gate
+from sgl_sparse import graph_gate
 from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
@@ -93,6 +93,14 @@ TOPK_HIST_FROM_SCORES: frozenset = (frozenset({8}) if env_value("TOPK_HIST_FROM_
 #: the main stream's kernels the SMs the scoring's programs free, instead of the
 #: scoring's next ones. SGLANG_SPARSE_ASPD_HIGH_PRIORITY_MAIN=0 leaves SGLang's stream.
 ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
+#: asyncspade with topk_layers > 1: the last group's Top-K (the group ending at the last
+#: layer) runs at the NEXT decode forward, first on the side stream, and the main stream
+#: waits for it only at that group's first layer, instead of the step's end waiting for
+#: it (session 25's profile, H200, 32768 x 8: the main stream idle ~0.9 ms of a 5.04 ms
+#: step, mostly at that join). A stored selection is read one step after it is made
+#: either way; this moves when the last group's is written, not what it is. Off until
+#: measured end to end (SGLANG_SPARSE_ASPD_DEFER_LAST_TOPK=1 turns it on).
+ASPD_DEFER_LAST_TOPK = env_switch("ASPD_DEFER_LAST_TOPK", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -222,6 +230,49 @@ class _AspdGroupRows:
         self.push = torch.where(push >= 0, push + layer * store_rows, -1)
 
 
+class _DeferredTopK:
+    """asyncspade's last Top-K group deferred (ASPD_DEFER_LAST_TOPK): the ranges and
+    store rows its launch takes, kept by the forward that scored the group for the next
+    decode forward, which launches it before its own first scoring (the group's scores
+    and histograms stay in the store until then: that scoring is the next to write
+    them). Persistent and allocated before any graph capture, as the store. Launching
+    it again from the same ranges (forwards without asyncspade rows keep them) writes
+    the same selections. A request's extend forgets its slot's entries, so that no
+    Top-K of the slot's previous request lands on the new one."""
+
+    @staticmethod
+    def of(store, last_layer: int) -> "_DeferredTopK | None":
+        group = store.topk_layers
+        if group <= 1 or not ASPD_DEFER_LAST_TOPK:
+            return None  # each layer selects alone: no scores are kept across layers
+        first = last_layer - last_layer % group
+        if first == 0:
+            # one group: its first layer's select comes before the launch (at the first
+            # layer's finish) could write it
+            return None
+        return _DeferredTopK(first, last_layer + 1 - first, store.cfg.slots, store.sel_pos.device)
+
+    def __init__(self, first: int, layers: int, slots: int, device: torch.device):
+        self.first, self.layers, self.slots = first, layers, slots
+        n = layers * slots
+
+        def zeros():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        self.sink, self.hi, self.budget, self.next_b = zeros(), zeros(), zeros(), zeros()
+        self.push = torch.full((n,), -1, dtype=torch.int32, device=device)  # -1: no store row written
+
+    def keep(self, rows: "_AspdGroupRows") -> None:
+        """This forward's group rows of the last group (its first `layers * slots`)."""
+        n = self.layers * self.slots
+        for name in ("sink", "hi", "budget", "next_b", "push"):
+            getattr(self, name).copy_(getattr(rows, name)[:n])
+
+    def forget(self, slot: int) -> None:
+        self.hi.view(self.layers, self.slots)[:, slot] = 0
+        self.push.view(self.layers, self.slots)[:, slot] = -1
+
+
 class QueryAwareDevice:
     def __init__(self, state, cap: int):
         self.state = state
@@ -248,6 +299,9 @@ class QueryAwareDevice:
         # one policy this forward: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
+        self._defer: _DeferredTopK | None = None
+        # the side stream's mark after this forward's deferred Top-K (None: nothing to wait for)
+        self._defer_done: torch.cuda.Event | None = None
         self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
         self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
@@ -263,10 +317,19 @@ class QueryAwareDevice:
             self._qhat = torch.empty(ring.shape[0], self.aspd.cfg.slots, *ring.shape[3:], dtype=torch.float32,
                                      device=ring.device)
             self._last_layer = ring.shape[0] - 1
+            self._defer = _DeferredTopK.of(self.aspd, self._last_layer)
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
                 if ASPD_HIGH_PRIORITY_MAIN:
+                    from sgl_sparse import compat  # SGLang's, here only where it serves
+
                     compat.capture_graphs_at_high_priority()
+
+    def forget_slot(self, slot: int) -> None:
+        """A request takes asyncspade's `slot` (its extend): no deferred Top-K of the
+        slot's previous request may write its selections."""
+        if self._defer is not None:
+            self._defer.forget(slot)
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -293,6 +356,7 @@ class QueryAwareDevice:
         if self._side_pending:  # a forward that stopped before its last layer
             self._join_side()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
+        self._defer_done = None
         self._on = {}
         self._forward_fused(plan, req_pool_indices, seq_lens)
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
@@ -380,6 +444,8 @@ class QueryAwareDevice:
         a_len is the plan's 0)."""
         self._forward(plan, req_pool_indices, seq_lens)
         a_slots = torch.empty_like(a_pos) if slots else None
+        if self._defer_done is not None and li == self._defer.first:
+            torch.cuda.current_stream().wait_event(self._defer_done)  # its selections are read from here on
         with only_if(self._any):
             if self._fwd_quest is not None:
                 with self._gate(PolicyId.QUEST):
@@ -453,8 +519,11 @@ class QueryAwareDevice:
         only what outlives the forward (q_hat of this layer, the KV pool,
         req_to_token, this forward's slot tensors) and writes only the store's
         selection of this layer, which nothing reads before the join."""
+        defer = self._defer is not None and li == 0
         if not self._sides:
             with only_if(self._on[PolicyId.ASYNCSPADE]):
+                if defer:
+                    self._aspd_topk_deferred(k_cache.shape[1])
                 self._aspd_select_next(li, k_cache, req_to_token, scale)
             return
         # layers alternate over the side streams (ASPD_SIDE_STREAMS); each stream's
@@ -462,6 +531,9 @@ class QueryAwareDevice:
         side = self._sides[li % len(self._sides)]
         side.wait_stream(torch.cuda.current_stream())
         group = self.aspd.topk_layers
+        if self._defer_done is not None and 0 < li < self._defer.layers:
+            # this layer's row of the scores: once the deferred Top-K (another stream) has read it
+            side.wait_event(self._defer_done)
         if group > 1 and len(self._sides) > 1:
             if li % group == group - 1 or li == self._last_layer:
                 # the group's Top-K reads the scores every stream wrote
@@ -472,8 +544,17 @@ class QueryAwareDevice:
             elif li >= group and self._aspd_topk_side is not side:
                 # this layer's row of the scores is free once the previous group's Top-K has read it
                 side.wait_stream(self._aspd_topk_side)
-        with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
-            self._aspd_select_next(li, k_cache, req_to_token, scale)
+        with torch.cuda.stream(side):
+            if defer:
+                # the previous forward's last group first: it reads the scores rows this
+                # forward's first layers overwrite; the main stream waits for it at that
+                # group's first layer (select), not for this stream's later scoring
+                with only_if(self._on[PolicyId.ASYNCSPADE]):
+                    self._aspd_topk_deferred(k_cache.shape[1])
+                self._defer_done = torch.cuda.Event()
+                self._defer_done.record(side)
+            with only_if(self._on[PolicyId.ASYNCSPADE]):
+                self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer:
             self._join_side()
@@ -493,6 +574,10 @@ class QueryAwareDevice:
         store = self.aspd
         if store.htop is None or (4 if store.ksmooth is not None else 8) not in TOPK_HIST_FROM_SCORES:
             return False
+        if self._defer is not None and li >= self._defer.first:
+            # the deferred Top-K may run twice from one scoring (_DeferredTopK), and h_top
+            # is zeroed by the first: it makes its own first pass
+            return False
         group = store.topk_layers
         layers = min(group, self._last_layer + 1 - (li - li % group))
         slots, heads = store.htop.shape[1:3]
@@ -507,9 +592,7 @@ class QueryAwareDevice:
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
-        from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.token_scores import token_scores
-        from sgl_sparse.kernels.topk_range import topk_range
 
         store = self.aspd
         f = self._fwd_aspd
@@ -538,11 +621,31 @@ class QueryAwareDevice:
             # the group's layers [li - g, li] in one launch over their rows
             rows, first, n_layers = f.group, li - g, g + 1
             scores = store.scores[:n_layers].flatten(0, 1)
+            if self._defer is not None and first == self._defer.first:
+                self._defer.keep(rows)  # the next decode forward launches it (_aspd_topk_deferred)
+                return
         else:
             return
+        self._aspd_topk(scores, rows, first, n_layers, hist, k_cache.shape[1])
+
+    def _aspd_topk_deferred(self, num_kv_heads: int) -> None:
+        """The previous decode forward's last group Top-K (_DeferredTopK), from the
+        scores it left in the store."""
+        d = self._defer
+        self._aspd_topk(self.aspd.scores[:d.layers].flatten(0, 1), d, d.first, d.layers, False, num_kv_heads)
+
+    def _aspd_topk(self, scores: torch.Tensor, rows, first: int, n_layers: int, hist: bool,
+                   num_kv_heads: int) -> None:
+        """The Top-K of layers [first, first + n_layers) over their scores' rows, into
+        the store. rows: the launch's ranges and store rows (sink, hi, budget, next_b,
+        push), in the scores' row order."""
+        from sgl_sparse.kernels.quest_pages import expand_selection
+        from sgl_sparse.kernels.topk_range import topk_range
+
+        store = self.aspd
         n = scores.shape[0]
         cap = store.sel_pos.shape[-1]
-        k = max(1, min(cap, n_max))
+        k = max(1, min(cap, store.cfg.max_context))
         sink = rows.sink[:n]
         # the scoring launches' histograms of the group's layers, rows in the scores' order:
         # they scored [f.sink, f.hi) per slot, the same ranges as rows.sink / rows.hi per
@@ -551,7 +654,7 @@ class QueryAwareDevice:
         extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
-                                out=torch.empty(n, k_cache.shape[1], k, dtype=torch.int32, device=q_hat.device),
+                                out=torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device),
                                 **extra)
         # straight into the store (layer first + j's rows from row j * (slots + 1) of
         # these views); slots without a row: their programs return at once
