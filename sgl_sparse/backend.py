@@ -84,6 +84,8 @@ class SparseAttnBackend(AttentionBackend):
         if not self.state.query_stores:
             _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
+        if self.qa is not None and self.qa.device is not None and self.qa.device.wants_high_priority_main:
+            compat.capture_graphs_at_high_priority()
 
         # CUDA: SGLang's own FlashInfer backend for prefill/extend and for the
         # decode rows routed to it. CPU: everything on the reference path.

@@ -320,10 +320,13 @@ class QueryAwareDevice:
             self._defer = _DeferredTopK.of(self.aspd, self._last_layer)
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
-                if ASPD_HIGH_PRIORITY_MAIN:
-                    from sgl_sparse import compat  # SGLang's, here only where it serves
 
-                    compat.capture_graphs_at_high_priority()
+    @property
+    def wants_high_priority_main(self) -> bool:
+        """asyncspade's selection runs on side streams beside the main stream, which
+        should then rank above them (ASPD_HIGH_PRIORITY_MAIN): the backend captures
+        SGLang's decode graphs at high priority (compat.capture_graphs_at_high_priority)."""
+        return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN
 
     def forget_slot(self, slot: int) -> None:
         """A request takes asyncspade's `slot` (its extend): no deferred Top-K of the
