@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import env_count, env_switch, env_value
+from sgl_sparse.kernels._utils import cdiv, env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -590,7 +590,7 @@ class QueryAwareDevice:
         """The scoring pass's programs per (slot, KV head): None (persistent, sized by
         score_programs_per_sm) or one per score_blocks_per_program blocks."""
         blocks = self.aspd.cfg.score_blocks_per_program
-        return None if blocks == 0 else max(1, -(-(-(-n_max // block_n)) // blocks))
+        return None if blocks == 0 else max(1, cdiv(cdiv(n_max, block_n), blocks))
 
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
