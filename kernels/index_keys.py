@@ -183,6 +183,7 @@ def index_token_scores(
     num_programs: Optional[int] = None,
     num_sms: Optional[int] = None,
     programs_per_sm: int = 4,
+    blocks_per_program: int = 0,
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: Optional[int] = None,
@@ -197,7 +198,7 @@ def index_token_scores(
 
     Args:
         q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, num_programs,
-            num_sms, programs_per_sm: as :func:`token_scores` (row ``b`` is also the
+            num_sms, programs_per_sm, blocks_per_program: as :func:`token_scores` (row ``b`` is also the
             copies' row).
         kq: ``[bs, Hkv, ctx, D]`` int8 codes, or ``[bs, Hkv, ctx, D/2]`` int8 bytes of
             4-bit codes (:func:`pack_int4`; then ``ksmooth`` is required); kscale
@@ -236,7 +237,7 @@ def index_token_scores(
     assert filled.dtype == torch.int32 and filled.shape == (bs, 2) and filled.is_contiguous()
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
                                num_programs=num_programs, num_sms=num_sms, programs_per_sm=programs_per_sm,
-                               block_n=block_n, num_warps=num_warps,
+                               blocks_per_program=blocks_per_program, block_n=block_n, num_warps=num_warps,
                                fill=False, index_keys=(kq, kscale, filled, ksmooth if bits == 4 else None),
                                num_stages=num_stages, keys_as_m=keys_as_m, h_top=h_top)
 

@@ -455,6 +455,7 @@ def token_scores(
     num_programs: Optional[int] = None,
     num_sms: Optional[int] = None,
     programs_per_sm: int = 4,
+    blocks_per_program: int = 0,
     block_n: int = 64,
     num_warps: int = 4,
     fill: bool = True,
@@ -473,6 +474,9 @@ def token_scores(
         num_programs: programs per (row, KV head) (default: at most
             ``programs_per_sm`` per SM in all, from static shapes only; rounded down,
             since a grid one program past what is resident starts a second wave).
+        blocks_per_program: > 0 (and no ``num_programs``): one short program per that
+            many ``block_n`` blocks of ``n_max`` instead of persistent ones, so that
+            kernels of other streams get SMs while the pass runs.
         fill: write ``-inf`` outside the range. ``False``: only ``[lo, hi)`` is
             written (what ``topk_range`` over the same range reads) and the
             programs of a row with an empty range return at once -- the
@@ -480,12 +484,27 @@ def token_scores(
     """
     return launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, out=out,
                                num_programs=num_programs, num_sms=num_sms, programs_per_sm=programs_per_sm,
-                               block_n=block_n, num_warps=num_warps, fill=fill)
+                               blocks_per_program=blocks_per_program, block_n=block_n, num_warps=num_warps,
+                               fill=fill)
+
+
+def scoring_programs(n_max: int, block_n: int, bs: int, num_kv_heads: int, device: torch.device, *,
+                     num_sms: Optional[int] = None, programs_per_sm: int = 4, blocks_per_program: int = 0) -> int:
+    """The scoring launch's programs per (row, KV head), from static shapes only: one
+    per ``blocks_per_program`` blocks of ``n_max`` where that is > 0, else persistent
+    ones, at most ``programs_per_sm`` per SM in all."""
+    n_blocks = cdiv(n_max, block_n)
+    if blocks_per_program > 0:
+        return cdiv(n_blocks, blocks_per_program)
+    sms = num_sms if num_sms is not None else device_num_sms(device)
+    # rounded down: a grid one program past what is resident starts a second wave
+    # (H200, index keys at 32768 x 8: 9 programs per row and head 94.5 us, 8 74 us)
+    return max(1, min(n_blocks, programs_per_sm * sms // max(1, bs * num_kv_heads)))
 
 
 def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_scale, n_max, *, out, num_programs,
                         num_sms, block_n, num_warps, fill, index_keys=None, num_stages=None,
-                        keys_as_m: bool = False, programs_per_sm: int = 4,
+                        keys_as_m: bool = False, programs_per_sm: int = 4, blocks_per_program: int = 0,
                         h_top: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The launch of :func:`token_scores` and of ``index_keys.index_token_scores``
     (``index_keys``: its ``(kq, kscale, filled)``, checked there; ``fill`` False).
@@ -498,12 +517,9 @@ def launch_token_scores(q_hat, k_pool, req_to_token, req_pool_idx, lo, hi, sm_sc
     if out is None:
         out = torch.empty((bs, num_kv_heads, n_max), dtype=torch.float32, device=q_hat.device)
     assert out.shape == (bs, num_kv_heads, n_max) and out.dtype == torch.float32 and out.stride(2) == 1
-    n_blocks = cdiv(n_max, block_n)
     if num_programs is None:
-        sms = num_sms if num_sms is not None else device_num_sms(q_hat.device)
-        # rounded down: a grid one program past what is resident starts a second wave
-        # (H200, index keys at 32768 x 8: 9 programs per row and head 94.5 us, 8 74 us)
-        num_programs = max(1, min(n_blocks, programs_per_sm * sms // max(1, bs * num_kv_heads)))
+        num_programs = scoring_programs(n_max, block_n, bs, num_kv_heads, q_hat.device, num_sms=num_sms,
+                                        programs_per_sm=programs_per_sm, blocks_per_program=blocks_per_program)
     grid = (bs, num_kv_heads, int(num_programs))
     ksmooth = None
     if index_keys is None:

@@ -180,7 +180,6 @@ def set_dense_decode_graph_wrappers(dense: Any, bs: int, wrappers: Any) -> None:
 # stream=None) makes a default-priority Stream when given none; DecodeCudaGraphRunner
 # captures on it. PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority,
 # so each captured kernel keeps its capturing stream's priority at replay.
-GRAPH_CAPTURE_TARGET = "sglang.srt.distributed.parallel_state.GroupCoordinator.graph_capture"
 
 
 def capture_graphs_at_high_priority() -> bool:

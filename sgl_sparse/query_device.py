@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import cdiv, env_count, env_switch, env_value
+from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -586,12 +586,6 @@ class QueryAwareDevice:
         slots, heads = store.htop.shape[1:3]
         return takes_htop(store.cfg.max_context, layers * slots * heads, store.htop.device)
 
-    def _score_programs(self, n_max: int, block_n: int = 128) -> int | None:
-        """The scoring pass's programs per (slot, KV head): None (persistent, sized by
-        score_programs_per_sm) or one per score_blocks_per_program blocks."""
-        blocks = self.aspd.cfg.score_blocks_per_program
-        return None if blocks == 0 else max(1, cdiv(cdiv(n_max, block_n), blocks))
-
     def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
@@ -606,18 +600,20 @@ class QueryAwareDevice:
         # the group's Top-K reads layer li's histograms from row g of store.htop
         hist = self._aspd_hist(li)
         out = store.scores[g] if group > 1 else None
-        # the pass's programs per SM on the side stream (fewer leave room for the main stream)
-        per_sm = store.cfg.score_programs_per_sm
+        # the pass's programs on the side stream: short ones (blocks_per_program) or
+        # persistent ones, per_sm a SM (fewer leave room for the main stream)
+        launch = dict(programs_per_sm=store.cfg.score_programs_per_sm,
+                      blocks_per_program=store.cfg.score_blocks_per_program)
         # [sink, hi) only (what topk_range reads): slots without a row cost O(1), not max_context
         if store.index_keys:  # from the slot's int8 / 4-bit copies, the new positions copied on the way
             scores = index_token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max,
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
-                                        programs_per_sm=per_sm, num_programs=self._score_programs(n_max),
+                                        **launch,
                                         ksmooth=store.ksmooth[li] if store.ksmooth is not None else None,
                                         h_top=store.htop[g] if hist else None)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
-                                  out=out, programs_per_sm=per_sm, num_programs=self._score_programs(n_max, 64))
+                                  out=out, **launch)
         if group == 1:
             rows, first, n_layers = f, li, 1
         elif g == group - 1 or li == self._last_layer:

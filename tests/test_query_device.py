@@ -36,6 +36,7 @@ from sgl_sparse.state import SparseState
 pytestmark = pytest.mark.sglang_independent
 # the module (sgl_sparse.kernels exports its function under the same name)
 topk_mod = importlib.import_module("sgl_sparse.kernels.topk_range")
+token_scores_mod = importlib.import_module("sgl_sparse.kernels.token_scores")
 
 HKV, D, MAXCTX, CAP = 2, 16, 160, 80
 
@@ -257,7 +258,7 @@ def _decode_alike(a: Twin, b: Twin, layers: int, steps: int, gen: torch.Generato
 
 
 @pytest.mark.parametrize("index_keys", ["kv", "int4"])
-def test_short_scoring_programs_select_as_persistent(index_keys):
+def test_short_scoring_programs_select_as_persistent(monkeypatch, index_keys):
     """`score_blocks_per_program`: one scoring program per block (the most programs)
     instead of persistent ones walking their share of a row: the same scores, hence
     the same selections and attention, step after step (int4: with the Top-K's
@@ -270,8 +271,16 @@ def test_short_scoring_programs_select_as_persistent(index_keys):
                 aspd={"score_programs_per_sm": 1, "score_blocks_per_program": 0})
     short = Twin(group, use_kernels=True, num_layers=layers, index_keys=index_keys,
                  aspd={"score_blocks_per_program": 1})  # the default is 4: the most programs here
-    assert short.rt.device._score_programs(MAXCTX) == -(-MAXCTX // 128)
-    assert base.rt.device._score_programs(MAXCTX) is None
+    # the launches' programs a (slot, KV head): one a block, against one persistent program
+    launches = []
+
+    def spy(n_max, block_n, *args, **kw):
+        programs = real(n_max, block_n, *args, **kw)
+        launches.append((kw["blocks_per_program"], programs, -(-n_max // block_n)))
+        return programs
+
+    real = token_scores_mod.scoring_programs
+    monkeypatch.setattr(token_scores_mod, "scoring_programs", spy)
     sa, sb = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (base, short))
 
     def same_selections(t, *_):
@@ -282,6 +291,8 @@ def test_short_scoring_programs_select_as_persistent(index_keys):
     _decode_alike(base, short, layers, 4, gen, same_selections)
     slots = [base.st.row_init(r).slot for r in _rows_of(base, "asyncspade")]
     assert all(int(sa.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
+    assert {b for b, _, _ in launches} == {0, 1}
+    assert all(programs == (blocks if b == 1 else 1) and blocks > 1 for b, programs, blocks in launches)
 
 
 @pytest.mark.parametrize("topk_layers,index_keys", [(2, "int8"), (3, "int4")])

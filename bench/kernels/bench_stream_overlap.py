@@ -70,14 +70,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def scoring_launch(shape: str, n: int, bs: int, hkv: int, sms: int, block_n: int = 128) -> dict:
-    """index_token_scores' num_programs / num_stages for a --shapes entry."""
+def scoring_launch(shape: str) -> dict:
+    """index_token_scores' launch arguments for a --shapes entry."""
     if shape.startswith("t"):
-        blocks = -(-n // block_n)
-        return dict(num_programs=max(1, -(-blocks // int(shape[1:]))), num_stages=None)
+        return dict(blocks_per_program=int(shape[1:]), num_stages=None)
     per_sm, stages = (int(v) for v in shape.split("x"))
-    # as launch_token_scores rounds: down, so the grid is one wave
-    return dict(num_programs=max(1, per_sm * sms // (bs * hkv)), num_stages=stages or None)
+    return dict(programs_per_sm=per_sm, num_stages=stages or None)
 
 
 def main(argv=None) -> int:
@@ -90,6 +88,7 @@ def main(argv=None) -> int:
     IK = import_kernels("index_keys")
     TR = import_kernels("topk_range")
     TS = import_kernels("two_segment_decode")
+    TSC = import_kernels("token_scores")
     utils = import_kernels("_utils")
     import triton
 
@@ -191,9 +190,11 @@ def main(argv=None) -> int:
     results = []
     prios = [p for p in args.priorities.split(",") if p]
     for shape in filter(None, args.shapes.split(",")):
-        launch = scoring_launch(shape, n, bs, hkv, sms)
+        launch = scoring_launch(shape)
+        programs = TSC.scoring_programs(n, 128, bs, hkv, dev, programs_per_sm=launch.get("programs_per_sm", 4),
+                                        blocks_per_program=launch.get("blocks_per_program", 0))
         for prio in prios:
-            row = dict(shape=shape, priority=prio, programs=launch["num_programs"], stages=launch["num_stages"])
+            row = dict(shape=shape, priority=prio, programs=programs, stages=launch["num_stages"])
             cap = None
             if use_cuda and prio == "high":
                 cap = torch.cuda.Stream(priority=-64)  # mapped to the highest
