@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--sparse-extra", default="--sparse-config bench/gpu/sparse_config.yaml")
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--mem-fraction-static", default="0.8",
+                    help="lower it where the stores of many query-aware slots must fit beside the pool")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ctx, bs = map(int, a.case.split("x"))
@@ -144,7 +146,7 @@ def main() -> None:
     outdir = os.path.join(os.path.dirname(os.path.abspath(a.out)), "traces")
     for backend, pols in by_backend.items():
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
-               "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", "0.8",
+               "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", a.mem_fraction_static,
                "--disable-radix-cache", "--disable-prefill-cuda-graph"] + \
             (a.sparse_extra.split() if backend == "sgl_sparse" else [])
         env = {**os.environ, "SGLANG_TORCH_PROFILER_DIR": outdir}
