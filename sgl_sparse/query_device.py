@@ -93,14 +93,6 @@ TOPK_HIST_FROM_SCORES: frozenset = (frozenset({8}) if env_value("TOPK_HIST_FROM_
 #: the main stream's kernels the SMs the scoring's programs free, instead of the
 #: scoring's next ones. SGLANG_SPARSE_ASPD_HIGH_PRIORITY_MAIN=0 leaves SGLang's stream.
 ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
-#: asyncspade with topk_layers > 1: the last group's Top-K (the group ending at the last
-#: layer) runs at the NEXT decode forward, first on the side stream, and the main stream
-#: waits for it only at that group's first layer, instead of the step's end waiting for
-#: it (session 25's profile, H200, 32768 x 8: the main stream idle ~0.9 ms of a 5.04 ms
-#: step, mostly at that join). A stored selection is read one step after it is made
-#: either way; this moves when the last group's is written, not what it is. Off until
-#: measured end to end (SGLANG_SPARSE_ASPD_DEFER_LAST_TOPK=1 turns it on).
-ASPD_DEFER_LAST_TOPK = env_switch("ASPD_DEFER_LAST_TOPK", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -230,49 +222,6 @@ class _AspdGroupRows:
         self.push = torch.where(push >= 0, push + layer * store_rows, -1)
 
 
-class _DeferredTopK:
-    """asyncspade's last Top-K group deferred (ASPD_DEFER_LAST_TOPK): the ranges and
-    store rows its launch takes, kept by the forward that scored the group for the next
-    decode forward, which launches it before its own first scoring (the group's scores
-    and histograms stay in the store until then: that scoring is the next to write
-    them). Persistent and allocated before any graph capture, as the store. Launching
-    it again from the same ranges (forwards without asyncspade rows keep them) writes
-    the same selections. A request's extend forgets its slot's entries, so that no
-    Top-K of the slot's previous request lands on the new one."""
-
-    @staticmethod
-    def of(store, last_layer: int) -> "_DeferredTopK | None":
-        group = store.topk_layers
-        if group <= 1 or not ASPD_DEFER_LAST_TOPK:
-            return None  # each layer selects alone: no scores are kept across layers
-        first = last_layer - last_layer % group
-        if first == 0:
-            # one group: its first layer's select comes before the launch (at the first
-            # layer's finish) could write it
-            return None
-        return _DeferredTopK(first, last_layer + 1 - first, store.cfg.slots, store.sel_pos.device)
-
-    def __init__(self, first: int, layers: int, slots: int, device: torch.device):
-        self.first, self.layers, self.slots = first, layers, slots
-        n = layers * slots
-
-        def zeros():
-            return torch.zeros(n, dtype=torch.int32, device=device)
-
-        self.sink, self.hi, self.budget, self.next_b = zeros(), zeros(), zeros(), zeros()
-        self.push = torch.full((n,), -1, dtype=torch.int32, device=device)  # -1: no store row written
-
-    def keep(self, rows: "_AspdGroupRows") -> None:
-        """This forward's group rows of the last group (its first `layers * slots`)."""
-        n = self.layers * self.slots
-        for name in ("sink", "hi", "budget", "next_b", "push"):
-            getattr(self, name).copy_(getattr(rows, name)[:n])
-
-    def forget(self, slot: int) -> None:
-        self.hi.view(self.layers, self.slots)[:, slot] = 0
-        self.push.view(self.layers, self.slots)[:, slot] = -1
-
-
 class QueryAwareDevice:
     def __init__(self, state, cap: int):
         self.state = state
@@ -299,9 +248,6 @@ class QueryAwareDevice:
         # one policy this forward: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
-        self._defer: _DeferredTopK | None = None
-        # the side stream's mark after this forward's deferred Top-K (None: nothing to wait for)
-        self._defer_done: torch.cuda.Event | None = None
         self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
         self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
@@ -317,7 +263,6 @@ class QueryAwareDevice:
             self._qhat = torch.empty(ring.shape[0], self.aspd.cfg.slots, *ring.shape[3:], dtype=torch.float32,
                                      device=ring.device)
             self._last_layer = ring.shape[0] - 1
-            self._defer = _DeferredTopK.of(self.aspd, self._last_layer)
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
 
@@ -327,12 +272,6 @@ class QueryAwareDevice:
         should then rank above them (ASPD_HIGH_PRIORITY_MAIN): the backend captures
         SGLang's decode graphs at high priority (compat.capture_graphs_at_high_priority)."""
         return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN
-
-    def forget_slot(self, slot: int) -> None:
-        """A request takes asyncspade's `slot` (its extend): no deferred Top-K of the
-        slot's previous request may write its selections."""
-        if self._defer is not None:
-            self._defer.forget(slot)
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -359,7 +298,6 @@ class QueryAwareDevice:
         if self._side_pending:  # a forward that stopped before its last layer
             self._join_side()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
-        self._defer_done = None
         self._on = {}
         self._forward_fused(plan, req_pool_indices, seq_lens)
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
@@ -447,8 +385,6 @@ class QueryAwareDevice:
         a_len is the plan's 0)."""
         self._forward(plan, req_pool_indices, seq_lens)
         a_slots = torch.empty_like(a_pos) if slots else None
-        if self._defer_done is not None and li == self._defer.first:
-            torch.cuda.current_stream().wait_event(self._defer_done)  # its selections are read from here on
         with only_if(self._any):
             if self._fwd_quest is not None:
                 with self._gate(PolicyId.QUEST):
@@ -522,11 +458,8 @@ class QueryAwareDevice:
         only what outlives the forward (q_hat of this layer, the KV pool,
         req_to_token, this forward's slot tensors) and writes only the store's
         selection of this layer, which nothing reads before the join."""
-        defer = self._defer is not None and li == 0
         if not self._sides:
             with only_if(self._on[PolicyId.ASYNCSPADE]):
-                if defer:
-                    self._aspd_topk_deferred(k_cache.shape[1])
                 self._aspd_select_next(li, k_cache, req_to_token, scale)
             return
         # layers alternate over the side streams (ASPD_SIDE_STREAMS); each stream's
@@ -534,9 +467,6 @@ class QueryAwareDevice:
         side = self._sides[li % len(self._sides)]
         side.wait_stream(torch.cuda.current_stream())
         group = self.aspd.topk_layers
-        if self._defer_done is not None and 0 < li < self._defer.layers:
-            # this layer's row of the scores: once the deferred Top-K (another stream) has read it
-            side.wait_event(self._defer_done)
         if group > 1 and len(self._sides) > 1:
             if li % group == group - 1 or li == self._last_layer:
                 # the group's Top-K reads the scores every stream wrote
@@ -547,17 +477,8 @@ class QueryAwareDevice:
             elif li >= group and self._aspd_topk_side is not side:
                 # this layer's row of the scores is free once the previous group's Top-K has read it
                 side.wait_stream(self._aspd_topk_side)
-        with torch.cuda.stream(side):
-            if defer:
-                # the previous forward's last group first: it reads the scores rows this
-                # forward's first layers overwrite; the main stream waits for it at that
-                # group's first layer (select), not for this stream's later scoring
-                with only_if(self._on[PolicyId.ASYNCSPADE]):
-                    self._aspd_topk_deferred(k_cache.shape[1])
-                self._defer_done = torch.cuda.Event()
-                self._defer_done.record(side)
-            with only_if(self._on[PolicyId.ASYNCSPADE]):
-                self._aspd_select_next(li, k_cache, req_to_token, scale)
+        with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
+            self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer:
             self._join_side()
@@ -576,10 +497,6 @@ class QueryAwareDevice:
 
         store = self.aspd
         if store.htop is None or (4 if store.ksmooth is not None else 8) not in TOPK_HIST_FROM_SCORES:
-            return False
-        if self._defer is not None and li >= self._defer.first:
-            # the deferred Top-K may run twice from one scoring (_DeferredTopK), and h_top
-            # is zeroed by the first: it makes its own first pass
             return False
         group = store.topk_layers
         layers = min(group, self._last_layer + 1 - (li - li % group))
@@ -620,18 +537,9 @@ class QueryAwareDevice:
             # the group's layers [li - g, li] in one launch over their rows
             rows, first, n_layers = f.group, li - g, g + 1
             scores = store.scores[:n_layers].flatten(0, 1)
-            if self._defer is not None and first == self._defer.first:
-                self._defer.keep(rows)  # the next decode forward launches it (_aspd_topk_deferred)
-                return
         else:
             return
         self._aspd_topk(scores, rows, first, n_layers, hist, k_cache.shape[1])
-
-    def _aspd_topk_deferred(self, num_kv_heads: int) -> None:
-        """The previous decode forward's last group Top-K (_DeferredTopK), from the
-        scores it left in the store."""
-        d = self._defer
-        self._aspd_topk(self.aspd.scores[:d.layers].flatten(0, 1), d, d.first, d.layers, False, num_kv_heads)
 
     def _aspd_topk(self, scores: torch.Tensor, rows, first: int, n_layers: int, hist: bool,
                    num_kv_heads: int) -> None:

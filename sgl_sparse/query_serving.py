@@ -196,8 +196,6 @@ class QueryAwareRuntime:
                 win = q3.new_zeros((1, w, *q3.shape[1:]))
                 win[0, w - c:] = q3[e.q_end - c: e.q_end]
                 aspd.ring_load(store.ring[li], store.total[li], e.dev[0:1], win, e.dev[2:3])
-                if li == 0 and self.device is not None:
-                    self.device.forget_slot(e.slot)
                 if store.index_keys:  # the slot's key copies are its previous owner's
                     store.filled[li, e.slot] = 0
                 if store.ksmooth is not None:  # the prompt so far, radix-cache hits included

@@ -295,68 +295,6 @@ def test_short_scoring_programs_select_as_persistent(monkeypatch, index_keys):
     assert all(programs == (blocks if b == 1 else 1) and blocks > 1 for b, programs, blocks in launches)
 
 
-@pytest.mark.parametrize("topk_layers,index_keys", [(2, "int8"), (3, "int4")])
-def test_deferred_last_topk_attends_as_at_the_step_end(monkeypatch, topk_layers, index_keys):
-    """ASPD_DEFER_LAST_TOPK: the last group's Top-K launched at the next forward's first
-    layer instead of after the last layer's scoring. Over 4 layers (groups of 2: the
-    last is layers 2-3, whose scores rows the next forward's layers 0-1 overwrite after
-    the deferred launch read them; of 3: layer 3 alone) every step attends exactly as
-    without it; int8: the first group still takes the scoring's histograms, the
-    deferred one makes its own. One group of every layer is not deferred (its first
-    layer reads its selections before the launch could run)."""
-    layers, group = 4, 2
-    gen = torch.Generator().manual_seed(53 + topk_layers)
-    twins = {}
-    for on in (False, True):
-        monkeypatch.setattr(query_device, "ASPD_DEFER_LAST_TOPK", on)
-        twins[on] = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers},
-                         index_keys=index_keys)
-    one_group = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": layers})
-    assert one_group.rt.device._defer is None
-    base, defer = twins[False], twins[True]
-    d = defer.rt.device._defer
-    assert base.rt.device._defer is None and d is not None
-    assert (d.first, d.layers) == (layers - 1 - (layers - 1) % topk_layers, layers - d.first)
-    if index_keys == "int8":
-        assert [defer.rt.device._aspd_hist(li) for li in range(layers)] == [li < d.first for li in range(layers)]
-
-    def same_lengths(t, p1, p2):
-        for li in range(layers):
-            assert torch.equal(p1[li].a_len_per_head, p2[li].a_len_per_head), (t, li)
-
-    _, p2 = _decode_alike(base, defer, layers, 3, gen, same_lengths)
-    # the steps after the first read selections: the deferred layers' among them
-    assert int(p2[layers - 1].a_len_per_head.max()) > 0
-    store = defer.st.query_stores[PolicyId.ASYNCSPADE]
-    if store.htop is not None:
-        assert not store.htop.any()
-
-
-def test_deferred_last_topk_skips_a_slot_taken_since(monkeypatch):
-    """A request's extend takes asyncspade's slot (QueryAwareDevice.forget_slot): the
-    deferred Top-K kept from the slot's previous request writes nothing of it, and
-    still writes the other slots'."""
-    monkeypatch.setattr(query_device, "ASPD_DEFER_LAST_TOPK", True)
-    layers, group = 3, 2
-    gen = torch.Generator().manual_seed(59)
-    twin = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": 2})
-    twin.admit(torch.randn(sum(LENS.values()), HKV * group, twin.d, generator=gen).to(KV))
-    rows = [5, 1, 7, 4, 0, 2]
-    for t in range(2):
-        lens = [LENS[r] + 1 + t if r else 1 for r in rows]
-        twin.step_layers(rows, lens, [torch.randn(len(rows), HKV * group, twin.d, generator=gen).to(KV)
-                                      for _ in range(layers)])
-    dev, store = twin.rt.device, twin.st.query_stores[PolicyId.ASYNCSPADE]
-    d = dev._defer
-    s0, s1 = (twin.st.row_init(r).slot for r in _rows_of(twin, "asyncspade")[:2])
-    last = slice(d.first, layers)
-    store.sel_count[last] = -7  # what the deferred launch overwrites, or not
-    dev.forget_slot(s0)
-    dev._aspd_topk_deferred(HKV)
-    assert (store.sel_count[last, s0] == -7).all()
-    assert (store.sel_count[last, s1] > 0).all()
-
-
 @pytest.mark.parametrize("index_keys", ["int8", "int4"])
 def test_topk_hist_from_scores_counts_for_int8_copies_by_default(index_keys):
     """With SGLANG_SPARSE_TOPK_HIST_FROM_SCORES unset the scoring pass counts the

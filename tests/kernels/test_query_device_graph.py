@@ -304,10 +304,7 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     side stream and two (ASPD_SIDE_STREAMS: layers alternating) -- the A/B that
     decides that switch's default and measures index_keys at layer level -- and,
     for int8 keys, with the Top-K of 4 and of all 8 layers in one launch
-    (`topk_layers`), and the last group of 4 deferred to the next replay
-    (ASPD_DEFER_LAST_TOPK: launched at its first layer, waited for by an event at
-    layer 4; every replay scores the same, so the store ends the same): the same
-    selections, and their times."""
+    (`topk_layers`): the same selections, and their times."""
     from sgl_sparse import query_device
 
     dev = torch.device("cuda")
@@ -320,17 +317,14 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
     def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True,
-              topk_layers: int = 1, defer: bool = False):
-        saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS, query_device.ASPD_DEFER_LAST_TOPK
+              topk_layers: int = 1):
+        saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
         query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
-        query_device.ASPD_DEFER_LAST_TOPK = defer
         try:
             twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers,
                         index_keys=index_keys, topk_layers=topk_layers)
         finally:
-            (query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS,
-             query_device.ASPD_DEFER_LAST_TOPK) = saved
-        assert (twin.rt.device._defer is not None) == defer
+            query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = saved
         gen = torch.Generator(device=dev).manual_seed(3)
         twin.admit(torch.randn(sum(lens.values()), HKV * G, D, generator=gen, device=dev).to(KV))
         rows = [1, 2, 3, 4, 5, 0, 0, 0]
@@ -378,10 +372,8 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         variants = [(sides, 1) for sides in (0, 1, 2)]
         if keys == "int8":
             variants += [(sides, tl) for tl in (4, layers) for sides in (0, 1, 2)]
-            variants += [(sides, "4 deferred") for sides in (0, 1)]
         for sides, tl in variants:
-            defer = tl == "4 deferred"
-            tw, g = build(sides, keys, topk_layers=4 if defer else tl, defer=defer)
+            tw, g = build(sides, keys, topk_layers=tl)
             t[keys, sides, tl] = replay_ms(g)
             a = tw.st.query_stores[PolicyId.ASYNCSPADE]
             sel[keys, sides, tl] = (a.sel_count.clone(), a.total.clone(),
