@@ -38,6 +38,12 @@ from pathlib import Path
 import pytest
 
 MARK = "sglang_independent"
+#: Tests that do load SGLang, but only to drive one of our own features (a store
+#: layout, the load-test scenarios, a benchmark script) through the server entry points
+#: that the unmarked tests already exercise under every version: CI runs them under
+#: the first version only (.ci/run), to keep the later versions' run to the SGLang
+#: surface itself. Not guarded: they may import anything.
+FIRST_VERSION_ONLY = "first_version_only"
 KERNELS = Path(__file__).resolve().parent / "kernels"
 FIRST_PARTY = ("sgl_sparse", "sgl_sparse_entry", "tests")
 ENV_BLOCKED = "SGL_SPARSE_BLOCKED_IMPORTS"
@@ -210,6 +216,9 @@ _guard: Guard | None = None
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARK}: loads neither SGLang nor the compatibility layer; CI runs it "
                                        "under the first SGLang version only (tests/ci_legs.py)")
+    config.addinivalue_line("markers", f"{FIRST_VERSION_ONLY}: drives one of our features through server entry "
+                                       "points other tests cover under every version; CI runs it under the first "
+                                       "SGLang version only (tests/ci_legs.py)")
 
 
 def pytest_collection_modifyitems(config, items):

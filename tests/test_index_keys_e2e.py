@@ -23,7 +23,9 @@ from tests.server import greedy_generate, running_server
 from tests.shared_servers import SHARED_ARGS
 from tests.tiny_model import make_tiny_qwen3
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+# first_version_only: the store's key copies are ours; the server entry points they go
+# through are test_server_e2e's, run under every version (tests/ci_legs.py)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900), pytest.mark.first_version_only]
 
 NEW_TOKENS = 16
 

@@ -37,6 +37,10 @@ from sparseload.prompts import PromptFactory, TokenRatio  # noqa: E402
 from sparseload.results import Results, check_thresholds, format_table, percentile  # noqa: E402
 from sparseload.sse import GenOptions, StreamParser, build_request  # noqa: E402
 
+# first_version_only: the scenarios and their client are ours; the server's streaming
+# /generate they load is test_server_e2e's, run under every version (tests/ci_legs.py)
+pytestmark = pytest.mark.first_version_only
+
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 LOCUST_PYTHON_ENV = "SGL_SPARSE_LOCUST_PYTHON"
 # Windows far below the sequence lengths, so that the sparse decode path (not the
