@@ -83,6 +83,8 @@ class SparseAttnBackend(AttentionBackend):
             _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
         if not self.state.query_stores:
             _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
+        if self.device.type == "cuda":
+            _warn_if_stores_crowd_graphs(self.state, model_runner)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
         if self.qa is not None and self.qa.device is not None and self.qa.device.wants_high_priority_main:
             compat.capture_graphs_at_high_priority()
@@ -648,6 +650,39 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
                     scfg.max_context, query_store.nbytes(store) / 2**30)
         if state.metrics is not None:
             state.metrics.set_query_store(name, query_store.nbytes(store))
+
+
+def stores_headroom_warning(stores: int, free_before_load: int, fraction: float) -> Optional[str]:
+    """A warning when the sparse stores (allocated after SGLang sized its KV pool, so out
+    of the (1 - fraction) share it keeps free for activations and CUDA graphs) take more
+    than half of that share: the decode-graph capture that follows may then run out of
+    memory in SGLang's own code, where nothing points at the stores. Says the fraction
+    that takes the stores out of the pool's share instead."""
+    reserve = free_before_load * (1.0 - fraction)
+    if stores <= 0.5 * reserve:
+        return None
+    suggested = int((fraction - stores / free_before_load) * 100) / 100
+    fix = (f"--mem-fraction-static {suggested:.2f} (the stores taken out of the KV pool's share)"
+           if suggested > 0 else "a smaller --mem-fraction-static")
+    return (f"sgl_sparse: the sparse stores take {stores / 2**30:.2f} GiB of the {reserve / 2**30:.2f} GiB that "
+            f"--mem-fraction-static {fraction:g} leaves outside SGLang's KV pool for activations and CUDA "
+            f"graphs ({max(reserve - stores, 0) / 2**30:.2f} GiB left). If start-up then fails with CUDA out "
+            f"of memory, set {fix}, or lower query_aware.<policy>.slots / max_context and compact.slots / "
+            f"capacity in --sparse-config")
+
+
+def _warn_if_stores_crowd_graphs(state: SparseState, model_runner) -> None:
+    from sgl_sparse import query_store
+
+    split = compat.memory_split(model_runner)
+    stores = sum(query_store.nbytes(s) for s in state.query_stores.values())
+    if state.compact is not None:
+        stores += state.compact.nbytes()
+    if split is None or stores == 0:
+        return
+    msg = stores_headroom_warning(stores, *split)
+    if msg is not None:
+        logger.warning(msg)
 
 
 def _balance_enabled() -> bool:

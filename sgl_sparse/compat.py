@@ -92,6 +92,19 @@ def attention_parallel(model_runner: Any = None) -> tuple[int, int, int]:
                 int(getattr(ps, "pp_rank", 0) or 0))
 
 
+def memory_split(model_runner: Any) -> Optional[tuple[int, float]]:
+    """(bytes free on the device before SGLang loaded the model, --mem-fraction-static):
+    SGLang sizes its KV pool so that (1 - fraction) of the former stays free for
+    activations and CUDA graphs. Both releases keep them on the ModelRunner
+    (``pre_model_load_memory`` in GB, as ``get_available_gpu_memory`` returns it);
+    None where they are missing."""
+    free_gb = getattr(model_runner, "pre_model_load_memory", None)
+    fraction = getattr(model_runner, "mem_fraction_static", None)
+    if not isinstance(free_gb, (int, float)) or not isinstance(fraction, (int, float)) or free_gb <= 0:
+        return None
+    return int(free_gb * (1 << 30)), float(fraction)
+
+
 def token_ids(req: Any) -> tuple[Any, Any]:
     """(prompt ids, generated ids) of a Req; lists in 0.5.17, array('q') in 0.5.23."""
     return req.origin_input_ids, req.output_ids
