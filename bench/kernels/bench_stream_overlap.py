@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     prios = [p for p in args.priorities.split(",") if p]
     for shape in filter(None, args.shapes.split(",")):
         launch = scoring_launch(shape)
-        programs = TSC.scoring_programs(n, 128, bs, hkv, dev, programs_per_sm=launch.get("programs_per_sm", 4),
-                                        blocks_per_program=launch.get("blocks_per_program", 0))
+        # the launch's own programs per (row, KV head): its arguments as given, the kernel's defaults otherwise
+        programs = TSC.scoring_programs(n, 128, bs, hkv, dev, **{k: v for k, v in launch.items() if k != "num_stages"})
         for prio in prios:
             row = dict(shape=shape, priority=prio, programs=programs, stages=launch["num_stages"])
             cap = None
