@@ -620,7 +620,7 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
 
 def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
     """Stores of the query-aware policies with slots, once per request pool."""
-    from sgl_sparse import query_device, query_store
+    from sgl_sparse import query_store
 
     cfg = state.config
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
@@ -636,9 +636,7 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
                 store = query_store.QuestStore(scfg, dtype=kv.dtype, **shape)
             elif pid == PolicyId.ASYNCSPADE:
                 store = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
-                                                    num_q_heads=hq, dtype=kv.dtype,
-                                                    score_buffers=query_device.aspd_score_buffers(kv.device),
-                                                    **shape)
+                                                    num_q_heads=hq, dtype=kv.dtype, **shape)
             else:
                 store = query_store.LfpsStore(scfg, num_q_heads=hq, **shape)
         except torch.OutOfMemoryError:
@@ -674,7 +672,7 @@ def stores_headroom_warning(stores: int, free_before_load: int, fraction: float)
 
 
 def _warn_if_stores_crowd_graphs(state: SparseState, model_runner) -> None:
-    from sgl_sparse import query_device, query_store
+    from sgl_sparse import query_store
 
     split = compat.memory_split(model_runner)
     stores = sum(query_store.nbytes(s) for s in state.query_stores.values())

@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import env_switch, env_value
+from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -67,17 +67,14 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 #: as the main-stream path, 66% of the shorter phase hidden) and served a 32768 x 8
 #: e2e without error (bench/README.md, "Session 7").
 ASPD_SIDE_STREAM = env_switch("ASPD_SIDE_STREAM", True)
-#: asyncspade with `topk_layers` > 1: each group's Top-K on a stream of its own, beside
-#: the side stream's scoring of the next group's layers, the scores in two buffers by
-#: group parity (query_store.AsyncSpadeStore's score_buffers), instead of both on the one
-#: side stream, where a group's Top-K (~0.57 ms for 14 layers at 32768 x 8, H200,
-#: latency-bound) holds back the scoring queued behind it: in session 25's profile the
-#: main stream idled ~0.9 ms a step at the join after the last layer, and running the
-#: last group's Top-K a step later (session 26) did not remove it. Session 22's two side
-#: streams alternated layers, so a layer's scoring still waited for the previous
-#: group's Top-K to free its rows of the one buffer. SGLANG_SPARSE_ASPD_TOPK_STREAM=1
-#: turns it on; off until measured end to end.
-ASPD_TOPK_STREAM = env_switch("ASPD_TOPK_STREAM", False)
+#: Side streams the layers' selections alternate over (SGLANG_SPARSE_ASPD_SIDE_STREAMS,
+#: 1-4, default 1). On one stream a layer's Top-K (latency-bound: a few hundred
+#: programs walking their rows) waits for the previous layer's scoring (bandwidth-
+#: bound) and the next layer's scoring for it; on two, layer l + 1's scoring runs
+#: beside layer l's Top-K. Measured in session 22 with persistent scoring programs,
+#: which kept the streams from overlapping at all: no difference (1.328x vs 1.339x
+#: stock, H200, 32768 x 8); one until it is measured with the short programs.
+ASPD_SIDE_STREAMS = env_count("ASPD_SIDE_STREAMS", 1, 1, 4)
 #: asyncspade with index keys: the scoring pass also counts, per (slot, KV head), the
 #: 64-bin histogram of the top 6 bits of the scores it writes (kernels/token_scores.py
 #: HIST), and the Top-K reads it (topk_range's h_top) instead of its first serial pass
@@ -97,13 +94,6 @@ TOPK_HIST_FROM_SCORES: frozenset = (frozenset({8}) if env_value("TOPK_HIST_FROM_
 #: the main stream's kernels the SMs the scoring's programs free, instead of the
 #: scoring's next ones. SGLANG_SPARSE_ASPD_HIGH_PRIORITY_MAIN=0 leaves SGLang's stream.
 ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
-
-
-def aspd_score_buffers(device: torch.device) -> int:
-    """The score buffers asyncspade's store keeps for this device: two where its group
-    Top-Ks run on their own stream (ASPD_TOPK_STREAM), else one."""
-    return 2 if device.type == "cuda" and ASPD_SIDE_STREAM and ASPD_TOPK_STREAM else 1
-
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -259,11 +249,8 @@ class QueryAwareDevice:
         # one policy this forward: its own flag is the whole gate, no inner gates (two nodes each)
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
-        self._side: torch.cuda.Stream | None = None  # None: the selection runs on the main stream
-        # the group Top-Ks' own stream (ASPD_TOPK_STREAM), and this forward's event after
-        # each group's Top-K on it, by group
-        self._topk_stream: torch.cuda.Stream | None = None
-        self._topk_done: dict[int, torch.cuda.Event] = {}
+        self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
+        self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
@@ -278,16 +265,14 @@ class QueryAwareDevice:
                                      device=ring.device)
             self._last_layer = ring.shape[0] - 1
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
-                self._side = torch.cuda.Stream(device=ring.device)
-                if self.aspd.score_buffers > 1 and self.aspd.topk_layers > 1:
-                    self._topk_stream = torch.cuda.Stream(device=ring.device)
+                self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
 
     @property
     def wants_high_priority_main(self) -> bool:
         """asyncspade's selection runs on side streams beside the main stream, which
         should then rank above them (ASPD_HIGH_PRIORITY_MAIN): the backend captures
         SGLang's decode graphs at high priority (compat.capture_graphs_at_high_priority)."""
-        return self._side is not None and ASPD_HIGH_PRIORITY_MAIN
+        return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -314,7 +299,6 @@ class QueryAwareDevice:
         if self._side_pending:  # a forward that stopped before its last layer
             self._join_side()
         self._fwd_quest = self._fwd_aspd = self._fwd_lfps = None
-        self._topk_done = {}
         self._on = {}
         self._forward_fused(plan, req_pool_indices, seq_lens)
         flags = list(self._on.values())  # all None or none (graph_gate.flag)
@@ -475,37 +459,34 @@ class QueryAwareDevice:
         only what outlives the forward (q_hat of this layer, the KV pool,
         req_to_token, this forward's slot tensors) and writes only the store's
         selection of this layer, which nothing reads before the join."""
-        on = self._on[PolicyId.ASYNCSPADE]
-        if self._side is None:
-            with only_if(on):
+        if not self._sides:
+            with only_if(self._on[PolicyId.ASYNCSPADE]):
                 self._aspd_select_next(li, k_cache, req_to_token, scale)
             return
-        side, topk, group = self._side, self._topk_stream, self.aspd.topk_layers
+        # layers alternate over the side streams (ASPD_SIDE_STREAMS); each stream's
+        # temporaries are allocated and freed on it, so no block crosses streams
+        side = self._sides[li % len(self._sides)]
         side.wait_stream(torch.cuda.current_stream())
-        if topk is not None and li % group == 0 and li // group - 2 in self._topk_done:
-            # a group's first layer: its scores buffer was read by the Top-K two groups back
-            side.wait_event(self._topk_done[li // group - 2])
-        with torch.cuda.stream(side), only_if(on):
-            self._aspd_select_next(li, k_cache, req_to_token, scale, topk=topk is None)
-        if topk is not None and (li % group == group - 1 or li == self._last_layer):
-            # the group's Top-K on its own stream, after the group's scoring; the side
-            # stream goes on with the next group's meanwhile. Its own gate: a
-            # conditional node's body is captured on a child of the stream that opens it
-            topk.wait_stream(side)
-            with torch.cuda.stream(topk), only_if(on):
-                self._aspd_group_topk(li, k_cache.shape[1])
-            done = torch.cuda.Event()
-            done.record(topk)
-            self._topk_done[li // group] = done
+        group = self.aspd.topk_layers
+        if group > 1 and len(self._sides) > 1:
+            if li % group == group - 1 or li == self._last_layer:
+                # the group's Top-K reads the scores every stream wrote
+                for other in self._sides:
+                    if other is not side:
+                        side.wait_stream(other)
+                self._aspd_topk_side = side
+            elif li >= group and self._aspd_topk_side is not side:
+                # this layer's row of the scores is free once the previous group's Top-K has read it
+                side.wait_stream(self._aspd_topk_side)
+        with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
+            self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer:
             self._join_side()
 
     def _join_side(self) -> None:
-        main = torch.cuda.current_stream()
-        main.wait_stream(self._side)
-        if self._topk_stream is not None:
-            main.wait_stream(self._topk_stream)
+        for side in self._sides:
+            torch.cuda.current_stream().wait_stream(side)
         self._side_pending = False
 
     def _aspd_hist(self, li: int) -> bool:
@@ -523,11 +504,8 @@ class QueryAwareDevice:
         slots, heads = store.htop.shape[1:3]
         return takes_htop(store.cfg.max_context, layers * slots * heads, store.htop.device)
 
-    def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float,
-                          topk: bool = True) -> None:
-        """Score [sink, next b_start) with this layer's q_hat; with topk, the Top-K
-        into the store where this layer ends its group (every layer where each layer
-        selects alone)."""
+    def _aspd_select_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
+        """Score [sink, next b_start) with this layer's q_hat, Top-K -> the store."""
         from sgl_sparse.kernels.index_keys import index_token_scores
         from sgl_sparse.kernels.token_scores import token_scores
 
@@ -537,9 +515,9 @@ class QueryAwareDevice:
         n_max = store.cfg.max_context
         group = store.topk_layers
         g = li % group
-        row = store.score_rows(li) + g  # the group's Top-K reads layer li's scores and histograms there
+        # the group's Top-K reads layer li's histograms from row g of store.htop
         hist = self._aspd_hist(li)
-        out = store.scores[row] if group > 1 else None
+        out = store.scores[g] if group > 1 else None
         # the pass's programs on the side stream: short ones (blocks_per_program) or
         # persistent ones, per_sm a SM (fewer leave room for the main stream)
         launch = dict(programs_per_sm=store.cfg.score_programs_per_sm,
@@ -550,32 +528,25 @@ class QueryAwareDevice:
                                         store.kq[li], store.kscale[li], store.filled[li], out=out,
                                         **launch,
                                         ksmooth=store.ksmooth[li] if store.ksmooth is not None else None,
-                                        h_top=store.htop[row] if hist else None)
+                                        h_top=store.htop[g] if hist else None)
         else:
             scores = token_scores(q_hat, k_cache, req_to_token, f.rpi, f.sink, f.hi, scale, n_max, fill=False,
                                   out=out, **launch)
-        if not topk:
-            return
         if group == 1:
-            self._aspd_topk(scores, f, li, 1, hist, k_cache.shape[1], row)
+            rows, first, n_layers = f, li, 1
         elif g == group - 1 or li == self._last_layer:
-            self._aspd_group_topk(li, k_cache.shape[1])
-
-    def _aspd_group_topk(self, li: int, num_kv_heads: int) -> None:
-        """The Top-K of the group that layer li ends (topk_layers > 1): the group's
-        layers [li - g, li] in one launch over their rows of the store's scores."""
-        store = self.aspd
-        g = li % store.topk_layers
-        rows = store.score_rows(li)
-        scores = store.scores[rows:rows + g + 1].flatten(0, 1)
-        self._aspd_topk(scores, self._fwd_aspd.group, li - g, g + 1, self._aspd_hist(li), num_kv_heads, rows)
+            # the group's layers [li - g, li] in one launch over their rows
+            rows, first, n_layers = f.group, li - g, g + 1
+            scores = store.scores[:n_layers].flatten(0, 1)
+        else:
+            return
+        self._aspd_topk(scores, rows, first, n_layers, hist, k_cache.shape[1])
 
     def _aspd_topk(self, scores: torch.Tensor, rows, first: int, n_layers: int, hist: bool,
-                   num_kv_heads: int, hist_row: int = 0) -> None:
+                   num_kv_heads: int) -> None:
         """The Top-K of layers [first, first + n_layers) over their scores' rows, into
         the store. rows: the launch's ranges and store rows (sink, hi, budget, next_b,
-        push), in the scores' row order; hist_row: the first of the layers' rows of
-        store.htop."""
+        push), in the scores' row order."""
         from sgl_sparse.kernels.quest_pages import expand_selection
         from sgl_sparse.kernels.topk_range import topk_range
 
@@ -588,7 +559,7 @@ class QueryAwareDevice:
         # they scored [f.sink, f.hi) per slot, the same ranges as rows.sink / rows.hi per
         # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
         # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
-        extra = dict(h_top=store.htop[hist_row:hist_row + n_layers].flatten(0, 1), splits=1) if hist else {}
+        extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
                                 out=torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device),

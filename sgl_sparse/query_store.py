@@ -26,18 +26,14 @@ Layouts (slot = one live request of the policy; layers of this rank):
                                                      zeroed when a request takes the slot
               ksmooth      [layers, slots, Hkv, D] fp32 (int4 only): the channels'
                            powers of two, from the prompt's keys at each extend chunk
-              htop         [B * G, slots, Hkv, 64] int32 (G = topk_layers): the
-                           top-digit histograms of the scores the scoring pass writes,
-                           added by it, read and zeroed by the group's Top-K (topk_range's
-                           h_top; query_device.TOPK_HIST_FROM_SCORES); zero between steps
+              htop         [G, slots, Hkv, 64] int32 (G = topk_layers): the top-digit
+                           histograms of the scores the scoring pass writes, added by it,
+                           read and zeroed by the group's Top-K (topk_range's h_top;
+                           query_device.TOPK_HIST_FROM_SCORES); zero between steps
               with `topk_layers: G > 1` [ours]: the scores of a group's layers,
               kept from each layer's scoring to the group's one Top-K launch
               (overwritten every step, never read across steps):
-              scores       [B * G, slots, Hkv, max_context] fp32
-              B = 2 score buffers where the Top-K runs on a stream of its own
-              (query_device.ASPD_TOPK_STREAM) and the layers make more than one
-              group: group j uses buffer j % 2, so a group's scoring never waits
-              for the previous group's Top-K to free its rows; else B = 1
+              scores       [G, slots, Hkv, max_context] fp32
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
@@ -70,8 +66,7 @@ class QuestStore:
 
 class AsyncSpadeStore:
     def __init__(self, cfg: AsyncSpadeStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
-                 num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 score_buffers: int = 1):
+                 num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.cfg = cfg
         self.scratch_slot = cfg.slots
         self.rows = cfg.slots + 1
@@ -97,21 +92,14 @@ class AsyncSpadeStore:
                                       device=device)
         # layers per Top-K launch (query_device._aspd_next), at most all of them
         self.topk_layers = max(1, min(cfg.topk_layers, num_layers))
-        # a second buffer only serves a second group of kept scores
-        self.score_buffers = score_buffers if 1 < self.topk_layers < num_layers else 1
-        rows = self.score_buffers * self.topk_layers
         self.scores = None
         if self.topk_layers > 1:
-            self.scores = torch.empty(rows, cfg.slots, num_kv_heads, cfg.max_context, dtype=torch.float32,
-                                      device=device)
+            self.scores = torch.empty(self.topk_layers, cfg.slots, num_kv_heads, cfg.max_context,
+                                      dtype=torch.float32, device=device)
         # zeros: the scoring pass adds to them, the Top-K leaves them zeroed after reading
         self.htop = None
         if self.index_keys:
-            self.htop = torch.zeros(rows, cfg.slots, num_kv_heads, 64, dtype=torch.int32, device=device)
-
-    def score_rows(self, li: int) -> int:
-        """The first row of layer li's group in scores / htop."""
-        return (li // self.topk_layers) % self.score_buffers * self.topk_layers
+            self.htop = torch.zeros(self.topk_layers, cfg.slots, num_kv_heads, 64, dtype=torch.int32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         index = (self.kq, self.kscale, self.filled) if self.index_keys else ()

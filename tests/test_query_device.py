@@ -69,7 +69,7 @@ class Twin:
 
     def __init__(self, group: int, use_kernels: bool, seed: int = 0, specs: dict | None = None,
                  lens: dict | None = None, store: dict | None = None, index_keys: str = "kv",
-                 num_layers: int = 1, aspd: dict | None = None, score_buffers: int = 1):
+                 num_layers: int = 1, aspd: dict | None = None):
         gen = torch.Generator().manual_seed(seed)
         self.group = group
         # 4-bit copies are scored as two dots over D/2 channels: int8 dots take K >= 32 on a GPU
@@ -88,8 +88,7 @@ class Twin:
         hq = HKV * group
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=hq,
-                                                                    dtype=KV, score_buffers=score_buffers,
-                                                                    **shape)
+                                                                    dtype=KV, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=hq, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
         self.k = torch.randn(2000, HKV, self.d, generator=gen).to(KV)
@@ -202,27 +201,22 @@ def test_device_path_matches_the_torch_path(group, index_keys):
         _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
 
 
-@pytest.mark.parametrize("topk_layers,index_keys,buffers", [(5, "kv", 1), (2, "int8", 2)])
-def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers, index_keys, buffers):
+@pytest.mark.parametrize("topk_layers,index_keys", [(5, "kv"), (2, "int8")])
+def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers, index_keys):
     """`topk_layers`: one Top-K launch over the rows of a group of layers (of 5: one
     group of every layer; of 2: the last group shorter, the size not dividing them)
     stores every layer the selection its own launch stores, and the same attention
     follows (int8 index keys: each group's Top-K reads its layers' histograms from
-    their scoring launches). Groups of 2 keep their scores in two buffers by group
-    parity (what the Top-K's own stream takes, query_device.ASPD_TOPK_STREAM: groups
-    0, 1, 2 in buffers 0, 1, 0); a group of every layer keeps one. Groups of 2 over
-    the KV cache's keys are not run (~75 s in the interpreter): the uneven groups are
-    int8's case, the KV keys' scoring into a group's rows of 5's."""
+    their scoring launches). Groups of 2 over the KV cache's keys are not run (~75 s
+    in the interpreter): the uneven groups are int8's case, the KV keys' scoring into
+    a group's rows of 5's."""
     layers, group = 5, 2
     gen = torch.Generator().manual_seed(31 + topk_layers)
     one = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": 1}, index_keys=index_keys)
     grouped = Twin(group, use_kernels=True, num_layers=layers, aspd={"topk_layers": topk_layers},
-                   index_keys=index_keys, score_buffers=2)
+                   index_keys=index_keys)
     s1, s2 = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (one, grouped))
-    rows_kept = buffers * topk_layers
-    assert s1.scores is None and s2.scores.shape == (rows_kept, 4, HKV, MAXCTX)
-    assert [s2.score_rows(li) for li in range(layers)] == [li // topk_layers % buffers * topk_layers
-                                                           for li in range(layers)]
+    assert s1.scores is None and s2.scores.shape == (topk_layers, 4, HKV, MAXCTX)
     q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
     one.admit(q_ext)
     grouped.admit(q_ext)
@@ -242,7 +236,7 @@ def test_asyncspade_topk_over_layer_groups_selects_as_per_layer(topk_layers, ind
     assert all(int(s1.sel_count[li, s].min()) > 0 for li in range(layers) for s in slots)
     assert not torch.equal(s1.sel_pos[0, slots[0]], s1.sel_pos[layers - 1, slots[0]])
     if index_keys != "kv":  # the Top-Ks left every histogram zeroed for the next step
-        assert s2.htop.shape == (rows_kept, 4, HKV, 64) and not s1.htop.any() and not s2.htop.any()
+        assert s2.htop.shape == (topk_layers, 4, HKV, 64) and not s1.htop.any() and not s2.htop.any()
 
 
 def _decode_alike(a: Twin, b: Twin, layers: int, steps: int, gen: torch.Generator, check=None):
