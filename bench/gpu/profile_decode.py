@@ -4,6 +4,12 @@ For each backend and policy, a batch of `ctx`-token prompts decodes `out_len`
 tokens; once decoding has begun, `/start_profile` records `--steps` forward passes.
 The trace's GPU kernels are summed by name: time per decode step, kernel count,
 and the GPU-idle share of the profiled span (host overhead the GPU waits on).
+Where a step runs on several streams (asyncspade's side stream), the main stream's
+idle time is split by the length of its gaps: many short gaps spread over the
+layers are its kernels waiting for SMs the side stream's programs hold, one long
+gap a step is a join (or the host between graph replays). `--timeline N` also
+writes every kernel of N steps from the middle of the trace (stream, start, length,
+name) to timeline-<backend>-<policy>.csv beside --out, to read where the gaps are.
 
     python bench/gpu/profile_decode.py --model /root/model --case 32768x8 \
         --runs flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:sfi-pinned --out $OUT/profile.json
@@ -41,7 +47,41 @@ def busy_union(kernels: list[dict]) -> float:
     return total
 
 
-def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
+#: main-stream gap classes (us): a kernel's launch latency, a wait inside a step, a join or the host
+GAP_CLASSES = ((0.0, 5.0), (5.0, 50.0), (50.0, float("inf")))
+
+
+def main_stream_gaps(kernels: list[dict], stream: str, steps: int) -> dict:
+    """The idle time between consecutive kernels of `stream`, per step, by gap length."""
+    mine = sorted((e for e in kernels if _stream(e) == stream), key=lambda e: e["ts"])
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(mine, mine[1:])]
+    out = {}
+    for lo, hi in GAP_CLASSES:
+        sel = [g for g in gaps if lo <= g < hi]
+        name = f"{lo:g}-{hi:g}us" if hi != float("inf") else f">={lo:g}us"
+        out[name] = {"ms_per_step": round(sum(sel) / 1e3 / steps, 3), "per_step": round(len(sel) / steps, 1)}
+    return out
+
+
+def _stream(e: dict) -> str:
+    return str(e.get("args", {}).get("stream", e.get("tid")))
+
+
+def write_timeline(kernels: list[dict], span_us_per_step: float, steps: int, path: str) -> None:
+    """Every kernel that starts within `steps` steps' span from the middle of the trace."""
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    a = t0 + (t1 - t0) / 2
+    b = a + steps * span_us_per_step
+    with open(path, "w") as f:
+        f.write("stream,start_us,dur_us,name\n")
+        for e in sorted(kernels, key=lambda e: e["ts"]):
+            if a <= e["ts"] < b:
+                f.write(f"{_stream(e)},{e['ts'] - a:.1f},{e['dur']:.1f},{e['name'][:70].replace(',', ';')}\n")
+
+
+def summarize(trace_path: str, steps: int, top: int = 25, timeline: tuple[int, str] | None = None) -> dict:
+    """timeline: (steps, path) to write write_timeline's CSV to."""
     with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
@@ -57,9 +97,15 @@ def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
     by_stream = defaultdict(float)
+    launches = defaultdict(int)
     for e in kernels:
-        by_stream[str(e.get("args", {}).get("stream", e.get("tid")))] += e["dur"]
+        by_stream[_stream(e)] += e["dur"]
+        launches[_stream(e)] += 1
     union = busy_union(kernels)
+    # the main stream: the one launching the most kernels (the layers' GEMMs, norms, attention)
+    main = max(launches, key=launches.get)
+    if timeline is not None:
+        write_timeline(kernels, (t1 - t0) / steps, *timeline)
     return {
         "steps": steps, "span_ms_per_step": per_step(t1 - t0),
         "gpu_busy_ms_per_step": per_step(busy),
@@ -69,13 +115,16 @@ def summarize(trace_path: str, steps: int, top: int = 25) -> dict:
         "stream_busy_ms_per_step": {k: per_step(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
         "any_busy_ms_per_step": per_step(union),
         "concurrent_ms_per_step": per_step(busy - union),
+        "main_stream": main,
+        "main_stream_gaps": main_stream_gaps(kernels, main, steps),
         "kernels_per_step": round(len(kernels) / steps, 1),
         "top": [{"name": n[:90], "ms_per_step": round(t / 1e3 / steps, 4), "calls_per_step": round(c / steps, 2)}
                 for n, (t, c) in rows],
     }
 
 
-def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str) -> dict:
+def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str,
+                timeline: tuple[int, str] | None = None) -> dict:
     batch_wall(url, prompts[:1], 2, policy)  # JIT / graph warm-up
     t_prefill = batch_wall(url, prompts, 1, policy)
     # Enough tokens that the profiled steps fall inside the decode even when a
@@ -115,7 +164,7 @@ def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str
         time.sleep(1)
     if not r.ok or not traces:
         return {"error": f"profile failed: {r.status_code} {r.text[:200]}", "traces": traces}
-    res = summarize(traces[-1], steps)
+    res = summarize(traces[-1], steps, timeline=timeline)
     for t in traces:
         os.remove(t)  # hundreds of MB each; the summary is what comes back
     return res
@@ -132,6 +181,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mem-fraction-static", default="0.8",
                     help="lower it where the stores of many query-aware slots must fit beside the pool")
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="write every kernel of this many steps to timeline-<backend>-<policy>.csv beside --out")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     ctx, bs = map(int, a.case.split("x"))
@@ -156,8 +207,12 @@ def main() -> None:
             wait_ready(url, proc, 480)
             for pol in pols:
                 label, meta = ("stock", None) if pol == "stock" else parse_policy(pol)
+                tl = None
+                if a.timeline:
+                    tl = (a.timeline, os.path.join(os.path.dirname(os.path.abspath(a.out)),
+                                                   f"timeline-{backend}-{label}.csv"))
                 res = {"backend": backend, "policy": label, "sparse": meta, "ctx": ctx, "batch": bs,
-                       **profile_run(url, prompts, meta, a.out_len, a.steps, outdir)}
+                       **profile_run(url, prompts, meta, a.out_len, a.steps, outdir, tl)}
                 results.append(res)
                 print(json.dumps(res, indent=1), flush=True)
         finally:
