@@ -560,6 +560,12 @@ class QueryAwareDevice:
         # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
         # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
         extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
+        per_sm = store.cfg.topk_programs_per_sm
+        if per_sm and first + n_layers - 1 < self._last_layer:
+            # a group the step's end does not wait for: thin, beside the main stream (config.py)
+            from sgl_sparse.kernels._utils import device_num_sms
+
+            extra.update(programs=per_sm * device_num_sms(scores.device), splits=1)
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
                                 out=torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device),
