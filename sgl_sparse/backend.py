@@ -88,6 +88,10 @@ class SparseAttnBackend(AttentionBackend):
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
         if self.qa is not None and self.qa.device is not None and self.qa.device.wants_high_priority_main:
             compat.capture_graphs_at_high_priority()
+        if self.qa is not None and self.qa.device is not None and self.qa.device.wants_join_after_forward:
+            qa_device = self.qa.device
+            qa_device.join_after_forward = compat.add_capture_tail_hook(
+                model_runner, lambda *_: qa_device.join_pending())
 
         # CUDA: SGLang's own FlashInfer backend for prefill/extend and for the
         # decode rows routed to it. CPU: everything on the reference path.

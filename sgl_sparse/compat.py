@@ -9,7 +9,7 @@ backend class itself has no version branches; what moved is request bookkeeping.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 try:
     SGLANG_VERSION = version("sglang")
@@ -219,4 +219,22 @@ def capture_graphs_at_high_priority() -> bool:
     graph_capture._sgl_sparse_high_priority = True  # type: ignore[attr-defined]
     graph_capture.__wrapped__ = orig  # type: ignore[attr-defined]
     GroupCoordinator.graph_capture = graph_capture
+    return True
+
+
+# ---- work joined at the end of a captured decode forward (query_device's side streams) --
+# Both releases: ModelRunner.__init__ sets capture_tail_hooks = [], and
+# DecodeCudaGraphRunner's run_once calls each hook(runner, out, forward_batch,
+# num_tokens) right after model.forward, inside the capture (SGLang's speculative
+# workers use it).
+
+
+def add_capture_tail_hook(model_runner: Any, hook: Callable[..., None]) -> bool:
+    """Run `hook` at the end of every captured decode forward of `model_runner`, after
+    the LM head and inside the graph. False where the release has no such list (then
+    nothing is added)."""
+    hooks = getattr(model_runner, "capture_tail_hooks", None)
+    if not isinstance(hooks, list):
+        return False
+    hooks.append(hook)
     return True

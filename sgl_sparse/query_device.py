@@ -94,6 +94,15 @@ TOPK_HIST_FROM_SCORES: frozenset = (frozenset({8}) if env_value("TOPK_HIST_FROM_
 #: the main stream's kernels the SMs the scoring's programs free, instead of the
 #: scoring's next ones. SGLANG_SPARSE_ASPD_HIGH_PRIORITY_MAIN=0 leaves SGLang's stream.
 ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
+#: With asyncspade's side streams under a decode CUDA graph, the main stream joins them
+#: at the end of the captured forward (compat.add_capture_tail_hook: after the LM head)
+#: instead of in the last layer's attention, where o_proj, the MLP, the final norm and
+#: the LM head (~190 us at 32768 x 8, H200) wait behind the last layer's scoring and the
+#: last group's Top-K (545 us there) though none of them reads what those write
+#: (session 27's timeline). Eager forwards still join in the last layer: an extend
+#: right after may reassign a slot the side stream is still scoring. Off until
+#: measured end to end (SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1).
+ASPD_JOIN_AFTER_FORWARD = env_switch("ASPD_JOIN_AFTER_FORWARD", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -252,6 +261,8 @@ class QueryAwareDevice:
         self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
         self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
+        # the backend's capture tail hook joins captured forwards (ASPD_JOIN_AFTER_FORWARD)
+        self.join_after_forward = False
         if self.aspd is not None:
             from sgl_sparse.kernels.asyncspade_predict import make_arrivals
 
@@ -273,6 +284,17 @@ class QueryAwareDevice:
         should then rank above them (ASPD_HIGH_PRIORITY_MAIN): the backend captures
         SGLang's decode graphs at high priority (compat.capture_graphs_at_high_priority)."""
         return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN
+
+    @property
+    def wants_join_after_forward(self) -> bool:
+        """Side streams to join after the captured forward (ASPD_JOIN_AFTER_FORWARD):
+        the backend registers join_pending as SGLang's capture tail hook."""
+        return bool(self._sides) and ASPD_JOIN_AFTER_FORWARD
+
+    def join_pending(self) -> None:
+        """Join the side streams if this forward forked them and has not joined yet."""
+        if self._side_pending:
+            self._join_side()
 
     def _forward(self, plan: DecodePlan, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """The per-forward tensors (knobs by row, slot -> row maps, masks, ranges),
@@ -481,7 +503,7 @@ class QueryAwareDevice:
         with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
             self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
-        if li == self._last_layer:
+        if li == self._last_layer and not (self.join_after_forward and torch.cuda.is_current_stream_capturing()):
             self._join_side()
 
     def _join_side(self) -> None:

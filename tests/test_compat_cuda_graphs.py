@@ -164,3 +164,41 @@ def test_graph_capture_at_high_priority_gives_sglangs_capture_a_high_priority_st
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["twice"] and out["wraps_original"] and out["result"] == "entered"
     assert out["seen"] == [[None, ["stream", -64]], [None, "theirs"], ["context", None]]
+
+
+TAIL_HOOK_SNIPPET = r"""
+import inspect, json, re
+from types import SimpleNamespace
+from sglang.srt.model_executor import model_runner
+from sglang.srt.model_executor.runner import decode_cuda_graph_runner
+from sgl_sparse import compat
+
+runner_src = inspect.getsource(model_runner.ModelRunner.__init__)
+capture_src = inspect.getsource(decode_cuda_graph_runner.DecodeCudaGraphRunner)
+# run_once: `out = forward(...)`, then every capture tail hook with that output, then `return out`
+m = re.search(r"out = forward\((?:.|\n)*?\)\n(?P<tail>(?:.|\n)*?)return out", capture_src)
+calls_hooks = bool(m) and re.search(r"for (\w+) in self\.model_runner\.capture_tail_hooks:\s*\n\s*\1\(self, out,",
+                                    m["tail"]) is not None
+seen = []
+r = SimpleNamespace(capture_tail_hooks=[])
+added = compat.add_capture_tail_hook(r, lambda *a: seen.append(len(a)))
+for hook in r.capture_tail_hooks:
+    hook("runner", "out", "batch", 8)
+print(json.dumps(dict(inits=bool(re.search(r"self\.capture_tail_hooks\s*=\s*\[\]", runner_src)),
+                      calls_hooks=calls_hooks, added=added, seen=seen,
+                      missing=compat.add_capture_tail_hook(SimpleNamespace(), print))))
+"""
+
+
+def test_capture_tail_hook_runs_after_the_captured_forward(tmp_path):
+    """compat.add_capture_tail_hook against the installed SGLang: ModelRunner starts
+    with an empty capture_tail_hooks list, and the decode graph runner's captured
+    run_once calls each hook with the forward's output right after model.forward
+    (where query_device joins asyncspade's side streams with
+    SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1); the hook added runs with SGLang's four
+    arguments; a runner without the list gets nothing added."""
+    res, = run_forked([Run(args=[], cwd=str(tmp_path), code=TAIL_HOOK_SNIPPET)],
+                      preload=["sglang.srt.model_executor.model_runner"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == dict(inits=True, calls_hooks=True, added=True, seen=[4], missing=False)

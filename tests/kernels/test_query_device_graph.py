@@ -317,7 +317,7 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
     def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True,
-              topk_layers: int = 1):
+              topk_layers: int = 1, join_end: bool = False):
         saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
         query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
         try:
@@ -336,6 +336,9 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         x = torch.randn(8, 2048, device=dev).to(KV)
         twin.keep = (x, q, o, rows_t, lens_t, tok_t)  # the graph's inputs live as long as the twin
         twin.rt.plan_step([0] * 8, [1] * 8, dev, graphed=True)
+        # join_end: the side streams joined after the step's main work, as SGLang's capture
+        # tail hook does with SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1
+        twin.rt.device.join_after_forward = join_end
 
         def step():
             plan = plan_decode(twin.st, rows_t, tok_t, lens_t, (None, None), num_kv_heads=HKV)
@@ -346,6 +349,8 @@ def test_asyncspade_selection_overlaps_the_main_stream():
                 if with_main:
                     for _ in range(4):
                         torch.mm(x, w)
+            if join_end:
+                twin.rt.device.join_pending()
 
         graph = _capture(step)
         store = twin.st.query_stores[PolicyId.ASYNCSPADE]
@@ -386,6 +391,16 @@ def test_asyncspade_selection_overlaps_the_main_stream():
             print(f"{layers} layers, {keys} keys, Top-K of {tl} layer(s) a launch: main work {t_main:.3f} ms, "
                   f"asyncspade select+finish {t_aspd[keys]:.3f} ms; serial {serial:.3f} ms, {sides} side "
                   f"stream(s) {t[keys, sides, tl]:.3f} ms: {hidden:.0%} of the shorter phase hidden")
+        if keys == "int8":  # the join after the last layer's main work, Top-K of 4 layers a launch
+            tw, g = build(1, keys, topk_layers=4, join_end=True)
+            t_end = replay_ms(g)
+            a = tw.st.query_stores[PolicyId.ASYNCSPADE]
+            assert torch.equal(a.sel_count, sel[keys, 0, 1][0]) and torch.equal(a.total, sel[keys, 0, 1][1])
+            assert [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
+                    for li in range(layers) for s in range(4) for h in range(HKV)] == sel[keys, 0, 1][2]
+            print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, 1 side stream joined after the "
+                  f"step's main work: {t_end:.3f} ms (joined in the last layer: {t[keys, 1, 4]:.3f} ms)")
+            del tw, g
         assert t[keys, 1, 1] <= 1.02 * serial, (keys, t[keys, 1, 1], serial)
         for sides, tl in variants:
             count, total, sets = sel[keys, sides, tl]
