@@ -4,12 +4,16 @@ For each backend and policy, a batch of `ctx`-token prompts decodes `out_len`
 tokens; once decoding has begun, `/start_profile` records `--steps` forward passes.
 The trace's GPU kernels are summed by name: time per decode step, kernel count,
 and the GPU-idle share of the profiled span (host overhead the GPU waits on).
-Where a step runs on several streams (asyncspade's side stream), the main stream's
+Where a step runs on several streams (asyncspade's side stream), the main chain's
 idle time is split by the length of its gaps: many short gaps spread over the
 layers are its kernels waiting for SMs the side stream's programs hold, one long
-gap a step is a join (or the host between graph replays). `--timeline N` also
-writes every kernel of N steps from the middle of the trace (stream, start, length,
-name) to timeline-<backend>-<policy>.csv beside --out, to read where the gaps are.
+gap a step is a join (or the host between graph replays); the long gaps are listed
+with the kernels either side. The main chain is every kernel but the side stream's
+(by name, SIDE_KERNELS): inside a CUDA-graph replay CUPTI reports the executor's
+stream ids, not the capture's, and one captured stream's kernels land on several
+(session 27). `--timeline N` also writes every kernel of N steps from the middle of
+the trace (stream, start, length, name) to timeline-<backend>-<policy>.csv beside
+--out.
 
     python bench/gpu/profile_decode.py --model /root/model --case 32768x8 \
         --runs flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:sfi-pinned --out $OUT/profile.json
@@ -24,6 +28,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -47,19 +52,26 @@ def busy_union(kernels: list[dict]) -> float:
     return total
 
 
-#: main-stream gap classes (us): a kernel's launch latency, a wait inside a step, a join or the host
+#: main-chain gap classes (us): a kernel's launch latency, a wait inside a step, a join or the host
 GAP_CLASSES = ((0.0, 5.0), (5.0, 50.0), (50.0, float("inf")))
+#: the kernels asyncspade's side stream runs (query_device._aspd_next): the rest is the main chain
+SIDE_KERNELS = re.compile(r"_(index_)?token_scores|_topk_range|_topk_split|_expand_selection")
 
 
-def main_stream_gaps(kernels: list[dict], stream: str, steps: int) -> dict:
-    """The idle time between consecutive kernels of `stream`, per step, by gap length."""
-    mine = sorted((e for e in kernels if _stream(e) == stream), key=lambda e: e["ts"])
-    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(mine, mine[1:])]
+def main_chain_gaps(kernels: list[dict], steps: int, longest: int = 12) -> dict:
+    """The idle time between consecutive kernels of the main chain (every kernel whose
+    name SIDE_KERNELS does not match), per step, by gap length; and the `longest`
+    gaps of GAP_CLASSES' last class in time order, with the kernels either side."""
+    mine = sorted((e for e in kernels if not SIDE_KERNELS.match(e["name"])), key=lambda e: e["ts"])
+    pairs = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(mine, mine[1:])]
     out = {}
     for lo, hi in GAP_CLASSES:
-        sel = [g for g in gaps if lo <= g < hi]
+        sel = [g for g, _, _ in pairs if lo <= g < hi]
         name = f"{lo:g}-{hi:g}us" if hi != float("inf") else f">={lo:g}us"
         out[name] = {"ms_per_step": round(sum(sel) / 1e3 / steps, 3), "per_step": round(len(sel) / steps, 1)}
+    long_lo = GAP_CLASSES[-1][0]
+    out["long"] = [{"us": round(g, 1), "after": a["name"][:60], "before": b["name"][:60]}
+                   for g, a, b in pairs if g >= long_lo][:longest]
     return out
 
 
@@ -97,13 +109,9 @@ def summarize(trace_path: str, steps: int, top: int = 25, timeline: tuple[int, s
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
     by_stream = defaultdict(float)
-    launches = defaultdict(int)
     for e in kernels:
         by_stream[_stream(e)] += e["dur"]
-        launches[_stream(e)] += 1
     union = busy_union(kernels)
-    # the main stream: the one launching the most kernels (the layers' GEMMs, norms, attention)
-    main = max(launches, key=launches.get)
     if timeline is not None:
         write_timeline(kernels, (t1 - t0) / steps, *timeline)
     return {
@@ -115,8 +123,7 @@ def summarize(trace_path: str, steps: int, top: int = 25, timeline: tuple[int, s
         "stream_busy_ms_per_step": {k: per_step(v) for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])},
         "any_busy_ms_per_step": per_step(union),
         "concurrent_ms_per_step": per_step(busy - union),
-        "main_stream": main,
-        "main_stream_gaps": main_stream_gaps(kernels, main, steps),
+        "main_chain_gaps": main_chain_gaps(kernels, steps),
         "kernels_per_step": round(len(kernels) / steps, 1),
         "top": [{"name": n[:90], "ms_per_step": round(t / 1e3 / steps, 4), "calls_per_step": round(c / steps, 2)}
                 for n, (t, c) in rows],
