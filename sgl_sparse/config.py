@@ -284,6 +284,13 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
                                       description="P > 0: the Top-K launches of the layer groups before the last "
                                                   "on P programs a SM, walking their rows in turn, so they leave "
                                                   "room for the main stream's kernels; 0: one program a row")
+    # [ours] The same for the last group's Top-K, which the step's end waits for: with
+    # SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1 the main stream's o_proj, MLP and LM head
+    # run beside it, and a Top-K holding every SM would block them as it blocks the
+    # decode at the next group's first layer. Thin, it takes longer alone. Not measured.
+    topk_last_programs_per_sm: int = Field(0, ge=0, le=64,
+                                           description="Q > 0: the last layer group's Top-K on Q programs a SM "
+                                                       "(as topk_programs_per_sm); 0: one program a row")
 
 
 class QueryAwareConfig(_Strict):

@@ -582,9 +582,10 @@ class QueryAwareDevice:
         # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
         # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
         extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
-        per_sm = store.cfg.topk_programs_per_sm
-        if per_sm and first + n_layers - 1 < self._last_layer:
-            # a group the step's end does not wait for: thin, beside the main stream (config.py)
+        # thin launches beside the main stream (config.py): the groups before the last, and the last
+        last = first + n_layers - 1 >= self._last_layer
+        per_sm = store.cfg.topk_last_programs_per_sm if last else store.cfg.topk_programs_per_sm
+        if per_sm:
             from sgl_sparse.kernels._utils import device_num_sms
 
             extra.update(programs=per_sm * device_num_sms(scores.device), splits=1)

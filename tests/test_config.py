@@ -80,6 +80,8 @@ def test_config_file_yaml_and_json(tmp_path):
         ("query_aware:\n  lfps: {topk_layers: 4}\n", "query_aware.lfps.topk_layers: unknown field"),
         ("query_aware:\n  asyncspade: {score_programs_per_sm: 0}\n", "query_aware.asyncspade.score_programs_per_sm"),
         ("query_aware:\n  asyncspade: {topk_programs_per_sm: -1}\n", "query_aware.asyncspade.topk_programs_per_sm"),
+        ("query_aware:\n  asyncspade: {topk_last_programs_per_sm: 65}\n",
+         "query_aware.asyncspade.topk_last_programs_per_sm"),
         ("query_aware:\n  asyncspade: {score_blocks_per_program: -1}\n",
          "query_aware.asyncspade.score_blocks_per_program"),
     ],
