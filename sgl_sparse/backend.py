@@ -86,10 +86,10 @@ class SparseAttnBackend(AttentionBackend):
         if self.device.type == "cuda":
             _warn_if_stores_crowd_graphs(self.state, model_runner)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
-        if self.qa is not None and self.qa.device is not None and self.qa.device.wants_high_priority_main:
+        qa_device = self.qa.device if self.qa is not None else None
+        if qa_device is not None and qa_device.wants_high_priority_main:
             compat.capture_graphs_at_high_priority()
-        if self.qa is not None and self.qa.device is not None and self.qa.device.wants_join_after_forward:
-            qa_device = self.qa.device
+        if qa_device is not None and qa_device.wants_join_after_forward:
             qa_device.join_after_forward = compat.add_capture_tail_hook(
                 model_runner, lambda *_: qa_device.join_pending())
 

@@ -79,12 +79,8 @@ def _stream(e: dict) -> str:
     return str(e.get("args", {}).get("stream", e.get("tid")))
 
 
-def write_timeline(kernels: list[dict], span_us_per_step: float, steps: int, path: str) -> None:
-    """Every kernel that starts within `steps` steps' span from the middle of the trace."""
-    t0 = min(e["ts"] for e in kernels)
-    t1 = max(e["ts"] + e["dur"] for e in kernels)
-    a = t0 + (t1 - t0) / 2
-    b = a + steps * span_us_per_step
+def write_timeline(kernels: list[dict], a: float, b: float, path: str) -> None:
+    """Every kernel that starts in [a, b) us, its start relative to a."""
     with open(path, "w") as f:
         f.write("stream,start_us,dur_us,name\n")
         for e in sorted(kernels, key=lambda e: e["ts"]):
@@ -112,8 +108,9 @@ def summarize(trace_path: str, steps: int, top: int = 25, timeline: tuple[int, s
     for e in kernels:
         by_stream[_stream(e)] += e["dur"]
     union = busy_union(kernels)
-    if timeline is not None:
-        write_timeline(kernels, (t1 - t0) / steps, *timeline)
+    if timeline is not None:  # `timeline[0]` steps' span from the middle of the trace
+        mid = (t0 + t1) / 2
+        write_timeline(kernels, mid, mid + timeline[0] * (t1 - t0) / steps, timeline[1])
     return {
         "steps": steps, "span_ms_per_step": per_step(t1 - t0),
         "gpu_busy_ms_per_step": per_step(busy),
