@@ -101,42 +101,6 @@ def _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th):
     return h
 
 
-@triton.jit
-def _topk_one(S, LO, HI, BUDGET, SCR, OUT, OUT_LEN, HTOP, N, K_MAX, stride_r, stride_h, stride_cr, stride_ch,
-              stride_or, stride_oh, stride_lr, stride_tr, stride_th, cur_r, cur_h,
-              BLOCK_N: tl.constexpr, GATHER: tl.constexpr, SMALL_DIGITS: tl.constexpr, HAS_HTOP: tl.constexpr):
-    """The Top-K of one (row, head): _topk_range_kernel's and _topk_range_rows_kernel's body."""
-    lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
-    if HAS_HTOP:  # taken (and zeroed) before the early exit: every program leaves its bins at 0
-        h_given = _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th)
-    # k <= 0: an empty range or budget (a slot without a live request): no pass over the row
-    if k > 0:
-        row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
-        scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
-        # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
-        # The top digit's histogram also counts them (F): k = min(k, F) before the select.
-        if SMALL_DIGITS and GATHER:
-            if HAS_HTOP:  # the scores' producer counted it: one serial pass over the row less
-                h = h_given
-            else:
-                h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
-            k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
-            hi = tl.where(k > 0, hi, lo)
-            key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
-        else:
-            h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
-            k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
-            hi = tl.where(k > 0, hi, lo)
-            key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
-        ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
-        t = key.to(tl.uint32, bitcast=True)
-        out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
-        # A given h_top that does not match the scores would misplace t: the writes stay under k
-        # (the output is then wrong, not memory past the row's k_max).
-        place_kept(row, lo, hi, t, ties, out, 0, 0, BLOCK_N, k, HAS_HTOP)
-    tl.store(OUT_LEN + cur_r * stride_lr + cur_h, tl.maximum(k, 0))
-
-
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
                                "stride_oh", "stride_lr", "stride_tr", "stride_th"])
 def _topk_range_kernel(
@@ -164,23 +128,38 @@ def _topk_range_kernel(
     SMALL_DIGITS: tl.constexpr,  # with GATHER: 6-bit digits over [lo, hi) (radix_select_small)
     HAS_HTOP: tl.constexpr,  # with GATHER and SMALL_DIGITS: the top digit's histogram given, not computed
 ):
-    _topk_one(S, LO, HI, BUDGET, SCR, OUT, OUT_LEN, HTOP, N, K_MAX, stride_r, stride_h, stride_cr, stride_ch,
-              stride_or, stride_oh, stride_lr, stride_tr, stride_th, tl.program_id(0), tl.program_id(1),
-              BLOCK_N, GATHER, SMALL_DIGITS, HAS_HTOP)
-
-
-@triton.jit(do_not_specialize=["R", "H", "N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch",
-                               "stride_or", "stride_oh", "stride_lr", "stride_tr", "stride_th"])
-def _topk_range_rows_kernel(S, LO, HI, BUDGET, SCR, OUT, OUT_LEN, HTOP, R, H, N, K_MAX, stride_r, stride_h,
-                            stride_cr, stride_ch, stride_or, stride_oh, stride_lr, stride_tr, stride_th,
-                            BLOCK_N: tl.constexpr, GATHER: tl.constexpr, SMALL_DIGITS: tl.constexpr,
-                            HAS_HTOP: tl.constexpr):
-    """_topk_range_kernel over a grid of P < R x H programs (``programs=``): each walks
-    the (row, head) pairs pid, pid + P, ... in turn."""
-    for i in range(tl.program_id(0), R * H, tl.num_programs(0)):
-        _topk_one(S, LO, HI, BUDGET, SCR, OUT, OUT_LEN, HTOP, N, K_MAX, stride_r, stride_h, stride_cr, stride_ch,
-                  stride_or, stride_oh, stride_lr, stride_tr, stride_th, i // H, i % H,
-                  BLOCK_N, GATHER, SMALL_DIGITS, HAS_HTOP)
+    cur_r = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
+    if HAS_HTOP:  # taken (and zeroed) before the early exit: every program leaves its bins at 0
+        h_given = _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th)
+    if k <= 0:  # an empty range or budget (a slot without a live request): no pass over the row
+        tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
+        return
+    row = S + cur_r.to(tl.int64) * stride_r + cur_h.to(tl.int64) * stride_h
+    scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
+    # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
+    # The top digit's histogram also counts them (F): k = min(k, F) before the select.
+    if SMALL_DIGITS and GATHER:
+        if HAS_HTOP:  # the scores' producer counted it: one serial pass over the row less
+            h = h_given
+        else:
+            h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
+        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        hi = tl.where(k > 0, hi, lo)
+        key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
+    else:
+        h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
+        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        hi = tl.where(k > 0, hi, lo)
+        key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
+    ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
+    t = key.to(tl.uint32, bitcast=True)
+    out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
+    # A given h_top that does not match the scores would misplace t: the writes stay under k
+    # (the output is then wrong, not memory past the row's k_max).
+    place_kept(row, lo, hi, t, ties, out, 0, 0, BLOCK_N, k, HAS_HTOP)
+    tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 
 
 @triton.jit
@@ -326,7 +305,6 @@ def topk_range(
     one_block: Optional[bool] = None,
     small_digits: Optional[bool] = None,
     h_top: Optional[torch.Tensor] = None,
-    programs: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -374,13 +352,6 @@ def topk_range(
             to ``False`` and 1 with it, ``small_digits`` to ``True`` (whatever
             :data:`SMALL_DIGITS` says), and asking otherwise asserts. A histogram that
             does not match the scores gives a wrong output (no write past ``k``).
-        programs: the block-walking kernel on at most this many programs, each taking
-            the (row, head) pairs ``pid, pid + P, ...`` in turn, instead of one program
-            per pair (the same output bit for bit). For a launch beside other work
-            (asyncspade's group Top-K on its side stream): one program a pair holds every
-            SM until the rows end, where a few a SM leave room for the other stream's
-            kernels. ``one_block`` and ``splits`` default to ``False`` and 1 with it
-            (asking otherwise asserts); the launch shape follows ``programs``.
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -394,10 +365,6 @@ def topk_range(
     dev = scores.device
     if h_top is not None:
         small_digits, one_block, splits = _htop_launch(h_top, scores, gather, small_digits, one_block, splits)
-    if programs is not None:
-        assert programs >= 1, "programs: at least 1"
-        assert not one_block and splits in (None, 1), "programs: the block-walking kernel only (no one_block, no split)"
-        one_block, splits = False, 1
     small_digits = SMALL_DIGITS if small_digits is None else bool(small_digits)
     if one_block is None:
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
@@ -407,8 +374,7 @@ def topk_range(
         block_n, num_warps = row_launch_shape(n)
     else:
         splits = 1 if not gather or n == 0 else resolve_splits(splits, n, r * h, dev, TOPK_RULE)
-        grid_programs = r * h * splits if programs is None else min(programs, r * h)
-        auto_block, auto_warps = launch_shape(grid_programs, dev, n)
+        auto_block, auto_warps = launch_shape(r * h * splits, dev, n)
         block_n = int(block_n or auto_block)
         num_warps = int(num_warps or auto_warps)
     assert k_max >= 1 and block_n >= 16 and block_n & (block_n - 1) == 0
@@ -434,15 +400,14 @@ def topk_range(
         return out, out_len
     scratch = torch.empty_like(scores) if gather and n > 0 else scores
     htop = out_len if h_top is None else h_top  # an int32 pointer the kernel does not touch without HAS_HTOP
-    args = (scores, lo, hi, budget, scratch, out, out_len, htop)
-    strides = (scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
-               out.stride(0), out.stride(1), out_len.stride(0), htop.stride(0), htop.stride(1))
-    meta = dict(BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, HAS_HTOP=h_top is not None,
-                num_warps=num_warps)
-    if programs is None:
-        _topk_range_kernel[(r, h)](*args, n, k_max, *strides, **meta)
-    else:
-        _topk_range_rows_kernel[(min(programs, r * h),)](*args, r, h, n, k_max, *strides, **meta)
+    _topk_range_kernel[(r, h)](
+        scores, lo, hi, budget, scratch, out, out_len, htop,
+        n, k_max,
+        scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
+        out.stride(0), out.stride(1), out_len.stride(0), htop.stride(0), htop.stride(1),
+        BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, HAS_HTOP=h_top is not None,
+        num_warps=num_warps,
+    )
     return out, out_len
 
 

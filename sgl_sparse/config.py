@@ -272,26 +272,6 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
                                                       "them; 0: persistent programs (score_programs_per_sm), "
                                                       "which hold the SMs for the whole pass")
 
-    # [ours] A group's Top-K is one launch of a program per (layer, slot, KV head) row
-    # (896 at 32768 x 8 with 14 layers a launch), which fill every SM for its ~470 us:
-    # in session 27's timeline (H200, 32768 x 8) the main stream's next decode kernel
-    # waited 230-237 us behind the first group's. P > 0 runs the groups before the last
-    # on P programs a SM that walk the rows in turn (topk_range's programs=; the same
-    # selections), leaving the SMs' other slots to the main stream; the last group's,
-    # which the step's end waits for, keeps one program a row. Not measured end to end
-    # yet: 0 (off) until it is.
-    topk_programs_per_sm: int = Field(0, ge=0, le=64,
-                                      description="P > 0: the Top-K launches of the layer groups before the last "
-                                                  "on P programs a SM, walking their rows in turn, so they leave "
-                                                  "room for the main stream's kernels; 0: one program a row")
-    # [ours] The same for the last group's Top-K, which the step's end waits for: with
-    # SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1 the main stream's o_proj, MLP and LM head
-    # run beside it, and a Top-K holding every SM would block them as it blocks the
-    # decode at the next group's first layer. Thin, it takes longer alone. Not measured.
-    topk_last_programs_per_sm: int = Field(0, ge=0, le=64,
-                                           description="Q > 0: the last layer group's Top-K on Q programs a SM "
-                                                       "(as topk_programs_per_sm); 0: one program a row")
-
 
 class QueryAwareConfig(_Strict):
     quest: QueryStoreConfig = QueryStoreConfig()

@@ -52,7 +52,7 @@ import operator
 
 import torch
 
-from sgl_sparse.kernels._utils import device_num_sms, env_count, env_switch, env_value
+from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse import graph_gate
@@ -582,11 +582,6 @@ class QueryAwareDevice:
         # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
         # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
         extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
-        # thin launches beside the main stream (config.py): the groups before the last, and the last
-        last = first + n_layers - 1 >= self._last_layer
-        per_sm = store.cfg.topk_last_programs_per_sm if last else store.cfg.topk_programs_per_sm
-        if per_sm:  # topk_range's programs= runs unsplit
-            extra["programs"] = per_sm * device_num_sms(scores.device)
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
         idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
                                 out=torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device),

@@ -5,7 +5,6 @@
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
 #   bash bench/gpu/run_all.sh tests     # every GPU-marked test alone (~2 min; what a short lease can verify)
-#   bash bench/gpu/run_all.sh topk_thin # asyncspade's thin Top-K / join-after-forward: GPU tests + Top-K and stream-overlap benchmarks
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -50,16 +49,6 @@ kernels)
     ;;
 tests)
     python3 -m pytest -q -rP -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    ;;
-topk_thin)
-    # asyncspade's thin Top-K and join after the forward (session 27, bench/README "Written,
-    # waiting" items 1-2), before any server: their GPU tests, the thin launch alone, and the
-    # main stream beside the side stream with it
-    python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_topk_range.py \
-        tests/kernels/test_query_device_graph.py -k "topk_range_gpu or overlaps" 2>&1 | tee "$OUT/gpu_tests_topk_thin.log" | tail -25
-    python3 bench/kernels/bench_topk.py --cases aspd-layers-14 --out "$OUT/topk_rows.json" 2>&1 | tee "$OUT/topk_rows.log" | tail -30
-    python3 bench/kernels/bench_stream_overlap.py --shapes t4 --priorities high --topk-programs-per-sm 0,1,2 \
-        --out "$OUT/overlap_topk_rows.json" 2>&1 | tee "$OUT/overlap_topk_rows.log" | tail -8
     ;;
 selector)
     python3 bench/kernels/bench_selector.py --out "$OUT/selector.json" --stats-ab --pack-ab ${PROFILE:+--profile $PROFILE} 2>&1 | tee "$OUT/selector.log" | tail -16

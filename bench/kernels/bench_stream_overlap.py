@@ -23,11 +23,6 @@ scoring launch shape and stream priority can be judged by the overlap it allows:
   ``--topk-layers`` layers a launch (``topk_range``) after a group's last scoring;
 * one join at the end of the last layer, as serving joins.
 
-``--topk-programs-per-sm P,..``: the groups' Top-K launches but the last on P programs
-a SM walking their rows in turn (``topk_range``'s ``programs=``; serving's
-``topk_programs_per_sm``), 0 = one program a row: how much less a thin Top-K holds up
-the main stream (session 27's timeline: ~235 µs a step behind the first group's).
-
 Scoring launch shapes: ``PxS`` = P programs a SM in all (persistent: each walks
 its share of a row), S pipeline stages (0: the kernel's default); ``tT`` = one
 program per T blocks of 128 positions (short programs the block scheduler can
@@ -70,8 +65,6 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="4x0,2x0,1x0,1x6,t1,t4,t16",
                    help="scoring launch shapes: PxS (P programs a SM, S stages, 0 the default) or tT")
     p.add_argument("--priorities", default="default,high")
-    p.add_argument("--topk-programs-per-sm", default="0",
-                   help="comma list: P > 0 runs the groups' Top-Ks but the last on P programs a SM")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true")
     return p.parse_args(argv)
@@ -104,7 +97,7 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)"}
     print("# stream overlap benchmark\n" + json.dumps(env))
     if args.smoke:
-        args.layers, args.ctx, args.batch, args.topk_layers, args.reps = 3, 300, 2, 2, 1  # groups [0, 1], [2]
+        args.layers, args.ctx, args.batch, args.topk_layers, args.reps = 2, 300, 2, 2, 1
         args.decode_keys = min(args.decode_keys, 40)
     L, n, bs, G = args.layers, args.ctx, args.batch, args.topk_layers
     hq, hkv, d, hidden, inter = 16, 8, 128, 2048, 6144
@@ -165,7 +158,7 @@ def main(argv=None) -> int:
     b_end = [b + dk for b in b_start]
     dec_out = torch.empty(bs, hq, d, dtype=bf16, device=dev)
 
-    def step(launch: dict, with_main: bool, with_side: bool, side, topk_per_sm: int = 0) -> None:
+    def step(launch: dict, with_main: bool, with_side: bool, side) -> None:
         main = torch.cuda.current_stream() if use_cuda else None
         for li in range(L):
             if with_main:
@@ -181,10 +174,9 @@ def main(argv=None) -> int:
                                           h_top=None if h_top is None else h_top[g], **launch)
                     if g == G - 1 or li == L - 1:
                         rows = (g + 1) * bs
-                        thin = dict(programs=topk_per_sm * sms) if topk_per_sm and li < L - 1 else {}
                         TR.topk_range(scores[: g + 1].flatten(0, 1), g_lo[:rows], g_hi[:rows], g_budget[:rows],
                                       k_max, out=sel[:rows], out_len=sel_n[:rows],
-                                      h_top=None if h_top is None else h_top[: g + 1].flatten(0, 1), **thin)
+                                      h_top=None if h_top is None else h_top[: g + 1].flatten(0, 1))
             if with_main:
                 if dk:
                     TS.two_segment_decode(q_dec, a_k, a_k, a_slot, a_len, k_pool, v_pool, req_to_token, rpi,
@@ -197,33 +189,29 @@ def main(argv=None) -> int:
 
     results = []
     prios = [p for p in args.priorities.split(",") if p]
-    variants = [(shape, tps) for shape in filter(None, args.shapes.split(","))
-                for tps in (int(v) for v in args.topk_programs_per_sm.split(",") if v)]
-    for shape, tps in variants:
+    for shape in filter(None, args.shapes.split(",")):
         launch = scoring_launch(shape)
         # the launch's own programs per (row, KV head): its arguments as given, the kernel's defaults otherwise
         programs = TSC.scoring_programs(n, 128, bs, hkv, dev, **{k: v for k, v in launch.items() if k != "num_stages"})
         for prio in prios:
-            row = dict(shape=shape, priority=prio, programs=programs, stages=launch["num_stages"],
-                       topk_programs_per_sm=tps)
+            row = dict(shape=shape, priority=prio, programs=programs, stages=launch["num_stages"])
             cap = None
             if use_cuda and prio == "high":
                 cap = torch.cuda.Stream(priority=-64)  # mapped to the highest
             for name, with_main, with_side in (("main", True, False), ("side", False, True), ("both", True, True)):
                 if not use_cuda:
-                    step(launch, with_main, with_side, None, tps)
+                    step(launch, with_main, with_side, None)
                     row[f"{name}_ms"] = None
                     continue
                 side = torch.cuda.Stream()  # default priority, as query_device's
                 row[f"{name}_ms"] = graph_replay_ms(
-                    lambda: step(launch, with_main, with_side, side, tps), args.reps, warm_replays=3,
-                    capture_stream=cap)
+                    lambda: step(launch, with_main, with_side, side), args.reps, warm_replays=3, capture_stream=cap)
             if use_cuda:
                 m, sd, both = row["main_ms"], row["side_ms"], row["both_ms"]
                 row["hidden"] = round((m + sd - both) / min(m, sd), 3)
-                print(f"  scoring {shape} ({row['programs']} programs a row and head), Top-K {tps or 'one'} "
-                      f"program(s) a {'SM' if tps else 'row'}, {prio} priority: main {m:.3f} ms, side {sd:.3f} ms, "
-                      f"both {both:.3f} ms, hidden {row['hidden']:.0%}", flush=True)
+                print(f"  scoring {shape} ({row['programs']} programs a row and head), {prio} priority: "
+                      f"main {m:.3f} ms, side {sd:.3f} ms, both {both:.3f} ms, hidden {row['hidden']:.0%}",
+                      flush=True)
             results.append(row)
             if not use_cuda:
                 break  # no streams on the interpreter: one pass per shape checks the launches

@@ -20,9 +20,6 @@ Per case ``[R rows, H heads, N]`` fp32 scores, ``-inf`` off each row's live rang
   opt-in until timed here), ``topk_range walk`` (the block-walking kernel for every row: the default
   before session 18) and ``topk_range nogather``;
   then ``topk_range B/Ww`` at each (block_n, num_warps) ``launch_shape`` could pick.
-* ``topk_range rows P/SM`` (asyncspade's cases and ``--smoke``): P programs a SM, each
-  walking (row, head) pairs in turn (``programs=``), the thin launch of asyncspade's
-  ``topk_programs_per_sm``.
 * ``topk_range htop`` (asyncspade's cases and ``--smoke``): the block-walking kernel given
   the top digit's histogram (``h_top=``, as the scores' producer would count it), so
   without its first pass over the row; compare with ``topk_range split1`` (the same
@@ -122,7 +119,6 @@ def main(argv=None) -> int:
     print("# ragged top-k benchmark\n" + json.dumps(env))
 
     timer = Timer(use_cuda, args.warmup, args.rep, graphs=True)
-    sms = import_kernels("_utils").device_num_sms(dev)
     eager_us, graph_us = timer.eager_us, timer.graph_us
 
     results, failures = [], []
@@ -176,11 +172,6 @@ def main(argv=None) -> int:
             fns[f"topk_range split{sp}"] = lambda sp=sp: topk_range(s, lo, hi, budget, k, splits=sp)
         if args.smoke or name.startswith("aspd"):
             fns.update(_htop_fns(topk_range, top_digit_hist_ref(s, lo, hi), s, lo, hi, budget, k))
-            # P programs a SM walking the rows in turn (asyncspade's topk_programs_per_sm): longer
-            # alone, but leaving the SMs' other slots to a stream beside it (bench_stream_overlap.py)
-            for per in (1, 2, 4):
-                fns[f"topk_range rows {per}/SM"] = lambda per=per: topk_range(s, lo, hi, budget, k,
-                                                                              programs=per * sms)
         live_elems = int(((hi - lo).clamp(min=0)).sum()) * h
         for kname, fn in fns.items():
             if kname.startswith("topk_range"):  # every launch shape: the same output (ties by position)

@@ -49,15 +49,14 @@ LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 class Twin:
     def __init__(self, use_kernels: bool, specs: dict | None = None, lens: dict | None = None,
-                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv", topk_layers: int = 1,
-                 aspd: dict | None = None):
+                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv", topk_layers: int = 1):
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
         self.specs, self.lens, self.num_layers = specs or SPECS, lens or LENS, num_layers
         store = {"slots": 4, "max_context": max_ctx, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
             "query_aware": {"quest": store, "asyncspade": {**store, "index_keys": index_keys,
-                                                           "topk_layers": topk_layers, **(aspd or {})},
+                                                           "topk_layers": topk_layers},
                             "lfps": {**store, "candidates": max_ctx}},
             "policies": {"asyncspade": {"window": 4}},
         })
@@ -318,12 +317,12 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
     def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True,
-              topk_layers: int = 1, join_end: bool = False, aspd: dict | None = None):
+              topk_layers: int = 1, join_end: bool = False):
         saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
         query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
         try:
             twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers,
-                        index_keys=index_keys, topk_layers=topk_layers, aspd=aspd)
+                        index_keys=index_keys, topk_layers=topk_layers)
         finally:
             query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = saved
         gen = torch.Generator(device=dev).manual_seed(3)
@@ -393,21 +392,16 @@ def test_asyncspade_selection_overlaps_the_main_stream():
                   f"asyncspade select+finish {t_aspd[keys]:.3f} ms; serial {serial:.3f} ms, {sides} side "
                   f"stream(s) {t[keys, sides, tl]:.3f} ms: {hidden:.0%} of the shorter phase hidden")
         # int8, Top-K of 4 layers a launch, one side stream: joined after the step's main work
-        # (ASPD_JOIN_AFTER_FORWARD), and with that the Top-Ks thin (topk_programs_per_sm and
-        # topk_last_programs_per_sm: 1 program a SM walking the rows)
-        for name, extra in (("joined after the main work", {}),
-                            ("joined after the main work, Top-Ks on 1 program a SM",
-                             {"topk_programs_per_sm": 1, "topk_last_programs_per_sm": 1})):
-            if keys != "int8":
-                break
-            tw, g = build(1, keys, topk_layers=4, join_end=True, aspd=extra)
+        # (ASPD_JOIN_AFTER_FORWARD), selecting as the main stream does
+        if keys == "int8":
+            tw, g = build(1, keys, topk_layers=4, join_end=True)
             t_end = replay_ms(g)
             a = tw.st.query_stores[PolicyId.ASYNCSPADE]
             assert torch.equal(a.sel_count, sel[keys, 0, 1][0]) and torch.equal(a.total, sel[keys, 0, 1][1])
             assert [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
-                    for li in range(layers) for s in range(4) for h in range(HKV)] == sel[keys, 0, 1][2], name
-            print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, 1 side stream {name}: {t_end:.3f} ms "
-                  f"(joined in the last layer: {t[keys, 1, 4]:.3f} ms)")
+                    for li in range(layers) for s in range(4) for h in range(HKV)] == sel[keys, 0, 1][2]
+            print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, 1 side stream joined after the main "
+                  f"work: {t_end:.3f} ms (joined in the last layer: {t[keys, 1, 4]:.3f} ms)")
             del tw, g
         assert t[keys, 1, 1] <= 1.02 * serial, (keys, t[keys, 1, 1], serial)
         for sides, tl in variants:

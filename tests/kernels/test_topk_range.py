@@ -257,35 +257,6 @@ def test_topk_htop_is_bit_identical(kind, launch):
     assert bool((buf[..., 64:] == -1).all())  # nothing past the 64 bins
 
 
-@pytest.mark.parametrize("programs,h_top,small_digits", [(1, False, True), (5, True, True), (4, False, False),
-                                                         (64, False, True)])
-def test_topk_rows_kernel_is_bit_identical(programs, h_top, small_digits):
-    """``programs=P``: P programs walking the (row, head) pairs pid, pid + P, ... give
-    the one-program-a-pair kernel's output bit for bit -- every pair on one program, a
-    P that does not divide the 12 pairs, more programs than pairs (the grid clipped) --
-    with and without h_top (zeroed after, the unread pairs' bins too), over empty
-    ranges, hi < lo, a budget of 0 and N = 150 (no multiple of the block)."""
-    gen = torch.Generator().manual_seed(programs)
-    r, h, n, k_max = 6, 2, 150, 48
-    s = _digits_case(gen, "holes", r, h, n)
-    lo = torch.tensor([0, 9, 30, 50, 0, 100], dtype=torch.int32)
-    hi = torch.tensor([n, 131, 30, 3, n, 140], dtype=torch.int32)
-    budget = torch.tensor([k_max, 10 ** 6, 5, 7, 0, 60], dtype=torch.int32)
-    launch = dict(small_digits=small_digits, block_n=32)
-    want = topk_range(s, lo, hi, budget, k_max, one_block=False, splits=1, **launch)
-    extra = {}
-    if h_top:
-        extra["h_top"] = top_digit_hist_ref(s, lo, hi)
-        extra["h_top"][2:5] = 7  # not read
-    got = topk_range(s, lo, hi, budget, k_max, programs=programs, **launch, **extra)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    _check(s, lo, hi, budget, k_max, *got)
-    if h_top:
-        assert not extra["h_top"].any()
-    with pytest.raises(AssertionError, match="programs"):
-        topk_range(s, lo, hi, budget, k_max, programs=programs, one_block=True)
-
-
 @pytest.mark.parametrize("r,h,n,k_max,ints,holes", [
     (3, 8, 150, 40, False, 0.2),
     (4, 8, 150, 200, True, 0.1),  # k_max above the live length
@@ -470,11 +441,6 @@ def test_topk_range_gpu(n, k_max):
     for splits in (1, max(2, split_count(n, r * h, dev, TOPK_RULE))):  # the single-program and the split kernel
         pos, cnt = topk_range(s, lo, hi, budget, k_max, splits=splits)
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
-    # programs walking the pairs in turn: 5 (13 pairs each, some of a program's pairs empty), 48
-    one = topk_range(s, lo, hi, budget, k_max, splits=1, one_block=False)
-    for programs in (5, 48):
-        got = topk_range(s, lo, hi, budget, k_max, programs=programs)
-        assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1]), programs
 
 
 def _compile_topk(kernel: str, const: dict, **kw) -> dict:
@@ -496,7 +462,6 @@ def _compile_topk(kernel: str, const: dict, **kw) -> dict:
     ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
     ("_topk_row_kernel", dict(BLOCK_N=1024)),
     ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True, HAS_HTOP=False)),
-    ("_topk_range_rows_kernel", dict(BLOCK_N=1024, GATHER=True, HAS_HTOP=True)),  # asyncspade's group Top-K
 ])
 def test_topk_kernels_compile_for_sm90(kernel, const, small_digits):
     """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
