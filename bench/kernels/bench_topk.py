@@ -87,6 +87,9 @@ def _cases(smoke: bool):
         # asyncspade's Top-K at 32768 x 8 (8 slots of 33024, 32768 live) for one layer
         # and for `topk_layers` layers in one launch (their rows stacked): per layer, time / G
         *[(f"aspd-layers-{g}", 8 * g, 8, 33024, 2048, [32768 / 33024] * (8 * g)) for g in (1, 4, 7, 14, 28)],
+        # and at 130000 x 4 (4 slots of 130560, sparse_config_130k4_qa_int4_b4.yaml), 14 layers
+        # a launch: session 28 served it at 2.30x stock against quest's 3.36x
+        ("aspd130k-layers-14", 4 * 14, 8, 130560, 2048, [130000 / 130560] * (4 * 14)),
     ]
 
 
