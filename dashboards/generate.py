@@ -277,7 +277,7 @@ def policy_drilldown() -> Json:
                    "bytes", w=8),
         timeseries("Query-aware store memory",
                    "Bytes reserved at start-up for each query-aware policy's per-request store "
-                   "(asyncspade's int8 index keys included), taken from what --mem-fraction-static leaves.",
+                   "(asyncspade's int8 index keys included), taken out of SGLang's KV pool budget.",
                    [(f"sum by (policy, model_name) (sglang_sparse_query_store_capacity_bytes{{{PSEL}}})",
                      "{{policy}} {{model_name}}")],
                    "bytes", w=8),

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sgl_sparse import compat, compile_watch, graph_variants, reference
-from sgl_sparse.compact import CompactStore
+from sgl_sparse import compat, compile_watch, graph_variants, reference, store_budget
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
@@ -83,8 +82,7 @@ class SparseAttnBackend(AttentionBackend):
             _setup_sfi(self.state, model_runner, self.token_to_kv_pool)
         if not self.state.query_stores:
             _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
-        if self.device.type == "cuda":
-            _warn_if_stores_crowd_graphs(self.state, model_runner)
+        _check_store_memory(self.state, model_runner)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
         qa_device = self.qa.device if self.qa is not None else None
         if qa_device is not None and qa_device.wants_high_priority_main:
@@ -592,20 +590,8 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     if cfg.compact.slots == 0:
         return
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    try:
-        state.compact = CompactStore(
-            slots=cfg.compact.slots, capacity=cfg.compact.capacity,
-            num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1],
-            num_q_heads=_rank_q_heads(model_runner), head_dim=kv.shape[2], dtype=kv.dtype,
-            pool_size=kv.shape[0], prompt_queries=cfg.policies.sfi.w_prefill - 1, device=kv.device,
-            logit_len=min(cfg.compact.slow_logits_context, model_runner.req_to_token_pool.req_to_token.shape[1]),
-        )
-    except torch.OutOfMemoryError:
-        raise ValueError(
-            f"sgl_sparse: no memory left for SFI's compact buffers ({cfg.compact.slots} slots x "
-            f"capacity {cfg.compact.capacity}): lower --mem-fraction-static, or compact.slots / "
-            f"compact.capacity in --sparse-config (compact.slots: 0 serves 'sfi' dense)"
-        ) from None
+    state.compact = store_budget.build_compact(cfg, _store_shape(model_runner, kv_pool), pool_size=kv.shape[0],
+                                               device=kv.device)
     logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
                 cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
     if kv.is_cuda:
@@ -622,34 +608,23 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
                         model_runner.req_to_token_pool.req_to_token, [cfg.policies.sfi])
 
 
+def _store_shape(model_runner, kv_pool) -> store_budget.StoreShape:
+    """The stores' shape for this rank, from the pool SGLang built."""
+    kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
+    return store_budget.StoreShape(
+        num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], num_q_heads=_rank_q_heads(model_runner),
+        head_dim=kv.shape[2], dtype=kv.dtype, context_len=model_runner.req_to_token_pool.req_to_token.shape[1])
+
+
 def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
     """Stores of the query-aware policies with slots, once per request pool."""
     from sgl_sparse import query_store
 
-    cfg = state.config
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    shape = dict(num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], head_dim=kv.shape[2], device=kv.device)
-    hq = _rank_q_heads(model_runner)
-    for pid in QUERY_AWARE_IDS:
-        name = pid.name.lower()
-        scfg = getattr(cfg.query_aware, name)
-        if scfg.slots == 0 or name in cfg.unavailable:
-            continue
-        try:
-            if pid == PolicyId.QUEST:
-                store = query_store.QuestStore(scfg, dtype=kv.dtype, **shape)
-            elif pid == PolicyId.ASYNCSPADE:
-                store = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
-                                                    num_q_heads=hq, dtype=kv.dtype, **shape)
-            else:
-                store = query_store.LfpsStore(scfg, num_q_heads=hq, **shape)
-        except torch.OutOfMemoryError:
-            raise ValueError(
-                f"sgl_sparse: no memory left for {name}'s store ({scfg.slots} slots x max_context "
-                f"{scfg.max_context}): lower --mem-fraction-static, or query_aware.{name}.slots / "
-                f".max_context in --sparse-config (slots: 0 serves '{name}' dense)"
-            ) from None
-        state.query_stores[pid] = store
+    state.query_stores.update(store_budget.build_query_stores(state.config, _store_shape(model_runner, kv_pool),
+                                                              kv.device))
+    for pid, store in state.query_stores.items():
+        name, scfg = pid.name.lower(), store.cfg
         logger.info("sgl_sparse: %s store: %d slots x %d tokens, %.3f GiB", name, scfg.slots,
                     scfg.max_context, query_store.nbytes(store) / 2**30)
         if state.metrics is not None:
@@ -675,14 +650,28 @@ def stores_headroom_warning(stores: int, free_before_load: int, fraction: float)
             f"capacity in --sparse-config")
 
 
-def _warn_if_stores_crowd_graphs(state: SparseState, model_runner) -> None:
+def _check_store_memory(state: SparseState, model_runner) -> None:
+    """The stores against what store_budget set aside for them in the KV pool's budget;
+    where its hook did not run, on CUDA, a warning when they crowd the activations'
+    share."""
     from sgl_sparse import query_store
 
     split = compat.memory_split(model_runner)
     stores = sum(query_store.nbytes(s) for s in state.query_stores.values())
     if state.compact is not None:
         stores += state.compact.nbytes()
-    if split is None or stores == 0:
+    if stores == 0:
+        return
+    reserved = store_budget.reserved_bytes
+    if reserved:  # taken out of the KV pool's budget (store_budget): the activations' share is whole
+        if state.compact is not None:  # its key norms follow the pool, not the plan
+            stores -= state.compact.knorm.numel() * state.compact.knorm.element_size()
+        if abs(stores - reserved) > max(1 << 20, reserved // 1000):  # a plan that drifted from the stores
+            logger.warning("sgl_sparse: the sparse stores took %.3f GiB where the KV pool's budget set aside "
+                           "%.3f GiB for them%s", stores / 2**30, reserved / 2**30,
+                           ": the difference comes out of the activations' share" if stores > reserved else "")
+        return
+    if split is None or state.device.type != "cuda":
         return
     msg = stores_headroom_warning(stores, *split)
     if msg is not None:

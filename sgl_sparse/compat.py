@@ -72,6 +72,33 @@ def freed_rows(args: tuple, kwargs: dict) -> list[int]:
     return [] if idx is None else [int(idx)]
 
 
+# SGLang's KV pool budget in bytes, profiled once per scheduler process before the pool
+# is sized: both releases compute it in this KVCacheConfigurator method (free memory
+# less the activations' share); store_budget.reserve_for_stores takes the sparse stores
+# out of it.
+KV_BUDGET_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+
+
+def kv_budget_shape(configurator: Any):
+    """The stores' StoreShape for the pool that `configurator` (KVCacheConfigurator, both
+    releases) is sizing: this rank's layers (``layer_info.num_effective_layers``, the
+    pool's ``layer_num``) and KV heads (the model's over the attention-TP size, as the
+    pool's ``head_num``), the pool's dtype, and the request rows' width
+    (``context_len``; req_to_token adds a few positions)."""
+    from sgl_sparse.store_budget import StoreShape
+
+    mc = configurator.model_config
+    _, tp, _ = attention_parallel()
+    return StoreShape(
+        num_layers=int(configurator.layer_info.num_effective_layers),
+        num_kv_heads=int(mc.get_num_kv_heads(tp)),
+        num_q_heads=int(mc.num_attention_heads) // tp,
+        head_dim=int(mc.head_dim),
+        dtype=configurator.kv_cache_dtype,
+        context_len=int(mc.context_len),
+    )
+
+
 def attention_parallel(model_runner: Any = None) -> tuple[int, int, int]:
     """(attention TP rank, attention TP size, pipeline rank) of this scheduler process.
 

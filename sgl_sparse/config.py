@@ -168,8 +168,8 @@ class PolicyDefaults(_Strict):
 
 
 class CompactBufferConfig(_Strict):
-    """SFI's compact K/V buffers, reserved once at start-up (GPU memory is taken
-    beside SGLang's KV pool: lower --mem-fraction-static to make room).
+    """SFI's compact K/V buffers, reserved once at start-up out of SGLang's KV pool
+    budget (the pool holds fewer tokens; sgl_sparse/store_budget.py).
 
     Bytes = slots x layers x KV heads x capacity x head_dim x 2 (K and V) x dtype
     size; e.g. Qwen3-1.7B, 16 slots, capacity 2052: 3.8 GB. An `sfi` request that
@@ -203,8 +203,9 @@ class CompactBufferConfig(_Strict):
 
 
 class QueryStoreConfig(_Strict):
-    """Per-request storage of one query-aware policy, reserved once at start-up
-    (sgl_sparse/query_store.py; README "Query-aware policies" gives the bytes).
+    """Per-request storage of one query-aware policy, reserved once at start-up out of
+    SGLang's KV pool budget (sgl_sparse/query_store.py, store_budget.py; README
+    "Query-aware policies" gives the bytes).
     A request that finds no free slot (reason `no_store_slot`), or whose sequence
     grows past `max_context` (reason `context_exceeds_store`), is served dense."""
 

@@ -66,9 +66,10 @@ def register() -> None:
         ("sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
          compact_request_info, HookType.BEFORE),
     ]
-    from sgl_sparse import graph_variants
+    from sgl_sparse import graph_variants, store_budget
 
     hooks += [
+        (compat.KV_BUDGET_TARGET, store_budget.reserve_for_stores, HookType.AFTER),
         (compat.CAPTURE_ONE_SHAPE_TARGET, graph_variants.capture_one_shape, HookType.AROUND),
         (compat.RESOLVE_VARIANT_TARGET, graph_variants.resolve_variant, HookType.AROUND),
     ]

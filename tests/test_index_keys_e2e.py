@@ -4,7 +4,8 @@ the fly, the same codes; tests/test_query_device.py compares it with the device 
 copies). int4 runs on a tiny Qwen3 with head_dim 64 (its scoring dots take D/2 channels,
 and an int8 dot's K is >= 32 on the GPU), beside a stock server on that model.
 
-Checked: the store is built with the copies (start-up log), asyncspade requests whose
+Checked: the store is built with the copies and set aside in the KV pool's budget
+(start-up log), asyncspade requests whose
 budget covers the sequence give the stock server's greedy tokens, small budgets are
 served sparse beside `full` requests (which keep stock's tokens), and no request state
 is left.
@@ -72,6 +73,9 @@ def _check_served(server, stock_server):
     prompts = [[rng.randrange(20, 300) for _ in range(n)] for n in (150, 97, 61)]
     log = server.log_path.read_text()
     assert "asyncspade store: 8 slots x 1024 tokens" in log, "no asyncspade store"
+    # the stores came out of the KV pool's budget (store_budget), not the activations' share
+    assert "go to the sparse stores (" in log and "asyncspade " in log.split("go to the sparse stores (")[1]
+    assert "more than the" not in log
     # budget + sink + recent covers every position (<= 150 + 16): dense, stock's tokens
     covering = {"policy": "asyncspade", "budget": 256}
     small = {"policy": "asyncspade", "budget": 16, "recent": 8}

@@ -8,6 +8,8 @@ heads) and runs the same batch; SGLang all-reduces over gloo on CPU. Checked:
 - the SFI compact buffers are sized per rank (this rank's query heads, not the
   model's: under 0.5.17 the model runner has no `tp_size`, so the heads were once
   taken from a TP size of 1);
+- each rank sets its own stores' bytes aside in its KV pool's budget, and they are the
+  bytes it then allocates (store_budget.py; the backend warns where they differ);
 - every rank runs the same batch, so the metrics are counted once (attention-TP rank
   0, as SGLang's own scheduler metrics): a request's decode steps once, not per rank,
   and the compact-buffer gauges report the whole group's bytes, equal to the TP-1
@@ -97,3 +99,10 @@ def test_metrics_count_each_step_once(sparse_tp2, prompts, tiny_qwen3, sparse_co
             "--chunked-prefill-size", "64", "--enable-metrics", "--sparse-config", str(sparse_config)]) as h:
         tp1_bytes = _value(_scrape(h.url), "sglang_sparse_compact_buffer_capacity_bytes")
     assert tp1_bytes > 0 and tp2_bytes == tp1_bytes
+
+
+def test_each_rank_sets_its_stores_aside(sparse_tp2):
+    log = sparse_tp2.log_path.read_text()
+    lines = [ln for ln in log.splitlines() if "go to the sparse stores (" in ln]
+    assert len(lines) == 2 and all("sfi " in ln for ln in lines), lines
+    assert "where the KV pool's budget set aside" not in log
