@@ -1,0 +1,85 @@
+"""`python -m sgl_sparse.memory_plan`: the stores' bytes per GPU before a launch.
+
+Checked against a real server: on an H200, session 28's server with
+`bench/gpu/sparse_config_qa_32slots_int4_b4.yaml` on the Qwen3-1.7B shape logged its
+stores' sizes at start-up (bench/results/e2e_h200_32768x8_qa32_oom_s28_server_tail.log);
+the plan prints the same. Then the ranks' shares at --tp-size (KV heads replicated once
+there are more ranks than heads, as SGLang does), which stores exist with decode CUDA
+graphs on or off, and the errors that name the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_LOG = ROOT / "bench/results/e2e_h200_32768x8_qa32_oom_s28_server_tail.log"
+# Qwen3-1.7B's config.json fields the plan reads (bench/gpu/shapes.py's qwen3-1.7b)
+QWEN3_1_7B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 6144,
+              "max_position_embeddings": 40960, "torch_dtype": "bfloat16", "vocab_size": 151936}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3-1.7b-config")
+    (d / "config.json").write_text(json.dumps(QWEN3_1_7B))
+    return d
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sgl_sparse.memory_plan", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _plan(*args: str) -> dict:
+    proc = _run(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_plan_prints_what_the_h200_server_allocated(model):
+    logged = {m[0]: float(m[1]) for m in re.findall(r"sgl_sparse: (\w+) store: .*, ([\d.]+) GiB", SERVER_LOG.read_text())}
+    assert set(logged) == {"quest", "asyncspade", "lfps"}
+    args = ("--model-path", str(model), "--sparse-config", "bench/gpu/sparse_config_qa_32slots_int4_b4.yaml")
+    p = _plan(*args)
+    assert {k: round(v / 2**30, 3) for k, v in p["stores_bytes"].items()} == logged
+    assert p["kv_bytes_per_token"] == 28 * 8 * 2 * 128 * 2 and p["kv_tokens"] == p["total_bytes"] // (28 * 8 * 512)
+    text = _run(*args).stdout
+    assert "quest          7.219 GiB" in text and "total         24.900 GiB" in text, text
+
+
+def test_tensor_parallel_shares(model):
+    one = _plan("--model-path", str(model), "--sparse-config", "bench/gpu/sparse_config_32k8.yaml")
+    two = _plan("--model-path", str(model), "--sparse-config", "bench/gpu/sparse_config_32k8.yaml", "--tp-size", "2")
+    sixteen = _plan("--model-path", str(model), "--tp-size", "16")
+    assert (one["shape"]["kv_heads"], two["shape"]["kv_heads"], sixteen["shape"]["kv_heads"]) == (8, 4, 1)
+    assert (one["shape"]["q_heads"], two["shape"]["q_heads"]) == (16, 8)
+    assert two["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"]
+    assert 0 < two["total_bytes"] < one["total_bytes"]
+
+
+def test_cuda_graphs_decide_which_query_aware_stores_exist(model):
+    on = _plan("--model-path", str(model))  # the defaults: query-aware policies off in decode graphs
+    off = _plan("--model-path", str(model), "--disable-cuda-graph")
+    assert set(on["stores_bytes"]) == {"sfi"} and on["not_offered"] == ["asyncspade", "lfps", "quest"]
+    assert set(off["stores_bytes"]) == {"sfi", "quest", "asyncspade", "lfps"} and off["not_offered"] == []
+    assert off["stores_bytes"]["sfi"] == on["stores_bytes"]["sfi"] and on["key_norm_bytes_per_token"] == 28 * 8 * 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--model-path", "/nonexistent"), "--model-path: no config.json"),
+    (("--tp-size", "3"), "--tp-size 3: must divide the model's 16 attention heads"),
+    (("--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
+    (("--sparse-config", "/nonexistent.yaml"), "--sparse-config: file not found"),
+])
+def test_bad_flags_name_the_flag(model, args, message):
+    base = [] if "--model-path" in args else ["--model-path", str(model)]
+    proc = _run(*base, *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
