@@ -38,6 +38,7 @@ GiB = float(1 << 30)
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= (1 << 30) else f"{n / (1 << 20):.1f} MiB"
 
+
 #: The stores' pool-independent bytes this process took out of the KV pool's budget
 #: (SFI's key norms, per pool slot, come on top; 0: none: the hook did not run, or there
 #: was nothing to reserve). The backend checks the stores it builds against it, and
@@ -59,7 +60,8 @@ class StoreShape:
 
     def kv_cell_bytes(self) -> int:
         """One token's K and V over this rank's layers and heads: SGLang's pool cell."""
-        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * elem
 
 
 def build_compact(cfg: SparseServerConfig, shape: StoreShape, *, pool_size: int,

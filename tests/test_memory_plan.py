@@ -45,7 +45,8 @@ def _plan(*args: str) -> dict:
 
 
 def test_plan_prints_what_the_h200_server_allocated(model):
-    logged = {m[0]: float(m[1]) for m in re.findall(r"sgl_sparse: (\w+) store: .*, ([\d.]+) GiB", SERVER_LOG.read_text())}
+    found = re.findall(r"sgl_sparse: (\w+) store: .*, ([\d.]+) GiB", SERVER_LOG.read_text())
+    logged = {name: float(gib) for name, gib in found}
     assert set(logged) == {"quest", "asyncspade", "lfps"}
     args = ("--model-path", str(model), "--sparse-config", "bench/gpu/sparse_config_qa_32slots_int4_b4.yaml")
     p = _plan(*args)
