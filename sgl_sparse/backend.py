@@ -656,7 +656,6 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
     share."""
     from sgl_sparse import query_store
 
-    split = compat.memory_split(model_runner)
     stores = sum(query_store.nbytes(s) for s in state.query_stores.values())
     if state.compact is not None:
         stores += state.compact.nbytes()
@@ -671,6 +670,7 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
                            "%.3f GiB for them%s", stores / 2**30, reserved / 2**30,
                            ": the difference comes out of the activations' share" if stores > reserved else "")
         return
+    split = compat.memory_split(model_runner)
     if split is None or state.device.type != "cuda":
         return
     msg = stores_headroom_warning(stores, *split)

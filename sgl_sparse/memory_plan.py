@@ -24,10 +24,12 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_sparse.config import SparseConfigError, load_server_config
+from sgl_sparse.plugin import KV_CACHE_DTYPES, _off_in_cuda_graphs
 from sgl_sparse.store_budget import StoreShape, planned_bytes
 
+# the model's torch_dtype and the --kv-cache-dtype spellings the server accepts (plugin.KV_CACHE_DTYPES)
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+           "float32": torch.float32, "fp32": torch.float32}
 
 
 def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
@@ -42,9 +44,11 @@ def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int]
     kv_heads = int(c.get("num_key_value_heads") or heads)
     if tp_size < 1 or heads % tp_size:
         raise ValueError(f"--tp-size {tp_size}: must divide the model's {heads} attention heads")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:  # what the server refuses at start-up
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: one of {', '.join(KV_CACHE_DTYPES)}")
     name = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16") if kv_cache_dtype == "auto" else kv_cache_dtype
     if name not in _DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name}: one of auto, {', '.join(sorted(_DTYPES))}")
+        raise ValueError(f"{path}: torch_dtype {name!r} is not a floating dtype the KV pool can hold")
     return StoreShape(
         num_layers=int(c["num_hidden_layers"]), num_kv_heads=max(1, kv_heads // tp_size),
         num_q_heads=heads // tp_size, head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
@@ -54,8 +58,6 @@ def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int]
 def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, context_length: Optional[int] = None,
          kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> dict:
     """The stores one GPU holds: bytes by store, in all, per pool token, as KV tokens."""
-    from sgl_sparse.plugin import _off_in_cuda_graphs
-
     cfg = load_server_config(sparse_config)
     if cuda_graphs:
         cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **_off_in_cuda_graphs(cfg)}})
