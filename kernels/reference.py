@@ -64,6 +64,8 @@ def two_segment_decode_ref(
     a_pos: Optional[torch.Tensor] = None,
     a_pos_slots: bool = False,
     row_mask: Optional[torch.Tensor] = None,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
     **_tuning_kwargs,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Reference for :func:`two_segment_decode` (same positional signature).
@@ -77,6 +79,8 @@ def two_segment_decode_ref(
     ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
     Rows with ``row_mask[b] != 1`` are left at their initial value (zeros in
     ``out``, -inf in ``lse``): the kernel does not write them.
+    Keys and values (any dtype, fp8 included) are dequantized as ``k * k_scale``,
+    ``v * v_scale`` (None: 1).
     Kernel tuning kwargs (num_splits, block_n, ...) are accepted and ignored.
     Returns float32 ``o [bs, Hq, D]`` (and natural-log ``lse [bs, Hq]``).
     """
@@ -113,8 +117,8 @@ def two_segment_decode_ref(
             else:  # a_slot may be garbage here: do not touch it
                 ka = a_k.new_zeros((0, head_dim))
                 va = a_v.new_zeros((0, head_dim))
-            k = torch.cat([ka, k_pool[b_tokens, h]], dim=0).to(cd)
-            v = torch.cat([va, v_pool[b_tokens, h]], dim=0).to(cd)
+            k = torch.cat([ka.to(cd), k_pool[b_tokens, h].to(cd)], dim=0) * (1.0 if k_scale is None else k_scale)
+            v = torch.cat([va.to(cd), v_pool[b_tokens, h].to(cd)], dim=0) * (1.0 if v_scale is None else v_scale)
             heads = slice(h * group, (h + 1) * group)
             o_bh, lse_bh = _attend(q[b, heads].to(cd), k, v, sm_scale)
             out[b, heads] = o_bh.float()

@@ -79,6 +79,8 @@ from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, needs_fp3
 __all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters", "balances", "balanced_splits"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
+#: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Split heuristic knobs (see choose_num_splits()); tuned on an H100 (132 SMs),
 # see bench/kernels/bench_decode.py --sweep.
@@ -126,27 +128,30 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
     """One BLOCK_N step of the online softmax for a [BLOCK_H, D] query tile.
 
-    q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (input dtype),
-    mask_n: [BLOCK_N] valid keys. Scores live in the base-2 domain:
+    q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (the KV cache's
+    dtype: q's, or fp8, widened to q's here), mask_n: [BLOCK_N] valid keys. Scores live in the base-2 domain:
     s = (q . k) * sm_scale * log2(e), so exp(x*sm_scale) == exp2(s).
     Callers only pass blocks with at least one valid key, so the running max
     is finite after the first step and no (-inf) - (-inf) = NaN can occur.
     """
     qk = _scores(q, k, mask_n, qk_scale, FP32_DOT)
-    return _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT)
+    return _softmax_update(qk, v.to(q.dtype), m_i, l_i, acc, FP32_DOT)
 
 
 @triton.jit
 def _scores(q, k, mask_n, qk_scale, FP32_DOT: tl.constexpr):
-    """Base-2 scaled scores [BLOCK_H, BLOCK_N] fp32, -inf where the key is masked."""
-    qk = _dot(q, tl.trans(k), FP32_DOT)
+    """Base-2 scaled scores [BLOCK_H, BLOCK_N] fp32, -inf where the key is masked.
+    An fp8 KV cache's keys are widened to q's dtype (a no-op for bf16/fp16 caches);
+    their scale is folded into qk_scale."""
+    qk = _dot(q, tl.trans(k.to(q.dtype)), FP32_DOT)
     qk = qk * qk_scale
     return tl.where(mask_n[None, :], qk, float("-inf"))
 
 
 @triton.jit
 def _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
-    """The online-softmax update of _online_softmax_step from its scores."""
+    """The online-softmax update of _online_softmax_step from its scores (v in the
+    query's dtype: callers widen an fp8 cache's values, so P is never rounded to fp8)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # Rescale what we accumulated so far to the new max (alpha == 0 on the
     # very first block, where m_i == -inf).
@@ -192,7 +197,8 @@ def _two_segment_decode_stage1(
     FOUT,  # [bs, Hq, D] final output (FUSED_MERGE)
     FLSE,  # [bs, Hq] fp32 final natural-log LSE (FUSED_MERGE and STORE_LSE)
     LOGITS,  # [slots, Hkv, G, LG_LEN] fp32 slow-step logits by position (only if SAVE_LOGITS)
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * log2(e) * k_scale
+    v_scale,  # the values' dequantization scale (1.0 but for a scaled fp8 KV cache)
     stride_qb,
     stride_qh,
     stride_aks,
@@ -439,12 +445,13 @@ def _two_segment_decode_stage1(
         if SAVE_LOGITS:
             lg_ok = mask_h[:, None] & (mask_n & (offs < LG_LEN + a_len) & lg_on)[None, :]
             tl.store(lg_base + offs[None, :], qk, mask=lg_ok)
-        m_i, l_i, acc = _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT)
+        m_i, l_i, acc = _softmax_update(qk, v.to(q.dtype), m_i, l_i, acc, FP32_DOT)
 
     # ---- Epilogue. Empty chunk (l_i == 0): output 0 and LSE -inf, no NaN. ----
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    # Partials scaled alike merge to the scaled whole, so this covers every path.
+    out = acc * (v_scale / l_safe)[:, None]
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # base-2 LSE
 
     store_mask = mask_h[:, None] & mask_d[None, :]
@@ -725,6 +732,8 @@ def two_segment_decode(
     row_splits: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -733,7 +742,7 @@ def two_segment_decode(
 
     Args:
         q: ``[bs, Hq, D]`` bf16/fp16, ``Hq = G * Hkv``.
-        a_k, a_v: ``[num_slots, Hkv, cap, D]`` compact buffers (same dtype as q).
+        a_k, a_v: ``[num_slots, Hkv, cap, D]`` compact buffers (the pool's dtype).
         a_slot: ``[bs]`` int32 slot of each request (ignored where a_len == 0);
             ``-1``: segment A is positions ``[0, a_len)`` read in place from the
             pool through ``req_to_token`` (sink tokens), clamped to ``b_start``;
@@ -741,7 +750,10 @@ def two_segment_decode(
             ``a_pos[b, h, :a_len[b, h]]`` read in place (see ``a_pos``). Without
             ``a_pos`` every negative value means ``-1``.
         a_len: ``[bs, Hkv]`` int32 valid rows per request and KV head (0..cap).
-        k_pool, v_pool: ``[num_tokens_total, Hkv, D]`` paged KV pool (page_size 1).
+        k_pool, v_pool: ``[num_tokens_total, Hkv, D]`` paged KV pool (page_size 1),
+            in q's dtype or fp8 (``float8_e4m3fn`` / ``float8_e5m2``, SGLang's
+            ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): keys and values are
+            widened to q's dtype as they are read.
         req_to_token: ``[max_reqs, max_ctx]`` int32 (req_pool_idx, pos) -> pool slot.
         req_pool_idx: ``[bs]`` int32/int64.
         b_start, b_end: ``[bs]`` int32; segment B is positions ``[b_start, b_end)``.
@@ -833,6 +845,12 @@ def two_segment_decode(
 
     Launches 1 kernel (num_splits == 1 or fused_merge) or 2 kernels, with no
     host sync; the grid depends only on ``bs``, ``Hkv`` and ``num_splits``.
+        k_scale, v_scale: the KV cache's dequantization scales (SGLang's
+            ``layer.k_scale_float`` / ``v_scale_float``; None: 1): the stored keys
+            and values are ``k / k_scale`` and ``v / v_scale``. ``k_scale`` is
+            folded into the softmax scale (so ``logits_out`` and the LSE are
+            those of the dequantized keys), ``v_scale`` multiplies the output.
+
     """
     assert q.dim() == 3 and k_pool.dim() == 3 and a_k.dim() == 4
     bs, num_q_heads, head_dim = q.shape
@@ -841,7 +859,9 @@ def two_segment_decode(
     group = num_q_heads // num_kv_heads
     assert k_pool.shape[2] == head_dim and v_pool.shape == k_pool.shape
     assert a_k.shape[1] == num_kv_heads and a_k.shape[3] == head_dim and a_v.shape == a_k.shape
-    assert k_pool.dtype == q.dtype and a_k.dtype == q.dtype, "q, K and V must share a dtype"
+    assert k_pool.dtype in (q.dtype, *FP8_KV_DTYPES) and a_k.dtype == k_pool.dtype, \
+        "K and V: q's dtype or fp8, the compact buffers the pool's"
+    assert v_pool.dtype == k_pool.dtype and a_v.dtype == a_k.dtype
     assert a_len.shape == (bs, num_kv_heads) and a_slot.shape[0] == bs
     assert b_start.shape[0] == bs and b_end.shape[0] == bs and req_pool_idx.shape[0] == bs
     for t in (q, a_k, a_v, k_pool, v_pool):
@@ -947,7 +967,8 @@ def two_segment_decode(
         out,
         lse if return_lse else b_end,
         logits_out if logits_out is not None else b_end,
-        float(sm_scale) * _LOG2E,
+        float(sm_scale) * _LOG2E * (1.0 if k_scale is None else float(k_scale)),
+        1.0 if v_scale is None else float(v_scale),
         q.stride(0),
         q.stride(1),
         a_k.stride(0),

@@ -98,12 +98,7 @@ class SparseAttnBackend(AttentionBackend):
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
             self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
-            kv_dtype = self.token_to_kv_pool.get_key_buffer(0).dtype
-            if kv_dtype != model_runner.dtype:
-                raise ValueError(
-                    f"--attention-backend sgl_sparse: KV cache dtype {kv_dtype} must equal the "
-                    f"model dtype {model_runner.dtype} (quantized KV caches are not supported yet)"
-                )
+            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype, self.config)
             # Segment A of every request is read in place from the pool for now
             # (sink tokens): an empty one-slot compact buffer stands in.
             kv = self.token_to_kv_pool.get_key_buffer(0)
@@ -424,8 +419,11 @@ class SparseAttnBackend(AttentionBackend):
     # ---- forward -------------------------------------------------------------------
     def _save_kv(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
         if save_kv_cache and k is not None and v is not None:
+            # CUDA: with FlashInfer's scales, as the rows it serves store theirs (an fp8
+            # cache holds k / k_scale); CPU: none, as the stock torch_native backend.
+            scales = compat.kv_write_scales(self.dense, layer) if self.dense is not None else ()
             self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v, *scales
             )
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
@@ -546,6 +544,7 @@ class SparseAttnBackend(AttentionBackend):
                 # Slow rows (dense, q_save_slot >= 0) keep their logits for the
                 # Selector: the keys this step reads anyway are not read again.
                 sfi_args["logits_out"] = store.logits[li]
+        k_scale, v_scale = compat.kv_read_scales(layer)  # an fp8 cache's (None: unscaled)
         two_segment_decode(
             q3,
             store.k[li] if store is not None else self._no_compact,
@@ -563,6 +562,8 @@ class SparseAttnBackend(AttentionBackend):
             split_counters=self._split_counters,
             balance=self._row_splits is not None,
             row_splits=self._row_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
             **plan.indexed_lists(),
             **sfi_args,
         )
@@ -688,6 +689,25 @@ def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:
     """A batch field on the host: SGLang's CPU copy when it has one."""
     src = cpu if cpu is not None else dev
     return [int(x) for x in (src.tolist() if hasattr(src, "tolist") else src)]
+
+
+def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype, config) -> None:
+    """The KV pool's dtype: the model's, or fp8 (the decode kernel widens it as it reads;
+    FlashInfer reads it itself), with the policies that read keys elsewhere not offered
+    (plugin.off_with_kv_dtype, from --kv-cache-dtype)."""
+    from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
+    from sgl_sparse.plugin import FP8_UNSUPPORTED
+
+    if kv_dtype == model_dtype:
+        return
+    if kv_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"--attention-backend sgl_sparse: KV cache dtype {kv_dtype} must be the model's "
+                         f"({model_dtype}) or fp8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2)")
+    offered = [p for p in FP8_UNSUPPORTED if p not in config.unavailable]
+    if offered:  # an fp8 pool --kv-cache-dtype did not ask for (e.g. a checkpoint's own)
+        raise ValueError(f"--attention-backend sgl_sparse: the KV cache is {kv_dtype} but policies "
+                         f"{', '.join(offered)} are offered; pass --kv-cache-dtype fp8_e4m3 or fp8_e5m2 "
+                         f"explicitly (those policies are then not offered)")
 
 
 def _check_supported(model_runner) -> None:

@@ -265,3 +265,20 @@ def add_capture_tail_hook(model_runner: Any, hook: Callable[..., None]) -> bool:
         return False
     hooks.append(hook)
     return True
+
+
+def kv_read_scales(layer: Any) -> tuple[Optional[float], Optional[float]]:
+    """The layer's KV-cache dequantization scales as host floats (None: unscaled), what
+    SGLang's FlashInfer decode passes as ``k_scale`` / ``v_scale`` (the ``_float``
+    copies: reading the tensors would sync the host inside graph capture)."""
+    return getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
+
+
+def kv_write_scales(dense: Any, layer: Any) -> tuple[Any, Any]:
+    """The scales SGLang's FlashInfer backend writes the layer's new keys and values
+    with (``set_kv_buffer(..., k_scale, v_scale)``), so that rows our kernel serves
+    store their KV exactly as the rows FlashInfer serves do."""
+    own = getattr(dense, "_kv_write_scales", None)
+    if own is not None:
+        return own(layer)
+    return getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)

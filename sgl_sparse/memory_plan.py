@@ -24,12 +24,13 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_sparse.config import SparseConfigError, load_server_config
-from sgl_sparse.plugin import KV_CACHE_DTYPES, _off_in_cuda_graphs
+from sgl_sparse.plugin import KV_CACHE_DTYPES, _off_in_cuda_graphs, off_with_kv_dtype
 from sgl_sparse.store_budget import StoreShape, planned_bytes
 
 # the model's torch_dtype and the --kv-cache-dtype spellings the server accepts (plugin.KV_CACHE_DTYPES)
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
+           "float32": torch.float32, "fp32": torch.float32,
+           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int] = None,
@@ -61,6 +62,7 @@ def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, con
     cfg = load_server_config(sparse_config)
     if cuda_graphs:
         cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **_off_in_cuda_graphs(cfg)}})
+    cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off_with_kv_dtype(kv_cache_dtype)}})
     shape = model_shape(model_path, tp_size, context_length, kv_cache_dtype)
     fixed, per_slot = planned_bytes(cfg, shape)
     total, cell = sum(fixed.values()), shape.kv_cell_bytes()

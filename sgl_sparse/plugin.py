@@ -29,7 +29,15 @@ from sgl_sparse.config import (
 )
 
 # --kv-cache-dtype values whose pool holds the model's own floating dtype.
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+# fp8: the decode kernel widens the cache's keys and values as it reads them (full
+# goes through FlashInfer, which reads fp8 itself).
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", *FP8_KV_CACHE_DTYPES)
+# Policies whose selection reads the keys outside the decode kernel (SFI's Selector,
+# compact packing and key norms; quest's page bounds; asyncspade's index keys; lfps's
+# tables), in the model's dtype and without the cache's scales: not offered over an
+# fp8 cache until those kernels read it.
+FP8_UNSUPPORTED = ("sfi", "quest", "asyncspade", "lfps")
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +181,10 @@ def server_args_resolved(_result, server_args) -> None:
         raise ValueError("--attention-backend sgl_sparse does not support --speculative-algorithm yet")
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     if kv_dtype not in KV_CACHE_DTYPES:
-        # The decode kernels, the packing and the Selector read keys and values as the
-        # model's floating dtype; an fp8/fp4 pool would be read as garbage, not refused.
+        # An fp4/mxfp8 pool (packed values plus block scales) would be read as garbage,
+        # not refused.
         _die(f"--kv-cache-dtype {kv_dtype}: --attention-backend sgl_sparse reads the KV cache in the "
-             f"model's dtype; quantized KV caches are not supported yet (use one of: "
+             f"model's dtype or fp8; other quantized KV caches are not supported yet (use one of: "
              f"{', '.join(KV_CACHE_DTYPES)})")
     from sgl_sparse.tokens import resolve_think_ids
 
@@ -196,6 +204,7 @@ def server_args_resolved(_result, server_args) -> None:
     })
     if device != "cpu" and compat.decode_cuda_graphs_enabled(server_args):
         cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **_off_in_cuda_graphs(cfg)}})
+    cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off_with_kv_dtype(kv_dtype)}})
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
@@ -213,6 +222,14 @@ def _off_in_cuda_graphs(cfg: SparseServerConfig) -> dict[str, str]:
             off[p] = (f"with decode CUDA graphs on, it needs query_aware.{p}.cuda_graphs: true in "
                       f"--sparse-config (its selection then runs at every decode step), or --disable-cuda-graph")
     return off
+
+
+def off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
+    """Policies a server with this --kv-cache-dtype does not offer, with why."""
+    if kv_dtype not in FP8_KV_CACHE_DTYPES:
+        return {}
+    return {p: (f"--kv-cache-dtype {kv_dtype}: its selection reads the keys in the model's dtype "
+                f"(with an fp8 KV cache sgl_sparse serves full, streaming and sadas)") for p in FP8_UNSUPPORTED}
 
 
 def support_triton(original, backend: str, *args, **kwargs) -> bool:

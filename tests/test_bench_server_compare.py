@@ -74,3 +74,11 @@ def test_a_second_sparse_server_takes_its_own_config():
     assert server_compare.sparse_flags(extra, "b.yaml") == ["--sparse-config", "b.yaml", "--foo", "1"]
     assert server_compare.sparse_flags("", "b.yaml") == ["--sparse-config", "b.yaml"]
     assert server_compare.log_name("sgl_sparse@bench/gpu/b.yaml") == "server-sgl_sparse_bench_gpu_b.yaml.log"
+
+
+def test_the_kv_cache_dtype_among_the_extra_flags():
+    """Over an fp8 cache the harness skips its covering-sfi check (sfi is not offered)."""
+    assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph --kv-cache-dtype fp8_e4m3") == "fp8_e4m3"
+    assert server_compare.kv_cache_dtype("--kv-cache-dtype=fp8_e5m2 --tp-size 2") == "fp8_e5m2"
+    assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph") == "auto"
+    assert server_compare.kv_cache_dtype("--kv-cache-dtype") == "auto"

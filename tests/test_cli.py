@@ -51,8 +51,8 @@ def launches(tmp_path_factory, model_dir):
                                    "--sparse-default-policy", "fast"]),
         run("flags-without-backend", ["--model-path", model, "--attention-backend", "torch_native",
                                       "--sparse-default-policy", "streaming"]),
-        run("fp8-kv-cache", ["--model-path", model, "--device", "cpu", "--attention-backend", "sgl_sparse",
-                             "--kv-cache-dtype", "fp8_e5m2"]),
+        run("fp8-kv-cache-sfi-default", ["--model-path", model, "--device", "cpu", "--attention-backend", "sgl_sparse",
+                                         "--kv-cache-dtype", "fp8_e4m3", "--sparse-default-policy", "sfi"]),
         # e.g. a checkout or data folder with the package's name in the working directory
         run("shadowing-folder", ["--model-path", model, "--device", "cpu", "--attention-backend", "sgl_sparse"],
             lambda cwd: (cwd / "sgl_sparse").mkdir()),
@@ -87,17 +87,16 @@ def test_sparse_flags_without_the_backend_are_rejected(launches):
     assert out.returncode == 2 and "need --attention-backend sgl_sparse" in out.stderr
 
 
+def test_fp8_kv_cache_with_a_default_it_cannot_serve_names_both_flags(launches):
+    """fp8 caches serve full, streaming and sadas: a default of sfi stops start-up."""
+    out = launches["fp8-kv-cache-sfi-default"]
+    assert out.returncode != 0, out.stderr[-2000:]
+    assert "--sparse-default-policy sfi: unavailable: --kv-cache-dtype fp8_e4m3" in out.stderr, out.stderr[-2000:]
+
+
 def test_shadowing_folder_fails_loudly(launches):
     out = launches["shadowing-folder"]
     assert out.returncode != 0
     assert "sgl_sparse plugin failed to load" in out.stderr
     assert "shadows the installed package" in out.stderr
     assert "invalid choice" not in out.stderr
-
-
-def test_quantized_kv_cache_is_refused_naming_the_flag(launches):
-    """The kernels read the pool as the model's dtype: an fp8 pool stops start-up."""
-    out = launches["fp8-kv-cache"]
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "--kv-cache-dtype fp8_e5m2" in out.stderr and "quantized KV caches are not supported" in out.stderr
-    assert "auto, bf16, bfloat16" in out.stderr

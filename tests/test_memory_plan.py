@@ -74,10 +74,23 @@ def test_cuda_graphs_decide_which_query_aware_stores_exist(model):
     assert off["stores_bytes"]["sfi"] == on["stores_bytes"]["sfi"] and on["key_norm_bytes_per_token"] == 28 * 8 * 4
 
 
+def test_fp8_kv_cache_offers_only_the_kernel_read_policies(model):
+    """With an fp8 KV cache the server offers full, streaming and sadas (the decode kernel
+    reads fp8; the selections of sfi and the query-aware policies do not yet): no stores,
+    and a token of KV is half the bf16 one."""
+    bf16 = _plan("--model-path", str(model), "--disable-cuda-graph")
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        fp8 = _plan("--model-path", str(model), "--disable-cuda-graph", "--kv-cache-dtype", name)
+        assert fp8["stores_bytes"] == {} and fp8["total_bytes"] == 0 and fp8["kv_tokens"] == 0
+        assert fp8["not_offered"] == ["asyncspade", "lfps", "quest", "sfi"]
+        assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
+        assert fp8["shape"]["dtype"] == {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[name]
+
+
 @pytest.mark.parametrize("args,message", [
     (("--model-path", "/nonexistent"), "--model-path: no config.json"),
     (("--tp-size", "3"), "--tp-size 3: must divide the model's 16 attention heads"),
-    (("--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
+    (("--kv-cache-dtype", "mxfp8"), "--kv-cache-dtype mxfp8"),
     (("--sparse-config", "/nonexistent.yaml"), "--sparse-config: file not found"),
 ])
 def test_bad_flags_name_the_flag(model, args, message):

@@ -32,3 +32,34 @@ def test_query_aware_offered_with_decode_graphs(monkeypatch, graphs, opt_in, off
     assert {p for p in ("quest", "asyncspade", "lfps") if cfg.unavailable_reason(p)} == off
     for p in off & {"quest", "lfps"} if graphs else ():
         assert f"query_aware.{p}.cuda_graphs" in cfg.unavailable_reason(p)
+
+
+def _cuda_args(**kw):
+    return SimpleNamespace(attention_backend="sgl_sparse", device="cuda", model_path="m", tokenizer_path="m",
+                           disable_cuda_graph=True, cuda_graph_config=None, speculative_algorithm=None, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_offers_the_policies_the_decode_kernel_reads(monkeypatch, kv_dtype):
+    """An fp8 cache: full, streaming and sadas (the decode kernel and FlashInfer read
+    fp8); sfi and the query-aware policies not, saying why. (SGLang itself refuses
+    fp8 caches without CUDA before the plugin runs: the CUDA server's arguments here.)"""
+    monkeypatch.setenv(ENV_CONFIG, SparseServerConfig().model_dump_json())
+    monkeypatch.setattr("sgl_sparse.tokens.resolve_think_ids", lambda cfg, *a, **k: cfg)
+    plugin.server_args_resolved(None, _cuda_args(kv_cache_dtype=kv_dtype))
+    cfg = config_from_env()
+    assert not cfg.unavailable_reason("full") and not cfg.unavailable_reason("streaming")
+    assert "kv-cache-dtype" not in (cfg.unavailable_reason("sadas") or "")  # (here: no think tokens)
+    for p in ("sfi", "quest", "asyncspade", "lfps"):
+        assert cfg.unavailable_reason(p).startswith(f"--kv-cache-dtype {kv_dtype}: ")
+
+
+def test_block_quantized_kv_cache_stops_startup_naming_the_flag(monkeypatch, capsys):
+    """fp4 / mxfp8 caches (packed values with block scales) are refused, not misread.
+    (On CPU SGLang refuses them first: the CUDA server's arguments here.)"""
+    monkeypatch.setenv(ENV_CONFIG, SparseServerConfig().model_dump_json())
+    with pytest.raises(SystemExit) as e:
+        plugin.server_args_resolved(None, _cuda_args(kv_cache_dtype="fp4_mx_block16"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--kv-cache-dtype fp4_mx_block16" in err
+    assert "other quantized KV caches are not supported yet" in err and "fp8_e4m3, fp8_e5m2" in err

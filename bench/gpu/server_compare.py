@@ -46,6 +46,12 @@ def sampling(n, sparse=None):
     return sp
 
 
+def kv_cache_dtype(extra: str) -> str:
+    """The --kv-cache-dtype among the servers' extra flags ("auto" if none)."""
+    words = extra.replace("=", " ").split()
+    return words[words.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in words[:-1] else "auto"
+
+
 def gen(url, ids, n, sparse=None):
     r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sampling(n, sparse)}, timeout=900)
     r.raise_for_status()
@@ -245,8 +251,9 @@ class Server:
         if self.backend == "sgl_sparse":  # a window covering every prompt must reproduce full
             self.res["greedy_window_covering"] = [
                 gen(url, p, a.check_len, {"policy": "streaming", "window": 1 << 20})["output_ids"] for p in prompts]
-            self.res["greedy_sfi_covering"] = [
-                gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
+            if not kv_cache_dtype(a.extra).startswith("fp8"):  # over fp8 sfi is not offered (HTTP 400)
+                self.res["greedy_sfi_covering"] = [
+                    gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
             # a window shorter than every prompt: our kernel serves these rows, alone in
             # their batches (graph variant `kernel`, or `mixed` with
             # SGLANG_SPARSE_ROUTE_VARIANTS=0); compare across runs, not with full's ids

@@ -83,6 +83,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--kv-dtype", choices=["model", "fp8_e4m3", "fp8_e5m2"], default="model",
+                   help="the KV cache's dtype (SGLang's --kv-cache-dtype): the model's (--dtype) or fp8, "
+                        "for our kernel and FlashInfer alike")
     p.add_argument("--sink", type=int, default=4, help="sink tokens in segment A")
     p.add_argument("--recent", type=int, default=256, help="max recent-window length in segment B")
     p.add_argument("--pool-layout", choices=["random", "contiguous"], default="random",
@@ -168,7 +171,7 @@ def segments_for_fraction(n: int, frac: float, sink: int, recent: int):
 class FlashInferDense:
     """FlashInfer paged decode over positions [0, n) of each request (page_size 1, NHD)."""
 
-    def __init__(self, torch, flashinfer, case, args, dtype):
+    def __init__(self, torch, flashinfer, case, args, dtype, kv_dtype):
         bs, hq, d = case.q.shape
         hkv = case.k_pool.shape[1]
         dev = case.q.device
@@ -189,7 +192,7 @@ class FlashInferDense:
         plan = getattr(self.wrapper, "plan", None) or self.wrapper.begin_forward
         common = (self.indptr, self.indices, self.last_page_len, hq, hkv, d, 1)
         try:
-            plan(*common, pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype, sm_scale=case.sm_scale)
+            plan(*common, pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=case.sm_scale)
             self._run_kwargs = {}
         except TypeError:  # older FlashInfer: sm_scale goes to run/forward
             plan(*common, pos_encoding_mode="NONE", data_type=dtype)
@@ -208,13 +211,14 @@ class FlashInferDense:
 
 
 def bytes_two_segment(case, a_len_total: int, b_len_total: int, elem: int, a_indexed: bool = False) -> int:
-    """Minimal HBM traffic of one decode call: K and V rows, page indices, q and o.
+    """Minimal HBM traffic of one decode call: K and V rows (in the cache's dtype, ``elem``
+    for q and o), page indices, q and o.
 
     With ``a_indexed`` segment A also reads, per listed (head, position), one
     int32 of ``a_pos`` and one int32 of ``req_to_token`` (positions differ by head).
     """
     hkv, d = case.k_pool.shape[1], case.k_pool.shape[2]
-    kv = (a_len_total + b_len_total * hkv) * d * elem * 2  # a_len_total already sums heads
+    kv = (a_len_total + b_len_total * hkv) * d * case.k_pool.element_size() * 2  # a_len_total already sums heads
     idx = b_len_total * 4  # req_to_token entries of segment B (re-reads across heads hit L2)
     if a_indexed:
         idx += a_len_total * 8
@@ -248,6 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     device = torch.device("cuda" if use_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    kv_dtype = {"model": dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     assert hq % hkv == 0
@@ -264,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     print("# two-segment decode benchmark")
     print(json.dumps(env))
-    print(f"shape: Hq={hq} Hkv={hkv} D={d} {args.dtype}; sink={args.sink} recent<={args.recent}")
+    print(f"shape: Hq={hq} Hkv={hkv} D={d} {args.dtype}, KV cache {kv_dtype}; sink={args.sink} recent<={args.recent}")
 
     copy_gbps = measure_copy_bandwidth(torch, timer, args.copy_gib, device)
     if copy_gbps:
@@ -304,13 +309,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 [n] * bs, [0] * bs, [(0, n)] * bs, num_kv_heads=hkv, group=hq // hkv, head_dim=d, cap=1,
                 dtype=dtype, device=device, seed=args.seed + n + bs, pool_layout=args.pool_layout,
             )
+            if kv_dtype != dtype:  # the pool as an fp8 cache holds it (unit scales)
+                base = T.DecodeCase(**{**base.__dict__, "k_pool": base.k_pool.to(kv_dtype),
+                                       "v_pool": base.v_pool.to(kv_dtype), "a_k": base.a_k.to(kv_dtype),
+                                       "a_v": base.a_v.to(kv_dtype)})
             max_kv_len = args.max_kv_len or n
             dense_bytes = bytes_two_segment(base, 0, bs * n, elem)
             cur_fi.clear()
 
             # ---- FlashInfer dense ------------------------------------------------
             if flashinfer is not None:
-                fi = FlashInferDense(torch, flashinfer, base, args, dtype)
+                fi = FlashInferDense(torch, flashinfer, base, args, dtype, kv_dtype)
                 fi_out = fi()
                 ref = K.dense_decode_ref(
                     base.q, base.k_pool, base.v_pool, base.req_to_token, base.req_pool_idx, base.seq_lens, base.sm_scale
@@ -363,8 +372,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 cap = max(a, 1)
                 gen = torch.Generator(device=device)
                 gen.manual_seed(args.seed + 7 * n + bs + int(frac * 1e6))
-                a_k = torch.randn(bs, hkv, cap, d, generator=gen, device=device, dtype=dtype)
-                a_v = torch.randn(bs, hkv, cap, d, generator=gen, device=device, dtype=dtype)
+                a_k = torch.randn(bs, hkv, cap, d, generator=gen, device=device, dtype=dtype).to(kv_dtype)
+                a_v = torch.randn(bs, hkv, cap, d, generator=gen, device=device, dtype=dtype).to(kv_dtype)
                 case = T.DecodeCase(
                     q=base.q, a_k=a_k, a_v=a_v, a_slot=torch.arange(bs, dtype=torch.int32, device=device),
                     a_len=torch.full((bs, hkv), a, dtype=torch.int32, device=device),

@@ -11,6 +11,7 @@ launch (so an unwritten element fails), and checks the relative error
 """
 
 import contextlib
+import dataclasses
 import random
 
 import pytest
@@ -750,3 +751,145 @@ def test_balanced_splits_are_shares_of_the_programs_by_keys():
     assert K.balanced_splits(a, b0, b1, mask, 33, 64)[0] == 33
     empty = torch.zeros(2, **i32)
     assert K.balanced_splits(torch.zeros(2, 8, **i32), empty, empty, None, 33, 4).tolist() == [1, 1]
+
+
+# -----------------------------------------------------------------------------
+# fp8 KV caches (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2)
+# -----------------------------------------------------------------------------
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _as_fp8_cache(case, fp8, k_scale, v_scale):
+    """The case's pool and compact buffers stored as SGLang stores an fp8 cache:
+    ``(k / k_scale).to(fp8)`` (memory_pool's set_kv_buffer)."""
+    def store(t, s):
+        return (t.float() / s).to(fp8)
+    return dataclasses.replace(case, k_pool=store(case.k_pool, k_scale), v_pool=store(case.v_pool, v_scale),
+                               a_k=store(case.a_k, k_scale), a_v=store(case.a_v, v_scale))
+
+
+def _check_fp8(case, k_scale, v_scale, **kw):
+    """Kernel against the reference of the dequantized cache (k * k_scale, v * v_scale)."""
+    out = torch.full_like(case.q, float("nan"))
+    o, lse = K.two_segment_decode(*case.args(), out=out, return_lse=True, k_scale=k_scale, v_scale=v_scale,
+                                  **case.kwargs(), **kw)
+    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, k_scale=k_scale, v_scale=v_scale,
+                                              **case.kwargs())
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    # fp8 values widen to bf16 exactly: the kernel's error is the bf16 path's.
+    assert T.rel_error(o.float(), ref_o) < TOL[case.q.dtype]
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite].to(lse.device), atol=2e-2, rtol=0)
+    return o
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_cache_mixed_batch(fp8, num_splits):
+    """Compact segment A, in-place sinks, windows and dense rows over an fp8 cache
+    with scales, GQA 4, lengths off the block size; one launch."""
+    rng = random.Random(77 + num_splits)
+    seq_lens, a_lens, b_ranges = mixed_batch(5, 2, 37, rng)
+    case = T.make_decode_case(seq_lens, a_lens, b_ranges, num_kv_heads=2, group=4, head_dim=64, cap=37,
+                              dtype=torch.bfloat16, device=DEVICE, seed=5 + num_splits)
+    case.a_slot[0] = -1  # its A read in place from the pool (sink tokens)
+    k_scale, v_scale = 0.5, 2.0
+    o = _check_fp8(_as_fp8_cache(case, fp8, k_scale, v_scale), k_scale, v_scale, num_splits=num_splits, **SMALL)
+    # Unit scales read the stored values as they are: a different answer.
+    o1 = K.two_segment_decode(*_as_fp8_cache(case, fp8, k_scale, v_scale).args(), num_splits=num_splits, **SMALL)
+    assert T.rel_error(o1.float(), o.float()) > 0.1
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_kv_cache_indexed_rows(fp8):
+    """quest/asyncspade-style rows (per-KV-head position lists) over an fp8 cache."""
+    n = [97, 70, 83]
+    case = T.make_decode_case(n, [0, [9, 24], 0], [(97 - 17, 97), (70 - 9, 70), (0, 83)], num_kv_heads=2,
+                              group=4, head_dim=64, cap=24, dtype=torch.bfloat16, device=DEVICE, seed=9,
+                              empty_slot_value=None)
+    T.set_indexed_rows(case, {0: [31, 5]}, cap_pos=45, seed=9)
+    _check_fp8(_as_fp8_cache(case, fp8, 1.0, 1.0), None, None, num_splits=2, **SMALL)
+
+
+def test_fp8_kv_cache_refuses_a_mixed_pair():
+    case = _standard_case()
+    mixed = dataclasses.replace(case, k_pool=case.k_pool.to(FP8[0]), v_pool=case.v_pool.to(FP8[0]))
+    with pytest.raises(AssertionError, match="compact buffers the pool's"):
+        K.two_segment_decode(*mixed.args())  # fp8 pool, bf16 compact buffers
+
+
+@gpu_test
+@pytest.mark.parametrize("fp8", FP8)
+def test_gpu_fp8_long_context(fp8):
+    rng = random.Random(5)
+    seq_lens, a_lens, b_ranges = [], [], []
+    for i, policy in enumerate(["dense", "sink_window", "select_recent", "dense"]):
+        n = 32768 - rng.randint(0, 100)
+        a, b = T.policy_segments(policy, n, budget=2048 + 256)
+        seq_lens.append(n)
+        a_lens.append(min(a, 4096))
+        b_ranges.append(b)
+    case = T.make_decode_case(seq_lens, a_lens, b_ranges, num_kv_heads=8, group=2, head_dim=128, cap=4096,
+                              dtype=torch.bfloat16, device="cuda", seed=3)
+    _check_fp8(_as_fp8_cache(case, fp8, 0.75, 1.5), 0.75, 1.5)
+
+
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
+@pytest.mark.parametrize("kv_dtype", FP8 + (torch.bfloat16,))
+def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype):
+    """The launch serving makes (indexed rows, fused merge) compiles for the H100/H200
+    (sm_90) over fp8 caches, its arguments captured from an interpreted launch: the
+    K/V tiles stream into shared memory by async copies as wide as the bf16 consumer's
+    8-element vectors (8 bytes of fp8 where bf16 takes 16; no byte-wise copies), and
+    e4m3 widens with sm_90's pair conversion (e5m2 is fp16's top byte: shifts)."""
+    import importlib
+
+    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")  # the module, not its function
+    fn, launches = mod._two_segment_decode_stage1, []
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args, kw))
+                return fn[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    n = [97, 70, 83]
+    case = T.make_decode_case(n, [0, [9, 24], 0], [(97 - 17, 97), (70 - 9, 70), (0, 83)], num_kv_heads=2,
+                              group=4, head_dim=128, cap=24, dtype=torch.bfloat16, device=DEVICE, seed=9,
+                              empty_slot_value=None)
+    T.set_indexed_rows(case, {0: [31, 5]}, cap_pos=45, seed=9)
+    fp8 = kv_dtype != torch.bfloat16
+    if fp8:
+        case = _as_fp8_cache(case, kv_dtype, 0.5, 2.0)
+    K.two_segment_decode(*case.args(), num_splits=2, split_counters=K.make_split_counters(3, 2, DEVICE),
+                         k_scale=0.5, v_scale=2.0, **case.kwargs())
+    (args, kw), = launches
+    options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    sig, const, divisible = {}, {}, []
+    for name, value in zip(fn.arg_names, list(args) + [kw[k] for k in fn.arg_names[len(args):]]):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TRITON_TYPES[value.dtype]
+            divisible.append(name)
+        elif name in kw:
+            sig[name], const[name] = "constexpr", value
+        else:
+            sig[name] = "fp32" if isinstance(value, float) else "i32"
+            if isinstance(value, int) and value % 16 == 0 and value:
+                divisible.append(name)  # as Triton's launcher specializes 16-divisible ints
+    assert sig["K_POOL"] == sig["A_K"] == "*" + _TRITON_TYPES[kv_dtype] and const["FUSED_MERGE"] and const["HAS_A_POS"]
+    widen = r"cvt\.rn\.f16x2\.e4m3x2"
+    copies = {w: rf"cp\.async\.c[ag]\.shared\.global [^;]*, 0x{w:x}," for w in (1, 2, 8, 16)}
+    counts = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
+                            divisible, options=options, patterns=[widen, *copies.values()])
+    got = {w: counts[p] for w, p in copies.items()}
+    assert got[1] == got[2] == 0, got
+    assert (got[8] > 0) == fp8 and got[16] > 0, got  # 16-byte copies: bf16 tiles, and q / the lists
+    assert (counts[widen] > 0) == (kv_dtype == torch.float8_e4m3fn), counts

@@ -1,0 +1,82 @@
+"""`--kv-cache-dtype fp8_e4m3` end to end on CPU: real SGLang servers, stock and ours.
+
+With an fp8 KV cache `sgl_sparse` serves `full`, `streaming` and `sadas` (the decode
+kernel widens fp8 as it reads, FlashInfer reads it itself; on CPU the reference path
+casts, as the stock `torch_native` backend does). `sfi`, `quest`, `asyncspade` and
+`lfps` read the keys elsewhere (Selector, page bounds, index keys, tables) and are not
+offered: a request for one is an HTTP 400 naming the flag, and the server goes on.
+Checked against a stock `torch_native` server with the same fp8 cache:
+- the default, `full` and covering `streaming` / `sadas` windows give its greedy tokens,
+  in one concurrent batch;
+- small windows are served (retention below 1), beside those;
+- no request state is left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+import pytest
+import requests
+
+from tests.server import greedy_generate, running_server
+from tests.shared_servers import SHARED_ARGS
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+FP8_ARGS = [*SHARED_ARGS, "--kv-cache-dtype", "fp8_e4m3"]
+NEW_TOKENS = 16
+COVERING = [None, {"policy": "full"}, {"policy": "streaming", "window": 4096},
+            {"policy": "sadas", "window": 4096}]
+SMALL = [{"policy": "streaming", "window": 16}, {"policy": "sadas", "window": 24}]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(8)
+    return [[rng.randrange(20, 300) for _ in range(n)] for n in (150, 97)]
+
+
+@pytest.fixture(scope="module")
+def stock_fp8(tiny_qwen3, prompts):
+    with running_server(tiny_qwen3, "torch_native", extra_args=FP8_ARGS) as h:
+        yield [greedy_generate(h.url, ids, None, NEW_TOKENS)["output_ids"] for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def sparse_fp8(tiny_qwen3):
+    with running_server(tiny_qwen3, "sgl_sparse", extra_args=FP8_ARGS) as h:
+        yield h
+
+
+def test_covering_policies_match_stock_and_small_windows_are_served(sparse_fp8, stock_fp8, prompts):
+    jobs = [(i, meta) for meta in COVERING + SMALL for i in range(len(prompts))]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: greedy_generate(sparse_fp8.url, prompts[j[0]], j[1], NEW_TOKENS), jobs))
+    for (i, meta), out in zip(jobs, outs):
+        (summary,) = out["meta_info"]["sgl_sparse"]
+        if meta in SMALL:
+            assert summary["mean_retention"] < 1.0, (i, meta, summary)
+        else:
+            assert out["output_ids"] == stock_fp8[i], (i, meta)
+            assert summary["mean_retention"] == 1.0, (i, meta, summary)
+
+
+@pytest.mark.parametrize("policy", ["sfi", "quest", "asyncspade", "lfps"])
+def test_policies_that_read_keys_elsewhere_are_refused_by_name(sparse_fp8, prompts, policy):
+    sp = {"max_new_tokens": 4, "temperature": 0, "custom_params": {"sparse": {"policy": policy}}}
+    r = requests.post(sparse_fp8.url + "/generate", json={"input_ids": prompts[1], "sampling_params": sp}, timeout=120)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert f"'{policy}' is not available on this server: --kv-cache-dtype fp8_e4m3" in msg, msg
+    assert "available: full, streaming, sadas" in msg, msg
+    # the server keeps serving
+    assert greedy_generate(sparse_fp8.url, prompts[1], {"policy": "streaming", "window": 16}, 4)["output_ids"]
+
+
+def test_no_state_left(sparse_fp8):
+    info = requests.get(sparse_fp8.url + "/get_server_info", timeout=30).json()
+    (state,) = [s["sgl_sparse"] for s in info["internal_states"] if "sgl_sparse" in s]
+    assert state["active_requests"] == 0 and state["active_by_policy"] == {}
+    assert state["compact_slots_in_use"] == 0 and not any(state["query_slots_in_use"].values())
