@@ -129,8 +129,9 @@ def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.
     """One BLOCK_N step of the online softmax for a [BLOCK_H, D] query tile.
 
     q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (the KV cache's
-    dtype: q's, or fp8, widened to q's here), mask_n: [BLOCK_N] valid keys. Scores live in the base-2 domain:
-    s = (q . k) * sm_scale * log2(e), so exp(x*sm_scale) == exp2(s).
+    dtype: q's, or fp8, widened to q's here), mask_n: [BLOCK_N] valid keys. Scores
+    live in the base-2 domain: s = (q . k) * sm_scale * log2(e), so
+    exp(x*sm_scale) == exp2(s).
     Callers only pass blocks with at least one valid key, so the running max
     is finite after the first step and no (-inf) - (-inf) = NaN can occur.
     """
@@ -837,6 +838,11 @@ def two_segment_decode(
             ``logits_out[q_save_slot, h, g, p]`` (base-2 logits; the Selector's
             evidence, ``window_evidence.stored_evidence``). Other entries are
             left untouched.
+        k_scale, v_scale: the KV cache's dequantization scales (SGLang's
+            ``layer.k_scale_float`` / ``v_scale_float``; None: 1): the cache holds
+            ``k / k_scale`` and ``v / v_scale``. ``k_scale`` is folded into the
+            softmax scale (``logits_out`` and the LSE are the dequantized keys'),
+            ``v_scale`` multiplies the output.
         block_n, num_warps, num_stages: Triton tuning knobs.
 
     Returns:
@@ -845,12 +851,6 @@ def two_segment_decode(
 
     Launches 1 kernel (num_splits == 1 or fused_merge) or 2 kernels, with no
     host sync; the grid depends only on ``bs``, ``Hkv`` and ``num_splits``.
-        k_scale, v_scale: the KV cache's dequantization scales (SGLang's
-            ``layer.k_scale_float`` / ``v_scale_float``; None: 1): the stored keys
-            and values are ``k / k_scale`` and ``v / v_scale``. ``k_scale`` is
-            folded into the softmax scale (so ``logits_out`` and the LSE are
-            those of the dequantized keys), ``v_scale`` multiplies the output.
-
     """
     assert q.dim() == 3 and k_pool.dim() == 3 and a_k.dim() == 4
     bs, num_q_heads, head_dim = q.shape

@@ -28,9 +28,9 @@ from sgl_sparse.config import (
     parse_request_policy,
 )
 
-# --kv-cache-dtype values whose pool holds the model's own floating dtype.
-# fp8: the decode kernel widens the cache's keys and values as it reads them (full
-# goes through FlashInfer, which reads fp8 itself).
+# --kv-cache-dtype values the backend reads: the model's own floating dtype, and fp8
+# (the decode kernel widens the cache's keys and values as it reads them; full goes
+# through FlashInfer, which reads fp8 itself).
 FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", *FP8_KV_CACHE_DTYPES)
 # Policies whose selection reads the keys outside the decode kernel (SFI's Selector,
