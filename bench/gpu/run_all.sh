@@ -5,6 +5,8 @@
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
 #   bash bench/gpu/run_all.sh tests     # every GPU-marked test alone (~2 min; what a short lease can verify)
+#   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the decode kernel's GPU tests over e4m3/e5m2, and its time at
+#                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -38,7 +40,7 @@ if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashi
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
-python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+[ "$what" = fp8 ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
 kernels)
@@ -46,6 +48,13 @@ kernels)
     python3 bench/kernels/bench_decode.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernel_bench.log" | tail -60
     python3 bench/kernels/bench_query_aware.py --out "$OUT/query_aware_kernels.json" 2>&1 | tee "$OUT/query_aware_kernels.log" | tail -40
     python3 bench/kernels/bench_topk.py --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" | tail -30
+    ;;
+fp8)
+    python3 -m pytest -q -m gpu tests/kernels/test_two_segment_decode.py -k fp8 -p no:cacheprovider 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
+    for kv in model fp8_e4m3 fp8_e5m2; do
+        python3 bench/kernels/bench_decode.py --contexts 32768 --batches 8 --fractions 1/64,1/16,1 --no-indexed \
+            --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$kv.json" 2>&1 | tee "$OUT/decode_32k8_kv_$kv.log" | tail -16
+    done
     ;;
 tests)
     python3 -m pytest -q -rP -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
