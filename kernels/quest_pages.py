@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ._utils import QUEST_PAGE_SIZE, cdiv, needs_fp32_dot, next_pow2
 from .indexed_slots import unpack_slots
-from .two_segment_decode import _dot
+from .two_segment_decode import FP8_KV_DTYPES, _dot
 
 __all__ = [
     "QUEST_PAGE_SIZE",
@@ -64,6 +64,13 @@ __all__ = [
     "quest_select_positions",
 ]
 
+
+
+def _bounds_dtypes(k_pool: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """The page bounds' dtypes over this pool: its own; over an fp8 pool the model's
+    (bf16 or fp16 hold every fp8 value exactly, and the page scores read the bounds
+    beside the queries)."""
+    return (torch.bfloat16, torch.float16) if k_pool.dtype in FP8_KV_DTYPES else (k_pool.dtype,)
 
 
 # -----------------------------------------------------------------------------
@@ -157,8 +164,8 @@ def quest_bounds_update(
             ``hi``: positions of the first page before ``lo`` must already be in
             the pool. Pass ``lo = 0`` after a radix-cache prefix hit to cover
             the reused prefix too. ``hi <= lo``: nothing.
-        kmin, kmax: ``[slots, Hkv, max_pages, D]`` (one layer's view), KV dtype,
-            same strides; written in place. Pages outside the range keep their
+        kmin, kmax: ``[slots, Hkv, max_pages, D]`` (one layer's view), KV dtype
+            (the model's over an fp8 pool), same strides; written in place. Pages outside the range keep their
             values.
         num_programs: programs per (row, KV head) (default from ``max_pages``).
     """
@@ -166,7 +173,7 @@ def quest_bounds_update(
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride()
     assert kmin.dim() == 4 and kmin.shape[1] == num_kv_heads and kmin.shape[3] == head_dim
-    assert kmin.dtype == k_pool.dtype and kmin.stride(3) == 1 and k_pool.stride(2) == 1
+    assert kmin.dtype in _bounds_dtypes(k_pool) and kmin.stride(3) == 1 and k_pool.stride(2) == 1
     assert req_to_token.stride(1) == 1
     assert lo.shape == (bs,) and hi.shape == (bs,) and req_pool_idx.shape == (bs,)
     max_pages = kmin.shape[2]
@@ -249,7 +256,7 @@ def quest_bounds_decode(
     """
     bs = slot.shape[0]
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
-    assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride() and kmin.dtype == k_pool.dtype
+    assert kmin.shape == kmax.shape and kmin.stride() == kmax.stride() and kmin.dtype in _bounds_dtypes(k_pool)
     assert kmin.stride(3) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
     assert seq_lens.shape == (bs,) and req_pool_idx.shape == (bs,)
     _quest_bounds_decode_kernel[(bs, num_kv_heads)](

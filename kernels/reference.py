@@ -262,7 +262,8 @@ def quest_bounds_ref(
 
     For each row with ``slot >= 0`` and each page ``p`` in
     ``[lo // 16, min(ceil(hi / 16), max_pages))``: ``kmin/kmax[slot, h, p]`` =
-    element-wise min/max of the keys at positions ``[16p, min(16p + 16, hi))``.
+    element-wise min/max of the keys at positions ``[16p, min(16p + 16, hi))`` (in
+    the bounds' dtype: over an fp8 pool, the model's).
     """
     max_pages = kmin.shape[2]
     for b in range(slot.shape[0]):
@@ -273,9 +274,9 @@ def quest_bounds_ref(
         l, h_ = max(int(lo[b].item()), 0), int(hi[b].item())
         for p in range(l // QUEST_PAGE, min(-(-h_ // QUEST_PAGE), max_pages)):
             toks = req_to_token[rp, p * QUEST_PAGE : min(p * QUEST_PAGE + QUEST_PAGE, h_)].long()
-            k = k_pool[toks]  # [n, Hkv, D]
-            kmin[s, :, p] = k.amin(dim=0)
-            kmax[s, :, p] = k.amax(dim=0)
+            k = k_pool[toks].float()  # [n, Hkv, D]; exact for every KV dtype, fp8 included
+            kmin[s, :, p] = k.amin(dim=0).to(kmin.dtype)
+            kmax[s, :, p] = k.amax(dim=0).to(kmax.dtype)
 
 
 def quest_page_scores_ref(

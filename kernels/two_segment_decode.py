@@ -879,7 +879,8 @@ def two_segment_decode(
         qb_min, qb_max, qb_slot = quest_bounds
         assert qb_min.shape == qb_max.shape and qb_min.stride() == qb_max.stride() and qb_min.dim() == 4
         assert qb_min.shape[1] == num_kv_heads and qb_min.shape[3] == head_dim and qb_min.stride(3) == 1
-        assert qb_min.dtype == k_pool.dtype and qb_slot.shape == (bs,) and qb_slot.dtype == torch.int32
+        # the bounds: the pool's dtype, or q's over an fp8 pool (the page scores read them beside q)
+        assert qb_min.dtype in (k_pool.dtype, q.dtype) and qb_slot.shape == (bs,) and qb_slot.dtype == torch.int32
     if logits_out is not None:
         assert q_save is not None, "logits_out: rows are chosen by q_save_slot"
         assert logits_out.dim() == 4 and logits_out.shape[1:3] == (num_kv_heads, group), \

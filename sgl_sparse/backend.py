@@ -614,7 +614,8 @@ def _store_shape(model_runner, kv_pool) -> store_budget.StoreShape:
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
     return store_budget.StoreShape(
         num_layers=kv_pool.layer_num, num_kv_heads=kv.shape[1], num_q_heads=_rank_q_heads(model_runner),
-        head_dim=kv.shape[2], dtype=kv.dtype, context_len=model_runner.req_to_token_pool.req_to_token.shape[1])
+        head_dim=kv.shape[2], dtype=kv.dtype, context_len=model_runner.req_to_token_pool.req_to_token.shape[1],
+        model_dtype=model_runner.dtype)
 
 
 def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:

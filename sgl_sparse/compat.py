@@ -83,7 +83,7 @@ def kv_budget_shape(configurator: Any):
     """The stores' StoreShape for the pool that `configurator` (KVCacheConfigurator, both
     releases) is sizing: this rank's layers (``layer_info.num_effective_layers``, the
     pool's ``layer_num``) and KV heads (the model's over the attention-TP size, as the
-    pool's ``head_num``), the pool's dtype, and the request rows' width
+    pool's ``head_num``), the pool's dtype and the model's, and the request rows' width
     (``context_len``; req_to_token adds a few positions)."""
     from sgl_sparse.store_budget import StoreShape
 
@@ -96,6 +96,7 @@ def kv_budget_shape(configurator: Any):
         head_dim=int(mc.head_dim),
         dtype=configurator.kv_cache_dtype,
         context_len=int(mc.context_len),
+        model_dtype=mc.dtype,
     )
 
 

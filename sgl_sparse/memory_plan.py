@@ -47,13 +47,15 @@ def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int]
         raise ValueError(f"--tp-size {tp_size}: must divide the model's {heads} attention heads")
     if kv_cache_dtype not in KV_CACHE_DTYPES:  # what the server refuses at start-up
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: one of {', '.join(KV_CACHE_DTYPES)}")
-    name = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16") if kv_cache_dtype == "auto" else kv_cache_dtype
-    if name not in _DTYPES:
-        raise ValueError(f"{path}: torch_dtype {name!r} is not a floating dtype the KV pool can hold")
+    model = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
+    if model not in _DTYPES:
+        raise ValueError(f"{path}: torch_dtype {model!r} is not a floating dtype the KV pool can hold")
+    name = model if kv_cache_dtype == "auto" else kv_cache_dtype
     return StoreShape(
         num_layers=int(c["num_hidden_layers"]), num_kv_heads=max(1, kv_heads // tp_size),
         num_q_heads=heads // tp_size, head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-        dtype=_DTYPES[name], context_len=int(context_length or c.get("max_position_embeddings") or 32768))
+        dtype=_DTYPES[name], context_len=int(context_length or c.get("max_position_embeddings") or 32768),
+        model_dtype=_DTYPES[model])
 
 
 def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, context_length: Optional[int] = None,

@@ -33,11 +33,12 @@ from sgl_sparse.config import (
 # through FlashInfer, which reads fp8 itself).
 FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", *FP8_KV_CACHE_DTYPES)
-# Policies whose selection reads the keys outside the decode kernel (SFI's Selector,
-# compact packing and key norms; quest's page bounds; asyncspade's index keys; lfps's
-# tables), in the model's dtype and without the cache's scales: not offered over an
-# fp8 cache until those kernels read it.
-FP8_UNSUPPORTED = ("sfi", "quest", "asyncspade", "lfps")
+# Policies whose selection reads the keys outside the decode kernel in the model's dtype
+# and without the cache's scales (SFI's Selector, packing and key norms; asyncspade's
+# scoring and index keys; lfps's tables): not offered over an fp8 cache until those
+# kernels read it. quest is: its page bounds are the cached keys' min / max, kept in
+# the model's dtype, and a page ranking is the same under the layer's k_scale (> 0).
+FP8_UNSUPPORTED = ("sfi", "asyncspade", "lfps")
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
     if kv_dtype not in FP8_KV_CACHE_DTYPES:
         return {}
     return {p: (f"--kv-cache-dtype {kv_dtype}: its selection reads the keys in the model's dtype "
-                f"(with an fp8 KV cache sgl_sparse serves full, streaming and sadas)") for p in FP8_UNSUPPORTED}
+                f"(with an fp8 KV cache sgl_sparse serves full, streaming, sadas and quest)") for p in FP8_UNSUPPORTED}
 
 
 def support_triton(original, backend: str, *args, **kwargs) -> bool:

@@ -269,6 +269,7 @@ class QueryAwareRuntime:
         pos = page[:, None] * quest.PAGE + torch.arange(quest.PAGE, device=n.device)[None, :]
         ok = (pos < n[:, None])[:, :, None, None]
         keys = k_cache[torch.gather(req_to_token[rpi], 1, pos.clamp(max=req_to_token.shape[1] - 1)).long()]
+        keys = keys.to(store.kmin.dtype)  # the bounds' dtype holds every key's value (fp8 too)
         lo = torch.where(ok, keys, float("inf")).amin(1)
         hi = torch.where(ok, keys, float("-inf")).amax(1)
         store.kmin[li, g.slots, :, page] = lo.to(store.kmin.dtype)

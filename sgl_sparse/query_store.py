@@ -3,10 +3,11 @@ backend is built (one store per policy, sized by `query_aware.<policy>` in the
 server config; README "Query-aware policies" gives the byte formulas).
 
 Layouts (slot = one live request of the policy; layers of this rank):
-  quest       kmin, kmax   [layers, slots, Hkv, max_pages, D]  KV dtype
+  quest       kmin, kmax   [layers, slots, Hkv, max_pages, D]  model dtype (the KV
+                           pool's, or the model's over an fp8 pool)
                            elementwise min / max of the keys of each page of 16
                            consecutive positions of the request
-  asyncspade  ring         [layers, slots, W + 1, Hq, D]       KV dtype
+  asyncspade  ring         [layers, slots, W + 1, Hq, D]       model dtype
                            the last W + 1 queries (W regressors + the target Q_t;
                            queryaware.asyncspade's ring convention)
               total        [layers, slots] int64               queries pushed

@@ -55,8 +55,16 @@ class StoreShape:
     num_kv_heads: int
     num_q_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV pool's (--kv-cache-dtype)
     context_len: int  # positions a request may hold (SGLang's req_to_token width)
+    # The model's, where the pool is fp8 (None: the pool's): quest's page bounds and
+    # asyncspade's query ring are kept in it; SFI's compact buffers copy pool rows.
+    model_dtype: Optional[torch.dtype] = None
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        """The dtype of the stores read beside the queries (quest's bounds, asyncspade's ring)."""
+        return self.model_dtype or self.dtype
 
     def kv_cell_bytes(self) -> int:
         """One token's K and V over this rank's layers and heads: SGLang's pool cell."""
@@ -97,10 +105,11 @@ def build_query_stores(cfg: SparseServerConfig, shape: StoreShape, device: torch
             continue
         try:
             if pid == PolicyId.QUEST:
-                stores[pid] = query_store.QuestStore(scfg, dtype=shape.dtype, **dims)
+                stores[pid] = query_store.QuestStore(scfg, dtype=shape.query_dtype, **dims)
             elif pid == PolicyId.ASYNCSPADE:
                 stores[pid] = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
-                                                          num_q_heads=shape.num_q_heads, dtype=shape.dtype, **dims)
+                                                          num_q_heads=shape.num_q_heads, dtype=shape.query_dtype,
+                                                          **dims)
             else:
                 stores[pid] = query_store.LfpsStore(scfg, num_q_heads=shape.num_q_heads, **dims)
         except torch.OutOfMemoryError:

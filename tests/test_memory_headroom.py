@@ -62,7 +62,8 @@ out["budget_returns_bytes"] = "return int(rest_memory * (1 << 30))" in inspect.g
 out["configurator_fields"] = sorted({"model_config", "layer_info", "kv_cache_dtype", "server_args", "is_draft_worker"}
                                     - {f.name for f in dataclasses.fields(KVCacheConfigurator)})
 out["layer_info_fields"] = "num_effective_layers" in ModelLayerInfo.__struct_fields__
-out["model_config_attrs"] = all(hasattr(ModelConfig, a) for a in ("get_num_kv_heads",))
+out["model_config_attrs"] = (all(hasattr(ModelConfig, a) for a in ("get_num_kv_heads",))
+                             and "self.dtype = " in inspect.getsource(ModelConfig.__init__))  # the model's dtype
 plugin.register()
 out["hooked"] = any(h is store_budget.reserve_for_stores for _t, h, _s in HookRegistry._hooks[compat.KV_BUDGET_TARGET])
 print("RESULT " + json.dumps(out))

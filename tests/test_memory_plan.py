@@ -74,16 +74,18 @@ def test_cuda_graphs_decide_which_query_aware_stores_exist(model):
     assert off["stores_bytes"]["sfi"] == on["stores_bytes"]["sfi"] and on["key_norm_bytes_per_token"] == 28 * 8 * 4
 
 
-def test_fp8_kv_cache_offers_only_the_kernel_read_policies(model):
-    """With an fp8 KV cache the server offers full, streaming and sadas (the decode kernel
-    reads fp8; the selections of sfi and the query-aware policies do not yet): no stores,
-    and a token of KV is half the bf16 one."""
+def test_fp8_kv_cache_offers_the_policies_that_read_fp8(model):
+    """With an fp8 KV cache the server offers full, streaming, sadas and quest (the decode
+    kernel reads fp8; quest's bounds are kept in the model's dtype, the same bytes as over
+    bf16); sfi, asyncspade and lfps not yet. A token of KV is half the bf16 one, so the
+    same store is twice as many KV tokens."""
     bf16 = _plan("--model-path", str(model), "--disable-cuda-graph")
     for name in ("fp8_e4m3", "fp8_e5m2"):
         fp8 = _plan("--model-path", str(model), "--disable-cuda-graph", "--kv-cache-dtype", name)
-        assert fp8["stores_bytes"] == {} and fp8["total_bytes"] == 0 and fp8["kv_tokens"] == 0
-        assert fp8["not_offered"] == ["asyncspade", "lfps", "quest", "sfi"]
+        assert fp8["stores_bytes"] == {"quest": bf16["stores_bytes"]["quest"]}
+        assert fp8["not_offered"] == ["asyncspade", "lfps", "sfi"]
         assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
+        assert fp8["kv_tokens"] == fp8["total_bytes"] // fp8["kv_bytes_per_token"]
         assert fp8["shape"]["dtype"] == {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[name]
 
 

@@ -38,7 +38,7 @@ def page_bounds(keys: torch.Tensor, n: int, max_pages: int) -> tuple[torch.Tenso
     read: never candidates]."""
     hkv, d = keys.shape[1], keys.shape[2]
     pages = -(-n // PAGE)
-    dt = torch.promote_types(keys.dtype, torch.float32)
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32  # (torch has no fp8 promotion)
     k = keys[:n].to(dt)
     pad = pages * PAGE - n
     lo = torch.cat([k, k.new_full((pad, hkv, d), float("inf"))]).view(pages, PAGE, hkv, d).amin(1)

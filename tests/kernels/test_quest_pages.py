@@ -328,3 +328,42 @@ def test_expand_selection_slots(page):
     untouched = [o for o in range(7) if o not in rows.tolist()]
     assert (a_slots[untouched] == -9).all()
     assert int(length[6, 0]) > 4 and int((length[rows[rows >= 0]] > 0).sum()) >= 4  # sinks and pages listed
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_bounds_over_an_fp8_pool(fp8):
+    """Over an fp8 pool the bounds are kept in the model's dtype (bf16 holds every fp8
+    value): at extend, at decode steps, and folded by the decode kernel, each exactly
+    the fp8 keys' min / max; the attention reads the fp8 pool beside them."""
+    n0, steps = 30, 4
+    seq_lens = [n0 + steps, n0 + steps + 21]
+    case = _pool_case(seq_lens, group=4, dtype=torch.bfloat16, seed=80)
+    case.k_pool, case.v_pool = case.k_pool.to(fp8), case.v_pool.to(fp8)
+    case.a_k, case.a_v = case.a_k.to(fp8), case.a_v.to(fp8)
+    kmin, kmax = _garbage_store(3, 2, 5, 64, torch.bfloat16, seed=81)
+    slot = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    pool = (case.k_pool, case.req_to_token, case.req_pool_idx, slot)
+    zero = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    first = torch.tensor([n0, n0 + 21], dtype=torch.int32, device=DEVICE)
+    K.quest_bounds_update(*pool, zero, first, kmin, kmax, num_programs=2, block_p=2)
+    ref_min, ref_max = kmin.clone(), kmax.clone()
+    K.quest_bounds_ref(*pool, zero, first, ref_min, ref_max)
+    assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max)
+    toks = case.req_to_token[int(case.req_pool_idx[0]), :16].long()
+    assert torch.equal(kmin[2, :, 0], case.k_pool[toks].float().amin(0).to(torch.bfloat16))
+    for i in range(1, steps + 1):  # odd steps: the decode kernel folds the key; even: quest_bounds_decode
+        n = first + i
+        if i % 2:
+            case.b_start, case.b_end = n - 20, n
+            out = torch.full_like(case.q, float("nan"))
+            K.two_segment_decode(*case.args(), out=out, quest_bounds=(kmin, kmax, slot), num_splits=2,
+                                 block_n=16, min_split_len=16)
+            assert T.rel_error(out.float(), K.two_segment_decode_ref(*case.args())) < 1e-2
+        else:
+            K.quest_bounds_decode(*pool, n, kmin, kmax)
+        ref_min, ref_max = kmin.neg(), kmax.neg()  # rebuilt from scratch
+        K.quest_bounds_ref(*pool, zero, n, ref_min, ref_max)
+        for r, s in enumerate(slot.tolist()):
+            used = -(-int(n[r]) // PAGE)
+            assert torch.equal(kmin[s, :, :used], ref_min[s, :, :used]), f"step {i} row {r}"
+            assert torch.equal(kmax[s, :, :used], ref_max[s, :, :used]), f"step {i} row {r}"
