@@ -274,7 +274,9 @@ def quest_bounds_ref(
         l, h_ = max(int(lo[b].item()), 0), int(hi[b].item())
         for p in range(l // QUEST_PAGE, min(-(-h_ // QUEST_PAGE), max_pages)):
             toks = req_to_token[rp, p * QUEST_PAGE : min(p * QUEST_PAGE + QUEST_PAGE, h_)].long()
-            k = k_pool[toks].float()  # [n, Hkv, D]; exact for every KV dtype, fp8 included
+            k = k_pool[toks]  # [n, Hkv, D]
+            if k.dtype not in (torch.float32, torch.float64):
+                k = k.float()  # exact for bf16 / fp16 / fp8 (torch has no CPU min / max of fp8)
             kmin[s, :, p] = k.amin(dim=0).to(kmin.dtype)
             kmax[s, :, p] = k.amax(dim=0).to(kmax.dtype)
 
