@@ -11,17 +11,21 @@ HTTP 400 naming the flag, and the server goes on. Checked against a stock
   budget give its greedy tokens, in one concurrent batch;
 - small windows and a small quest budget are served (retention below 1), beside those;
 - no request state is left.
+
+SGLang 0.5.23's CPU engine refuses fp8 KV caches on a CPU without Intel AMX (CI's has
+none), for the stock backend as for ours: there the module is skipped, saying so.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import random
 
 import pytest
 import requests
 
-from tests.server import greedy_generate, running_server
+from tests.server import ServerLaunchError, greedy_generate, launch_server
 from tests.shared_servers import SHARED_ARGS
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -40,15 +44,29 @@ def prompts():
     return [[rng.randrange(20, 300) for _ in range(n)] for n in (150, 97)]
 
 
+@contextlib.contextmanager
+def _fp8_server(model, backend):
+    try:
+        handle = launch_server(model, backend, extra_args=FP8_ARGS)
+    except ServerLaunchError as e:
+        if "CPU FP8 KV cache requires Intel AMX support" in str(e):
+            pytest.skip("this SGLang's CPU engine serves fp8 KV caches only on CPUs with Intel AMX")
+        raise
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
 @pytest.fixture(scope="module")
 def stock_fp8(tiny_qwen3, prompts):
-    with running_server(tiny_qwen3, "torch_native", extra_args=FP8_ARGS) as h:
+    with _fp8_server(tiny_qwen3, "torch_native") as h:
         yield [greedy_generate(h.url, ids, None, NEW_TOKENS)["output_ids"] for ids in prompts]
 
 
 @pytest.fixture(scope="module")
 def sparse_fp8(tiny_qwen3):
-    with running_server(tiny_qwen3, "sgl_sparse", extra_args=FP8_ARGS) as h:
+    with _fp8_server(tiny_qwen3, "sgl_sparse") as h:
         yield h
 
 
