@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 
-
 def _bounds_dtypes(k_pool: torch.Tensor) -> tuple[torch.dtype, ...]:
     """The page bounds' dtypes over this pool: its own; over an fp8 pool the model's
     (bf16 or fp16 hold every fp8 value exactly, and the page scores read the bounds
@@ -165,8 +164,8 @@ def quest_bounds_update(
             the pool. Pass ``lo = 0`` after a radix-cache prefix hit to cover
             the reused prefix too. ``hi <= lo``: nothing.
         kmin, kmax: ``[slots, Hkv, max_pages, D]`` (one layer's view), KV dtype
-            (the model's over an fp8 pool), same strides; written in place. Pages outside the range keep their
-            values.
+            (the model's over an fp8 pool), same strides; written in place. Pages
+            outside the range keep their values.
         num_programs: programs per (row, KV head) (default from ``max_pages``).
     """
     bs = slot.shape[0]

@@ -36,8 +36,8 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float
 # Policies whose selection reads the keys outside the decode kernel in the model's dtype
 # and without the cache's scales (SFI's Selector, packing and key norms; asyncspade's
 # scoring and index keys; lfps's tables): not offered over an fp8 cache until those
-# kernels read it. quest is: its page bounds are the cached keys' min / max, kept in
-# the model's dtype, and a page ranking is the same under the layer's k_scale (> 0).
+# kernels read it. quest is offered: its page bounds are the cached keys' min / max,
+# kept in the model's dtype, and a page ranking is the same under the layer's k_scale.
 FP8_UNSUPPORTED = ("sfi", "asyncspade", "lfps")
 
 logger = logging.getLogger(__name__)
