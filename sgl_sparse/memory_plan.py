@@ -98,7 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sparse-config", default=None, help="the server's --sparse-config (default: the defaults)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--context-length", type=int, default=None, help="as SGLang's flag (default: the model's)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help=f"as SGLang's flag: {', '.join(KV_CACHE_DTYPES)} (fp8: the pool's tokens are half the bytes; "
+                         f"sfi, asyncspade and lfps are not offered, so their stores are not built)")
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="decode CUDA graphs off: every query-aware policy with slots gets its store")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
