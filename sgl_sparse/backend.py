@@ -695,7 +695,7 @@ def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:
 def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype, config) -> None:
     """The KV pool's dtype: the model's, or fp8 (the decode kernel widens it as it reads;
     FlashInfer reads it itself), with the policies that read keys elsewhere not offered
-    (plugin.off_with_kv_dtype, from --kv-cache-dtype)."""
+    (plugin.with_unavailable, from --kv-cache-dtype)."""
     from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
     from sgl_sparse.plugin import FP8_UNSUPPORTED
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from sgl_sparse.config import SparseConfigError, load_server_config
-from sgl_sparse.plugin import KV_CACHE_DTYPES, _off_in_cuda_graphs, off_with_kv_dtype
+from sgl_sparse.plugin import KV_CACHE_DTYPES, with_unavailable
 from sgl_sparse.store_budget import StoreShape, planned_bytes
 
 # the model's torch_dtype and the --kv-cache-dtype spellings the server accepts (plugin.KV_CACHE_DTYPES)
@@ -61,10 +61,7 @@ def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int]
 def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, context_length: Optional[int] = None,
          kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> dict:
     """The stores one GPU holds: bytes by store, in all, per pool token, as KV tokens."""
-    cfg = load_server_config(sparse_config)
-    if cuda_graphs:
-        cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **_off_in_cuda_graphs(cfg)}})
-    cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off_with_kv_dtype(kv_cache_dtype)}})
+    cfg = with_unavailable(load_server_config(sparse_config), decode_graphs=cuda_graphs, kv_dtype=kv_cache_dtype)
     shape = model_shape(model_path, tp_size, context_length, kv_cache_dtype)
     fixed, per_slot = planned_bytes(cfg, shape)
     total, cell = sum(fixed.values()), shape.kv_cell_bytes()

@@ -203,13 +203,21 @@ def server_args_resolved(_result, server_args) -> None:
         "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
-    if device != "cpu" and compat.decode_cuda_graphs_enabled(server_args):
-        cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **_off_in_cuda_graphs(cfg)}})
-    cfg = cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off_with_kv_dtype(kv_dtype)}})
+    cfg = with_unavailable(cfg, decode_graphs=device != "cpu" and compat.decode_cuda_graphs_enabled(server_args),
+                           kv_dtype=kv_dtype)
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
+
+
+def with_unavailable(cfg: SparseServerConfig, *, decode_graphs: bool, kv_dtype: str) -> SparseServerConfig:
+    """`cfg` with what this server cannot offer marked unavailable, with why: the
+    query-aware policies not opted into decode CUDA graphs, and the policies its
+    --kv-cache-dtype rules out. One place for the server and `memory_plan`, so the
+    plan builds exactly the stores the server will."""
+    off = {**(_off_in_cuda_graphs(cfg) if decode_graphs else {}), **_off_with_kv_dtype(kv_dtype)}
+    return cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off}})
 
 
 def _off_in_cuda_graphs(cfg: SparseServerConfig) -> dict[str, str]:
@@ -225,7 +233,7 @@ def _off_in_cuda_graphs(cfg: SparseServerConfig) -> dict[str, str]:
     return off
 
 
-def off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
+def _off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
     """Policies a server with this --kv-cache-dtype does not offer, with why."""
     if kv_dtype not in FP8_KV_CACHE_DTYPES:
         return {}

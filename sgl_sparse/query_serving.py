@@ -272,8 +272,8 @@ class QueryAwareRuntime:
         keys = keys.to(store.kmin.dtype)  # the bounds' dtype holds every key's value (fp8 too)
         lo = torch.where(ok, keys, float("inf")).amin(1)
         hi = torch.where(ok, keys, float("-inf")).amax(1)
-        store.kmin[li, g.slots, :, page] = lo.to(store.kmin.dtype)
-        store.kmax[li, g.slots, :, page] = hi.to(store.kmax.dtype)
+        store.kmin[li, g.slots, :, page] = lo
+        store.kmax[li, g.slots, :, page] = hi
 
     def finish(self, li: int, plan: DecodePlan, q3: torch.Tensor, o3: torch.Tensor, k_cache, req_to_token,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
