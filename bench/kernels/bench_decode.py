@@ -103,6 +103,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="also sweep block_n x num_warps x num_stages x num_splits scale for our kernel "
                         "and report the best config per shape")
+    p.add_argument("--sweep-block-n", type=_int_list, default=[64, 128], help="--sweep's block_n values")
+    p.add_argument("--sweep-stages", type=_int_list, default=[1, 2, 3], help="--sweep's num_stages values")
     p.add_argument("--sweep-indexed", action="store_true",
                    help="sweep block_n x num_stages x num_splits for the indexed segment A, as position lists "
                         "and as pool-slot lists (a_pos_slots)")
@@ -467,9 +469,9 @@ def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kerne
     base_ns = K.choose_num_splits(bs, hkv, max_kv_len, num_sms)
     out = torch.empty_like(case.q)
     best = None
-    for block_n in (64, 128):
+    for block_n in args.sweep_block_n:
         for num_warps in (4, 8):
-            for num_stages in (1, 2, 3):
+            for num_stages in args.sweep_stages:
                 for ns in sorted({max(1, base_ns // 2), base_ns, min(128, base_ns * 2)}):
                     for msl in (64, 128, 256):
                         kw = dict(num_splits=ns, out=out, block_n=block_n, num_warps=num_warps,
