@@ -51,7 +51,7 @@ def _range_lse(q_hi, q_lo, K_POOL, tok_row, cur_h, stride_kt, stride_kh, lo, hi,
         ok = pos < hi
         tok = tl.load(tok_row + pos, mask=ok, other=0).to(tl.int64)
         k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                    mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                    mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(q_hi.dtype)
         s = _dot(q_hi, tl.trans(k), FP32_DOT)
         if Q_SPLIT:
             s += _dot(q_lo, tl.trans(k), FP32_DOT)

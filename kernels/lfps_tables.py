@@ -296,7 +296,7 @@ def _c2_logits(q_hi, q_lo, CAND_ROW, IDX_ROW, K_POOL, tok_row, cur_h, stride_kt,
     pos = tl.load(CAND_ROW + i, mask=in_k, other=0)
     tok = tl.load(tok_row + pos, mask=in_k, other=0).to(tl.int64)
     k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                mask=in_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                mask=in_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(q_hi.dtype)
     lg = _dot(q_hi, tl.trans(k), FP32_DOT)
     if Q_SPLIT:
         lg += _dot(q_lo, tl.trans(k), FP32_DOT)

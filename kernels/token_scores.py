@@ -28,7 +28,10 @@ scores are tensor-core ``tl.dot``\\ s with fp32 accumulation (products of two
 fp32 ``q_hat`` (a ridge-regression prediction) is split into a high and a low
 part in the KV dtype, ``q = hi + lo``, scored with two dots, which keeps about
 16 mantissa bits of the query instead of 8 for bf16 -- the extra dot is free,
-the kernel is bound by reading the keys.
+the kernel is bound by reading the keys. Over an fp8 pool (SGLang's
+``--kv-cache-dtype fp8_*``) the keys widen exactly to bf16 and the dots run in it
+(:func:`dot_dtype`; an fp32 ``q_hat`` split as above); the pool's ``k_scale`` is
+left out, the ranking being the same under it.
 
 Grids depend on static shapes only, no host syncs (CUDA-graph friendly). The
 output width (``n_max``, ``C``) and the strides that follow from it are not
@@ -48,7 +51,7 @@ from ._radix import desc_key
 from ._utils import cdiv, device_num_sms, is_interpreter, needs_fp32_dot, next_pow2
 from .index_keys import _quantize_halves, _quantize_tile
 from .quest_pages import expand_selection
-from .two_segment_decode import _dot
+from .two_segment_decode import FP8_KV_DTYPES, _dot
 
 __all__ = ["token_scores", "token_scores_at", "token_select_positions"]
 
@@ -67,11 +70,13 @@ def _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _load_q_parts(Q, cur_b, cur_h, stride_qb, stride_qh, KV_DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr):
-    """The group's queries as KV-dtype tile(s): (hi, lo) with q == hi + lo (lo = 0 unless Q_SPLIT)."""
+    """The group's queries as tile(s) in the dots' dtype (the KV dtype, bf16 over an fp8
+    pool: dot_dtype): (hi, lo) with q == hi + lo (lo = 0 unless Q_SPLIT)."""
     q = _load_q_group(Q, cur_b, cur_h, stride_qb, stride_qh, HEAD_DIM, GROUP, BLOCK_H, BLOCK_D)
-    q_hi = q.to(KV_DTYPE)
+    dot_dtype: tl.constexpr = tl.bfloat16 if KV_DTYPE.is_fp8() else KV_DTYPE
+    q_hi = q.to(dot_dtype)
     if Q_SPLIT:
-        q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(KV_DTYPE)
+        q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(dot_dtype)
     else:
         q_lo = q_hi
     return q_hi, q_lo
@@ -402,7 +407,7 @@ def _token_scores_kernel(
             valid = (offs >= lo) & (offs < hi)
             tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + offs, mask=valid, other=0).to(tl.int64)
             k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+                        mask=valid[:, None] & mask_d[None, :], other=0.0).to(q_hi.dtype)
             s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
             tl.store(out_base + offs, tl.where(valid, s, float("-inf")), mask=offs < N_MAX)
     neg_inf = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -421,21 +426,31 @@ def _token_scores_kernel(
             tl.store(out_base + offs, neg_inf, mask=offs < N_MAX)
 
 
+def dot_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a query group is scored against keys of ``kv_dtype`` in: the pool's, or
+    bf16 over an fp8 pool (SGLang's --kv-cache-dtype fp8_*), to which its keys widen
+    exactly (``_load_q_parts`` makes the same choice). The pool's k_scale is left out:
+    a positive factor on every key of a layer changes no ranking."""
+    return torch.bfloat16 if kv_dtype in FP8_KV_DTYPES else kv_dtype
+
+
 def group_tile_meta(q, k_pool) -> dict:
     """The constexprs of a kernel whose program holds one KV head's query group as
     a ``[BLOCK_H, BLOCK_D]`` tile (``_load_q_parts``) scored against ``k_pool``."""
     head_dim = k_pool.shape[2]
     group = q.shape[1] // k_pool.shape[1]
+    dot = dot_dtype(k_pool.dtype)
     return dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_D=next_pow2(head_dim),
-                Q_SPLIT=q.dtype != k_pool.dtype, FP32_DOT=needs_fp32_dot(k_pool.dtype))
+                Q_SPLIT=q.dtype != dot, FP32_DOT=needs_fp32_dot(dot))
 
 
 def _common_checks(q_hat, k_pool, req_to_token):
     bs, num_q_heads, head_dim = q_hat.shape
     num_kv_heads = k_pool.shape[1]
     assert num_q_heads % num_kv_heads == 0 and k_pool.shape[2] == head_dim
-    assert q_hat.dtype in (k_pool.dtype, torch.float32), "q_hat: the KV dtype or fp32"
-    assert k_pool.dtype in (torch.bfloat16, torch.float16)
+    assert k_pool.dtype in (torch.bfloat16, torch.float16, *FP8_KV_DTYPES), "k_pool: bf16, fp16 or fp8"
+    assert q_hat.dtype in (k_pool.dtype, dot_dtype(k_pool.dtype), torch.float32), \
+        "q_hat: the KV dtype (bf16 over an fp8 pool) or fp32"
     assert q_hat.stride(2) == 1 and k_pool.stride(2) == 1 and req_to_token.stride(1) == 1
     group = num_q_heads // num_kv_heads
     return bs, num_kv_heads, head_dim, group
@@ -625,7 +640,7 @@ def _token_scores_at_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
         k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                    mask=valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(q_hi.dtype)
         s = _scores_tile(q_hi, q_lo, k, mask_h, Q_SPLIT, FP32_DOT) * sm_scale
         score = tl.where(valid, s, float("-inf"))
     tl.store(OUT + cur_b * stride_ob + cur_h * stride_oh + offs, score, mask=offs < C)

@@ -200,6 +200,7 @@ def _two_segment_decode_stage1(
     LOGITS,  # [slots, Hkv, G, LG_LEN] fp32 slow-step logits by position (only if SAVE_LOGITS)
     qk_scale,  # sm_scale * log2(e) * k_scale
     v_scale,  # the values' dequantization scale (1.0 but for a scaled fp8 KV cache)
+    k_scale,  # the keys' (folded into qk_scale; the key norms take it here)
     stride_qb,
     stride_qh,
     stride_aks,
@@ -323,7 +324,7 @@ def _two_segment_decode_stage1(
                 tok_last = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + b_end - 1).to(tl.int64)
                 k_last = tl.load(K_POOL + tok_last * stride_kt + cur_kvh * stride_kh + offs_d,
                                  mask=mask_d, other=0.0).to(tl.float32)
-                tl.store(KNORM + tok_last * stride_kn + cur_kvh, tl.sqrt(tl.sum(k_last * k_last, 0)))
+                tl.store(KNORM + tok_last * stride_kn + cur_kvh, tl.sqrt(tl.sum(k_last * k_last, 0)) * k_scale)
         if SAVE_Q:
             q_slot = tl.load(Q_SAVE_SLOT + cur_b).to(tl.int64)
             if q_slot >= 0:
@@ -774,7 +775,8 @@ def two_segment_decode(
             Rows where it is 2 only get the side effects below, no output.
         key_norms: optional ``[pool, Hkv]`` fp32: each served row stores the L2 norm
             of its key at position ``b_end - 1`` (the one written this step) at
-            ``key_norms[req_to_token[req, b_end - 1], h]``.
+            ``key_norms[req_to_token[req, b_end - 1], h]`` (times ``k_scale``: the
+            dequantized key's, over a scaled fp8 cache).
         q_save, q_save_slot: optional ``[slots, Hq, D]`` and ``[bs]`` int32: rows with
             ``q_save_slot >= 0`` copy their query to ``q_save[q_save_slot]``.
         a_pos: optional ``[bs, Hkv, cap_pos]`` int32 (last dim contiguous): for
@@ -970,6 +972,7 @@ def two_segment_decode(
         logits_out if logits_out is not None else b_end,
         float(sm_scale) * _LOG2E * (1.0 if k_scale is None else float(k_scale)),
         1.0 if v_scale is None else float(v_scale),
+        1.0 if k_scale is None else float(k_scale),
         q.stride(0),
         q.stride(1),
         a_k.stride(0),

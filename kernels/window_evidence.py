@@ -46,6 +46,7 @@ import triton.language as tl
 
 from ._utils import as_dtype, needs_fp32_dot, next_pow2
 from .layer_pools import LayerPools, load_layer_pool
+from .two_segment_decode import FP8_KV_DTYPES
 
 __all__ = ["window_evidence", "stored_evidence"]
 
@@ -67,8 +68,9 @@ def _scores(Q, K_POOL, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, mask_n, qpos, 
     q = tl.load(Q + cur_r * stride_qr + i[:, None] * stride_qw + (cur_kvh * GROUP + g)[:, None] * stride_qh
                 + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     tok = tl.load(REQ_TO_TOKEN + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+    # an fp8 pool's keys widen to q's dtype exactly; their scale is in qk_scale
     k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
     if FP32_DOT:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
@@ -92,12 +94,13 @@ def _powered_group_probs(s, lse, beta, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
 @triton.jit(do_not_specialize=["ROWS_PER_LAYER", "stride_part_r", "stride_part_h", "stride_part_b", "stride_lg_r",
                                "stride_lg_h", "stride_lg_m"], do_not_specialize_on_alignment=["K_PTRS"])
 def _evidence_pass1(
-    Q, K_POOL, K_PTRS, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
+    Q, K_POOL, K_PTRS, K_SCALES, REQ_TO_TOKEN, REQ_IDX, QPOS, LO, HI, PART_M, PART_L, LOGITS,
     qk_scale, W, ROWS_PER_LAYER,
     stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t, stride_pr,
     stride_part_r, stride_part_h, stride_part_b, stride_lg_r, stride_lg_h, stride_lg_m,
     GROUP: tl.constexpr, W_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, LAYERED: tl.constexpr,
+    HAS_K_SCALES: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -116,6 +119,8 @@ def _evidence_pass1(
         i = offs_m % W_PAD
         qpos = tl.load(QPOS + cur_r * stride_pr + i, mask=i < W, other=-1)
         k_pool = load_layer_pool(K_POOL, K_PTRS, cur_r // ROWS_PER_LAYER, LAYERED)  # rows are layer-major
+        if HAS_K_SCALES:  # the layer's fp8 key scale (the pool holds k / k_scale)
+            qk_scale = qk_scale * tl.load(K_SCALES + cur_r // ROWS_PER_LAYER)
         s = _scores(Q, k_pool, REQ_TO_TOKEN, req, cur_r, cur_kvh, offs_n, offs_n < hi, qpos, lo, hi, qk_scale,
                     stride_qr, stride_qw, stride_qh, stride_kt, stride_kh, stride_r2t,
                     W, GROUP, W_PAD, HEAD_DIM, BLOCK_M, BLOCK_D, FP32_DOT)
@@ -209,6 +214,7 @@ def window_evidence(
     num_warps: int = 4,
     out: torch.Tensor | None = None,
     block_n2: int | None = None,
+    k_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unnormalized evidence ``u`` ``[r, Hkv, n]`` fp32 (0 off the candidate range).
 
@@ -225,6 +231,10 @@ def window_evidence(
     all of them. The ``r`` rows of ``q``, ``qpos`` and the per-row arguments
     are then ``L`` layers' rows, layer-major: row ``i`` reads layer
     ``i // (r / L)``'s keys.
+
+    The pool may be fp8 (SGLang's ``--kv-cache-dtype fp8_*``) beside queries in the
+    model's dtype: it holds ``k / k_scale``, and ``k_scales`` (fp32 ``[L]``, or
+    ``[1]`` for one pool; None: unscaled) gives each layer's ``k_scale``.
     """
     r, w, hq, d = q.shape
     layered = isinstance(k_pool, LayerPools)
@@ -234,7 +244,10 @@ def window_evidence(
     rows_per_layer = r // len(pools) if layered else max(r, 1)
     hkv = k_pool.shape[1]
     group = hq // hkv
-    assert hq % hkv == 0 and q.dtype == k_pool.dtype and q.stride(-1) == 1 and k_pool.stride(-1) == 1
+    assert hq % hkv == 0 and q.stride(-1) == 1 and k_pool.stride(-1) == 1
+    assert k_pool.dtype in (q.dtype, *FP8_KV_DTYPES), "keys: q's dtype or fp8"
+    if k_scales is not None:
+        assert k_scales.dtype == torch.float32 and k_scales.shape == (len(pools),) and k_scales.is_contiguous()
     assert 0 < n <= req_to_token.shape[1] and req_to_token.stride(1) == 1
     g_pad, w_pad = next_pow2(group), next_pow2(w)
     block_m = max(16, g_pad * w_pad)
@@ -257,9 +270,10 @@ def window_evidence(
                req_to_token.stride(0), qpos.stride(0))
     logits = torch.empty(r, hkv, group * w, n, dtype=torch.float32, device=dev)
     grid = (r, hkv, nblocks)
-    _evidence_pass1[grid](q, k_pool, pools.ptrs, req_to_token, req_idx, qpos, lo, hi, part_m, part_l, logits,
-                          qk_scale, w, rows_per_layer, *strides, part_m.stride(0), part_m.stride(1), part_m.stride(2),
-                          logits.stride(0), logits.stride(1), logits.stride(2), **common)
+    _evidence_pass1[grid](q, k_pool, pools.ptrs, k_scales if k_scales is not None else lo, req_to_token, req_idx,
+                          qpos, lo, hi, part_m, part_l, logits, qk_scale, w, rows_per_layer, *strides,
+                          part_m.stride(0), part_m.stride(1), part_m.stride(2),
+                          logits.stride(0), logits.stride(1), logits.stride(2), HAS_K_SCALES=k_scales is not None, **common)
     lse = torch.empty(r, hkv, block_m, dtype=torch.float32, device=dev)
     _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),
                             lse.stride(0), lse.stride(1), BLOCK_M=block_m, BLOCK_B=32)

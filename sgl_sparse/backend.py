@@ -595,6 +595,11 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
                                                device=kv.device)
     logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
                 cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
+    layer0 = getattr(kv_pool, "start_layer", 0) or 0
+    scales = compat.kv_key_scales(model_runner.model, layer0, kv_pool.layer_num)
+    if any(s is not None and s != 1.0 for s in scales):  # a scaled fp8 cache: the refresh's evidence needs them
+        state.compact.k_scales = torch.tensor([1.0 if s is None else s for s in scales], dtype=torch.float32,
+                                              device=kv.device)
     if kv.is_cuda:
         from sgl_sparse.selector.graphs import RefreshGraphs
         from sgl_sparse.selector.refresh import warm_up_kernels
@@ -604,7 +609,6 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
             if state.metrics is not None:
                 state.compact.refresh_graphs.on_capture = state.metrics.on_refresh_graph_capture
 
-        layer0 = getattr(kv_pool, "start_layer", 0) or 0
         warm_up_kernels(state.compact, kv, kv_pool.get_value_buffer(layer0),
                         model_runner.req_to_token_pool.req_to_token, [cfg.policies.sfi])
 

@@ -15,6 +15,12 @@ hit reuses it with the KV it belongs to.
 
 The query buffers have one extra slot at the end: rows that save nothing this
 step write there, so a captured decode graph needs no data-dependent branch.
+
+Over an fp8 KV cache (SGLang's --kv-cache-dtype fp8_*) the compact K/V hold pool
+rows as they are (fp8, read with the layer's scales like the pool), the queries stay
+in the model's dtype, and `k_scales` holds each layer's key scale for the Selector's
+evidence over the pool's keys (None: unscaled, as SGLang leaves a model without
+calibrated KV scales).
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ import torch
 class CompactStore:
     def __init__(self, *, slots: int, capacity: int, num_layers: int, num_kv_heads: int,
                  num_q_heads: int, head_dim: int, dtype: torch.dtype, pool_size: int,
-                 prompt_queries: int, device: torch.device, logit_len: int = 0):
+                 prompt_queries: int, device: torch.device, logit_len: int = 0,
+                 query_dtype: torch.dtype | None = None):
         self.slots, self.capacity, self.num_layers = slots, capacity, num_layers
+        query_dtype = query_dtype or dtype  # dtype: the KV pool's
         self.k = torch.zeros(num_layers, slots, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.q = torch.zeros(num_layers, slots + 1, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.q = torch.zeros(num_layers, slots + 1, num_q_heads, head_dim, dtype=query_dtype, device=device)
         self.q_prompt = torch.zeros(num_layers, slots + 1, max(prompt_queries, 1), num_q_heads, head_dim,
-                                    dtype=dtype, device=device)
+                                    dtype=query_dtype, device=device)
+        self.k_scales: torch.Tensor | None = None  # fp32 [num_layers] on `device` (set by the backend)
         self.knorm = torch.zeros(num_layers, pool_size, num_kv_heads, dtype=torch.float32, device=device)
         self.scratch_slot = slots  # index of the write-only extra query slot
         # Uninitialized: a refresh reads only positions its slow step wrote.

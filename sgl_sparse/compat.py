@@ -275,6 +275,21 @@ def kv_read_scales(layer: Any) -> tuple[Optional[float], Optional[float]]:
     return getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
 
 
+def kv_key_scales(model: Any, layer0: int, num_layers: int) -> list[Optional[float]]:
+    """Each of this rank's attention layers' key scale (``k_scale_float``; None:
+    unscaled), by layer id from ``layer0``: for work that reads several layers' keys
+    outside their forward (SFI's refresh). SGLang sets them when the weights load
+    (``BaseKVCacheMethod.process_weights_after_loading``), before the attention
+    backend is built. Layers found on no module stay None."""
+    scales: list[Optional[float]] = [None] * num_layers
+    for module in model.modules():
+        layer_id = getattr(module, "layer_id", None)
+        if isinstance(layer_id, int) and hasattr(module, "k_scale_float") and hasattr(module, "tp_k_head_num"):
+            if 0 <= layer_id - layer0 < num_layers:
+                scales[layer_id - layer0] = module.k_scale_float
+    return scales
+
+
 def kv_write_scales(dense: Any, layer: Any) -> tuple[Any, Any]:
     """The scales SGLang's FlashInfer backend writes the layer's new keys and values
     with (``set_kv_buffer(..., k_scale, v_scale)``), so that rows our kernel serves

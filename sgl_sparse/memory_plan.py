@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--context-length", type=int, default=None, help="as SGLang's flag (default: the model's)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help=f"as SGLang's flag: {', '.join(KV_CACHE_DTYPES)} (fp8: the pool's tokens are half the bytes; "
-                         f"sfi, asyncspade and lfps are not offered, so their stores are not built)")
+                         f"SFI's compact K/V are fp8 too; lfps is not offered, so its store is not built)")
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="decode CUDA graphs off: every query-aware policy with slots gets its store")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -34,11 +34,14 @@ from sgl_sparse.config import (
 FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", *FP8_KV_CACHE_DTYPES)
 # Policies whose selection reads the keys outside the decode kernel in the model's dtype
-# and without the cache's scales (SFI's Selector, packing and key norms; asyncspade's
-# scoring and index keys; lfps's tables): not offered over an fp8 cache until those
-# kernels read it. quest is offered: its page bounds are the cached keys' min / max,
-# kept in the model's dtype, and a page ranking is the same under the layer's k_scale.
-FP8_UNSUPPORTED = ("sfi", "asyncspade", "lfps")
+# and without the cache's scales (lfps's tables, whose softmax needs the true logits):
+# not offered over an fp8 cache until those kernels read it. quest is offered: its page
+# bounds are the cached keys' min / max, kept in the model's dtype, and a page ranking
+# is the same under the layer's k_scale. asyncspade is: its scoring and index copies
+# widen the fp8 keys, and a token ranking is the same under k_scale. sfi is: its
+# evidence reads the fp8 keys with each layer's k_scale, its key norms take it, and its
+# compact buffers copy pool rows.
+FP8_UNSUPPORTED = ("lfps",)
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +241,7 @@ def _off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
     if kv_dtype not in FP8_KV_CACHE_DTYPES:
         return {}
     return {p: (f"--kv-cache-dtype {kv_dtype}: its selection reads the keys in the model's dtype "
-                f"(with an fp8 KV cache sgl_sparse serves full, streaming, sadas and quest)") for p in FP8_UNSUPPORTED}
+                f"(with an fp8 KV cache sgl_sparse serves every policy but lfps)") for p in FP8_UNSUPPORTED}
 
 
 def support_triton(original, backend: str, *args, **kwargs) -> bool:

@@ -57,13 +57,15 @@ class StoreShape:
     head_dim: int
     dtype: torch.dtype  # the KV pool's (--kv-cache-dtype)
     context_len: int  # positions a request may hold (SGLang's req_to_token width)
-    # The model's, where the pool is fp8 (None: the pool's): quest's page bounds and
-    # asyncspade's query ring are kept in it; SFI's compact buffers copy pool rows.
+    # The model's, where the pool is fp8 (None: the pool's): quest's page bounds,
+    # asyncspade's query ring and SFI's saved queries are kept in it; SFI's compact
+    # K/V copy pool rows.
     model_dtype: Optional[torch.dtype] = None
 
     @property
     def query_dtype(self) -> torch.dtype:
-        """The dtype of the stores read beside the queries (quest's bounds, asyncspade's ring)."""
+        """The dtype of the stores read beside the queries (quest's bounds, asyncspade's ring,
+        SFI's saved queries)."""
         return self.model_dtype or self.dtype
 
     def kv_cell_bytes(self) -> int:
@@ -82,7 +84,7 @@ def build_compact(cfg: SparseServerConfig, shape: StoreShape, *, pool_size: int,
             slots=cfg.compact.slots, capacity=cfg.compact.capacity, num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads, num_q_heads=shape.num_q_heads, head_dim=shape.head_dim,
             dtype=shape.dtype, pool_size=pool_size, prompt_queries=cfg.policies.sfi.w_prefill - 1, device=device,
-            logit_len=min(cfg.compact.slow_logits_context, shape.context_len),
+            logit_len=min(cfg.compact.slow_logits_context, shape.context_len), query_dtype=shape.query_dtype,
         )
     except torch.OutOfMemoryError:
         raise ValueError(

@@ -106,6 +106,19 @@ def _tail(path: Path, n: int = 80) -> str:
     return "\n".join(lines[-n:])
 
 
+def run_snippet(code: str, timeout: float = 240) -> dict:
+    """Run ``code`` in a fresh interpreter with the installed SGLang (its CPU stand-ins on
+    the path, as a CPU server has them) and return the JSON it printed last on a line
+    starting ``RESULT ``."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", code], env=server_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def server_env(env_extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The environment a CPU test server (and its subprocesses) runs with."""
     env = dict(os.environ)

@@ -17,13 +17,9 @@ fields it reads, with the hook registered on it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.server import server_env
+from tests.server import run_snippet
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,11 +67,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_stores_headroom_warning_on_the_installed_sglang():
-    proc = subprocess.run([sys.executable, "-c", SNIPPET], env=server_env(), capture_output=True, text=True,
-                          timeout=240)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = run_snippet(SNIPPET)
     assert out["keeps_free_before_load"] and out["keeps_fraction"], out
     assert out["split"] == [139 * 2 ** 30, 0.8] and out["split_missing"] is None
     msg = out["h200"]

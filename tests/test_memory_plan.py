@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from sgl_sparse.config import SparseServerConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_LOG = ROOT / "bench/results/e2e_h200_32768x8_qa32_oom_s28_server_tail.log"
 # Qwen3-1.7B's config.json fields the plan reads (bench/gpu/shapes.py's qwen3-1.7b)
@@ -75,15 +77,23 @@ def test_cuda_graphs_decide_which_query_aware_stores_exist(model):
 
 
 def test_fp8_kv_cache_offers_the_policies_that_read_fp8(model):
-    """With an fp8 KV cache the server offers full, streaming, sadas and quest (the decode
-    kernel reads fp8; quest's bounds are kept in the model's dtype, the same bytes as over
-    bf16); sfi, asyncspade and lfps not yet. A token of KV is half the bf16 one, so the
-    same store is twice as many KV tokens."""
+    """With an fp8 KV cache the server offers every policy but lfps (the decode kernel
+    reads fp8; quest's bounds and asyncspade's query ring are kept in the model's dtype,
+    the same bytes as over bf16; SFI's compact K/V copy fp8 pool rows, half their bf16
+    bytes, beside queries in the model's dtype); lfps not yet. A token of KV is half
+    the bf16 one, so the same store is twice as many KV tokens."""
     bf16 = _plan("--model-path", str(model), "--disable-cuda-graph")
+    cfg = SparseServerConfig()
+    shape = dict(layers=28, hkv=8, hq=16, d=128)  # the plan's model (Qwen3-1.7B's config)
+    kv_elems = shape["layers"] * cfg.compact.slots * shape["hkv"] * cfg.compact.capacity * shape["d"] * 2
     for name in ("fp8_e4m3", "fp8_e5m2"):
         fp8 = _plan("--model-path", str(model), "--disable-cuda-graph", "--kv-cache-dtype", name)
-        assert fp8["stores_bytes"] == {"quest": bf16["stores_bytes"]["quest"]}
-        assert fp8["not_offered"] == ["asyncspade", "lfps", "sfi"]
+        assert set(fp8["stores_bytes"]) == {"quest", "asyncspade", "sfi"}
+        assert fp8["stores_bytes"]["quest"] == bf16["stores_bytes"]["quest"]
+        assert fp8["stores_bytes"]["asyncspade"] == bf16["stores_bytes"]["asyncspade"]
+        # the compact K/V at 1 byte a value instead of 2; the queries, logits and norms unchanged
+        assert bf16["stores_bytes"]["sfi"] - fp8["stores_bytes"]["sfi"] == kv_elems
+        assert fp8["not_offered"] == ["lfps"]
         assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
         assert fp8["kv_tokens"] == fp8["total_bytes"] // fp8["kv_bytes_per_token"]
         assert fp8["shape"]["dtype"] == {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[name]

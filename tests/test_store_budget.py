@@ -60,6 +60,22 @@ def test_planned_bytes_are_the_allocated_bytes(name):
     assert (name == "none") == (not fixed)
 
 
+def test_sfi_over_an_fp8_pool_copies_fp8_rows_beside_model_dtype_queries():
+    """--kv-cache-dtype fp8_*: the compact K/V hold pool rows (fp8, 1 byte a value), the
+    saved queries stay in the model's dtype; planned bytes are the allocated ones."""
+    import dataclasses
+
+    cfg = _cfg(compact={"slots": 2, "capacity": 64, "slow_logits_context": 256})
+    fp8 = dataclasses.replace(SHAPE, dtype=torch.float8_e4m3fn, model_dtype=torch.bfloat16)
+    compact = build_compact(cfg, fp8, pool_size=100, device=CPU)
+    assert compact.k.dtype == compact.v.dtype == torch.float8_e4m3fn
+    assert compact.q.dtype == compact.q_prompt.dtype == torch.bfloat16 and compact.k_scales is None
+    fixed, per_slot = planned_bytes(cfg, fp8)
+    assert fixed["sfi"] == compact.nbytes() - 100 * per_slot
+    bf16, _ = planned_bytes(cfg, SHAPE)
+    assert bf16["sfi"] - fixed["sfi"] == compact.k.numel() * 2  # K and V: a byte a value less
+
+
 def test_unavailable_policies_and_zero_slots_get_no_store():
     cfg = _cfg(compact={"slots": 2}, query_aware={"quest": {"slots": 0}, "asyncspade": {"slots": 2},
                                                   "lfps": {"slots": 2}})

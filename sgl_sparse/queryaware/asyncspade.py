@@ -48,7 +48,10 @@ RIDGE_EPS = 1e-2
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half/bf16/fp32 inputs (the serving dtype), float64 kept (tests)."""
+    """float32 for fp8/half/bf16/fp32 inputs (the serving dtypes; fp8: an fp8 KV cache's
+    keys, which torch does not promote), float64 kept (tests)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.float32
     return torch.promote_types(x.dtype, torch.float32)
 
 

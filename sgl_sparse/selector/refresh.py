@@ -60,9 +60,11 @@ _MAX_SELECT_ELEMS_KERNELS = 1 << 25
 
 
 def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor,
-                        qpos: torch.Tensor, scaling: float, chunk: int = 1 << 14) -> torch.Tensor:
+                        qpos: torch.Tensor, scaling: float, chunk: int = 1 << 14,
+                        k_scale: float | None = None) -> torch.Tensor:
     """q [r, w, Hq, D], keys k_pool[tok] with tok [r, N] -> fp32 logits [r, Hkv, G, w, N],
-    -inf where the key is after the query (causal) -- the plain-torch path."""
+    -inf where the key is after the query (causal) -- the plain-torch path. An fp8
+    pool holds k / k_scale."""
     r, w, hq, d = q.shape
     n = tok.shape[1]
     hkv = k_pool.shape[1]
@@ -71,7 +73,7 @@ def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor
     for s in range(0, n, chunk):
         k = k_pool[tok[:, s: s + chunk]].float()  # [r, c, Hkv, D]
         out[..., s: s + chunk] = torch.einsum("rwhgd,rchd->rhgwc", qf, k)
-    out *= scaling
+    out *= scaling * (1.0 if k_scale is None else k_scale)
     pos = torch.arange(n, device=q.device)
     future = pos[None, None, :] > qpos[:, :, None]  # [r, w, N]
     return out.masked_fill(future[:, None, None], float("-inf"))
@@ -275,10 +277,13 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
                 me = (e1 - e0) * r
                 window_evidence(qwin_all[first + e0: first + e1].flatten(0, 1), pools.k.layers(first + e0, first + e1),
                                 req_to_token, g.ridx[:me], g.qpos[:me], lo_l[:me], hi_l[:me], g.nq[:me],
-                                knobs_l.beta[:me], n, scaling, out=u[e0 * r: e1 * r])
+                                knobs_l.beta[:me], n, scaling, out=u[e0 * r: e1 * r],
+                                k_scales=_k_scales(store, first + e0, first + e1))
         else:
             for li, layer in enumerate(layers):
-                logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, g.qpos[:r], scaling)
+                k_scale = None if store.k_scales is None else float(store.k_scales[layer])
+                logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, g.qpos[:r], scaling,
+                                             k_scale=k_scale)
                 u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs_l.beta[:r])
         norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
         if use_kernels:
@@ -306,6 +311,11 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
     # is a pageable host->device copy, which waits for the stream (the H100 profile of
     # a refresh: 3.7 ms of host time blocked here).
     state.sel_ready.index_fill_(0, g.ridx[:r].long(), True)
+
+
+def _k_scales(store, start: int, stop: int) -> torch.Tensor | None:
+    """Layers [start, stop)'s key scales over an fp8 pool (None: unscaled)."""
+    return None if store.k_scales is None else store.k_scales[start:stop]
 
 
 def compact_positions(pos: torch.Tensor, sink: torch.Tensor, sel_len: torch.Tensor, cap: int) -> torch.Tensor:
@@ -373,7 +383,7 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
             q = torch.zeros(rows, w, hq, d, dtype=store.q.dtype, device=dev)
             qpos = torch.full((rows, w), n - 1, dtype=torch.int64, device=dev)
             u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, full(w), knobs.beta.float(), n,
-                                scaling)
+                                scaling, k_scales=_k_scales(store, 0, 1))
             norms = torch.ones_like(u)
             # Every Soft-NMS radius bucket a request may pick (a compile-time loop
             # bound), compiled once: the other argument classes do not key them.

@@ -126,6 +126,34 @@ def test_steps_read_and_fill_the_copies(idx):
     assert torch.isneginf(s[0, :, ctx:146]).all()
 
 
+@pytest.mark.parametrize("fp8,bits", [(torch.float8_e4m3fn, 8), (torch.float8_e5m2, 8), (torch.float8_e4m3fn, 4)])
+def test_copies_of_an_fp8_pool(fp8, bits):
+    """asyncspade over --kv-cache-dtype fp8_*: the copies are quantize_keys (or the 4-bit
+    codes) of the fp8 keys' exact values, and the scores match the reference, over a
+    cold step and a steady one."""
+    import dataclasses
+
+    seq_lens = [150, 47, 90]
+    case = _case(seq_lens, 4, torch.bfloat16, seed=41)
+    f = _smoothing(case, seq_lens, 3) if bits == 4 else None  # from the keys before they are stored as fp8
+    case = dataclasses.replace(case, k_pool=case.k_pool.to(fp8))
+    if f is not None:  # serving takes the smoothing from the cached (fp8) prompt keys
+        f = torch.stack([channel_smoothing(case.k_pool[case.req_to_token[int(case.req_pool_idx[b]), :n].long()])
+                         for b, n in enumerate(seq_lens)])
+    bs, hkv, d, ctx, n_max = 3, case.k_pool.shape[1], case.k_pool.shape[2], 150, 150
+    kq, ks, filled = _copies(bs, hkv, ctx, d, bits)
+    gen = torch.Generator(device=DEVICE).manual_seed(42)
+    lo = torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE)
+    for his in ([120, 30, 50], [121, 31, 51]):
+        hi = torch.tensor(his, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(bs, hkv * 4, d, generator=gen, device=DEVICE)  # fp32, as the prediction
+        args = (q, case.k_pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, n_max)
+        out = torch.full((bs, hkv, n_max), float("nan"), device=DEVICE)
+        s = index_token_scores(*args, kq, ks, filled, out=out, num_programs=2, block_n=16, ksmooth=f)
+        _close(s, index_token_scores_ref(*args, ctx=ctx, ksmooth=f), lo, hi)
+        _check_copies(case, kq, ks, lo, hi, f)
+
+
 def _in_range(s, lo, hi):
     """s with -inf outside each row's [lo, hi): what a reference may read (the rest is
     not written, NaN here)."""
@@ -365,14 +393,14 @@ GLOBAL_ATOMIC = r"atom\.global[^;]*\.add"  # HIST's adds to h_top
 
 
 def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resources: bool = False,
-          bits: int = 8, hist: bool = False) -> dict:
+          bits: int = 8, hist: bool = False, pool: str = "*bf16") -> dict:
     """token_scores' kernel compiled for the H100 (no GPU needed), as the backend
     launches it: fp32 q_hat, bf16 pool, D 128, GQA 2, 4 warps, 3 stages; the index
     variant with fp fusion off, as index_token_scores launches it (``hist``: with
-    ``h_top``, the HIST variant)."""
+    ``h_top``, the HIST variant; ``pool``: an fp8 KV cache's type)."""
     from sgl_sparse.kernels.token_scores import _token_scores_kernel as fn
 
-    ptrs = {"Q": "*fp32", "K_POOL": "*bf16", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
+    ptrs = {"Q": "*fp32", "K_POOL": pool, "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LO": "*i32",
             "HI": "*i32", "OUT": "*fp32", "KQ": "*i8", "KSCALE": "*fp32", "FILLED": "*i32", "KSMOOTH": "*fp32",
             "H_TOP": "*i32"}
     const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=128, Q_SPLIT=True, FP32_DOT=False,
@@ -387,7 +415,7 @@ def _sm90(index_keys: bool, block_n: int = 64, keys_as_m: bool = False, resource
                                        "stride_tb", "stride_th", "MAX_CTX", "IDX_CTX")]
     # the loop's tiles go through cp.async (software pipelining): count its 16-byte copies
     patterns = [r"div\.rn\.f32", r"fma\.rn\.f32", VEC16, INT8_MMA, r"cvt\.rn\.bf16", WGMMA, NIBBLE_MASK,
-                GLOBAL_ATOMIC]
+                GLOBAL_ATOMIC, r"mma\.sync[^;]*\.bf16\.bf16"]
     return T.compile_sm90("sgl_sparse.kernels.token_scores", "_token_scores_kernel", sig, const, divisible,
                           options={"enable_fp_fusion": not index_keys, "num_warps": 4, "num_stages": 3},
                           patterns=patterns, resources=resources)
@@ -405,6 +433,17 @@ def test_index_variant_compiles_for_sm90_with_ieee_divisions_and_no_fma():
     assert idx[r"div\.rn\.f32"] >= 2, idx  # 127 / amax and amax / 127
     assert idx[r"fma\.rn\.f32"] == 0, idx
     assert kv[VEC16] > 0 and idx[VEC16] > kv[VEC16], (idx, kv)  # the copies' tiles beside the gathered ones
+
+
+@pytest.mark.parametrize("pool", ["*fp8e4nv", "*fp8e5"])
+def test_scoring_over_an_fp8_pool_compiles_for_sm90(pool):
+    """asyncspade over --kv-cache-dtype fp8_*: the raw-key and the int8-copy variants
+    compile for sm_90 over an fp8 pool; the raw one widens the key tiles to bf16 for
+    bf16 tensor-core dots (fp32 q_hat split in two), its tiles still 16-byte copies."""
+    kv, idx = _sm90(False, pool=pool), _sm90(True, pool=pool)
+    assert kv[VEC16] > 0 and kv[INT8_MMA] == 0, kv
+    assert kv[r"mma\.sync[^;]*\.bf16\.bf16"] > 0, kv
+    assert idx[INT8_MMA] > 0 and idx[r"div\.rn\.f32"] >= 2 and idx[r"fma\.rn\.f32"] == 0, idx
 
 
 def test_4bit_variant_compiles_for_sm90():

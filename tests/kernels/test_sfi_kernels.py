@@ -3,6 +3,7 @@ CPU): the side effects of two_segment_decode (key norms of the new key, saved
 queries, row_mask 2 = side effects only), the refresh path, window evidence and
 the Selector scores."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from sgl_sparse import kernels as K  # TRITON_INTERPRET is set in tests/conftest.py
 from sgl_sparse.kernels import testing as T
 from sgl_sparse.selector.refresh import window_logits_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the fp8 tests also run compiled (run_all.sh fp8)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -43,11 +46,14 @@ def test_decode_side_effects_key_norms_and_saved_queries(splits):
     assert int((knorm[:, 0] >= 0).sum()) == 3
 
 
-@pytest.mark.parametrize("budgets, counts", [((20, 9), (24, 10)),   # budgets differ: sorted top-k
-                                             ((12, 12), (16, 13))])  # every budget covers k: unordered
-def test_refresh_with_kernels_equals_the_torch_path(budgets, counts):
+@pytest.mark.parametrize("budgets, counts, fp8", [((20, 9), (24, 10), False),   # budgets differ: sorted top-k
+                                                  ((12, 12), (16, 13), False),  # every budget covers k: unordered
+                                                  ((20, 9), (24, 10), True)])   # an fp8 pool, per-layer k_scale
+def test_refresh_with_kernels_equals_the_torch_path(budgets, counts, fp8):
     """The CUDA path of selector.refresh (evidence, Selector and packing kernels)
-    packs the same tokens as the plain-torch path."""
+    packs the same tokens as the plain-torch path; over an fp8 pool (SGLang's
+    --kv-cache-dtype fp8_e4m3) both read the keys with each layer's k_scale and the
+    compact buffers hold the pool's fp8 rows."""
     from sgl_sparse.compact import CompactStore
     from sgl_sparse.config import SfiPolicy, SparseServerConfig
     from sgl_sparse.policies import sfi
@@ -63,6 +69,10 @@ def test_refresh_with_kernels_equals_the_torch_path(budgets, counts):
     r2t[1, :90] = torch.randperm(200, generator=gen)[:90].int()
     r2t[2, :61] = torch.randperm(200, generator=gen)[:61].int()
     q = torch.randn(3, 2, 3, hq, d, generator=gen).to(torch.bfloat16)
+    kv_dtype, k_scales = torch.bfloat16, None
+    if fp8:
+        kv_dtype, k_scales = torch.float8_e4m3fn, torch.tensor([0.5, 2.0])
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
     for use_kernels in (False, True):
         cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40},
                                                  "policies": {"sfi": {"w_prefill": 3}}})
@@ -71,7 +81,9 @@ def test_refresh_with_kernels_equals_the_torch_path(budgets, counts):
                  SfiPolicy(budget=budgets[1], recent=8, sink=1)]
         st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
         st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
-                                  dtype=torch.bfloat16, pool_size=200, prompt_queries=2, device=torch.device("cpu"))
+                                  dtype=kv_dtype, pool_size=200, prompt_queries=2, device=torch.device("cpu"),
+                                  query_dtype=torch.bfloat16)
+        st.compact.k_scales = k_scales
         st.compact.knorm[:] = k.float().norm(dim=-1)
         st.compact.q[:, :2] = q[:2, :, 0]
         st.compact.q_prompt[:, :2] = q[:2, :, 1:]
@@ -385,19 +397,81 @@ def test_refresh_host_ops_stay_few():
 
 def test_evidence_pass1_compiles_for_sm90_and_keeps_16_byte_key_loads_from_the_table():
     """The layered first pass (keys through the LayerPools table) compiles for the H100
-    (sm_90) with the same 16-byte vector loads as the one-pool variant."""
+    (sm_90) with the same 16-byte vector loads as the one-pool variant; so does the
+    variant over fp8 pools with per-layer key scales (16 keys' values a load)."""
     from sgl_sparse.kernels.window_evidence import _evidence_pass1 as fn
 
-    types = {"Q": "*bf16", "K_POOL": "*bf16", "K_PTRS": "*i64", "REQ_TO_TOKEN": "*i32", "REQ_IDX": "*i32",
-             "QPOS": "*i64", "LO": "*i32", "HI": "*i32", "PART_M": "*fp32", "PART_L": "*fp32", "LOGITS": "*fp32",
-             "qk_scale": "fp32"}
+    types = {"Q": "*bf16", "K_POOL": "*bf16", "K_PTRS": "*i64", "K_SCALES": "*fp32", "REQ_TO_TOKEN": "*i32",
+             "REQ_IDX": "*i32", "QPOS": "*i64", "LO": "*i32", "HI": "*i32", "PART_M": "*fp32", "PART_L": "*fp32",
+             "LOGITS": "*fp32", "qk_scale": "fp32"}
     counts = []
-    for layered in (False, True):
+    for layered, pool in ((False, "*bf16"), (True, "*bf16"), (True, "*fp8e4nv")):
         const = dict(GROUP=2, W_PAD=1, HEAD_DIM=128, BLOCK_M=16, BLOCK_D=128, BLOCK_N=64, FP32_DOT=False,
-                     LAYERED=layered)
-        sig = {name: "constexpr" if name in const else types.get(name, "i32") for name in fn.arg_names}
+                     LAYERED=layered, HAS_K_SCALES=pool != "*bf16")
+        sig = {name: "constexpr" if name in const else {**types, "K_POOL": pool}.get(name, "i32")
+               for name in fn.arg_names}
         divisible = [name for name in fn.arg_names if sig[name].startswith("*") or name.startswith("stride_")]
         counts.append(T.compile_sm90("sgl_sparse.kernels.window_evidence", "_evidence_pass1", sig, const, divisible))
-    one, layered = counts
+    one, layered, fp8 = counts
     assert one.get("ld.global.v4.b32", 0) > 0
     assert layered.get("ld.global.v4.b32") == one["ld.global.v4.b32"], counts
+    assert fp8.get("ld.global.v4.b32", 0) > 0, counts
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_window_evidence_over_fp8_pools_with_each_layers_key_scale(fp8):
+    """SFI over --kv-cache-dtype fp8_*: the pools hold k / k_scale in fp8, the queries
+    stay bf16, each layer has its own k_scale. One launch over 2 layers == the formula
+    over each layer's dequantized keys (the widening is exact), and unit scales give
+    another answer (the scale is not ignored)."""
+    from sgl_sparse.selector import core
+
+    gen = torch.Generator().manual_seed(11)
+    hkv, group, d, w, lens, layers = 2, 4, 32, 2, [70, 23, 41], 2
+    case = T.make_decode_case(lens, [0] * 3, [(0, n) for n in lens], num_kv_heads=hkv, group=group, head_dim=d,
+                              cap=4, dtype=torch.bfloat16, seed=3, device=DEVICE)
+    k_scales = torch.tensor([0.5, 3.0], device=DEVICE)
+    keys = [torch.randn(case.k_pool.shape, generator=gen).to(DEVICE) for _ in range(layers)]
+    pools = [(k / s).to(fp8) for k, s in zip(keys, k_scales)]
+    q = (torch.randn(layers, 3, w, hkv * group, d, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    qpos = (torch.tensor([69, 22, 40])[:, None] - torch.arange(w)[None, :]).to(DEVICE)
+    lo, hi = torch.tensor([4, 0, 3], device=DEVICE), torch.tensor([60, 23, 3], device=DEVICE)  # request 2: empty
+    nq = torch.tensor([w, 1, 1], dtype=torch.int32, device=DEVICE)
+    beta = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
+    n, scale = 70, d ** -0.5
+    rep = lambda t: t.repeat(layers, *([1] * (t.dim() - 1))).contiguous()  # noqa: E731  layer-major rows
+    ridx = case.req_pool_idx.int()
+    args = (case.req_to_token, rep(ridx), rep(qpos), rep(lo).int(), rep(hi).int(), rep(nq), rep(beta), n, scale)
+    u = K.window_evidence(q.flatten(0, 1), K.LayerPools.of(pools), *args, block_n=16, k_scales=k_scales)
+    unscaled = K.window_evidence(q.flatten(0, 1), K.LayerPools.of(pools), *args, block_n=16)
+    assert not u.isnan().any()
+    tok = case.req_to_token[case.req_pool_idx.long(), :n].long()
+    qmask = torch.arange(w, device=DEVICE)[None, :] < nq[:, None]
+    for layer, pool in enumerate(pools):
+        dequant = pool.double() * float(k_scales[layer])
+        ref = core.evidence_power_mean(window_logits_torch(q[layer].double(), dequant, tok, qpos, scale),
+                                       core.candidate_mask(lo, hi, n), qmask, beta.double())
+        got = u[layer * 3: (layer + 1) * 3]
+        assert T.rel_error(got, ref) < 1e-4
+        # the torch path's scale argument is the same dequantization
+        torch_path = window_logits_torch(q[layer].double(), pool.double(), tok, qpos, scale,
+                                         k_scale=float(k_scales[layer]))
+        torch.testing.assert_close(torch_path, window_logits_torch(q[layer].double(), dequant, tok, qpos, scale))
+    assert T.rel_error(unscaled, u) > 0.05
+
+
+def test_decode_key_norms_over_an_fp8_cache_are_the_dequantized_keys():
+    """The norm the decode kernel stores for the new key over a scaled fp8 cache is the
+    dequantized key's (k_scale times the stored one's): what the Selector's prior reads."""
+    hkv, group, d = 2, 2, 32
+    lens = [40, 17]
+    case = T.make_decode_case(lens, [0] * 2, [(0, n) for n in lens], num_kv_heads=hkv, group=group,
+                              head_dim=d, cap=4, dtype=torch.bfloat16, seed=4, device=DEVICE)
+    case = dataclasses.replace(case, k_pool=(case.k_pool.float() / 0.25).to(torch.float8_e4m3fn),
+                               v_pool=case.v_pool.to(torch.float8_e4m3fn),
+                               a_k=case.a_k.to(torch.float8_e4m3fn), a_v=case.a_v.to(torch.float8_e4m3fn))
+    knorm = torch.full((case.k_pool.shape[0], hkv), -1.0, device=DEVICE)
+    K.two_segment_decode(*case.args(), key_norms=knorm, k_scale=0.25, block_n=16)
+    for b, n in enumerate(lens):
+        tok = int(case.req_to_token[int(case.req_pool_idx[b]), n - 1])
+        torch.testing.assert_close(knorm[tok], case.k_pool[tok].float().norm(dim=-1) * 0.25, rtol=1e-5, atol=1e-5)

@@ -100,6 +100,29 @@ def test_token_scores_fp32_query_split():
     assert err_split * 30 < err_round, (err_split, err_round)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_token_scores_over_an_fp8_pool(fp8, q_dtype):
+    """asyncspade over --kv-cache-dtype fp8_*: the keys widen exactly to the query's
+    16-bit dtype (bf16 for an fp32 q_hat, split in two parts as over a bf16 pool), so
+    the scores match the float64 reference of the fp8 values as tightly as over bf16;
+    the raw path and the token_scores_at path (lfps's) alike."""
+    case = _case([150, 47, 90], 4, torch.bfloat16, seed=21, head_dim=64)
+    pool = case.k_pool.to(fp8)
+    g = torch.Generator(device=DEVICE).manual_seed(22)
+    q = torch.randn(case.q.shape, generator=g, device=DEVICE).to(q_dtype)
+    lo = torch.tensor([4, 0, 60], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([133, 47, 60], dtype=torch.int32, device=DEVICE)  # row 2: empty
+    args = (q, pool, case.req_to_token, case.req_pool_idx, lo, hi, case.sm_scale, 150)
+    out = torch.full((3, 2, 150), float("nan"), device=DEVICE)
+    fin = _close(K.token_scores(*args, out=out, num_programs=2, block_n=16), K.token_scores_ref(*args))
+    assert fin.sum() == 2 * (129 + 47)
+    cand = torch.randint(-1, 150, (3, 2, 24), generator=g, device=DEVICE, dtype=torch.int32)
+    at_args = (q, pool, case.req_to_token, case.req_pool_idx, cand, case.sm_scale)
+    kw = dict(lo=lo, hi=hi)
+    _close(K.token_scores_at(*at_args, **kw, block_n=16), K.token_scores_at_ref(*at_args, **kw))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 8])
 def test_token_scores_at_candidates(dtype, group):
