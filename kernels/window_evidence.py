@@ -273,7 +273,8 @@ def window_evidence(
     _evidence_pass1[grid](q, k_pool, pools.ptrs, k_scales if k_scales is not None else lo, req_to_token, req_idx,
                           qpos, lo, hi, part_m, part_l, logits, qk_scale, w, rows_per_layer, *strides,
                           part_m.stride(0), part_m.stride(1), part_m.stride(2),
-                          logits.stride(0), logits.stride(1), logits.stride(2), HAS_K_SCALES=k_scales is not None, **common)
+                          logits.stride(0), logits.stride(1), logits.stride(2),
+                          HAS_K_SCALES=k_scales is not None, **common)
     lse = torch.empty(r, hkv, block_m, dtype=torch.float32, device=dev)
     _evidence_lse[(r, hkv)](part_m, part_l, lse, nblocks, part_m.stride(0), part_m.stride(1), part_m.stride(2),
                             lse.stride(0), lse.stride(1), BLOCK_M=block_m, BLOCK_B=32)

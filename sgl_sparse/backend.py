@@ -98,7 +98,7 @@ class SparseAttnBackend(AttentionBackend):
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
             self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
-            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype, self.config)
+            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype)
             # Segment A of every request is read in place from the pool for now
             # (sink tokens): an empty one-slot compact buffer stands in.
             kv = self.token_to_kv_pool.get_key_buffer(0)
@@ -455,7 +455,8 @@ class SparseAttnBackend(AttentionBackend):
                 layer.layer_id - self._layer0, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim),
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                self.req_to_token_pool.req_to_token, layer.scaling,
+                self.req_to_token_pool.req_to_token, _stored_key_scaling(layer),
+                v_scale=compat.kv_read_scales(layer)[1],
             )
         return o
 
@@ -507,7 +508,7 @@ class SparseAttnBackend(AttentionBackend):
         return self.qa.select(
             layer.layer_id - self._layer0, self.plan, q3,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, _stored_key_scaling(layer),
         )
 
     def _finish_query_aware(self, layer, forward_batch, plan, q3, o3) -> None:
@@ -516,7 +517,7 @@ class SparseAttnBackend(AttentionBackend):
         self.qa.finish(
             layer.layer_id - self._layer0, plan, q3, o3,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
+            forward_batch.req_pool_indices, forward_batch.seq_lens, _stored_key_scaling(layer),
         )
 
     def _forward_decode_cuda(self, q, k, v, layer, forward_batch, save_kv_cache):
@@ -572,6 +573,15 @@ class SparseAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return self.dense is not None
+
+
+def _stored_key_scaling(layer) -> float:
+    """The layer's softmax scale for logits of the keys as the pool stores them: an fp8
+    cache holds k / k_scale, so its k_scale is folded in (1 otherwise). The query-aware
+    selections score the stored keys with it: lfps's tables need the true logits;
+    quest's and asyncspade's rankings are the same either way."""
+    k_scale, _ = compat.kv_read_scales(layer)
+    return layer.scaling * (1.0 if k_scale is None else k_scale)
 
 
 def _rank_q_heads(model_runner) -> int:
@@ -696,23 +706,14 @@ def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:
     return [int(x) for x in (src.tolist() if hasattr(src, "tolist") else src)]
 
 
-def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype, config) -> None:
+def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
     """The KV pool's dtype: the model's, or fp8 (the decode kernel widens it as it reads;
-    FlashInfer reads it itself), with the policies that read keys elsewhere not offered
-    (plugin.with_unavailable, from --kv-cache-dtype)."""
+    FlashInfer reads it itself; the selections fold the layer's k_scale in)."""
     from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
-    from sgl_sparse.plugin import FP8_UNSUPPORTED
 
-    if kv_dtype == model_dtype:
-        return
-    if kv_dtype not in FP8_KV_DTYPES:
+    if kv_dtype != model_dtype and kv_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"--attention-backend sgl_sparse: KV cache dtype {kv_dtype} must be the model's "
                          f"({model_dtype}) or fp8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2)")
-    offered = [p for p in FP8_UNSUPPORTED if p not in config.unavailable]
-    if offered:  # an fp8 pool --kv-cache-dtype did not ask for (e.g. a checkpoint's own)
-        raise ValueError(f"--attention-backend sgl_sparse: the KV cache is {kv_dtype} but policies "
-                         f"{', '.join(offered)} are offered; pass --kv-cache-dtype fp8_e4m3 or fp8_e5m2 "
-                         f"explicitly (those policies are then not offered)")
 
 
 def _check_supported(model_runner) -> None:

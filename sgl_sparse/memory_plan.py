@@ -61,7 +61,7 @@ def model_shape(model_path: str, tp_size: int = 1, context_length: Optional[int]
 def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, context_length: Optional[int] = None,
          kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> dict:
     """The stores one GPU holds: bytes by store, in all, per pool token, as KV tokens."""
-    cfg = with_unavailable(load_server_config(sparse_config), decode_graphs=cuda_graphs, kv_dtype=kv_cache_dtype)
+    cfg = with_unavailable(load_server_config(sparse_config), decode_graphs=cuda_graphs)
     shape = model_shape(model_path, tp_size, context_length, kv_cache_dtype)
     fixed, per_slot = planned_bytes(cfg, shape)
     total, cell = sum(fixed.values()), shape.kv_cell_bytes()
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--context-length", type=int, default=None, help="as SGLang's flag (default: the model's)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help=f"as SGLang's flag: {', '.join(KV_CACHE_DTYPES)} (fp8: the pool's tokens are half the bytes; "
-                         f"SFI's compact K/V are fp8 too; lfps is not offered, so its store is not built)")
+                         f"SFI's compact K/V are fp8 too)")
     ap.add_argument("--disable-cuda-graph", action="store_true",
                     help="decode CUDA graphs off: every query-aware policy with slots gets its store")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")

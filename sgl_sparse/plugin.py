@@ -28,20 +28,13 @@ from sgl_sparse.config import (
     parse_request_policy,
 )
 
-# --kv-cache-dtype values the backend reads: the model's own floating dtype, and fp8
-# (the decode kernel widens the cache's keys and values as it reads them; full goes
-# through FlashInfer, which reads fp8 itself).
+# --kv-cache-dtype values the backend reads: the model's own floating dtype, and fp8,
+# for every policy: the decode kernel widens the cache's keys and values as it reads
+# them; full goes through FlashInfer, which reads fp8 itself; the selections read the
+# stored keys with the layer's k_scale folded into their scale (SFI's evidence, lfps's
+# tables; quest's and asyncspade's rankings are the same either way).
 FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", *FP8_KV_CACHE_DTYPES)
-# Policies whose selection reads the keys outside the decode kernel in the model's dtype
-# and without the cache's scales (lfps's tables, whose softmax needs the true logits):
-# not offered over an fp8 cache until those kernels read it. quest is offered: its page
-# bounds are the cached keys' min / max, kept in the model's dtype, and a page ranking
-# is the same under the layer's k_scale. asyncspade is: its scoring and index copies
-# widen the fp8 keys, and a token ranking is the same under k_scale. sfi is: its
-# evidence reads the fp8 keys with each layer's k_scale, its key norms take it, and its
-# compact buffers copy pool rows.
-FP8_UNSUPPORTED = ("lfps",)
 
 logger = logging.getLogger(__name__)
 
@@ -206,20 +199,18 @@ def server_args_resolved(_result, server_args) -> None:
         "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
-    cfg = with_unavailable(cfg, decode_graphs=device != "cpu" and compat.decode_cuda_graphs_enabled(server_args),
-                           kv_dtype=kv_dtype)
+    cfg = with_unavailable(cfg, decode_graphs=device != "cpu" and compat.decode_cuda_graphs_enabled(server_args))
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
 
 
-def with_unavailable(cfg: SparseServerConfig, *, decode_graphs: bool, kv_dtype: str) -> SparseServerConfig:
+def with_unavailable(cfg: SparseServerConfig, *, decode_graphs: bool) -> SparseServerConfig:
     """`cfg` with what this server cannot offer marked unavailable, with why: the
-    query-aware policies not opted into decode CUDA graphs, and the policies its
-    --kv-cache-dtype rules out. One place for the server and `memory_plan`, so the
-    plan builds exactly the stores the server will."""
-    off = {**(_off_in_cuda_graphs(cfg) if decode_graphs else {}), **_off_with_kv_dtype(kv_dtype)}
+    query-aware policies not opted into decode CUDA graphs. One place for the server
+    and `memory_plan`, so the plan builds exactly the stores the server will."""
+    off = _off_in_cuda_graphs(cfg) if decode_graphs else {}
     return cfg.model_copy(update={"unavailable": {**cfg.unavailable, **off}})
 
 
@@ -234,14 +225,6 @@ def _off_in_cuda_graphs(cfg: SparseServerConfig) -> dict[str, str]:
             off[p] = (f"with decode CUDA graphs on, it needs query_aware.{p}.cuda_graphs: true in "
                       f"--sparse-config (its selection then runs at every decode step), or --disable-cuda-graph")
     return off
-
-
-def _off_with_kv_dtype(kv_dtype: str) -> dict[str, str]:
-    """Policies a server with this --kv-cache-dtype does not offer, with why."""
-    if kv_dtype not in FP8_KV_CACHE_DTYPES:
-        return {}
-    return {p: (f"--kv-cache-dtype {kv_dtype}: its selection reads the keys in the model's dtype "
-                f"(with an fp8 KV cache sgl_sparse serves every policy but lfps)") for p in FP8_UNSUPPORTED}
 
 
 def support_triton(original, backend: str, *args, **kwargs) -> bool:

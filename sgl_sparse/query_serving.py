@@ -181,7 +181,12 @@ class QueryAwareRuntime:
             return self.state._active.get(row)
 
     # ---- extend, per layer ---------------------------------------------------------
-    def on_extend(self, li: int, q3: torch.Tensor, k_cache, v_cache, req_to_token, scale: float) -> None:
+    def on_extend(self, li: int, q3: torch.Tensor, k_cache, v_cache, req_to_token, scale: float,
+                  v_scale: Optional[float] = None) -> None:
+        """The prompt's selection state of each query-aware row extended this forward.
+        ``scale``: the layer's softmax scale times an fp8 cache's k_scale, as the decode
+        selections take it (they score the keys as stored); ``v_scale``: the values'
+        (lfps's V̄ is output as it is)."""
         for e in self.extend_rows:
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
@@ -203,8 +208,11 @@ class QueryAwareRuntime:
             else:
                 knobs = lfps_knobs(e.spec)
                 s = min(knobs.s, e.q_end - e.q_start)
+                values = v_cache[locs][None]
+                if v_scale is not None:
+                    values = values.float() * v_scale
                 lfps_math.init_tables(
-                    q3[e.q_end - s: e.q_end][None], k_cache[locs][None], v_cache[locs][None],
+                    q3[e.q_end - s: e.q_end][None], k_cache[locs][None], values,
                     e.dev[1:2], scale, store.cfg.max_context, knobs, out=store.layer(li), rows=e.dev[0:1])
 
     # ---- decode, per layer ---------------------------------------------------------

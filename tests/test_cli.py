@@ -51,9 +51,6 @@ def launches(tmp_path_factory, model_dir):
                                    "--sparse-default-policy", "fast"]),
         run("flags-without-backend", ["--model-path", model, "--attention-backend", "torch_native",
                                       "--sparse-default-policy", "streaming"]),
-        run("fp8-kv-cache-lfps-default", ["--model-path", model, "--device", "cpu", "--attention-backend",
-                                          "sgl_sparse", "--kv-cache-dtype", "fp8_e4m3",
-                                          "--sparse-default-policy", "lfps"]),
         # e.g. a checkout or data folder with the package's name in the working directory
         run("shadowing-folder", ["--model-path", model, "--device", "cpu", "--attention-backend", "sgl_sparse"],
             lambda cwd: (cwd / "sgl_sparse").mkdir()),
@@ -86,13 +83,6 @@ def test_bad_default_policy_flag_is_an_argparse_error(launches):
 def test_sparse_flags_without_the_backend_are_rejected(launches):
     out = launches["flags-without-backend"]
     assert out.returncode == 2 and "need --attention-backend sgl_sparse" in out.stderr
-
-
-def test_fp8_kv_cache_with_a_default_it_cannot_serve_names_both_flags(launches):
-    """fp8 caches serve every policy but lfps: a default of lfps stops start-up."""
-    out = launches["fp8-kv-cache-lfps-default"]
-    assert out.returncode != 0, out.stderr[-2000:]
-    assert "--sparse-default-policy lfps: unavailable: --kv-cache-dtype fp8_e4m3" in out.stderr, out.stderr[-2000:]
 
 
 def test_shadowing_folder_fails_loudly(launches):

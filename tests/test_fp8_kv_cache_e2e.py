@@ -1,16 +1,16 @@
 """`--kv-cache-dtype fp8_e4m3` end to end on CPU: real SGLang servers, stock and ours.
 
-With an fp8 KV cache `sgl_sparse` serves every policy but `lfps` (the decode kernel
-widens fp8 as it reads, FlashInfer reads it itself, SFI's Selector reads the fp8 keys
-and its compact buffers copy fp8 rows, asyncspade's scoring widens them, quest's page
+With an fp8 KV cache `sgl_sparse` serves every policy (the decode kernel widens fp8 as
+it reads, FlashInfer reads it itself, SFI's Selector reads the fp8 keys and its compact
+buffers copy fp8 rows, asyncspade's scoring and lfps's tables widen them, quest's page
 bounds are kept in the model's dtype; on CPU the reference path casts, as the stock
-`torch_native` backend does). `lfps` reads the keys elsewhere (its tables) and is not
-offered: a request for it is an HTTP 400 naming the flag, and the server goes on.
-Checked against a stock `torch_native` server with the same fp8 cache:
+`torch_native` backend does). Checked against a stock `torch_native` server with the
+same fp8 cache:
 - the default, `full`, covering `streaming` / `sadas` windows and covering `sfi`,
-  `quest` and `asyncspade` budgets give its greedy tokens, in one concurrent batch;
+  `quest`, `asyncspade` and `lfps` budgets give its greedy tokens, in one concurrent
+  batch;
 - small windows and small sfi (its slow steps, Selector and compact fast steps over
-  fp8), quest and asyncspade budgets are served (retention below 1), beside those;
+  fp8), quest, asyncspade and lfps budgets are served (retention below 1), beside those;
 - no request state is left.
 
 SGLang 0.5.23's CPU engine refuses fp8 KV caches on a CPU without Intel AMX (CI's has
@@ -35,10 +35,12 @@ FP8_ARGS = [*SHARED_ARGS, "--kv-cache-dtype", "fp8_e4m3"]
 NEW_TOKENS = 16
 COVERING = [None, {"policy": "full"}, {"policy": "streaming", "window": 4096},
             {"policy": "sadas", "window": 4096}, {"policy": "sfi", "budget": 1024, "recent": 64},
-            {"policy": "quest", "budget": 1024}, {"policy": "asyncspade", "budget": 1024}]
+            {"policy": "quest", "budget": 1024}, {"policy": "asyncspade", "budget": 1024},
+            {"policy": "lfps", "budget": 2000}]
 SMALL = [{"policy": "streaming", "window": 16}, {"policy": "sadas", "window": 24},
          {"policy": "sfi", "budget": 24, "recent": 8, "sink": 4, "t_max": 3},
-         {"policy": "quest", "budget": 32, "recent": 8}, {"policy": "asyncspade", "budget": 32, "recent": 8}]
+         {"policy": "quest", "budget": 32, "recent": 8}, {"policy": "asyncspade", "budget": 32, "recent": 8},
+         {"policy": "lfps", "budget": 24, "local": 6, "s": 16}]
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +86,6 @@ def test_covering_policies_match_stock_and_small_windows_are_served(sparse_fp8, 
         else:
             assert out["output_ids"] == stock_fp8[i], (i, meta)
             assert summary["mean_retention"] == 1.0, (i, meta, summary)
-
-
-@pytest.mark.parametrize("policy", ["lfps"])
-def test_policies_that_read_keys_elsewhere_are_refused_by_name(sparse_fp8, prompts, policy):
-    sp = {"max_new_tokens": 4, "temperature": 0, "custom_params": {"sparse": {"policy": policy}}}
-    r = requests.post(sparse_fp8.url + "/generate", json={"input_ids": prompts[1], "sampling_params": sp}, timeout=120)
-    assert r.status_code == 400, r.text
-    msg = r.json()["error"]["message"]
-    assert f"'{policy}' is not available on this server: --kv-cache-dtype fp8_e4m3" in msg, msg
-    assert "available: full, streaming, sadas, sfi, quest, asyncspade" in msg, msg
-    # the server keeps serving
-    assert greedy_generate(sparse_fp8.url, prompts[1], {"policy": "streaming", "window": 16}, 4)["output_ids"]
 
 
 def test_no_state_left(sparse_fp8):

@@ -76,11 +76,11 @@ def test_cuda_graphs_decide_which_query_aware_stores_exist(model):
     assert off["stores_bytes"]["sfi"] == on["stores_bytes"]["sfi"] and on["key_norm_bytes_per_token"] == 28 * 8 * 4
 
 
-def test_fp8_kv_cache_offers_the_policies_that_read_fp8(model):
-    """With an fp8 KV cache the server offers every policy but lfps (the decode kernel
-    reads fp8; quest's bounds and asyncspade's query ring are kept in the model's dtype,
-    the same bytes as over bf16; SFI's compact K/V copy fp8 pool rows, half their bf16
-    bytes, beside queries in the model's dtype); lfps not yet. A token of KV is half
+def test_fp8_kv_cache_offers_every_policy(model):
+    """With an fp8 KV cache the server offers every policy (the decode kernel reads fp8;
+    quest's bounds, asyncspade's query ring and lfps's tables are kept in the model's
+    dtype or fp32, the same bytes as over bf16; SFI's compact K/V copy fp8 pool rows,
+    half their bf16 bytes, beside queries in the model's dtype). A token of KV is half
     the bf16 one, so the same store is twice as many KV tokens."""
     bf16 = _plan("--model-path", str(model), "--disable-cuda-graph")
     cfg = SparseServerConfig()
@@ -88,12 +88,12 @@ def test_fp8_kv_cache_offers_the_policies_that_read_fp8(model):
     kv_elems = shape["layers"] * cfg.compact.slots * shape["hkv"] * cfg.compact.capacity * shape["d"] * 2
     for name in ("fp8_e4m3", "fp8_e5m2"):
         fp8 = _plan("--model-path", str(model), "--disable-cuda-graph", "--kv-cache-dtype", name)
-        assert set(fp8["stores_bytes"]) == {"quest", "asyncspade", "sfi"}
-        assert fp8["stores_bytes"]["quest"] == bf16["stores_bytes"]["quest"]
-        assert fp8["stores_bytes"]["asyncspade"] == bf16["stores_bytes"]["asyncspade"]
+        assert set(fp8["stores_bytes"]) == {"quest", "asyncspade", "lfps", "sfi"}
+        for store in ("quest", "asyncspade", "lfps"):
+            assert fp8["stores_bytes"][store] == bf16["stores_bytes"][store], store
         # the compact K/V at 1 byte a value instead of 2; the queries, logits and norms unchanged
         assert bf16["stores_bytes"]["sfi"] - fp8["stores_bytes"]["sfi"] == kv_elems
-        assert fp8["not_offered"] == ["lfps"]
+        assert fp8["not_offered"] == []
         assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
         assert fp8["kv_tokens"] == fp8["total_bytes"] // fp8["kv_bytes_per_token"]
         assert fp8["shape"]["dtype"] == {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[name]

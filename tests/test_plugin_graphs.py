@@ -40,18 +40,17 @@ def _cuda_args(**kw):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_kv_cache_offers_the_policies_the_decode_kernel_reads(monkeypatch, kv_dtype):
-    """An fp8 cache: every policy but lfps (the decode kernel and FlashInfer read fp8,
-    SFI's evidence reads it with the layers' key scales, asyncspade's scoring widens it;
-    quest's bounds are kept in the model's dtype); lfps not, saying why. (The CUDA
-    server's arguments: on CPU the plugin's path is the same.)"""
+def test_fp8_kv_cache_offers_every_policy(monkeypatch, kv_dtype):
+    """An fp8 cache: every policy (the decode kernel and FlashInfer read fp8, the
+    selections read the stored keys with the layers' key scales; quest's bounds are kept
+    in the model's dtype). (The CUDA server's arguments: on CPU the plugin's path is the
+    same.)"""
     monkeypatch.setenv(ENV_CONFIG, SparseServerConfig().model_dump_json())
     monkeypatch.setattr("sgl_sparse.tokens.resolve_think_ids", lambda cfg, *a, **k: cfg)
     plugin.server_args_resolved(None, _cuda_args(kv_cache_dtype=kv_dtype))
     cfg = config_from_env()
-    assert not any(cfg.unavailable_reason(p) for p in ("full", "streaming", "sfi", "quest", "asyncspade"))
+    assert not any(cfg.unavailable_reason(p) for p in ("full", "streaming", "sfi", "quest", "asyncspade", "lfps"))
     assert "kv-cache-dtype" not in (cfg.unavailable_reason("sadas") or "")  # (here: no think tokens)
-    assert cfg.unavailable_reason("lfps").startswith(f"--kv-cache-dtype {kv_dtype}: ")
 
 
 def test_block_quantized_kv_cache_stops_startup_naming_the_flag(monkeypatch, capsys):

@@ -5,7 +5,7 @@
 #
 #   bash bench/gpu/run_all.sh kernels   # GPU kernel tests (4K-128K) + kernel benchmarks (decode, query-aware selection, ragged top-k)
 #   bash bench/gpu/run_all.sh tests     # every GPU-marked test alone (~2 min; what a short lease can verify)
-#   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the decode kernel's, quest's, SFI's and asyncspade's tests over e4m3/e5m2, its time at
+#   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the fp8 tests of the decode kernel and every policy's kernels, its time at
 #                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
@@ -55,6 +55,9 @@ fp8)
     python3 -m pytest -q tests/kernels/test_two_segment_decode.py tests/kernels/test_quest_pages.py \
         tests/kernels/test_sfi_kernels.py tests/kernels/test_token_scores.py tests/kernels/test_index_keys.py -k fp8 \
         -p no:cacheprovider 2>&1 | tee "$OUT/fp8_tests.log" | tail -5
+    # lfps's kernels, fp8 pools among their cases
+    python3 -m pytest -q tests/kernels/test_lfps_sparsity.py tests/kernels/test_lfps_tables.py -p no:cacheprovider \
+        2>&1 | tee -a "$OUT/fp8_tests.log" | tail -3
     for kv in model fp8_e4m3 fp8_e5m2; do
         python3 bench/kernels/bench_decode.py --contexts 32768 --batches 8 --fractions 1/64,1/16,1 --no-indexed \
             --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$kv.json" 2>&1 | tee "$OUT/decode_32k8_kv_$kv.log" | tail -16

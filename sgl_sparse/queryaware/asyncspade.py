@@ -39,20 +39,14 @@ from typing import Optional
 
 import torch
 
+from sgl_sparse.queryaware._dtypes import compute_dtype
+
 _NEG_INF = float("-inf")
 
 #: Ridge strength relative to the mean squared norm of the row's valid queries
 #: [ours]: the paper leaves eps of Eq. (2) unspecified; a relative eps makes the fit
 #: invariant to the query scale (Eq. (2) with eps = RIDGE_EPS * mean |Q|^2).
 RIDGE_EPS = 1e-2
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for fp8/half/bf16/fp32 inputs (the serving dtypes; fp8: an fp8 KV cache's
-    keys, which torch does not promote), float64 kept (tests)."""
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return torch.float32
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 # ---- the query window ---------------------------------------------------------------

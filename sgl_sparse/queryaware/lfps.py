@@ -41,6 +41,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from sgl_sparse.queryaware._dtypes import compute_dtype
+
 _NEG_INF = float("-inf")
 
 
@@ -73,9 +75,7 @@ class LfpsStep(NamedTuple):
     weights: torch.Tensor  # [bs, Hkv, k_max]: w_i on C2 (group mean softmax over C2), 0 after
 
 
-def _dt(x: torch.Tensor) -> torch.dtype:
-    """float32 for half/bf16/fp32 (serving), float64 kept (tests)."""
-    return torch.promote_types(x.dtype, torch.float32)
+_dt = compute_dtype  # float32 for fp8/half/bf16/fp32 (serving), float64 kept (tests)
 
 
 # ---- initialization (prefill) -------------------------------------------------------

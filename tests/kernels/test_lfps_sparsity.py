@@ -1,8 +1,8 @@
 """kernels/lfps_sparsity.py (LFPS's ρ per query head, keys read in place) against
 queryaware.lfps.head_sparsity on the dense view of the same keys: per-row sink and
 local knobs (sink 0, a local window clipped by the sink, windows longer than a
-block), GQA 1 / 4 / 6 (a group not a power of two), fp16 / bf16 pools, fp32 and
-KV-dtype queries, rows without a request (n = 0: ρ = 0), lengths that are no
+block), GQA 1 / 4 / 6 (a group not a power of two), fp16 / bf16 / fp8 pools, fp32 and
+16-bit queries, rows without a request (n = 0: ρ = 0), lengths that are no
 multiple of the block."""
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def _case(gen, group, kv_dtype, q_dtype, d=16, hkv=2):
     (4, torch.float16, torch.float16),
     (6, torch.bfloat16, torch.bfloat16),
     (4, torch.bfloat16, torch.float32),
+    (4, torch.float8_e4m3fn, torch.bfloat16),  # --kv-cache-dtype fp8_*: keys widened to bf16
+    (4, torch.float8_e5m2, torch.float32),
 ])
 def test_matches_the_dense_reference(group, kv_dtype, q_dtype):
     gen = torch.Generator().manual_seed(group)

@@ -4,7 +4,7 @@
 einsum / softmax weights, Eq. (10)'s decay and scatter_add): slots without a row
 (n = 0: nothing read, nothing written), a slot whose sink covers its sequence,
 a sequence filling the whole table, bypassed heads, GQA 1 / 3 (a group not a power
-of two), ragged lengths, an fp32 and a bf16 output."""
+of two), ragged lengths, an fp32 and a bf16 output, fp16 and fp8 pools."""
 
 from __future__ import annotations
 
@@ -86,8 +86,12 @@ def _c2(gen, n, sink, c, k):
     return cand, idx, count
 
 
-@pytest.mark.parametrize("group, o_dtype", [(1, torch.float32), (3, torch.bfloat16)])
-def test_select_out_and_finish(group, o_dtype):
+@pytest.mark.parametrize("group, o_dtype, kv_dtype", [
+    (1, torch.float32, torch.float16),
+    (3, torch.bfloat16, torch.float16),
+    (3, torch.bfloat16, torch.float8_e4m3fn),  # --kv-cache-dtype fp8_e4m3: bf16 queries, keys widened
+])
+def test_select_out_and_finish(group, o_dtype, kv_dtype):
     gen = torch.Generator().manual_seed(10 + group)
     s, hq, bs, pool, width = len(N), HKV * group, 7, 400, 40
     n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
@@ -98,10 +102,10 @@ def test_select_out_and_finish(group, o_dtype):
     bypass = torch.zeros(s, HKV, dtype=torch.int8)
     bypass[2, 1] = 1
     count[2, 1] = 0  # a bypassed head scores nothing (its priorities are -inf)
-    k_pool = torch.randn(pool, HKV, D, generator=gen).half()
+    k_pool = torch.randn(pool, HKV, D, generator=gen).to(kv_dtype)
     r2t = torch.randint(0, pool, (6, 128), generator=gen, dtype=torch.int32)
     rpi = torch.tensor([2, 0, 4, 1, 5])
-    q = torch.randn(bs, hq, D, generator=gen).half()
+    q = torch.randn(bs, hq, D, generator=gen).to(torch.float16 if kv_dtype == torch.float16 else torch.bfloat16)
     o = torch.randn(bs, hq, D, generator=gen).to(o_dtype)
     vbar = torch.randn(s, HKV, D, generator=gen)
     ver, sla = _tables(gen, s)
