@@ -73,6 +73,7 @@ from .two_segment_decode import (
     balanced_splits,
     balances,
     choose_num_splits,
+    programs_per_sm,
     make_split_counters,
     two_segment_decode,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "make_arrivals",
     "lfps_head_sparsity",
     "choose_num_splits",
+    "programs_per_sm",
     "make_split_counters",
     "QUEST_PAGE_SIZE",
     "quest_bounds_update",

@@ -74,9 +74,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, needs_fp32_dot, next_pow2
+from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, is_interpreter, needs_fp32_dot, next_pow2
 
-__all__ = ["two_segment_decode", "choose_num_splits", "make_split_counters", "balances", "balanced_splits"]
+__all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
+           "balanced_splits"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -87,6 +88,9 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_SPLITS = 64
 DEFAULT_MIN_SPLIT_LEN = 128
 CTAS_PER_SM_TARGET = 2
+# Over fp8 caches: programs_per_sm doubles the target; batch 1 (8 KV heads) measured
+# best at 32 splits, the most measured there (H200, s31).
+FP8_MAX_SPLITS = 32
 # fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
 # D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
 # (batch >= 8) it is 0.76-0.80x the two launches for rows of <= 256 keys (and
@@ -107,6 +111,14 @@ FUSED_MERGE_MAX_SPLITS = 8
 BALANCE_FACTOR = 4
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
+# Over an fp8 KV cache the kernel's dots run in fp16 (the query, the widened keys and
+# values, P), fp32 accumulation, whatever the model's dtype: e4m3 widens to fp16 in one
+# conversion a pair, and compiled, the values widen before P.V reads its operand
+# (_widen_v, FP8_V_ASM), which bf16 dots read one byte load a value.
+# SGLANG_SPARSE_FP8_F16_DOTS=0 / SGLANG_SPARSE_FP8_V_ASM=0: the query's dtype / the
+# compiler's own widening, as before (A/B timing; every variant is tested).
+FP8_F16_DOTS = env_switch("FP8_F16_DOTS", True)
+FP8_V_ASM = env_switch("FP8_V_ASM", True)
 
 
 # -----------------------------------------------------------------------------
@@ -125,7 +137,7 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
+def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr, V_ASM: tl.constexpr):
     """One BLOCK_N step of the online softmax for a [BLOCK_H, D] query tile.
 
     q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (the KV cache's
@@ -136,7 +148,28 @@ def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.
     is finite after the first step and no (-inf) - (-inf) = NaN can occur.
     """
     qk = _scores(q, k, mask_n, qk_scale, FP32_DOT)
-    return _softmax_update(qk, v.to(q.dtype), m_i, l_i, acc, FP32_DOT)
+    return _softmax_update(qk, _widen_v(v, q.dtype, V_ASM), m_i, l_i, acc, FP32_DOT)
+
+
+@triton.jit
+def _widen_v(v, dt: tl.constexpr, V_ASM: tl.constexpr):
+    """Values in the dots' dtype. V_ASM (fp8 values, fp16 dots, compiled only):
+    widen them by inline PTX, which the compiler neither fuses into the dot
+    operand's shared-memory read nor moves past it: the values reach P.V's
+    operand as fp16 through ldmatrix.trans instead of one byte load per value
+    (sm_90 has no 8-bit transposing ldmatrix)."""
+    if V_ASM:
+        raw = v.to(tl.uint8, bitcast=True)
+        if v.dtype == tl.float8e4nv:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+                "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return v.to(dt)
 
 
 @triton.jit
@@ -199,6 +232,7 @@ def _two_segment_decode_stage1(
     FLSE,  # [bs, Hq] fp32 final natural-log LSE (FUSED_MERGE and STORE_LSE)
     LOGITS,  # [slots, Hkv, G, LG_LEN] fp32 slow-step logits by position (only if SAVE_LOGITS)
     qk_scale,  # sm_scale * log2(e) * k_scale
+    q_mul,  # sm_scale * log2(e): the query's factor before its fp16 cast (F16_DOTS)
     v_scale,  # the values' dequantization scale (1.0 but for a scaled fp8 KV cache)
     k_scale,  # the keys' (folded into qk_scale; the key norms take it here)
     stride_qb,
@@ -260,6 +294,8 @@ def _two_segment_decode_stage1(
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
     BALANCE: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # an fp8 cache: the dots in fp16 (see FP8_F16_DOTS)
+    V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
 ):
     cur_b = tl.program_id(0)
     cur_kvh = tl.program_id(1)
@@ -351,6 +387,19 @@ def _two_segment_decode_stage1(
     if row_mode != 1:
         return
 
+    # The dots' query (qd) and their scores' factor. Over an fp8 cache the keys
+    # and values widen to fp16 in one conversion per pair (to bf16 it takes
+    # two more), so the query joins them in fp16, scaled first by sm_scale *
+    # log2(e) in fp32 (far from fp16's 65504; k_scale stays outside, a small
+    # one would push the query into fp16's subnormals). P then rounds to fp16
+    # too: 3 more bits than bf16.
+    if F16_DOTS:
+        qd = (q.to(tl.float32) * q_mul).to(tl.float16)
+        s_scale = k_scale
+    else:
+        qd = q
+        s_scale = qk_scale
+
     # ---- This program's chunk of the combined range. ----
     # Chunks are a whole number of BLOCK_N blocks so segment-A loads stay
     # aligned; every request is spread over all its splits (down to a minimum
@@ -403,7 +452,7 @@ def _two_segment_decode_stage1(
                 tok = tl.load(r2t_a + pos, mask=mask_n, other=0).to(tl.int64)
             k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+            m_i, l_i, acc = _online_softmax_step(qd, k, v, mask_n, m_i, l_i, acc, s_scale, FP32_DOT, V_ASM)
     else:
         ak_base = A_K + slot * stride_aks + cur_kvh * stride_akh
         av_base = A_V + slot * stride_avs + cur_kvh * stride_avh
@@ -413,7 +462,7 @@ def _two_segment_decode_stage1(
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(ak_base + offs[:, None] * stride_akn + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(av_base + offs[:, None] * stride_avn + offs_d[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT)
+            m_i, l_i, acc = _online_softmax_step(qd, k, v, mask_n, m_i, l_i, acc, s_scale, FP32_DOT, V_ASM)
 
     # ---- Segment B: position range gathered from the paged pool. ----
     # Combined index i >= a_len maps to position b_start + (i - a_len), whose
@@ -443,11 +492,11 @@ def _two_segment_decode_stage1(
             mask=kv_mask,
             other=0.0,
         )
-        qk = _scores(q, k, mask_n, qk_scale, FP32_DOT)
+        qk = _scores(qd, k, mask_n, s_scale, FP32_DOT)
         if SAVE_LOGITS:
             lg_ok = mask_h[:, None] & (mask_n & (offs < LG_LEN + a_len) & lg_on)[None, :]
             tl.store(lg_base + offs[None, :], qk, mask=lg_ok)
-        m_i, l_i, acc = _softmax_update(qk, v.to(q.dtype), m_i, l_i, acc, FP32_DOT)
+        m_i, l_i, acc = _softmax_update(qk, _widen_v(v, qd.dtype, V_ASM), m_i, l_i, acc, FP32_DOT)
 
     # ---- Epilogue. Empty chunk (l_i == 0): output 0 and LSE -inf, no NaN. ----
     has_keys = l_i > 0.0
@@ -623,6 +672,7 @@ def choose_num_splits(
     *,
     min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
     max_splits: int = MAX_SPLITS,
+    kv_fp8: bool = False,
 ) -> int:
     """Number of KV splits (grid dim 2) from *static* quantities only.
 
@@ -634,28 +684,50 @@ def choose_num_splits(
     best: e.g. batch 32 x 8 KV heads -> 1 split (no merge launch), batch 8 ->
     4, batch 1 -> 33. Never create more splits than ``max_kv_len /
     min_split_len`` and cap at ``max_splits`` (bounds the fp32 workspace and
-    the merge's BLOCK_S).
+    the merge's BLOCK_S). ``kv_fp8``: twice the programs (programs_per_sm), up to
+    FP8_MAX_SPLITS, and within the fused merge's range where the bf16 choice is in
+    it: a launch that balanced its splits over bf16 still does (``balances``).
     """
     programs = max(1, batch_size * num_kv_heads)
-    want = (num_sms * CTAS_PER_SM_TARGET) // programs
+    want = (num_sms * programs_per_sm(kv_fp8)) // programs
+    if kv_fp8:
+        if (num_sms * programs_per_sm(False)) // programs <= FUSED_MERGE_MAX_SPLITS:
+            want = min(want, FUSED_MERGE_MAX_SPLITS)
+        want = min(want, FP8_MAX_SPLITS)
     by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def programs_per_sm(kv_fp8: bool = False) -> int:
+    """The split heuristic's target of programs per SM: CTAS_PER_SM_TARGET, twice
+    that over an fp8 cache, whose tiles take half the shared memory (so twice the
+    programs are resident) and whose programs read half the bytes.
+    H200, Qwen3-1.7B shape, e4m3 (fp16 dots, values widened by _widen_v), CUDA
+    graphs (bench/results/decode_splits_fp8_h200_s31.log): twice the bf16
+    heuristic's splits was the best or within 5% of it at 32768 and 131072 x
+    batch 4 / 8 / 16 / 32, dense and sparse, e.g. dense 32768 x 8 268.8 -> 192.8 us,
+    32768 x 32 985.8 -> 735.0 us, 131072 x 4 524.8 -> 375.8 us (batch 4 keeps 8:
+    16 would lose the balanced launch, choose_num_splits); rows of 512 keys +0.8
+    to +1.6 us. Over bf16 the H100's target held on the H200 (within 1% on sparse
+    rows, 2-7% on dense ones: decode_splits_h200_s31.log)."""
+    return CTAS_PER_SM_TARGET * (2 if kv_fp8 else 1)
+
+
 def balances(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
-             min_split_len: int = DEFAULT_MIN_SPLIT_LEN) -> bool:
+             min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> bool:
     """Whether a launch whose splits the heuristic picks can balance them
     (``balance=True``, given split counters, i.e. a fused merge): several requests,
     the heuristic's splits within the fused merge's range, at most
     BALANCE_MAX_WAVES waves, and SGLANG_SPARSE_BALANCE_SPLITS not 0."""
-    splits = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
-    return _balance_fits(batch_size, num_kv_heads, splits, num_sms)
+    splits = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
+                               kv_fp8=kv_fp8)
+    return _balance_fits(batch_size, num_kv_heads, splits, num_sms, kv_fp8)
 
 
-def _balance_fits(batch_size: int, num_kv_heads: int, splits: int, num_sms: int) -> bool:
+def _balance_fits(batch_size: int, num_kv_heads: int, splits: int, num_sms: int, kv_fp8: bool = False) -> bool:
     """`balances` for the heuristic's `splits`, already chosen."""
     return (BALANCE_ENABLED and batch_size > 1 and splits <= FUSED_MERGE_MAX_SPLITS
-            and batch_size * num_kv_heads * splits <= BALANCE_MAX_WAVES * num_sms * CTAS_PER_SM_TARGET)
+            and batch_size * num_kv_heads * splits <= BALANCE_MAX_WAVES * num_sms * programs_per_sm(kv_fp8))
 
 
 def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
@@ -896,10 +968,13 @@ def two_segment_decode(
         max_kv_len = cap + req_to_token.shape[1]
     if num_sms is None:
         num_sms = device_num_sms(q.device)
-    programs = num_sms * CTAS_PER_SM_TARGET
+    kv_fp8 = k_pool.dtype in FP8_KV_DTYPES
+    programs = num_sms * programs_per_sm(kv_fp8)
     if num_splits is None:
-        num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len)
-        balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, num_splits, num_sms)
+        num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
+                                       kv_fp8=kv_fp8)
+        balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, num_splits, num_sms,
+                                                                           kv_fp8)
         if balance:
             by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
             base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)
@@ -943,6 +1018,7 @@ def two_segment_decode(
         s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
 
     grid = (bs, num_kv_heads, num_splits)
+    f16_dots = FP8_F16_DOTS and k_pool.dtype in FP8_KV_DTYPES
     _two_segment_decode_stage1[grid](
         q,
         a_k,
@@ -971,6 +1047,7 @@ def two_segment_decode(
         lse if return_lse else b_end,
         logits_out if logits_out is not None else b_end,
         float(sm_scale) * _LOG2E * (1.0 if k_scale is None else float(k_scale)),
+        float(sm_scale) * _LOG2E,
         1.0 if v_scale is None else float(v_scale),
         1.0 if k_scale is None else float(k_scale),
         q.stride(0),
@@ -1032,6 +1109,8 @@ def two_segment_decode(
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,
+        F16_DOTS=f16_dots,
+        V_ASM=f16_dots and FP8_V_ASM and not is_interpreter(),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -99,6 +99,9 @@ class SparseAttnBackend(AttentionBackend):
 
             self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
             _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype)
+            # the decode kernel's split heuristic targets more programs over fp8 (programs_per_sm)
+            from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
+            self._kv_fp8 = self.token_to_kv_pool.get_key_buffer(0).dtype in FP8_KV_DTYPES
             # Segment A of every request is read in place from the pool for now
             # (sink tokens): an empty one-slot compact buffer stands in.
             kv = self.token_to_kv_pool.get_key_buffer(0)
@@ -391,14 +394,14 @@ class SparseAttnBackend(AttentionBackend):
             return None
         from sgl_sparse.kernels import balanced_splits, balances
         from sgl_sparse.kernels._utils import device_num_sms
-        from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, MAX_SPLITS
+        from sgl_sparse.kernels.two_segment_decode import MAX_SPLITS, programs_per_sm
 
         bs = plan.b_end.shape[0]
         sms = device_num_sms(self.device)
-        if not balances(bs, self._num_kv_heads, self._max_kv_len, sms):
+        if not balances(bs, self._num_kv_heads, self._max_kv_len, sms, kv_fp8=self._kv_fp8):
             return None
         return balanced_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:bs],
-                               sms * CTAS_PER_SM_TARGET // self._num_kv_heads, MAX_SPLITS)
+                               sms * programs_per_sm(self._kv_fp8) // self._num_kv_heads, MAX_SPLITS)
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor

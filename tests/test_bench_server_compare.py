@@ -77,7 +77,7 @@ def test_a_second_sparse_server_takes_its_own_config():
 
 
 def test_the_kv_cache_dtype_among_the_extra_flags():
-    """Over an fp8 cache the harness skips its covering-sfi check (sfi is not offered)."""
+    """The summary records the servers' KV cache dtype (results over fp8 and bf16 side by side)."""
     assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph --kv-cache-dtype fp8_e4m3") == "fp8_e4m3"
     assert server_compare.kv_cache_dtype("--kv-cache-dtype=fp8_e5m2 --tp-size 2") == "fp8_e5m2"
     assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph") == "auto"

@@ -7,6 +7,7 @@
 #   bash bench/gpu/run_all.sh tests     # every GPU-marked test alone (~2 min; what a short lease can verify)
 #   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the fp8 tests of the decode kernel and every policy's kernels, its time at
 #                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
+#   bash bench/gpu/run_all.sh splits    # our decode kernel at forced split counts over the grid's shapes (bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -40,7 +41,7 @@ if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashi
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
-[ "$what" = fp8 ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+[ "$what" = fp8 ] || [ "$what" = splits ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
 kernels)
@@ -58,10 +59,22 @@ fp8)
     # lfps's kernels, fp8 pools among their cases
     python3 -m pytest -q tests/kernels/test_lfps_sparsity.py tests/kernels/test_lfps_tables.py -p no:cacheprovider \
         2>&1 | tee -a "$OUT/fp8_tests.log" | tail -3
-    for kv in model fp8_e4m3 fp8_e5m2; do
-        python3 bench/kernels/bench_decode.py --contexts 32768 --batches 8 --fractions 1/64,1/16,1 --no-indexed \
-            --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$kv.json" 2>&1 | tee "$OUT/decode_32k8_kv_$kv.log" | tail -16
+    # each cache dtype at the heuristic's splits (the table) and at forced ones ("splits" lines);
+    # e4m3 also with the values widened by the compiler (v_asm0) and with bf16 dots (f16dots0)
+    for run in model fp8_e4m3 fp8_e5m2 fp8_e4m3:SGLANG_SPARSE_FP8_V_ASM=0 fp8_e4m3:SGLANG_SPARSE_FP8_F16_DOTS=0; do
+        kv=${run%%:*}; var=${run#*:}; [ "$var" = "$run" ] && var=""
+        tag=$kv${var:+_$(echo "${var#SGLANG_SPARSE_FP8_}" | tr 'A-Z=' 'a-z_' | tr -d '_')}
+        env $var python3 bench/kernels/bench_decode.py --contexts 32768 --batches 8 --fractions 1/64,1/16,1 --no-indexed \
+            --split-counts 4,8,16,32 --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$tag.json" 2>&1 \
+            | tee "$OUT/decode_32k8_kv_$tag.log" | grep -E "splits ctx|ours_dense \||ours_sparse \||FAIL" | sed "s/^/$tag /"
     done
+    ;;
+splits)
+    # our kernel at forced split counts over the grid's shapes (bf16; what the split
+    # heuristic should pick on this GPU), CUDA-graph replay
+    python3 bench/kernels/bench_decode.py --contexts 8192,32768,131072 --batches 1,4,8,32 --fractions 1/64,1/16,1/4,1 \
+        --no-indexed --no-fused --no-flashinfer --split-counts 1,2,4,8,16,32,64 --copy-gib 1 \
+        --out "$OUT/decode_splits.json" 2>&1 | tee "$OUT/decode_splits.log" | grep -E "splits ctx|HBM|FAIL"
     ;;
 tests)
     python3 -m pytest -q -rP -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15

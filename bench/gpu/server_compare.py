@@ -251,9 +251,8 @@ class Server:
         if self.backend == "sgl_sparse":  # a window covering every prompt must reproduce full
             self.res["greedy_window_covering"] = [
                 gen(url, p, a.check_len, {"policy": "streaming", "window": 1 << 20})["output_ids"] for p in prompts]
-            if not kv_cache_dtype(a.extra).startswith("fp8"):  # over fp8 sfi is not offered (HTTP 400)
-                self.res["greedy_sfi_covering"] = [
-                    gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
+            self.res["greedy_sfi_covering"] = [
+                gen(url, p, a.check_len, {"policy": "sfi", "recent": 1 << 20})["output_ids"] for p in prompts]
             # a window shorter than every prompt: our kernel serves these rows, alone in
             # their batches (graph variant `kernel`, or `mixed` with
             # SGLANG_SPARSE_ROUTE_VARIANTS=0); compare across runs, not with full's ids
@@ -439,7 +438,7 @@ def main():
     runs = run_servers(a)
     base = runs[0]
     summary = {"device": os.popen("nvidia-smi --query-gpu=name --format=csv,noheader").read().strip(),
-               "command": " ".join(sys.argv), "runs": runs, "compare": []}
+               "command": " ".join(sys.argv), "kv_cache_dtype": kv_cache_dtype(a.extra), "runs": runs, "compare": []}
     for r in runs[1:]:
         same = [x == y for x, y in zip(base["greedy"], r["greedy"])]
         covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_window_covering", []))]

@@ -108,6 +108,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sweep-indexed", action="store_true",
                    help="sweep block_n x num_stages x num_splits for the indexed segment A, as position lists "
                         "and as pool-slot lists (a_pos_slots)")
+    p.add_argument("--split-counts", type=_int_list, default=None,
+                   help="also time our kernel at each of these split counts (serving's merge choice: one launch "
+                        "up to the fused merge's limit), dense and each sparse fraction, CUDA-graph replay")
     p.add_argument("--with-pack", action="store_true", help="also time pack_compact for the sparse fractions")
     p.add_argument("--no-indexed", action="store_true", help="skip the indexed segment-A (a_pos) rows")
     p.add_argument("--no-fused", action="store_true", help="skip the fused_merge=True rows")
@@ -360,6 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 record(ctx=n, bs=bs, kernel="ours_dense_fused", frac=1.0, keys=n, num_splits=ns, time_us=t,
                        graph_us=timer.graph_us(run), bytes=dense_bytes, rel_err=err,
                        note="A empty, B=[0,n); one launch")
+            if args.split_counts:
+                time_split_counts(args, K, T, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0,
+                                  dense_bytes, counters)
             if args.sweep:
                 sweep(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0, dense_bytes)
             del ref
@@ -441,6 +447,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                             sweep_indexed(args, K, T, torch, timer, icase, iref, max_kv_len, results, n, bs, frac,
                                           ibytes, mode, lists, counters)
                     del icase, a_pos, iref, slots
+                if args.split_counts:
+                    time_split_counts(args, K, T, timer, case, ref, max_kv_len, results, n, bs, "ours_sparse", frac,
+                                      nbytes, counters)
                 if args.sweep:
                     sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, "ours_sparse", frac, nbytes)
                 if args.with_pack and a > 0:
@@ -456,6 +465,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         dump()
         print(f"\nwrote {args.out}")
     return 1 if failures else 0
+
+
+def time_split_counts(args, K, T, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes, counters):
+    """Our kernel at each of ``--split-counts`` (everything else as served: the
+    merge in one launch up to FUSED_MERGE_MAX_SPLITS, else the merge kernel),
+    CUDA-graph replay: what a split heuristic for this GPU should pick."""
+    out = case.q.new_empty(case.q.shape)
+    line = []
+    for ns in args.split_counts:
+        kw = dict(max_kv_len=max_kv_len, num_splits=ns, out=out, split_counters=counters,
+                  block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
+        run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+        out.fill_(float("nan"))
+        run()
+        err = T.rel_error(out.float(), ref)
+        t = timer.graph_us(run) or timer.eager_us(run)
+        results.append(dict(ctx=n, bs=bs, kernel=kernel + "_splits", frac=frac, num_splits=ns, time_us=t,
+                            bytes=nbytes, gbps=nbytes / (t * 1e-6) / 1e9, rel_err=err))
+        line.append(f"{ns}: {t:.1f}" + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"))
+    print(f"  splits ctx={n} bs={bs} {kernel} frac={frac:.4f} ({nbytes / 1e6:.1f} MB), us by split count: "
+          + ", ".join(line), flush=True)
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):
@@ -568,7 +598,7 @@ def print_table(results: List[Dict], copy_gbps: Optional[float]):
           "| speedup (graph) | MB moved | GB/s | % copy BW | GB/s (graph) | rel err | note |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
-        if r["kernel"].endswith("_sweep"):
+        if r["kernel"].endswith(("_sweep", "_splits")):
             continue
         print(
             f"| {r['ctx']} | {r['bs']} | {r['kernel']} | {100 * r['frac']:.2f} | {r.get('keys', '-')} "

@@ -271,6 +271,21 @@ def test_choose_num_splits():
     assert f(1, 1, 1 << 20, 1000) == 64
     # Depends only on its (static) arguments.
     assert f(3, 2, 4096, 132) == f(3, 2, 4096, 132)
+    # fp8 caches: twice the programs (programs_per_sm), at most FP8_MAX_SPLITS, and
+    # within the fused merge's 8 where bf16's choice is (batch 4 keeps its balancing).
+    assert [f(bs, 8, 131072, 132, kv_fp8=True) for bs in (1, 2, 4, 8, 16, 32, 64)] == [32, 32, 8, 8, 4, 2, 1]
+    assert [f(bs, 8, 131072, 132) for bs in (1, 2, 4, 8, 16, 32, 64)] == [33, 16, 8, 4, 2, 1, 1]
+    assert f(1, 8, 300, 132, min_split_len=256, kv_fp8=True) == 2  # the length bound holds
+
+
+def test_balances_over_fp8_counts_its_programs():
+    """Every batch whose launch balances its splits over bf16 still does over fp8
+    (twice the programs, the fused merge's range kept); the waves bound counts
+    fp8's programs."""
+    for bs in (2, 4, 8, 16, 32, 64, 128):
+        assert K.balances(bs, 8, 131072, 132, kv_fp8=True) == K.balances(bs, 8, 131072, 132), bs
+    assert K.balances(8, 8, 131072, 132, kv_fp8=True)
+    assert K.programs_per_sm(True) == 2 * K.programs_per_sm(False)
 
 
 # -----------------------------------------------------------------------------
@@ -787,9 +802,17 @@ def _check_fp8(case, k_scale, v_scale, **kw):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_kv_cache_mixed_batch(fp8, num_splits):
+@pytest.mark.parametrize("f16_dots,v_asm", [(True, True), (True, False), (False, False)])
+def test_fp8_kv_cache_mixed_batch(monkeypatch, fp8, num_splits, f16_dots, v_asm):
     """Compact segment A, in-place sinks, windows and dense rows over an fp8 cache
-    with scales, GQA 4, lengths off the block size; one launch."""
+    with scales, GQA 4, lengths off the block size; one launch; the dots in fp16
+    (values widened by the compiler or by inline PTX; the interpreter runs the
+    former) and in the query's dtype."""
+    import importlib
+
+    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
+    monkeypatch.setattr(mod, "FP8_F16_DOTS", f16_dots)
+    monkeypatch.setattr(mod, "FP8_V_ASM", v_asm)
     rng = random.Random(77 + num_splits)
     seq_lens, a_lens, b_ranges = mixed_batch(5, 2, 37, rng)
     case = T.make_decode_case(seq_lens, a_lens, b_ranges, num_kv_heads=2, group=4, head_dim=64, cap=37,
@@ -841,13 +864,17 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
-@pytest.mark.parametrize("kv_dtype", FP8 + (torch.bfloat16,))
-def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,f16_dots", [(FP8[0], True), (FP8[0], False), (FP8[1], True),
+                                               (torch.bfloat16, True)])
+def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype, f16_dots):
     """The launch serving makes (indexed rows, fused merge) compiles for the H100/H200
-    (sm_90) over fp8 caches, its arguments captured from an interpreted launch: the
-    K/V tiles stream into shared memory by async copies as wide as the bf16 consumer's
-    8-element vectors (8 bytes of fp8 where bf16 takes 16; no byte-wise copies), and
-    e4m3 widens with sm_90's pair conversion (e5m2 is fp16's top byte: shifts)."""
+    (sm_90) over fp8 caches, its arguments captured from an interpreted launch (the
+    interpreter's fp32 dots swapped for the native ones). The K/V tiles stream into
+    shared memory by async copies, never byte-wise, and e4m3 widens with sm_90's
+    pair conversion (e5m2 is fp16's top byte). With fp16 dots (FP8_F16_DOTS, the
+    default) the values widen before P.V's operand is read (``_widen_v``): that
+    read is ldmatrix.trans as over bf16, where bf16 dots read the operand one
+    value per byte load (the session-30 profile's bound: 40% of copy bandwidth)."""
     import importlib
 
     mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")  # the module, not its function
@@ -861,6 +888,7 @@ def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype):
             return launch
 
     monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    monkeypatch.setattr(mod, "FP8_F16_DOTS", f16_dots)
     n = [97, 70, 83]
     case = T.make_decode_case(n, [0, [9, 24], 0], [(97 - 17, 97), (70 - 9, 70), (0, 83)], num_kv_heads=2,
                               group=4, head_dim=128, cap=24, dtype=torch.bfloat16, device=DEVICE, seed=9,
@@ -885,11 +913,22 @@ def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype):
             if isinstance(value, int) and value % 16 == 0 and value:
                 divisible.append(name)  # as Triton's launcher specializes 16-divisible ints
     assert sig["K_POOL"] == sig["A_K"] == "*" + _TRITON_TYPES[kv_dtype] and const["FUSED_MERGE"] and const["HAS_A_POS"]
+    const["FP32_DOT"] = False  # the interpreter's workaround (needs_fp32_dot); compiled code takes the native dot
+    const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     widen = r"cvt\.rn\.f16x2\.e4m3x2"
+    byte_reads = r"ld\.shared\.[bu]8"
+    trans = r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16"
+    mma = {t: rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{t}\.{t}\.f32" for t in ("bf16", "f16")}
     copies = {w: rf"cp\.async\.c[ag]\.shared\.global [^;]*, 0x{w:x}," for w in (1, 2, 8, 16)}
     counts = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
-                            divisible, options=options, patterns=[widen, *copies.values()])
+                            divisible, options=options,
+                            patterns=[widen, byte_reads, trans, *mma.values(), *copies.values()])
     got = {w: counts[p] for w, p in copies.items()}
-    assert got[1] == got[2] == 0, got
-    assert (got[8] > 0) == fp8 and got[16] > 0, got  # 16-byte copies: bf16 tiles, and q / the lists
+    assert got[1] == got[2] == 0 and got[16] > 0, got  # 16-byte copies: bf16 tiles, q, the lists, fp8 with V_ASM
+    f16 = fp8 and f16_dots
+    assert (counts[mma["f16"]] > 0) == f16 and (counts[mma["bf16"]] > 0) == (not f16), counts
+    if fp8 and not f16_dots:
+        assert got[8] > 0 and counts[byte_reads] > 0 and counts[trans] == 0, counts
+    else:
+        assert counts[byte_reads] == 0 and counts[trans] > 0, counts
     assert (counts[widen] > 0) == (kv_dtype == torch.float8_e4m3fn), counts
