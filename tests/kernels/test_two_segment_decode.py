@@ -859,6 +859,48 @@ def test_gpu_fp8_long_context(fp8):
     _check_fp8(_as_fp8_cache(case, fp8, 0.75, 1.5), 0.75, 1.5)
 
 
+def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch):
+    """Over fp8 the balanced launch's grid is BALANCE_FACTOR x the fp8 heuristic's
+    splits (twice bf16's here), and its answers are the reference's."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    grids, orig = [], tsd._two_segment_decode_stage1
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(tsd, "_two_segment_decode_stage1", Recording())
+    case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=3)
+    base = tsd.choose_num_splits(3, 2, 400, 4, min_split_len=16, kv_fp8=True)
+    assert base == 2 * tsd.choose_num_splits(3, 2, 400, 4, min_split_len=16)
+    assert K.balances(3, 2, 400, 4, min_split_len=16, kv_fp8=True)
+    _check_fp8(_as_fp8_cache(case, FP8[0], 0.5, 2.0), 0.5, 2.0, num_sms=4, max_kv_len=400, balance=True,
+               split_counters=K.make_split_counters(3, 2, DEVICE), min_split_len=16, block_n=16)
+    assert grids == [(3, 2, base * tsd.BALANCE_FACTOR)]
+
+
+@gpu_test
+@pytest.mark.parametrize("fp8", FP8)
+def test_gpu_fp8_balanced_launch_as_served(fp8):
+    """The launch a batch of 8 takes over fp8 in a step with an SFI slow row among
+    fast ones: the heuristic's 8 splits (programs_per_sm), balanced over a 32-split
+    grid, fused merge, one dense row of 32K among compact rows of 2308 keys."""
+    bs, n = 8, 32768
+    seq_lens = [n - 37 * i for i in range(bs)]
+    a_lens = [0] + [2052] * (bs - 1)
+    b_ranges = [(0, seq_lens[0])] + [(m - 256, m) for m in seq_lens[1:]]
+    case = T.make_decode_case(seq_lens, a_lens, b_ranges, num_kv_heads=8, group=2, head_dim=128, cap=2052,
+                              dtype=torch.bfloat16, device="cuda", seed=11)
+    case = _as_fp8_cache(case, fp8, 0.5, 2.0)
+    assert K.choose_num_splits(bs, 8, 140000, 132, kv_fp8=True) == 8 and K.balances(bs, 8, 140000, 132, kv_fp8=True)
+    _check_fp8(case, 0.5, 2.0, num_sms=132, max_kv_len=140000, balance=True,
+               split_counters=K.make_split_counters(bs, 8, "cuda"))
+
+
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
