@@ -86,6 +86,21 @@ def device_num_sms(device: torch.device) -> int:
     return CPU_FAKE_NUM_SMS
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_pair_conversions(device: torch.device) -> bool:
+    """Whether compiled code on ``device`` has PTX's fp8-pair conversions
+    (``cvt.rn.f16x2.e4m3x2`` / ``.e5m2x2``: sm_89 and later, e.g. L40 / H100 /
+    H200). Not under the interpreter, nor on CPU (cached; host-only query)."""
+    if device.type != "cuda" or is_interpreter():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(idx) >= (8, 9)
+
+
 def needs_fp32_dot(dtype: torch.dtype) -> bool:
     """Work around a Triton interpreter bug (present in triton 3.6).
 

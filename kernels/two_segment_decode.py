@@ -74,7 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, is_interpreter, needs_fp32_dot, next_pow2
+from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, has_fp8_pair_conversions, needs_fp32_dot,
+                     next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
            "balanced_splits"]
@@ -153,8 +154,8 @@ def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.
 
 @triton.jit
 def _widen_v(v, dt: tl.constexpr, V_ASM: tl.constexpr):
-    """Values in the dots' dtype. V_ASM (fp8 values, fp16 dots, compiled only):
-    widen them by inline PTX, which the compiler neither fuses into the dot
+    """Values in the dots' dtype. V_ASM (fp8 values, fp16 dots, compiled for sm_89
+    or later, whose PTX has the fp8-pair conversions): widen them by inline PTX, which the compiler neither fuses into the dot
     operand's shared-memory read nor moves past it: the values reach P.V's
     operand as fp16 through ldmatrix.trans instead of one byte load per value
     (sm_90 has no 8-bit transposing ldmatrix)."""
@@ -1110,7 +1111,7 @@ def two_segment_decode(
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,
         F16_DOTS=f16_dots,
-        V_ASM=f16_dots and FP8_V_ASM and not is_interpreter(),
+        V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
     )

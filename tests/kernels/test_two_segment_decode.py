@@ -901,6 +901,20 @@ def test_gpu_fp8_balanced_launch_as_served(fp8):
                split_counters=K.make_split_counters(bs, 8, "cuda"))
 
 
+def test_values_widen_by_inline_ptx_only_where_its_conversions_exist(monkeypatch):
+    """_widen_v's PTX (fp8-pair conversions) needs sm_89 or later: an A100 (sm_80)
+    serving an e5m2 cache keeps the compiler's widening; never under the interpreter."""
+    from sgl_sparse.kernels import _utils
+
+    cuda = torch.device("cuda", 0)
+    assert not _utils.has_fp8_pair_conversions(torch.device("cpu"))
+    assert not _utils.has_fp8_pair_conversions(cuda)  # the interpreter (conftest)
+    monkeypatch.setattr(_utils, "is_interpreter", lambda: False)
+    for cap, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(_utils, "_cuda_capability", lambda index, cap=cap: cap)
+        assert _utils.has_fp8_pair_conversions(cuda) == ok, cap
+
+
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
