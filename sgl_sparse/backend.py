@@ -19,7 +19,7 @@ import contextlib
 import copy
 import logging
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
@@ -98,7 +98,8 @@ class SparseAttnBackend(AttentionBackend):
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
             self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
-            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype)
+            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype,
+                            torch.cuda.get_device_capability(self.device))
             # the decode kernel's split heuristic targets more programs over fp8 (programs_per_sm)
             from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
             self._kv_fp8 = self.token_to_kv_pool.get_key_buffer(0).dtype in FP8_KV_DTYPES
@@ -709,14 +710,22 @@ def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:
     return [int(x) for x in (src.tolist() if hasattr(src, "tolist") else src)]
 
 
-def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> None:
+def _check_kv_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype,
+                    capability: Optional[Tuple[int, int]] = None) -> None:
     """The KV pool's dtype: the model's, or fp8 (the decode kernel widens it as it reads;
-    FlashInfer reads it itself; the selections fold the layer's k_scale in)."""
+    FlashInfer reads it itself; the selections fold the layer's k_scale in). e4m3 only
+    on a GPU of compute ``capability`` 8.9 or later: Triton compiles its e4m3 type
+    (``fp8e4nv``) for those alone, so on an A100 our kernels would fail at their first
+    launch instead."""
     from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
 
     if kv_dtype != model_dtype and kv_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"--attention-backend sgl_sparse: KV cache dtype {kv_dtype} must be the model's "
                          f"({model_dtype}) or fp8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2)")
+    if kv_dtype == torch.float8_e4m3fn and capability is not None and tuple(capability) < (8, 9):
+        raise ValueError(f"--attention-backend sgl_sparse: --kv-cache-dtype fp8_e4m3 needs a GPU of compute "
+                         f"capability 8.9 or later (L40, H100, H200: Triton's e4m3); this one is "
+                         f"{capability[0]}.{capability[1]}: use --kv-cache-dtype fp8_e5m2")
 
 
 def _check_supported(model_runner) -> None:

@@ -53,6 +53,39 @@ def test_fp8_kv_cache_offers_every_policy(monkeypatch, kv_dtype):
     assert "kv-cache-dtype" not in (cfg.unavailable_reason("sadas") or "")  # (here: no think tokens)
 
 
+E4M3_SNIPPET = r"""
+import json, torch
+from sgl_sparse.backend import _check_kv_dtype
+
+def err(*a):
+    try:
+        _check_kv_dtype(*a)
+        return None
+    except ValueError as e:
+        return str(e)
+
+e4, e5, bf = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+print("RESULT " + json.dumps({
+    "e4m3_sm80": err(e4, bf, (8, 0)), "e5m2_sm80": err(e5, bf, (8, 0)), "e4m3_sm89": err(e4, bf, (8, 9)),
+    "e4m3_sm90": err(e4, bf, (9, 0)), "bf16_sm75": err(bf, bf, (7, 5)), "fp16_sm90": err(torch.float16, bf, (9, 0)),
+}))
+"""
+
+
+def test_e4m3_cache_needs_compute_capability_8_9_by_name():
+    """The backend's start-up check: e4m3 on an A100 (sm_80) stops with the flag and the
+    way out (Triton compiles e4m3 for sm_89+ only); e5m2 there, and e4m3 on an H100,
+    pass; the model's dtype passes anywhere, another dtype is refused. (A fresh
+    interpreter: the backend imports SGLang, with its CPU stand-ins.)"""
+    from tests.server import run_snippet
+
+    out = run_snippet(E4M3_SNIPPET)
+    assert "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9" in out["e4m3_sm80"]
+    assert "this one is 8.0: use --kv-cache-dtype fp8_e5m2" in out["e4m3_sm80"]
+    assert out["e5m2_sm80"] is None and out["e4m3_sm89"] is None and out["e4m3_sm90"] is None
+    assert out["bf16_sm75"] is None and "must be the model's" in out["fp16_sm90"]
+
+
 def test_block_quantized_kv_cache_stops_startup_naming_the_flag(monkeypatch, capsys):
     """fp4 / mxfp8 caches (packed values with block scales) are refused, not misread.
     (On CPU SGLang refuses them first: the CUDA server's arguments here.)"""
