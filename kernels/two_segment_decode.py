@@ -141,8 +141,8 @@ def _dot(a, b, FP32_DOT: tl.constexpr):
 def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr, V_ASM: tl.constexpr):
     """One BLOCK_N step of the online softmax for a [BLOCK_H, D] query tile.
 
-    q: [BLOCK_H, BLOCK_D] (input dtype), k/v: [BLOCK_N, BLOCK_D] (the KV cache's
-    dtype: q's, or fp8, widened to q's here), mask_n: [BLOCK_N] valid keys. Scores
+    q: [BLOCK_H, BLOCK_D] (the dots' dtype: the input's, fp16 over fp8), k/v:
+    [BLOCK_N, BLOCK_D] (the KV cache's dtype: q's, or fp8, widened to q's here), mask_n: [BLOCK_N] valid keys. Scores
     live in the base-2 domain: s = (q . k) * sm_scale * log2(e), so
     exp(x*sm_scale) == exp2(s).
     Callers only pass blocks with at least one valid key, so the running max
@@ -155,10 +155,10 @@ def _online_softmax_step(q, k, v, mask_n, m_i, l_i, acc, qk_scale, FP32_DOT: tl.
 @triton.jit
 def _widen_v(v, dt: tl.constexpr, V_ASM: tl.constexpr):
     """Values in the dots' dtype. V_ASM (fp8 values, fp16 dots, compiled for sm_89
-    or later, whose PTX has the fp8-pair conversions): widen them by inline PTX, which the compiler neither fuses into the dot
-    operand's shared-memory read nor moves past it: the values reach P.V's
-    operand as fp16 through ldmatrix.trans instead of one byte load per value
-    (sm_90 has no 8-bit transposing ldmatrix)."""
+    or later, whose PTX has the fp8-pair conversions): widen them by inline PTX,
+    which the compiler neither fuses into the dot operand's shared-memory read nor
+    moves past it: the values reach P.V's operand as fp16 through ldmatrix.trans
+    instead of one byte load per value (sm_90 has no 8-bit transposing ldmatrix)."""
     if V_ASM:
         raw = v.to(tl.uint8, bitcast=True)
         if v.dtype == tl.float8e4nv:
@@ -1019,7 +1019,7 @@ def two_segment_decode(
         s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
 
     grid = (bs, num_kv_heads, num_splits)
-    f16_dots = FP8_F16_DOTS and k_pool.dtype in FP8_KV_DTYPES
+    f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
         a_k,
