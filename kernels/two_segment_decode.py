@@ -74,8 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_switch, has_fp8_pair_conversions, needs_fp32_dot,
-                     next_pow2)
+from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, has_fp8_pair_conversions,
+                     needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
            "balanced_splits"]
@@ -98,8 +98,10 @@ FP8_MAX_SPLITS = 32
 # saves a launch for rows another kernel serves), 1.00-1.06x at 512-2K keys and
 # within 1% above; with 32-33 splits (batch 1) the last arriving program's serial
 # merge of every partial costs up to 1.6x once rows hold more than ~2K keys, so
-# batch 1 keeps the merge kernel.
-FUSED_MERGE_MAX_SPLITS = 8
+# batch 1 keeps the merge kernel. Balanced launches need it (``balances``), so it also
+# bounds where the fp8 heuristic doubles: SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS=16 lets
+# batch 4 over fp8 take 16 splits, still balanced (an A/B knob: not measured end to end).
+FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 # Balanced splits (``balance``): the grid allows BALANCE_FACTOR x the heuristic's
 # splits per (request, KV head) and each request takes its share of them by keys
 # (balanced_splits). H100, Qwen3-1.7B shape, 28 layers, one dense row among sparse

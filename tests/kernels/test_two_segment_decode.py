@@ -288,6 +288,24 @@ def test_balances_over_fp8_counts_its_programs():
     assert K.programs_per_sm(True) == 2 * K.programs_per_sm(False)
 
 
+def test_fused_merge_bound_lets_fp8_batch_4_double(monkeypatch):
+    """SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS (the A/B knob): at 16, batch 4 over fp8
+    takes 16 splits and still balances; the variable is read as a bounded count."""
+    import importlib
+
+    from sgl_sparse.kernels import _utils
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FUSED_MERGE_MAX_SPLITS", 16)
+    assert K.choose_num_splits(4, 8, 131072, 132, kv_fp8=True) == 16
+    assert K.balances(4, 8, 131072, 132, kv_fp8=True)
+    monkeypatch.setenv("SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS", "16")
+    assert _utils.env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64) == 16
+    monkeypatch.setenv("SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS", "0")
+    with pytest.raises(ValueError, match="SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS"):
+        _utils.env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
+
+
 # -----------------------------------------------------------------------------
 # GPU-sized tests (CUDA only)
 # -----------------------------------------------------------------------------
