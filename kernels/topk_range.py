@@ -25,7 +25,11 @@ sync, shapes static: ``k_max`` is the output width):
    histograms walk ``[lo, hi)`` (bits 31..26, then 25..20 among
    the values with that top digit), the values sharing those top 12 bits are
    gathered to a scratch row (``gather=True``) and three passes over those alone
-   finish the key (7 + 7 + 6 bits). ``small_digits=False``: two
+   finish the key (7 + 7 + 6 bits). When the budget keeps every finite score
+   (``k = F``: lfps's priority rows, -inf outside its C1 of a few % of the
+   context, against 8192 candidates), there is no select: the compaction keeps
+   every finite entry, after the one histogram pass that counted them (the
+   same output; every path, the split one included). ``small_digits=False``: two
    256-bin histograms over the row, the values sharing the top 16 bits gathered,
    two 256-bin passes over those. Why 64 bins: Triton's histogram costs, per
    value, a ballot per bin-index bit plus an AND per bit for every bin a lane owns
@@ -140,19 +144,27 @@ def _topk_range_kernel(
     scr = SCR + cur_r.to(tl.int64) * stride_cr + cur_h.to(tl.int64) * stride_ch
     # KEY_DESC (2): finite scores only, the k-th smallest key is the (k+1)-th largest score.
     # The top digit's histogram also counts them (F): k = min(k, F) before the select.
+    # k = F (the budget keeps every finite score, as lfps's sparse priority rows mostly
+    # do): no select, the compaction keeps every finite entry (t above every finite key).
+    key = tl.full([], -1, dtype=tl.int32)
+    rank = tl.full([], -1, dtype=tl.int32)
     if SMALL_DIGITS and GATHER:
         if HAS_HTOP:  # the scores' producer counted it: one serial pass over the row less
             h = h_given
         else:
             h = digit_hist(row, lo, hi, 0.0, 0, 26, 6, 2, False, BLOCK_N)
-        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        f = tl.sum(h, 0)
+        k = tl.maximum(tl.minimum(k, f), 0)
         hi = tl.where(k > 0, hi, lo)
-        key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
+        if k < f:
+            key, rank = radix_select_small(row, lo, hi, h, k - 1, 0.0, scr, 2, BLOCK_N)  # the k-th largest's key
     else:
         h = digit_histogram(row, lo, hi, 0.0, 0, 24, 2, False, BLOCK_N)
-        k = tl.maximum(tl.minimum(k, tl.sum(h, 0)), 0)
+        f = tl.sum(h, 0)
+        k = tl.maximum(tl.minimum(k, f), 0)
         hi = tl.where(k > 0, hi, lo)
-        key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
+        if k < f:
+            key, rank = radix_select(row, lo, hi, h, k - 1, 0.0, scr, 2, GATHER, BLOCK_N)
     ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
     t = key.to(tl.uint32, bitcast=True)
     out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
@@ -211,22 +223,29 @@ def _topk_row_kernel(
     _, bits, ok = load_key(row, offs, (offs >= lo) & (offs < hi), 0.0, 2)  # KEY_DESC: finite scores only
     # SMALL_DIGITS: bits 31..26, 25..20, then four 5-bit digits, not 6 + 6 + 6 + 2: under
     # 32 bins a histogram still takes 5 ballots a value, and 32 bins are one per lane.
+    # k = F (every finite score kept): no digit passes, t above every finite key
+    rank = tl.full([], -1, dtype=tl.int32)
+    prefix = tl.full([], -1, dtype=tl.int32)
     if SMALL_DIGITS:
         h = _row_histogram(bits, ok, 26, 6)  # the top digit's also counts the finite scores
-        k = tl.minimum(k, tl.sum(h, 0))
-        rank, prefix = pick_digit(h, tl.maximum(k - 1, 0), 0, 6)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 20, 6)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 15, 5)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 10, 5)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 5, 5)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 5)
+        f = tl.sum(h, 0)
+        k = tl.minimum(k, f)
+        if k < f:
+            rank, prefix = pick_digit(h, tl.maximum(k - 1, 0), 0, 6)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 20, 6)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 15, 5)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 10, 5)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 5, 5)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 5)
     else:  # bits 31..24, 23..16, 15..8, 7..0
         h = _row_histogram(bits, ok, 24, 8)
-        k = tl.minimum(k, tl.sum(h, 0))
-        rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 16, 8)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 8, 8)
-        rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 8)
+        f = tl.sum(h, 0)
+        k = tl.minimum(k, f)
+        if k < f:
+            rank, prefix = _pick_digit(h, tl.maximum(k - 1, 0), 0)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 16, 8)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 8, 8)
+            rank, prefix = _row_digit(bits, ok, rank, prefix, 0, 8)
     # keep keys below the k-th's, and the first rank + 1 equal to it by position (k = 0:
     # no finite score, nothing is ok)
     t = prefix.to(tl.uint32, bitcast=True)

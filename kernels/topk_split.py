@@ -81,23 +81,32 @@ def _topk_split_kernel(
         select_pass(row, a, b, 0.0, 0, 0, h0, h1, NSPLIT, cur_s, scr, 2, 0, BLOCK_N)
     else:
         tot0, before0 = hist_totals(h0, NSPLIT, cur_s)
-        k = tl.maximum(tl.minimum(k, tl.sum(tot0, 0)), 0)
+        f = tl.sum(tot0, 0)
+        k = tl.maximum(tl.minimum(k, f), 0)
         hi = tl.where(k > 0, hi, lo)
         a, b = slice_bounds(lo, hi, cur_s, NSPLIT, BLOCK_N)
         if PHASE < 3:
-            select_pass(row, a, b, 0.0, k - 1, tot0, h0, h1, NSPLIT, cur_s, scr, 2, PHASE, BLOCK_N)
+            # k = F (the budget keeps every finite entry): no select, phase 3 keeps them all
+            if k < f:
+                select_pass(row, a, b, 0.0, k - 1, tot0, h0, h1, NSPLIT, cur_s, scr, 2, PHASE, BLOCK_N)
         else:
-            key, rank, off, below1 = finish(tot0, h1, NSPLIT, cur_s, k - 1, scr, 2, BLOCK_N)
-            ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
-            t = key.to(tl.uint32, bitcast=True)
-            # What the slices before this one keep: keys below t by their top digit,
-            # by their second digit (top digit t's), and among the survivors (top 16
-            # bits t's) below t or tied with it, in position order.
-            below0 = tl.sum(tl.where(tl.arange(0, 256) < ((key >> 24) & 255), before0, 0), 0)
-            less, seen = count_keys(scr, 0, off, t, BLOCK_N)
-            written = below0 + below1 + less + tl.minimum(seen, ties)
             out = OUT + cur_r.to(tl.int64) * stride_or + cur_h * stride_oh
-            place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N)
+            if k < f:
+                key, rank, off, below1 = finish(tot0, h1, NSPLIT, cur_s, k - 1, scr, 2, BLOCK_N)
+                ties = rank + 1  # entries with that key that are kept (the others kept rank above it)
+                t = key.to(tl.uint32, bitcast=True)
+                # What the slices before this one keep: keys below t by their top digit,
+                # by their second digit (top digit t's), and among the survivors (top 16
+                # bits t's) below t or tied with it, in position order.
+                below0 = tl.sum(tl.where(tl.arange(0, 256) < ((key >> 24) & 255), before0, 0), 0)
+                less, seen = count_keys(scr, 0, off, t, BLOCK_N)
+                written = below0 + below1 + less + tl.minimum(seen, ties)
+                place_kept(row, a, b, t, ties, out, written, seen, BLOCK_N)
+            else:
+                # every finite entry: the slices before this one hold sum(before0) of them;
+                # t above every finite key (no finite key is 0xFFFFFFFF)
+                t_all = tl.full([], -1, dtype=tl.int32).to(tl.uint32, bitcast=True)
+                place_kept(row, a, b, t_all, 0, out, tl.sum(before0, 0), 0, BLOCK_N)
             if cur_s == 0:
                 tl.store(OUT_LEN + cur_r * stride_lr + cur_h, k)
 

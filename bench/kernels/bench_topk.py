@@ -63,7 +63,8 @@ def parse_args(argv=None):
 
 
 def _cases(smoke: bool):
-    # (name, R, H, N, k, live lengths per row as fractions of N (0 = empty))
+    # (name, R, H, N, k, live lengths per row as fractions of N (0 = empty)[, the share of
+    # the live range that is finite, the rest -inf (default 1)])
     if smoke:
         return [("smoke-half-empty", 4, 2, 300, 40, [0.9, 0.0, 0.5, 0.0]), ("smoke-full", 2, 2, 300, 40, [1.0, 0.7])]
     half = [1.0, 0.0, 0.6, 0.0, 0.3, 0.0, 0.1, 0.0]
@@ -90,6 +91,13 @@ def _cases(smoke: bool):
         # and at 130000 x 4 (4 slots of 130560, sparse_config_130k4_qa_int4_b4.yaml), 14 layers
         # a launch: session 28 served it at 2.30x stock against quest's 3.36x
         ("aspd130k-layers-14", 4 * 14, 8, 130560, 2048, [130000 / 130560] * (4 * 14)),
+        # lfps at 32768 x 8 (8 slots of 33792), a layer: its priorities keep C1 (a few %
+        # of the context; the rest -inf) and the Top-`candidates` (8192) of them keeps
+        # all (k = F: no select, session 31); at half the context finite it selects.
+        # Then its Top-`budget` of the exact scores over C1 (rows of 8192, C1 live).
+        ("lfps-prio-5pct", 8, 8, 33792, 8192, [32768 / 33792] * 8, 0.05),
+        ("lfps-prio-50pct", 8, 8, 33792, 8192, [32768 / 33792] * 8, 0.5),
+        ("lfps-rank", 8, 8, 8192, 2048, [0.2] * 8),
     ]
 
 
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
     results, failures = [], []
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     prefixes = [c for c in args.cases.split(",") if c]
-    for name, r, h, n, k, fracs in _cases(args.smoke):
+    for name, r, h, n, k, fracs, *density in _cases(args.smoke):
         if prefixes and not any(name.startswith(c) for c in prefixes):
             continue
         lo = torch.full((r,), 4, dtype=torch.int32, device=dev)
@@ -137,10 +145,13 @@ def main(argv=None) -> int:
         pos_n = torch.arange(n, device=dev)
         live = (pos_n >= lo[:, None]) & (pos_n < hi[:, None])
         s = torch.randn(r, h, n, generator=gen, device=dev).masked_fill(~live[:, None, :], float("-inf"))
+        if density:
+            sparse = torch.rand(r, h, n, generator=gen, device=dev) >= density[0]
+            s = s.masked_fill(sparse, float("-inf"))
 
         # check: counts, kept values (multisets), ascending positions in range
         pos, cnt = topk_range(s, lo, hi, budget, k)
-        want_cnt = torch.minimum(budget[:, None], (hi - lo).clamp(min=0)[:, None]).clamp(max=k).expand(r, h)
+        want_cnt = torch.minimum(budget[:, None], torch.isfinite(s).sum(-1)).clamp(max=k)
         kk = min(k, n)
         vals = torch.topk(s, kk, dim=-1).values
         j = torch.arange(k, device=dev)

@@ -222,6 +222,46 @@ def test_top_digit_hist_ref_matches_digit_hist(kind):
     assert not want[2:4].any()  # empty ranges
 
 
+@pytest.mark.parametrize("launch", [dict(one_block=True), dict(one_block=True, small_digits=False),
+                                    dict(one_block=False, splits=1, block_n=16),
+                                    dict(one_block=False, splits=1, block_n=32, small_digits=False),
+                                    dict(one_block=False, splits=1, block_n=16, gather=False),
+                                    dict(one_block=False, splits=3, block_n=16), "htop"])
+def test_topk_budget_keeping_every_finite_score(launch):
+    """Rows mostly -inf (lfps's priorities: its C1 is a few % of the context) whose
+    budget keeps every finite score (k = F: no select, the compaction keeps them all),
+    beside rows where it does not (F one above the budget, far above it) and rows with
+    no finite score: on every launch path, every finite position in range, ascending,
+    and the reference's counts; the others as the reference."""
+    gen = torch.Generator().manual_seed(7)
+    r, h, n, k_max = 6, 3, 300, 64
+    s = torch.randn(r, h, n, generator=gen) * 10.0
+    live = torch.rand(r, h, n, generator=gen)
+    finite = torch.tensor([[5, 40, 0], [64, 63, 1], [65, 200, 12], [30, 30, 30], [0, 0, 0], [64, 64, 64]])
+    for i in range(r):
+        for j in range(h):
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[torch.argsort(live[i, j])[: int(finite[i, j])]] = True
+            s[i, j] = torch.where(keep, s[i, j], float("-inf"))
+    s[3, 1, 7] = float("nan")  # non-finite holes besides -inf stay out
+    s[3, 2, 9] = float("inf")
+    lo = torch.zeros(r, dtype=torch.int32)
+    hi = torch.full((r,), n, dtype=torch.int32)
+    budget = torch.tensor([64, 64, 64, 10 ** 6, 64, 64], dtype=torch.int32)
+    if launch == "htop":
+        h_top, _ = _htop_strided(top_digit_hist_ref(s, lo, hi))
+        pos, cnt = topk_range(s, lo, hi, budget, k_max, h_top=h_top, block_n=16)
+    else:
+        pos, cnt = topk_range(s, lo, hi, budget, k_max, **launch)
+    _check(s, lo, hi, budget, k_max, pos, cnt)
+    for i in range(r):
+        for j in range(h):
+            f = torch.isfinite(s[i, j]).nonzero().flatten()
+            if len(f) <= min(int(budget[i]), k_max):  # every finite score kept, in order
+                assert int(cnt[i, j]) == len(f) and torch.equal(pos[i, j, : len(f)].long(), f), (i, j)
+    assert int(cnt[2, 0]) == 64 and int(cnt[2, 1]) == 64  # F above the budget: the select's 64
+
+
 def _htop_strided(want: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(h_top, its buffer): strided rows and heads, a [H, R, 80] buffer seen as [R, H, 64]."""
     r, h, _ = want.shape
