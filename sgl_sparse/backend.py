@@ -97,15 +97,15 @@ class SparseAttnBackend(AttentionBackend):
         if self.device.type == "cuda":
             from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-            self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
-            _check_kv_dtype(self.token_to_kv_pool.get_key_buffer(0).dtype, model_runner.dtype,
-                            torch.cuda.get_device_capability(self.device))
-            # the decode kernel's split heuristic targets more programs over fp8 (programs_per_sm)
             from sgl_sparse.kernels.two_segment_decode import FP8_KV_DTYPES
-            self._kv_fp8 = self.token_to_kv_pool.get_key_buffer(0).dtype in FP8_KV_DTYPES
+
+            self.dense = ATTENTION_BACKENDS["flashinfer"](model_runner)
+            kv = self.token_to_kv_pool.get_key_buffer(0)
+            _check_kv_dtype(kv.dtype, model_runner.dtype, torch.cuda.get_device_capability(self.device))
+            # the decode kernel's split heuristic targets more programs over fp8 (programs_per_sm)
+            self._kv_fp8 = kv.dtype in FP8_KV_DTYPES
             # Segment A of every request is read in place from the pool for now
             # (sink tokens): an empty one-slot compact buffer stands in.
-            kv = self.token_to_kv_pool.get_key_buffer(0)
             self._no_compact = kv.new_zeros((1, kv.shape[1], 1, kv.shape[2]))
             self._max_kv_len = self.req_to_token_pool.req_to_token.shape[1]
             # Per decode slot: 1 = the kernel serves it, 0 = FlashInfer. Fixed

@@ -75,9 +75,6 @@ class LfpsStep(NamedTuple):
     weights: torch.Tensor  # [bs, Hkv, k_max]: w_i on C2 (group mean softmax over C2), 0 after
 
 
-_dt = compute_dtype  # float32 for fp8/half/bf16/fp32 (serving), float64 kept (tests)
-
-
 # ---- initialization (prefill) -------------------------------------------------------
 def init_tables(q_last: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: torch.Tensor,
                 scale: float, max_ctx: int, knobs: LfpsKnobs = LfpsKnobs(),
@@ -100,7 +97,7 @@ non-sink key, min(s, n - n_sink) [ours, for short prompts]:
     bs, s, Hq, D = q_last.shape
     n_max, Hkv = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    dt = torch.promote_types(_dt(q_last), _dt(keys))
+    dt = torch.promote_types(compute_dtype(q_last), compute_dtype(keys))
     dev = keys.device
     r, ns = knobs.r, knobs.n_sink
     nn = n.to(torch.int64)
@@ -161,7 +158,7 @@ def head_sparsity(q: torch.Tensor, keys: torch.Tensor, n: torch.Tensor, kbar: to
     bs, Hq, D = q.shape
     n_max, Hkv = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    dt = torch.promote_types(_dt(q), _dt(keys))
+    dt = torch.promote_types(compute_dtype(q), compute_dtype(keys))
     qq = q.to(dt).reshape(bs, Hkv, G, D)
     nn = n.to(torch.int64)
     ns, nl = knobs.n_sink, knobs.n_local
@@ -253,7 +250,7 @@ def step(state: LfpsState, q: torch.Tensor, keys: torch.Tensor, n: torch.Tensor,
     n_max, Hkv = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     dev = q.device
-    dt = torch.promote_types(_dt(q), _dt(keys))
+    dt = torch.promote_types(compute_dtype(q), compute_dtype(keys))
     rows = torch.arange(bs, device=dev) if rows is None else rows
     sv, ss = state.ver[rows].to(dt), state.sla[rows].to(dt)
     rho = head_sparsity(q, keys, n, state.kbar[rows], state.sigma_hat2[rows], scale, knobs)
