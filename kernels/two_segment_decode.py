@@ -92,6 +92,11 @@ CTAS_PER_SM_TARGET = 2
 # Over fp8 caches: programs_per_sm doubles the target; batch 1 (8 KV heads) measured
 # best at 32 splits, the most measured there (H200, s31).
 FP8_MAX_SPLITS = 32
+# The factor itself, SGLANG_SPARSE_FP8_SPLIT_FACTOR (1: bf16's splits over fp8 too):
+# an A/B knob. Served at 32768 x 8 over e4m3 (session 32), quest, asyncspade and
+# sfi-pinned ran 3-8% slower than with session 31's 4 splits, in another lease, while
+# the kernel alone is 1.4x faster on dense rows and even on sparse ones at 8 splits.
+FP8_SPLIT_FACTOR = env_count("FP8_SPLIT_FACTOR", 2, 1, 4)
 # fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
 # D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
 # (batch >= 8) it is 0.76-0.80x the two launches for rows of <= 256 keys (and
@@ -693,7 +698,7 @@ def choose_num_splits(
     """
     programs = max(1, batch_size * num_kv_heads)
     want = (num_sms * programs_per_sm(kv_fp8)) // programs
-    if kv_fp8:
+    if kv_fp8 and FP8_SPLIT_FACTOR > 1:
         if (num_sms * programs_per_sm(False)) // programs <= FUSED_MERGE_MAX_SPLITS:
             want = min(want, FUSED_MERGE_MAX_SPLITS)
         want = min(want, FP8_MAX_SPLITS)
@@ -711,9 +716,9 @@ def programs_per_sm(kv_fp8: bool = False) -> int:
     batch 4 / 8 / 16 / 32, dense and sparse, e.g. dense 32768 x 8 268.8 -> 192.8 us,
     32768 x 32 985.8 -> 735.0 us, 131072 x 4 524.8 -> 375.8 us (batch 4 keeps 8:
     16 would lose the balanced launch, choose_num_splits); rows of 512 keys +0.8
-    to +1.6 us. Over bf16 the H100's target held on the H200 (within 1% on sparse
+    to +1.6 us (FP8_SPLIT_FACTOR sets the factor). Over bf16 the H100's target held on the H200 (within 1% on sparse
     rows, 2-7% on dense ones: decode_splits_h200_s31.log)."""
-    return CTAS_PER_SM_TARGET * (2 if kv_fp8 else 1)
+    return CTAS_PER_SM_TARGET * (FP8_SPLIT_FACTOR if kv_fp8 else 1)
 
 
 def balances(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,

@@ -342,7 +342,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             # ---- Our kernel, dense path (B = [0, n)) -----------------------------
             out = torch.empty_like(base.q)
             msl = {"min_split_len": args.min_split_len} if args.min_split_len else {}
-            ns = args.num_splits or K.choose_num_splits(bs, hkv, max_kv_len, env["num_sms"] or 4, **msl)
+            # the served heuristic: over an fp8 cache twice the programs (programs_per_sm)
+            ns = args.num_splits or K.choose_num_splits(bs, hkv, max_kv_len, env["num_sms"] or 4,
+                                                        kv_fp8=kv_dtype != dtype, **msl)
             kw = dict(max_kv_len=max_kv_len, num_splits=ns, out=out, **tuning, **msl)
             run = lambda: K.two_segment_decode(*base.args(), **kw)  # noqa: E731
             run()

@@ -306,6 +306,24 @@ def test_fused_merge_bound_lets_fp8_batch_4_double(monkeypatch):
         _utils.env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 
 
+def test_fp8_split_factor_one_is_bf16s_heuristic(monkeypatch):
+    """SGLANG_SPARSE_FP8_SPLIT_FACTOR=1 (the A/B knob against session 31's splits):
+    over fp8 the heuristic, its balancing and its program count are bf16's."""
+    import importlib
+
+    from sgl_sparse.kernels import _utils
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FP8_SPLIT_FACTOR", 1)
+    for bs in (1, 2, 4, 8, 16, 32, 64):
+        assert K.choose_num_splits(bs, 8, 33792, 132, kv_fp8=True) == K.choose_num_splits(bs, 8, 33792, 132), bs
+        assert K.balances(bs, 8, 33792, 132, kv_fp8=True) == K.balances(bs, 8, 33792, 132), bs
+    assert K.programs_per_sm(True) == K.programs_per_sm(False)
+    monkeypatch.setenv("SGLANG_SPARSE_FP8_SPLIT_FACTOR", "5")
+    with pytest.raises(ValueError, match="SGLANG_SPARSE_FP8_SPLIT_FACTOR"):
+        _utils.env_count("FP8_SPLIT_FACTOR", 2, 1, 4)
+
+
 # -----------------------------------------------------------------------------
 # GPU-sized tests (CUDA only)
 # -----------------------------------------------------------------------------
