@@ -1,15 +1,16 @@
 """
-LFPS's table work on the CUDA-graph path, one program per (slot, KV head)
-=========================================================================
+LFPS's table work on the CUDA-graph path
+========================================
 
 ``sgl_sparse/lfps_device.py`` runs LFPS's decode step over the policy's store
 slots with static shapes (so SGLang's decode CUDA graphs can capture it). Its
 table work was ~150 small torch ops per layer over ``[slots, Hkv, max_context]``
 (Eq. 8's thresholds, C0 / C1 with the position shifts, the priorities, Eq. 10's
 decay and scatter), paid by every slot at every step, rows or not. Here it is
-three kernels, grid ``(S, Hkv)``, whose programs for a slot without a row this
-step (``n <= 0``) return at once, so a step pays for its live slots only and a
-batch without an lfps row pays three near-empty launches:
+kernels over a grid of ``(S, Hkv)`` (the priorities: ``(S, Hkv, chunks)``), whose
+programs for a slot without a row this step (``n <= 0``) return at once, so a step
+pays for its live slots only and a batch without an lfps row pays near-empty
+launches:
 
 * :func:`lfps_priority`: the group-mean ρ against ε (the sink bypass), Eq. (8)'s
   thresholds of both tables over the valid range ``[sink, n)``, C0 / C1 (Eqs. 7,
@@ -17,7 +18,9 @@ batch without an lfps row pays three near-empty launches:
   heads), written over ``[sink, n)`` only (what ``topk_range`` reads).
   ``Φ_sla(i) = sla[n - 2 - i]`` (0 for ``i = n - 1``), as
   ``queryaware.lfps.table_views``. The same math as ``queryaware.lfps.candidates``
-  (fp32 sums in another order).
+  (fp32 sums in another order). Each row's passes are cut into chunks (three
+  launches: sums, central moments, C1), since one program a row walking the whole
+  context three times was latency-bound (session 32: 110 us a layer at 32768 x 8).
 * :func:`lfps_select_out`: C2 (``cand[idx[i]]``, ``i < count``, ascending) ->
   the slot's batch row of ``a_pos`` / ``a_len``: its sinks, then the C2
   positions in ``[sink, b_start)`` (``expand_selection``'s listing), ``a_len``
@@ -42,13 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import needs_bf16_rtne, next_pow2
+from ._utils import cdiv, device_num_sms, needs_bf16_rtne, next_pow2
 from .indexed_slots import unpack_slots
 from .asyncspade_predict import _round_bf16_rtne
 from .token_scores import _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
 
-__all__ = ["lfps_priority", "lfps_select_out", "lfps_finish"]
+__all__ = ["lfps_priority", "priority_chunks", "lfps_select_out", "lfps_finish"]
 
 
 @triton.jit
@@ -66,6 +69,114 @@ def _c0(VER_ROW, SLA_ROW, i, lo, n, M, tv, ts):
     return ok & ((v > tv) | (s > ts))
 
 
+@triton.jit
+def _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS):
+    """(n, lo, the chunk's [start, stop)): a live row's valid range [lo, n) cut into
+    CHUNKS near-equal chunks by its own length (n <= 0: no row)."""
+    n = tl.minimum(tl.load(N + cur_s), M)
+    lo = tl.maximum(tl.load(SINK + cur_s), 0)
+    span = tl.maximum(n - lo, 0)
+    size = (span + CHUNKS - 1) // CHUNKS
+    start = lo + cur_p * size
+    return n, lo, start, tl.minimum(start + size, n)
+
+
+@triton.jit
+def _row_sums(WORK_ROW, col, CHUNKS, BLOCK_P: tl.constexpr):
+    """Column `col` of a row's chunk partials, summed (every program of the row in the same order)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    return tl.sum(tl.load(WORK_ROW + offs_p * 8 + col, mask=offs_p < CHUNKS, other=0.0), 0)
+
+
+@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
+def _lfps_table_sums_kernel(
+    VER,  # [S, Hkv, M] fp32
+    SLA,  # [S, Hkv, M] fp32
+    N,  # [S] int32 (<= 0: no row)
+    SINK,  # [S] int32
+    WORK,  # [S, Hkv, CHUNKS, 8] fp32 out: column 0 / 1 the chunk's sums of Φ_ver / Φ_sla
+    stride_vs,
+    stride_vh,
+    stride_ss,
+    stride_sh,
+    M,
+    CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
+    n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
+    if n <= 0:
+        return
+    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    offs = tl.arange(0, BLOCK_M)
+    sv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(c0, c1, BLOCK_M):
+        pos = start + offs
+        ok = pos < c1
+        sv += tl.load(ver + pos, mask=ok, other=0.0)
+        ss += _sla_at(sla, pos, ok, n, M)
+    work = WORK + ((cur_s * tl.num_programs(1) + cur_h) * CHUNKS + cur_p).to(tl.int64) * 8
+    tl.store(work, tl.sum(sv, 0))
+    tl.store(work + 1, tl.sum(ss, 0))
+
+
+@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
+def _lfps_table_moments_kernel(
+    VER,
+    SLA,
+    N,
+    SINK,
+    WORK,  # in: columns 0 / 1 of every chunk; out: this chunk's columns 2-5
+    stride_vs,
+    stride_vh,
+    stride_ss,
+    stride_sh,
+    M,
+    CHUNKS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The chunk's central sums about the row's means (Eq. 8's kurtosis_threshold in
+    two passes, as the reference): Σd², Σd⁴ of Φ_ver (columns 2, 3) and Φ_sla (4, 5)."""
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
+    n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
+    if n <= 0:
+        return
+    row = WORK + ((cur_s * tl.num_programs(1) + cur_h) * CHUNKS).to(tl.int64) * 8
+    cnt = tl.maximum(n - lo, 1).to(tl.float32)
+    mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
+    ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
+    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    offs = tl.arange(0, BLOCK_M)
+    v2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    v4 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s4 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(c0, c1, BLOCK_M):
+        pos = start + offs
+        ok = pos < c1
+        dv = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - mv, 0.0)
+        ds = tl.where(ok, _sla_at(sla, pos, ok, n, M) - ms, 0.0)
+        dv2 = dv * dv
+        ds2 = ds * ds
+        v2 += dv2
+        v4 += dv2 * dv2
+        s2 += ds2
+        s4 += ds2 * ds2
+    work = row + cur_p * 8
+    tl.store(work + 2, tl.sum(v2, 0))
+    tl.store(work + 3, tl.sum(v4, 0))
+    tl.store(work + 4, tl.sum(s2, 0))
+    tl.store(work + 5, tl.sum(s4, 0))
+
+
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh", "stride_ps", "stride_ph"])
 def _lfps_priority_kernel(
     RHO,  # [S, Hq] fp32
@@ -75,6 +186,7 @@ def _lfps_priority_kernel(
     SLA,  # [S, Hkv, M] fp32
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
+    WORK,  # [S, Hkv, CHUNKS, 8] fp32: columns 0-5 of every chunk
     PRIO,  # [S, Hkv, M] fp32 out, written over [sink, n) only
     BYPASS,  # [S, Hkv] int8 out
     stride_rs,
@@ -87,80 +199,82 @@ def _lfps_priority_kernel(
     M,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
-    n = tl.load(N + cur_s)
+    n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
     if n <= 0:  # no row this step: nothing read, nothing bypassed
-        tl.store(BYPASS + cur_s * nh + cur_h, (n < 0).to(tl.int8))
+        if cur_p == 0:
+            tl.store(BYPASS + cur_s * nh + cur_h, (tl.load(N + cur_s) < 0).to(tl.int8))
         return
-    n = tl.minimum(n, M)
     offs_g = tl.arange(0, BLOCK_G)
     rho = tl.load(RHO + cur_s * stride_rs + cur_h * GROUP + offs_g, mask=offs_g < GROUP, other=0.0)
     bypass = tl.sum(rho, 0) / GROUP > tl.load(EPS + cur_s)
-    tl.store(BYPASS + cur_s * nh + cur_h, bypass.to(tl.int8))
-    lo = tl.maximum(tl.load(SINK + cur_s), 0)
+    if cur_p == 0:
+        tl.store(BYPASS + cur_s * nh + cur_h, bypass.to(tl.int8))
     a = tl.load(A + cur_s)
-    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
-    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
-    prio = PRIO + cur_s.to(tl.int64) * stride_ps + cur_h.to(tl.int64) * stride_ph
-    offs = tl.arange(0, BLOCK_M)
-    # Eq. (8) over [lo, n): means, then the central moments (kurtosis_threshold)
-    sv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(lo, n, BLOCK_M):
-        pos = start + offs
-        ok = pos < n
-        sv += tl.load(ver + pos, mask=ok, other=0.0)
-        ss += _sla_at(sla, pos, ok, n, M)
+    # Eq. (8)'s thresholds from every chunk's sums (each program of the row alike)
+    row = WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
     cnt = tl.maximum(n - lo, 1).to(tl.float32)
-    mv = tl.sum(sv, 0) / cnt
-    ms = tl.sum(ss, 0) / cnt
-    v2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    v4 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s4 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(lo, n, BLOCK_M):
-        pos = start + offs
-        ok = pos < n
-        dv = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - mv, 0.0)
-        ds = tl.where(ok, _sla_at(sla, pos, ok, n, M) - ms, 0.0)
-        dv2 = dv * dv
-        ds2 = ds * ds
-        v2 += dv2
-        v4 += dv2 * dv2
-        s2 += ds2
-        s4 += ds2 * ds2
-    m2v = tl.sum(v2, 0)
-    m4v = tl.sum(v4, 0)
-    m2s = tl.sum(s2, 0)
-    m4s = tl.sum(s4, 0)
+    mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
+    ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
+    m2v = _row_sums(row, 2, CHUNKS, BLOCK_P)
+    m4v = _row_sums(row, 3, CHUNKS, BLOCK_P)
+    m2s = _row_sums(row, 4, CHUNKS, BLOCK_P)
+    m4s = _row_sums(row, 5, CHUNKS, BLOCK_P)
     kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
     ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
     tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
     ts = tl.where((m2s > 0) & (ks > 0), a * ms / tl.where(ks > 0, ks, 1.0), float("inf"))
-    # C1 (Eq. 9): j with some i in {j + 1, j, j - 1, j - 2} in C0, above a table's mean
-    for start in range(lo, n, BLOCK_M):
+    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    prio = PRIO + cur_s.to(tl.int64) * stride_ps + cur_h.to(tl.int64) * stride_ph
+    offs = tl.arange(0, BLOCK_M)
+    # C1 (Eq. 9) on the chunk: j with some i in {j + 1, j, j - 1, j - 2} in C0 (over the
+    # whole row: neighbours across the chunk's ends), above a table's mean
+    for start in range(c0, c1, BLOCK_M):
         pos = start + offs
-        ok = pos < n
+        ok = pos < c1
         v = tl.load(ver + pos, mask=ok, other=0.0)
         s = _sla_at(sla, pos, ok, n, M)
         grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | _c0(ver, sla, pos, lo, n, M, tv, ts)
         grow = grow | _c0(ver, sla, pos - 1, lo, n, M, tv, ts) | _c0(ver, sla, pos - 2, lo, n, M, tv, ts)
-        c1 = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
-        tl.store(prio + pos, tl.where(c1, v + s, float("-inf")), mask=ok)
+        c1_ = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
+        tl.store(prio + pos, tl.where(c1_, v + s, float("-inf")), mask=ok)
+
+
+#: lfps_priority's programs a (slot, KV head) row aim at this many an SM in all (the
+#: three passes are latency-bound reads of fp32 tables: one program a row, 64 at
+#: 32768 x 8, took 110 us a layer on an H200 for ~60 MB, session 32's profile).
+PRIORITY_PROGRAMS_PER_SM = 4
+PRIORITY_MAX_CHUNKS = 32
+
+
+def priority_chunks(slots: int, kv_heads: int, max_context: int, num_sms: int, block_m: int = 1024) -> int:
+    """Chunks a row's passes are cut into (static: the grid's third dimension):
+    about PRIORITY_PROGRAMS_PER_SM programs an SM over the slots' rows, at most one a
+    BLOCK_M of the table and PRIORITY_MAX_CHUNKS."""
+    want = (PRIORITY_PROGRAMS_PER_SM * num_sms) // max(1, slots * kv_heads)
+    return int(max(1, min(want, cdiv(max_context, block_m), PRIORITY_MAX_CHUNKS)))
 
 
 def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: torch.Tensor, sla: torch.Tensor,
                   n: torch.Tensor, sink: torch.Tensor, *, prio: torch.Tensor | None = None,
-                  bypass: torch.Tensor | None = None, block_m: int = 1024, num_warps: int = 4):
+                  bypass: torch.Tensor | None = None, chunks: int | None = None, block_m: int = 1024,
+                  num_warps: int = 4):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
     ``[S, Hkv, M]`` fp32 (one layer of the store), n / sink ``[S]`` int32 (``n <= 0``:
-    no row, bypass 0, nothing read or written)."""
+    no row, bypass 0, nothing read or written). ``chunks``: programs a row
+    (``priority_chunks`` by default); three launches, grid ``(S, Hkv, chunks)``: the
+    chunks' sums, their central moments about the row's means, then the thresholds
+    and C1 (each from every chunk's partials, in one order: the same in each program)."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -175,11 +289,23 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     assert prio.shape == ver.shape and prio.stride(2) == 1 and bypass.shape == (s, hkv) and bypass.is_contiguous()
     if s == 0 or hkv == 0:
         return prio, bypass
+    if chunks is None:
+        chunks = priority_chunks(s, hkv, m, device_num_sms(ver.device), block_m)
+    chunks = int(chunks)
+    assert chunks >= 1, "chunks"
+    # every column a launch reads is written first by a live row's programs (never read uninitialised)
+    work = torch.empty(s, hkv, chunks, 8, dtype=torch.float32, device=ver.device)
     group = rho.shape[1] // hkv
-    _lfps_priority_kernel[(s, hkv)](
-        rho, eps, a, ver, sla, n, sink, prio, bypass,
+    grid = (s, hkv, chunks)
+    tables = (ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m)
+    _lfps_table_sums_kernel[grid](*tables, CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps)
+    _lfps_table_moments_kernel[grid](*tables, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), BLOCK_M=block_m,
+                                     num_warps=num_warps)
+    _lfps_priority_kernel[grid](
+        rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
-        GROUP=group, BLOCK_G=max(2, next_pow2(group)), BLOCK_M=block_m, num_warps=num_warps,
+        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
+        BLOCK_M=block_m, num_warps=num_warps,
     )
     return prio, bypass
 

@@ -8,6 +8,7 @@
 #   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the fp8 tests of the decode kernel and every policy's kernels, its time at
 #                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
 #   bash bench/gpu/run_all.sh splits    # our decode kernel at forced split counts over the grid's shapes (bare machine)
+#   bash bench/gpu/run_all.sh lfps      # lfps's selection kernels: tests compiled, the priorities by chunks, its Top-K shapes (bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -41,7 +42,7 @@ if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashi
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
-[ "$what" = fp8 ] || [ "$what" = splits ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+[ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
 kernels)
@@ -69,6 +70,14 @@ fp8)
             --split-counts 4,8,16,32 --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$tag.json" 2>&1 \
             | tee "$OUT/decode_32k8_kv_$tag.log" | grep -E "splits ctx|ours_dense \||ours_sparse \||FAIL" | sed "s/^/$tag /"
     done
+    ;;
+lfps)
+    # lfps's per-layer selection kernels (bare machine): their tests compiled (the
+    # 32K priority layer among them), the priorities by chunks a row, the Top-K's shapes
+    python3 -m pytest -q tests/kernels/test_lfps_sparsity.py tests/kernels/test_lfps_tables.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/lfps_tests.log" | tail -3
+    python3 bench/kernels/bench_lfps_priority.py --out "$OUT/lfps_priority.json" 2>&1 | tee "$OUT/lfps_priority.log"
+    python3 bench/kernels/bench_topk.py --cases lfps --out "$OUT/topk_lfps.json" 2>&1 | tee "$OUT/topk_lfps.log" | tail -12
     ;;
 splits)
     # our kernel at forced split counts over the grid's shapes (bf16; what the split

@@ -1,5 +1,4 @@
-"""kernels/lfps_tables.py (LFPS's table work on the CUDA-graph path, one program per
-(slot, KV head)) against the torch ops it replaced in sgl_sparse/lfps_device.py
+"""kernels/lfps_tables.py (LFPS's table work on the CUDA-graph path) against the torch ops it replaced in sgl_sparse/lfps_device.py
 (queryaware.lfps.candidates over the masked [slots, Hkv, max_context] tables, the
 einsum / softmax weights, Eq. (10)'s decay and scatter_add): slots without a row
 (n = 0: nothing read, nothing written), a slot whose sink covers its sequence,
@@ -13,7 +12,7 @@ import math
 import pytest
 import torch
 
-from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out
+from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out, priority_chunks
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.queryaware.lfps import candidates
 
@@ -31,20 +30,26 @@ def _tables(gen, s):
 
 
 def _prio_ref(rho, eps, a, ver, sla, n, sink):
-    s = ver.shape[0]
-    pos = torch.arange(M)
+    return _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, HKV)
+
+
+def _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, hkv):
+    s, m = ver.shape[0], ver.shape[2]
+    pos = torch.arange(m)
     nl = n.long()[:, None]
     valid = ((pos[None, :] >= sink.long()[:, None]) & (pos[None, :] < nl))[:, None, :]
     off = nl - 2 - pos[None, :]
-    gathered = torch.gather(sla, -1, off.clamp(0, M - 1)[:, None, :].expand(-1, HKV, -1))
+    gathered = torch.gather(sla, -1, off.clamp(0, m - 1)[:, None, :].expand(-1, hkv, -1))
     sla_v = torch.where((off >= 0)[:, None, :], gathered, 0.0)
     _, c1 = candidates(ver, sla_v, valid, a[:, None, None])
-    bypass = rho.view(s, HKV, -1).mean(-1) > eps[:, None]
+    bypass = rho.view(s, hkv, -1).mean(-1) > eps[:, None]
     return torch.where(c1 & ~bypass[..., None], ver + sla_v, float("-inf")), bypass
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_priority(group):
+@pytest.mark.parametrize("group, chunks, block_m", [(1, 1, 32), (3, 1, 32), (3, 4, 16), (1, 7, 8), (3, 32, 32)])
+def test_priority(group, chunks, block_m):
+    """One program a row, and rows cut into chunks: more chunks than a short row has
+    positions (empty chunks), chunks not a power of two, ends inside a block."""
     gen = torch.Generator().manual_seed(group)
     s = len(N)
     n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
@@ -54,7 +59,8 @@ def test_priority(group):
     eps = torch.full((s,), 0.2)
     a = torch.tensor([0.02, 0.05, 0.2, 0.05, 0.02])
     prio = torch.full((s, HKV, M), float("nan"))
-    prio, bypass = run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, block_m=32)
+    prio, bypass = run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, chunks=chunks,
+                                 block_m=block_m)
     ref, byp_ref = _prio_ref(rho, eps, a, ver, sla, n, sink)
     pos = torch.arange(M)
     live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand_as(prio)
@@ -64,6 +70,17 @@ def test_priority(group):
     assert torch.equal(bypass[on].bool(), byp_ref[on]) and not bypass[~on].any()
     assert bypass[0, 0] and torch.isneginf(prio[0, 0, 4:70]).all()
     assert torch.isfinite(prio[live]).sum() > 10  # C1 is not empty
+
+
+def test_priority_chunks_fill_the_gpu_from_static_shapes():
+    """A row's chunks: ~PRIORITY_PROGRAMS_PER_SM programs an SM over the slots' rows,
+    never more than the table's blocks nor PRIORITY_MAX_CHUNKS, at least one."""
+    assert priority_chunks(8, 8, 33792, 132) == 8  # 32768 x 8: 512 programs
+    assert priority_chunks(4, 8, 132052, 132) == 16  # 130000 x 4
+    assert priority_chunks(1, 8, 1 << 20, 132) == 32  # the bound
+    assert priority_chunks(8, 8, 1500, 132) == 2  # the table's blocks
+    assert priority_chunks(64, 8, 33792, 132) == 1
+    assert priority_chunks(8, 8, 33792, 132, block_m=512) == 8
 
 
 def _c2(gen, n, sink, c, k):
@@ -218,3 +235,33 @@ def test_q_rows_read_in_place():
     first, last = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([6, 9, 9, 5], dtype=torch.int32)
     p = run_on_device(quest_page_scores, q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
     assert torch.equal(p, run_on_device(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_priority_at_32k_slots_as_served():
+    """32768 x 8's store layer (8 slots of 33792, 8 KV heads, GQA 2), compiled, at the
+    default chunks (8 on 132 SMs) and one program a row: both give the reference's C1,
+    ragged rows, one slot without a row."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(32)
+    s, hkv, m, group = 8, 8, 33792, 2
+    ver = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    sla = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    n = torch.tensor([32768, 33792, 0, 20001, 32769, 1000, 33000, 4], dtype=torch.int32)
+    sink = torch.tensor([4, 4, 4, 0, 4, 4, 16, 4], dtype=torch.int32)
+    rho = torch.rand(s, hkv * group, generator=gen) * 0.1
+    rho[3, 2:4] = 0.9
+    eps, a = torch.full((s,), 0.2), torch.full((s,), 0.05)
+    ref, byp_ref = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, hkv)
+    pos = torch.arange(m)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
+    args = [t.to(dev) for t in (rho, eps, a, ver, sla, n, sink)]
+    for chunks in (None, 1):
+        prio = torch.full((s, hkv, m), float("nan"), device=dev)
+        prio, bypass = lfps_priority(*args, prio=prio, chunks=chunks)
+        prio, bypass = prio.cpu(), bypass.cpu()
+        assert torch.isnan(prio[~live]).all(), chunks
+        assert torch.equal(prio[live], ref[live]), chunks
+        assert torch.equal(bypass[n > 0].bool(), byp_ref[n > 0]), chunks
+        assert torch.isfinite(prio[live]).sum() > 1000

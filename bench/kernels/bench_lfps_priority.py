@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""
+Benchmark: LFPS's priorities (kernels/lfps_tables.lfps_priority) by chunks a row
+================================================================================
+
+Run on a GPU (bare machine: torch and triton only)::
+
+    python bench/kernels/bench_lfps_priority.py --out results/lfps_priority.json
+
+One layer of LFPS's store as served (``[slots, Hkv, max_context]`` fp32 tables
+``Φ_ver`` / ``Φ_sla``, peaked as the learned ones: a few % non-zero, GQA 2),
+every slot live with ragged lengths. ``chunks=1`` is one program a (slot, KV
+head) row walking its row three times (session 32's profile: 110 µs a layer at
+32768 x 8 on an H200, 38% of lfps's step); the default (``priority_chunks``) and
+every power of two up to 32 cut each row's passes into that many programs. Each
+variant is checked against ``chunks=1`` first (the same priorities: finite
+entries equal, -inf alike), then timed eagerly and under CUDA-graph replay.
+Bytes: both tables read twice and once more with neighbours (~3 x 2 x 4 B a
+position), the priorities written once (4 B) over the live range.
+``--smoke`` runs a tiny shape through the Triton CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_env import Timer, import_kernels, use_cuda_or_exit  # noqa: E402
+
+
+def _cases(smoke: bool):
+    # (name, slots, KV heads, max_context, live lengths as fractions of the table)
+    if smoke:
+        return [("smoke", 2, 2, 4096, [0.9, 0.5])]
+    return [
+        ("32k8", 8, 8, 33792, [32768 / 33792] * 8),
+        ("32k8-ragged", 8, 8, 33792, [0.97, 0.5, 0.25, 0.9, 0.1, 0.97, 0.6, 0.3]),
+        ("130k4", 4, 8, 132052, [130000 / 132052] * 4),
+        ("8k32", 32, 8, 10240, [8192 / 10240] * 32),
+    ]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter")
+    ap.add_argument("--cases", default="", help="comma-separated case-name prefixes (default: all)")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    use_cuda = use_cuda_or_exit(args.smoke)
+    if use_cuda is None:
+        return 2
+    lt = import_kernels("lfps_tables")
+    import triton
+
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else 4
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
+    print("# lfps priority benchmark\n" + json.dumps(env))
+    timer = Timer(use_cuda, args.warmup, args.rep, graphs=True)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    results, failures = [], []
+    prefixes = [c for c in args.cases.split(",") if c]
+    for name, s, hkv, m, fracs in _cases(args.smoke):
+        if prefixes and not any(name.startswith(c) for c in prefixes):
+            continue
+        group = 2
+
+        def table():
+            t = torch.randn(s, hkv, m, generator=gen, device=dev).exp()
+            return t * (torch.rand(s, hkv, m, generator=gen, device=dev) < 0.05)
+
+        ver, sla = table(), table()
+        n = torch.tensor([int(f * m) for f in fracs], dtype=torch.int32, device=dev)
+        sink = torch.full((s,), 4, dtype=torch.int32, device=dev)
+        rho = torch.rand(s, hkv * group, generator=gen, device=dev) * 0.1
+        eps = torch.full((s,), 0.2, device=dev)
+        a = torch.full((s,), 0.05, device=dev)
+        prio = torch.empty(s, hkv, m, device=dev)
+        bypass = torch.empty(s, hkv, dtype=torch.int8, device=dev)
+        live_pos = int((n - sink).clamp(min=0).sum()) * hkv
+        nbytes = live_pos * (3 * 2 * 4 + 4)
+        default = lt.priority_chunks(s, hkv, m, num_sms)
+        want, _ = lt.lfps_priority(rho, eps, a, ver, sla, n, sink, chunks=1)
+        want = want.clone()
+        pos = torch.arange(m, device=dev)
+        live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
+        for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
+            def run(chunks=chunks):
+                lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=chunks)
+
+            prio.fill_(float("nan"))
+            run()
+            ok = torch.equal(prio[live], want[live])
+            if not ok:
+                failures.append((name, chunks))
+            t, g = timer.eager_us(run), timer.graph_us(run)
+            best = g if g is not None else t
+            row = dict(case=name, slots=s, kv_heads=hkv, max_context=m, chunks=chunks, default=chunks == default,
+                       eager_us=round(t, 1), graph_us=None if g is None else round(g, 1), bytes=nbytes,
+                       gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok,
+                       finite_share=round(float(torch.isfinite(want[live]).float().mean()), 4))
+            results.append(row)
+            print(f"  {name:12s} chunks {chunks:2d}{'*' if chunks == default else ' '}: {t:8.1f} us "
+                  f"(graph {'-' if g is None else f'{g:7.1f}'})  {row['gbps']:7.1f} GB/s  "
+                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "command": " ".join(sys.argv), "results": results}, f, indent=1)
+    if failures:
+        print(f"FAIL: priorities differ from chunks=1 at {failures}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
