@@ -237,6 +237,7 @@ def _lfps_priority_kernel(
     offs = tl.arange(0, BLOCK_M)
     # C1 (Eq. 9) on the chunk: j with some i in {j + 1, j, j - 1, j - 2} in C0 (over the
     # whole row: neighbours across the chunk's ends), above a table's mean
+    members = tl.zeros([BLOCK_M], dtype=tl.int32)
     for start in range(c0, c1, BLOCK_M):
         pos = start + offs
         ok = pos < c1
@@ -245,7 +246,63 @@ def _lfps_priority_kernel(
         grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | _c0(ver, sla, pos, lo, n, M, tv, ts)
         grow = grow | _c0(ver, sla, pos - 1, lo, n, M, tv, ts) | _c0(ver, sla, pos - 2, lo, n, M, tv, ts)
         c1_ = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
+        members += c1_.to(tl.int32)
         tl.store(prio + pos, tl.where(c1_, v + s, float("-inf")), mask=ok)
+    # the chunk's C1 size (column 6, as a float: exact below 2^24), for lfps_c1_list
+    tl.store(row + cur_p * 8 + 6, tl.sum(members, 0).to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["M", "K_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh", "stride_ls",
+                               "stride_ks"])
+def _lfps_c1_list_kernel(
+    N,  # [S] int32 (<= 0: no row)
+    SINK,  # [S] int32
+    BUDGET,  # [S] int32: C1 entries kept at most (topk_range's budget)
+    WORK,  # [S, Hkv, CHUNKS, 8] fp32: column 6, the chunks' C1 sizes
+    PRIO,  # [S, Hkv, M] fp32, written over [sink, n)
+    OUT,  # [S, Hkv, K_MAX] int32 out: C1's positions, ascending
+    OUT_LEN,  # [S, Hkv] int32 out: |C1|
+    SKIP,  # [S, Hkv] int32 out: 1 where this listed the row (topk_range leaves it alone)
+    stride_ps,
+    stride_ph,
+    stride_os,
+    stride_oh,
+    stride_ls,
+    stride_ks,
+    M,
+    K_MAX,
+    CHUNKS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Where C1 fits its budget (k = F: lfps's usual case, a few % of the context
+    against its candidates), C1 listed ascending, each chunk at the sizes of the
+    chunks before it: topk_range's k = F output without its passes over the row."""
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
+    nh = tl.num_programs(1)
+    n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
+    row = WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
+    offs_p = tl.arange(0, BLOCK_P)
+    sizes = tl.load(row + offs_p * 8 + 6, mask=(offs_p < CHUNKS) & (n > 0), other=0.0).to(tl.int32)
+    total = tl.sum(sizes, 0)
+    fits = (n > 0) & (total <= tl.minimum(tl.load(BUDGET + cur_s), K_MAX))
+    if cur_p == 0:
+        tl.store(SKIP + cur_s * stride_ks + cur_h, fits.to(tl.int32))
+        if fits:
+            tl.store(OUT_LEN + cur_s * stride_ls + cur_h, total)
+    if fits:
+        written = tl.sum(tl.where(offs_p < cur_p, sizes, 0), 0)
+        prio = PRIO + cur_s.to(tl.int64) * stride_ps + cur_h.to(tl.int64) * stride_ph
+        out = OUT + cur_s.to(tl.int64) * stride_os + cur_h.to(tl.int64) * stride_oh
+        offs = tl.arange(0, BLOCK_M)
+        for start in range(c0, c1, BLOCK_M):
+            pos = start + offs
+            ok = pos < c1
+            keep = (ok & (tl.load(prio + pos, mask=ok, other=float("-inf")) > float("-inf"))).to(tl.int32)
+            tl.store(out + written + tl.cumsum(keep, 0) - keep, pos, mask=keep != 0)
+            written += tl.sum(keep, 0)
 
 
 #: lfps_priority's programs a (slot, KV head) row aim at this many an SM in all (the
@@ -266,7 +323,8 @@ def priority_chunks(slots: int, kv_heads: int, max_context: int, num_sms: int, b
 def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: torch.Tensor, sla: torch.Tensor,
                   n: torch.Tensor, sink: torch.Tensor, *, prio: torch.Tensor | None = None,
                   bypass: torch.Tensor | None = None, chunks: int | None = None, block_m: int = 1024,
-                  num_warps: int = 4):
+                  num_warps: int = 4,
+                  c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -274,7 +332,14 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     no row, bypass 0, nothing read or written). ``chunks``: programs a row
     (``priority_chunks`` by default); three launches, grid ``(S, Hkv, chunks)``: the
     chunks' sums, their central moments about the row's means, then the thresholds
-    and C1 (each from every chunk's partials, in one order: the same in each program)."""
+    and C1 (each from every chunk's partials, in one order: the same in each program).
+
+    ``c1_list`` = ``(budget [S] int32, out [S, Hkv, K] int32, out_len [S, Hkv] int32,
+    skip [S, Hkv] int32)``: a fourth launch lists C1 where it fits ``min(budget, K)``
+    (ascending into ``out``, its size into ``out_len``) and sets ``skip`` there (0
+    elsewhere), so ``topk_range(prio, sink, n, budget, K, out=out, out_len=out_len,
+    skip=skip)`` gives the same output as without it, selecting only the rows whose C1
+    is larger than their budget."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -307,6 +372,17 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
         GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
         BLOCK_M=block_m, num_warps=num_warps,
     )
+    if c1_list is not None:
+        budget, out, out_len, skip = c1_list
+        assert budget.shape == (s,) and budget.dtype == torch.int32 and budget.is_contiguous(), "c1_list: budget"
+        assert out.shape[:2] == (s, hkv) and out.dtype == torch.int32 and out.stride(2) == 1, "c1_list: out"
+        for name, t in (("out_len", out_len), ("skip", skip)):
+            assert t.shape == (s, hkv) and t.dtype == torch.int32 and t.stride(1) == 1, f"c1_list: {name}"
+        _lfps_c1_list_kernel[grid](
+            n, sink, budget, work, prio, out, out_len, skip,
+            prio.stride(0), prio.stride(1), out.stride(0), out.stride(1), out_len.stride(0), skip.stride(0),
+            m, out.shape[2], CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), BLOCK_M=block_m, num_warps=num_warps,
+        )
     return prio, bypass
 
 

@@ -106,7 +106,7 @@ def _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th):
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_cr", "stride_ch", "stride_or",
-                               "stride_oh", "stride_lr", "stride_tr", "stride_th"])
+                               "stride_oh", "stride_lr", "stride_tr", "stride_th", "stride_kr"])
 def _topk_range_kernel(
     S,  # [R, H, N] fp32 scores, stride 1 along N
     LO,  # [R] int32
@@ -116,6 +116,7 @@ def _topk_range_kernel(
     OUT,  # [R, H, K_MAX] int32 positions, ascending in the first OUT_LEN entries
     OUT_LEN,  # [R, H] int32
     HTOP,  # [R, H, 64] int32 top-digit histograms (HAS_HTOP only), zeroed here
+    SKIP,  # [R, H] int32 (HAS_SKIP only): != 0, the row is someone else's (nothing read or written)
     N,
     K_MAX,
     stride_r,
@@ -127,13 +128,18 @@ def _topk_range_kernel(
     stride_lr,
     stride_tr,
     stride_th,
+    stride_kr,
     BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr,
     SMALL_DIGITS: tl.constexpr,  # with GATHER: 6-bit digits over [lo, hi) (radix_select_small)
     HAS_HTOP: tl.constexpr,  # with GATHER and SMALL_DIGITS: the top digit's histogram given, not computed
+    HAS_SKIP: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
+    if HAS_SKIP:
+        if tl.load(SKIP + cur_r * stride_kr + cur_h) != 0:
+            return
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)  # nothing to select: hi = lo
     if HAS_HTOP:  # taken (and zeroed) before the early exit: every program leaves its bins at 0
         h_given = _take_top_hist(HTOP, cur_r, cur_h, stride_tr, stride_th)
@@ -191,7 +197,8 @@ def _row_digit(bits, ok, rank, prefix, SHIFT: tl.constexpr, DBITS: tl.constexpr)
     return pick_digit(_row_histogram(bits, sel, SHIFT, DBITS), rank, prefix, DBITS)
 
 
-@triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr"])
+@triton.jit(do_not_specialize=["N", "K_MAX", "stride_r", "stride_h", "stride_or", "stride_oh", "stride_lr",
+                               "stride_kr"])
 def _topk_row_kernel(
     S,  # [R, H, N] fp32 scores, stride 1 along N, N <= BLOCK_N
     LO,  # [R] int32
@@ -199,6 +206,7 @@ def _topk_row_kernel(
     BUDGET,  # [R] int32
     OUT,  # [R, H, K_MAX] int32 positions, ascending in the first OUT_LEN entries
     OUT_LEN,  # [R, H] int32
+    SKIP,  # [R, H] int32 (HAS_SKIP only), as _topk_range_kernel's
     N,
     K_MAX,
     stride_r,
@@ -206,14 +214,19 @@ def _topk_row_kernel(
     stride_or,
     stride_oh,
     stride_lr,
+    stride_kr,
     BLOCK_N: tl.constexpr,
     SMALL_DIGITS: tl.constexpr,  # 6- and 5-bit digits: 64- and 32-bin histograms
+    HAS_SKIP: tl.constexpr,
 ):
     """_topk_range_kernel for a row held in registers: the same radix select (the
     k-th largest finite score's key, from the top: 8 bits a pass, or 6, 6, 5, 5, 5, 5
     with SMALL_DIGITS) and the same compaction, over one load of the row."""
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
+    if HAS_SKIP:
+        if tl.load(SKIP + cur_r * stride_kr + cur_h) != 0:
+            return
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
     if k <= 0:
         tl.store(OUT_LEN + cur_r * stride_lr + cur_h, 0)
@@ -324,6 +337,7 @@ def topk_range(
     one_block: Optional[bool] = None,
     small_digits: Optional[bool] = None,
     h_top: Optional[torch.Tensor] = None,
+    skip: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -371,6 +385,11 @@ def topk_range(
             to ``False`` and 1 with it, ``small_digits`` to ``True`` (whatever
             :data:`SMALL_DIGITS` says), and asking otherwise asserts. A histogram that
             does not match the scores gives a wrong output (no write past ``k``).
+        skip: optional ``[R, H]`` int32 (stride 1 along heads): a (row, head) with a
+            non-zero entry is left alone, its ``out`` and ``out_len`` as they are
+            (a producer that already listed the row: lfps's priorities, whose C1
+            usually fits the budget, ``lfps_tables.lfps_priority``). Every path
+            takes it (the split one in each phase); not with ``h_top``.
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -383,7 +402,11 @@ def topk_range(
         assert t.shape == (r,) and t.dtype == torch.int32 and t.is_contiguous(), f"{name}: int32 [R]"
     dev = scores.device
     if h_top is not None:
+        assert skip is None, "skip: not with h_top (a skipped program would leave its bins as they are)"
         small_digits, one_block, splits = _htop_launch(h_top, scores, gather, small_digits, one_block, splits)
+    if skip is not None:
+        assert skip.shape == (r, h) and skip.dtype == torch.int32 and skip.stride(1) == 1, "skip: int32 [R, H]"
+        assert skip.device == dev, "skip: on the scores' device"
     small_digits = SMALL_DIGITS if small_digits is None else bool(small_digits)
     if one_block is None:
         one_block = (ONE_BLOCK_ENABLED and n <= ROW_BLOCK_MAX and gather and block_n is None and num_warps is None
@@ -405,27 +428,28 @@ def topk_range(
     assert out_len.shape == (r, h) and out_len.dtype == torch.int32 and out_len.stride(1) == 1
     if r == 0 or h == 0:
         return out, out_len
+    skip_t = out_len if skip is None else skip  # an int32 pointer the kernels do not touch without HAS_SKIP
     if one_block:
         _topk_row_kernel[(r, h)](
-            scores, lo, hi, budget, out, out_len, n, k_max,
-            scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out_len.stride(0),
-            BLOCK_N=block_n, SMALL_DIGITS=small_digits, num_warps=num_warps,
+            scores, lo, hi, budget, out, out_len, skip_t, n, k_max,
+            scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out_len.stride(0), skip_t.stride(0),
+            BLOCK_N=block_n, SMALL_DIGITS=small_digits, HAS_SKIP=skip is not None, num_warps=num_warps,
         )
         return out, out_len
     if splits > 1:
         from .topk_split import topk_range_split
 
-        topk_range_split(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps)
+        topk_range_split(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps, skip=skip)
         return out, out_len
     scratch = torch.empty_like(scores) if gather and n > 0 else scores
     htop = out_len if h_top is None else h_top  # an int32 pointer the kernel does not touch without HAS_HTOP
     _topk_range_kernel[(r, h)](
-        scores, lo, hi, budget, scratch, out, out_len, htop,
+        scores, lo, hi, budget, scratch, out, out_len, htop, skip_t,
         n, k_max,
         scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
-        out.stride(0), out.stride(1), out_len.stride(0), htop.stride(0), htop.stride(1),
+        out.stride(0), out.stride(1), out_len.stride(0), htop.stride(0), htop.stride(1), skip_t.stride(0),
         BLOCK_N=block_n, GATHER=bool(gather), SMALL_DIGITS=small_digits, HAS_HTOP=h_top is not None,
-        num_warps=num_warps,
+        HAS_SKIP=skip is not None, num_warps=num_warps,
     )
     return out, out_len
 

@@ -36,7 +36,7 @@ __all__ = ["topk_range_split"]
 
 
 @triton.jit(do_not_specialize=["N", "K_MAX", "NSPLIT", "stride_r", "stride_h", "stride_cr", "stride_ch",
-                               "stride_or", "stride_oh", "stride_lr"])
+                               "stride_or", "stride_oh", "stride_lr", "stride_kr"])
 def _topk_split_kernel(
     S,  # [R, H, N] fp32 scores, stride 1 along N
     LO,  # [R] int32
@@ -46,6 +46,7 @@ def _topk_split_kernel(
     HIST,  # [R, H, 2, NSPLIT, 256] int32 per-slice histograms
     OUT,  # [R, H, K_MAX] int32
     OUT_LEN,  # [R, H] int32
+    SKIP,  # [R, H] int32 (HAS_SKIP only): != 0, the row is left alone in every phase
     N,
     K_MAX,
     NSPLIT,
@@ -56,12 +57,17 @@ def _topk_split_kernel(
     stride_or,
     stride_oh,
     stride_lr,
+    stride_kr,
     PHASE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     cur_r = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_s = tl.program_id(2)
+    if HAS_SKIP:
+        if tl.load(SKIP + cur_r * stride_kr + cur_h) != 0:
+            return
     lo, hi, k = topk_bounds(LO, HI, BUDGET, N, K_MAX, cur_r)
     if k <= 0:
         # Nothing to select (a slot without a live request under a captured graph):
@@ -116,17 +122,19 @@ PHASES = (0, 1, 2, 3)
 
 
 def topk_range_split(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: torch.Tensor, k_max: int,
-                     out: torch.Tensor, out_len: torch.Tensor, splits: int, block_n: int, num_warps: int) -> None:
+                     out: torch.Tensor, out_len: torch.Tensor, splits: int, block_n: int, num_warps: int,
+                     skip: torch.Tensor | None = None) -> None:
     """``topk_range``'s work with ``splits`` programs per (row, head) (arguments
     checked by ``topk_range``; ``scores`` non-empty)."""
     r, h, n = scores.shape
     scratch = torch.empty_like(scores)
     hist = torch.empty((r, h, 2, splits, 256), dtype=torch.int32, device=scores.device)
+    skip_t = out_len if skip is None else skip  # not touched without HAS_SKIP
     for phase in PHASES:
         _topk_split_kernel[(r, h, splits)](
-            scores, lo, hi, budget, scratch, hist, out, out_len,
+            scores, lo, hi, budget, scratch, hist, out, out_len, skip_t,
             n, k_max, splits,
             scores.stride(0), scores.stride(1), scratch.stride(0), scratch.stride(1),
-            out.stride(0), out.stride(1), out_len.stride(0),
-            PHASE=phase, BLOCK_N=block_n, num_warps=num_warps,
+            out.stride(0), out.stride(1), out_len.stride(0), skip_t.stride(0),
+            PHASE=phase, BLOCK_N=block_n, HAS_SKIP=skip is not None, num_warps=num_warps,
         )

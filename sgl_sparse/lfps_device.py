@@ -5,13 +5,16 @@ static shapes only, so that SGLang's decode CUDA graphs can capture it.
 
 The torch path sizes its work by the group's longest sequence and reads a dense
 [g, n_max, Hkv, D] view of the keys, both host-decided. Here, per layer, one
-program per (slot, KV head) in every launch:
+program per (slot, KV head) in every launch (the priorities' and C1's: several,
+each a chunk of the row):
   ρ           kernels/lfps_sparsity.py: the sink and local keys read in place
   tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
               above eps), Eq. (8)'s thresholds, C0 / C1 and the priorities
-              Φ_ver + Φ_sla over the valid range [sink, n) only
-  C1 buffer   kernels/topk_range.py over [sink, n): the `candidates` best by
-              Φ_ver + Φ_sla, ascending (the torch path's topk of the same set)
+              Φ_ver + Φ_sla over the valid range [sink, n) only; where C1 fits
+              the `candidates` budget (the usual case), C1 listed ascending
+  C1 buffer   kernels/topk_range.py over [sink, n) of the other rows: the
+              `candidates` best by Φ_ver + Φ_sla, ascending (the torch path's
+              topk of the same set)
   exact q.k   kernels/token_scores.token_scores_at on C1 only (group max)
   C2          topk_range of those scores, Top-`budget`, ascending
   segment A   kernels/lfps_tables.lfps_select_out: sinks, then C2 below
@@ -20,7 +23,7 @@ program per (slot, KV head) in every launch:
               Eq. (10) in place on the slots' tables
 Slots without an indexed row this step get n = 0 and budget 0: every program of
 theirs returns at once (reads nothing, writes nothing), so a step pays for its
-live slots only, and a batch without an lfps row pays seven near-empty launches
+live slots only, and a batch without an lfps row pays ten near-empty launches
 per layer, the queries read in place by the slots' batch rows (it was ~150 torch ops over [slots, Hkv, max_context]:
 bench/kernels/count_query_aware_ops.py).
 """
@@ -100,9 +103,14 @@ class LfpsDevice:
         # 1. ρ; 2-3. the bypass, C0, C1 and the priorities from the tables
         rho = lfps_head_sparsity(q3, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
                                  store.sigma_hat2[li], scale, q_rows=f.sr.b_any)
-        prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink)
+        # C1 where it fits its budget (the usual case) listed by the priorities' own
+        # launches; topk_range selects the other rows only
         cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=dev)  # read below n_c1 only
-        cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand)
+        n_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        listed = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
+                                     c1_list=(f.c_max, cand, n_c1, listed))
+        cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing
         rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any,

@@ -1,6 +1,6 @@
 """bench/kernels/bench_lfps_priority.py --smoke: the script runs end to end on the CPU
-interpreter and its own check holds (every chunk count gives the priorities of one
-program a row), so the next GPU lease's timing call does not fail on the script."""
+interpreter and its own checks hold (every chunk count gives the priorities of one
+program a row; C1 listed by the priorities' launches equals topk_range's), so the next GPU lease's timing call does not fail on the script."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
     out = tmp_path / "p.json"
     assert mod.main(["--smoke", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    results = json.loads(out.read_text())["results"]
+    rows = [r for r in results if "chunks" in r]
     assert {r["chunks"] for r in rows} == {1, 3, 4} and all(r["ok"] for r in rows)
     assert sum(r["default"] for r in rows) == 1 and all(0 < r["finite_share"] < 1 for r in rows)
+    stages = [r for r in results if "stage" in r]  # the C1 stage before / now (the same C1: main's check)
+    assert [r["stage"] for r in stages] == ["c1-stage before", "c1-stage now"] and stages[1]["listed_share"] == 1.0

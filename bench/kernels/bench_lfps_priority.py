@@ -17,6 +17,9 @@ variant is checked against ``chunks=1`` first (the same priorities: finite
 entries equal, -inf alike), then timed eagerly and under CUDA-graph replay.
 Bytes: both tables read twice and once more with neighbours (~3 x 2 x 4 B a
 position), the priorities written once (4 B) over the live range.
+Then the whole C1 stage, before (one program a row, ``topk_range`` over every row)
+and now (chunks; C1 listed by a fourth launch where it fits the 8192 candidates,
+``topk_range`` skipping those rows): the same C1, and both times.
 ``--smoke`` runs a tiny shape through the Triton CPU interpreter.
 """
 
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     if use_cuda is None:
         return 2
     lt = import_kernels("lfps_tables")
+    kernels_topk = import_kernels("topk_range")
     import triton
 
     dev = torch.device("cuda" if use_cuda else "cpu")
@@ -117,6 +121,42 @@ def main(argv=None) -> int:
             print(f"  {name:12s} chunks {chunks:2d}{'*' if chunks == default else ' '}: {t:8.1f} us "
                   f"(graph {'-' if g is None else f'{g:7.1f}'})  {row['gbps']:7.1f} GB/s  "
                   f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        # the whole C1 stage as lfps_device ran it before (one program a row, then
+        # topk_range over every row) and as it runs now (chunks, C1 listed where it fits
+        # the candidates budget, topk_range skipping those rows)
+        k = min(8192, m)
+        budget = torch.full((s,), k, dtype=torch.int32, device=dev)
+        cand = torch.empty(s, hkv, k, dtype=torch.int32, device=dev)
+        n_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        listed = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        topk = kernels_topk.topk_range
+
+        def before():
+            p, _ = lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=1)
+            topk(p, sink, n, budget, k, out=cand, out_len=n_c1)
+
+        def now():
+            p, _ = lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass,
+                                    c1_list=(budget, cand, n_c1, listed))
+            topk(p, sink, n, budget, k, out=cand, out_len=n_c1, skip=listed)
+
+        outs = []
+        for stage, fn in (("c1-stage before", before), ("c1-stage now", now)):
+            cand.fill_(-1)
+            fn()
+            outs.append((cand.clone(), n_c1.clone()))
+            t, g = timer.eager_us(fn), timer.graph_us(fn)
+            results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, stage=stage, k=k, eager_us=round(t, 1),
+                                graph_us=None if g is None else round(g, 1), listed_share=None))
+            print(f"  {name:12s} {stage:16s}: {t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})", flush=True)
+        results[-1]["listed_share"] = round(float(listed.float().mean()), 4)
+        (c_a, l_a), (c_b, l_b) = outs
+        same = torch.equal(l_a, l_b) and all(
+            torch.equal(c_a[i, j, : int(l_a[i, j])], c_b[i, j, : int(l_a[i, j])]) for i in range(s) for j in range(hkv))
+        if not same:
+            failures.append((name, "c1-stage"))
+        print(f"  {name:12s} C1 listed by the priorities on {results[-1]['listed_share']:.0%} of rows; "
+              f"{'same C1' if same else 'C1 DIFFERS'}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "command": " ".join(sys.argv), "results": results}, f, indent=1)

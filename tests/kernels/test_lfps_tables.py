@@ -14,6 +14,7 @@ import torch
 
 from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out, priority_chunks
 from sgl_sparse.kernels.testing import run_on_device
+from sgl_sparse.kernels.topk_range import topk_range
 from sgl_sparse.queryaware.lfps import candidates
 
 
@@ -70,6 +71,26 @@ def test_priority(group, chunks, block_m):
     assert torch.equal(bypass[on].bool(), byp_ref[on]) and not bypass[~on].any()
     assert bypass[0, 0] and torch.isneginf(prio[0, 0, 4:70]).all()
     assert torch.isfinite(prio[live]).sum() > 10  # C1 is not empty
+
+    # c1_list: rows whose C1 fits min(budget, k) listed by the priorities' launches,
+    # skipped by topk_range; the others selected there: topk_range's output alone
+    k = 12
+    budget = torch.tensor([6, 9, 100, 10, 3], dtype=torch.int32)
+    cand = torch.full((s, HKV, k), -3, dtype=torch.int32)
+    cnt = torch.full((s, HKV), -4, dtype=torch.int32)
+    skip = torch.full((s, HKV), -5, dtype=torch.int32)
+    prio2 = torch.full((s, HKV, M), float("nan"))
+    run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio2, chunks=chunks, block_m=block_m,
+                  c1_list=(budget, cand, cnt, skip))
+    assert torch.equal(prio2[live], prio[live])
+    sizes = torch.isfinite(prio.masked_fill(~live, float("-inf"))).sum(-1)
+    fits = (n > 0)[:, None] & (sizes <= budget.clamp(max=k)[:, None])
+    assert torch.equal(skip, fits.to(torch.int32)) and fits.any() and (~fits & (n > 0)[:, None]).any()
+    run_on_device(topk_range, prio2, sink, n, budget, k, out=cand, out_len=cnt, skip=skip)
+    want_pos, want_cnt = run_on_device(topk_range, prio2, sink, n, budget, k)
+    assert torch.equal(cnt, want_cnt)
+    for i, j in (want_cnt > 0).nonzero().tolist():
+        assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)
 
 
 def test_priority_chunks_fill_the_gpu_from_static_shapes():
@@ -265,3 +286,16 @@ def test_gpu_priority_at_32k_slots_as_served():
         assert torch.equal(prio[live], ref[live]), chunks
         assert torch.equal(bypass[n > 0].bool(), byp_ref[n > 0]), chunks
         assert torch.isfinite(prio[live]).sum() > 1000
+    # the served C1 stage: listed where it fits 8192 candidates (one row's budget below
+    # its C1: selected by topk_range), the same C1 as topk_range alone
+    k = 8192
+    budget = torch.tensor([k, k, k, k, 64, k, k, k], dtype=torch.int32, device=dev)
+    cand = torch.empty(s, hkv, k, dtype=torch.int32, device=dev)
+    cnt = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+    listed = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+    prio, _ = lfps_priority(*args, c1_list=(budget, cand, cnt, listed))
+    topk_range(prio, args[6], args[5], budget, k, out=cand, out_len=cnt, skip=listed)
+    want_pos, want_cnt = topk_range(prio, args[6], args[5], budget, k)
+    assert torch.equal(cnt, want_cnt) and bool(listed[1].all()) and not bool(listed[4].any())
+    for i, j in (want_cnt > 0).nonzero().tolist():
+        assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)

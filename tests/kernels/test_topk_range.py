@@ -262,6 +262,36 @@ def test_topk_budget_keeping_every_finite_score(launch):
     assert int(cnt[2, 0]) == 64 and int(cnt[2, 1]) == 64  # F above the budget: the select's 64
 
 
+@pytest.mark.parametrize("launch", [dict(one_block=True), dict(one_block=False, splits=1, block_n=16),
+                                    dict(one_block=False, splits=3, block_n=16)])
+def test_topk_skip_leaves_rows_alone(launch):
+    """skip (lfps's priorities list the rows whose C1 fits the budget themselves): a
+    skipped (row, head) keeps its out and out_len as they were, on every path (the
+    split one in all four phases); the others are as without skip, empty rows and
+    budgets included."""
+    gen = torch.Generator().manual_seed(11)
+    r, h, n, k_max = 5, 3, 200, 32
+    s = torch.randn(r, h, n, generator=gen)
+    s[:, 1] = torch.where(torch.rand(r, n, generator=gen) < 0.1, s[:, 1], float("-inf"))
+    lo = torch.tensor([0, 3, 50, 0, 7], dtype=torch.int32)
+    hi = torch.tensor([200, 150, 50, 190, 180], dtype=torch.int32)  # row 2: empty
+    budget = torch.tensor([32, 10, 32, 0, 500], dtype=torch.int32)  # row 3: none
+    skip = torch.zeros(r, h, dtype=torch.int32)
+    skip[0, 0] = skip[1, 2] = skip[2, 1] = skip[3, 0] = skip[4, 1] = 1
+    want_pos, want_cnt = topk_range(s, lo, hi, budget, k_max, **launch)
+    pos = torch.full((r, h, k_max), -5, dtype=torch.int32)
+    cnt = torch.full((r, h), -6, dtype=torch.int32)
+    pos, cnt = topk_range(s, lo, hi, budget, k_max, out=pos, out_len=cnt, skip=skip, **launch)
+    on = skip == 0
+    assert (pos[~on] == -5).all() and (cnt[~on] == -6).all()
+    assert torch.equal(cnt[on], want_cnt[on])
+    for i, j in on.nonzero().tolist():
+        c = int(want_cnt[i, j])
+        assert torch.equal(pos[i, j, :c], want_pos[i, j, :c]) and (pos[i, j, c:] == -5).all(), (i, j)
+    with pytest.raises(AssertionError, match="skip"):
+        topk_range(s, lo, hi, budget, k_max, skip=skip[:, :2].contiguous(), **launch)
+
+
 def _htop_strided(want: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(h_top, its buffer): strided rows and heads, a [H, R, 80] buffer seen as [R, H, 64]."""
     r, h, _ = want.shape
@@ -490,8 +520,9 @@ def _compile_topk(kernel: str, const: dict, **kw) -> dict:
     from sgl_sparse.kernels.testing import compile_sm90
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.topk_range"), kernel)  # the package exports the function
+    const = {"HAS_SKIP": False, **const}
     ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "OUT": "*i32",
-            "OUT_LEN": "*i32", "HTOP": "*i32"}
+            "OUT_LEN": "*i32", "HTOP": "*i32", "SKIP": "*i32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
     return compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs],
                         **kw)
@@ -502,6 +533,7 @@ def _compile_topk(kernel: str, const: dict, **kw) -> dict:
     ("_topk_row_kernel", dict(BLOCK_N=8192)),  # quest's pages at 128K tokens
     ("_topk_row_kernel", dict(BLOCK_N=1024)),
     ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True, HAS_HTOP=False)),
+    ("_topk_range_kernel", dict(BLOCK_N=2048, GATHER=True, HAS_HTOP=False, HAS_SKIP=True)),  # lfps's C1
 ])
 def test_topk_kernels_compile_for_sm90(kernel, const, small_digits):
     """Triton's compiler, not only the interpreter, takes the Top-K kernels (no GPU
