@@ -92,11 +92,12 @@ CTAS_PER_SM_TARGET = 2
 # Over fp8 caches: programs_per_sm doubles the target; batch 1 (8 KV heads) measured
 # best at 32 splits, the most measured there (H200, s31).
 FP8_MAX_SPLITS = 32
-# The factor itself, SGLANG_SPARSE_FP8_SPLIT_FACTOR (1: bf16's splits over fp8 too):
-# an A/B knob. Served at 32768 x 8 over e4m3 (session 32), quest, asyncspade and
-# sfi-pinned ran 3-8% slower than with session 31's 4 splits, in another lease, while
-# the kernel alone is 1.4x faster on dense rows and even on sparse ones at 8 splits.
-FP8_SPLIT_FACTOR = env_count("FP8_SPLIT_FACTOR", 2, 1, 4)
+# The factor itself, SGLANG_SPARSE_FP8_SPLIT_FACTOR, 1 by default (bf16's splits over
+# fp8 too). The kernel alone is 1.4x faster on dense rows at 2 and even on sparse
+# ones, but served at 32768 x 8 over e4m3 (session 32, factor 2) sfi-pinned, quest,
+# asyncspade and sfi ran 8%, 3%, 4% and 1% slower than with session 31's factor 1 (two
+# leases apart, stock within 0.6%): 2 is the A/B knob until one run compares both.
+FP8_SPLIT_FACTOR = env_count("FP8_SPLIT_FACTOR", 1, 1, 4)
 # fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
 # D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
 # (batch >= 8) it is 0.76-0.80x the two launches for rows of <= 256 keys (and
@@ -692,7 +693,7 @@ def choose_num_splits(
     best: e.g. batch 32 x 8 KV heads -> 1 split (no merge launch), batch 8 ->
     4, batch 1 -> 33. Never create more splits than ``max_kv_len /
     min_split_len`` and cap at ``max_splits`` (bounds the fp32 workspace and
-    the merge's BLOCK_S). ``kv_fp8``: twice the programs (programs_per_sm), up to
+    the merge's BLOCK_S). ``kv_fp8``: programs_per_sm's programs (at factor 2: twice), up to
     FP8_MAX_SPLITS, and within the fused merge's range where the bf16 choice is in
     it: a launch that balanced its splits over bf16 still does (``balances``).
     """
@@ -707,16 +708,17 @@ def choose_num_splits(
 
 
 def programs_per_sm(kv_fp8: bool = False) -> int:
-    """The split heuristic's target of programs per SM: CTAS_PER_SM_TARGET, twice
-    that over an fp8 cache, whose tiles take half the shared memory (so twice the
-    programs are resident) and whose programs read half the bytes.
+    """The split heuristic's target of programs per SM: CTAS_PER_SM_TARGET, times
+    FP8_SPLIT_FACTOR over an fp8 cache (1 by default: session 32's end-to-end rows).
+    At 2: fp8 tiles take half the shared memory (so twice the programs are
+    resident) and their programs read half the bytes;
     H200, Qwen3-1.7B shape, e4m3 (fp16 dots, values widened by _widen_v), CUDA
     graphs (bench/results/decode_splits_fp8_h200_s31.log): twice the bf16
     heuristic's splits was the best or within 5% of it at 32768 and 131072 x
     batch 4 / 8 / 16 / 32, dense and sparse, e.g. dense 32768 x 8 268.8 -> 192.8 us,
     32768 x 32 985.8 -> 735.0 us, 131072 x 4 524.8 -> 375.8 us (batch 4 keeps 8:
     16 would lose the balanced launch, choose_num_splits); rows of 512 keys +0.8
-    to +1.6 us (FP8_SPLIT_FACTOR sets the factor). Over bf16 the H100's target held on the H200 (within 1% on sparse
+    to +1.6 us. Over bf16 the H100's target held on the H200 (within 1% on sparse
     rows, 2-7% on dense ones: decode_splits_h200_s31.log)."""
     return CTAS_PER_SM_TARGET * (FP8_SPLIT_FACTOR if kv_fp8 else 1)
 

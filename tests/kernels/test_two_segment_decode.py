@@ -256,7 +256,16 @@ def test_no_lse_and_fresh_output():
     assert T.rel_error(o.float(), ref) < TOL[torch.float16]
 
 
-def test_choose_num_splits():
+@pytest.fixture
+def fp8_doubles(monkeypatch):
+    """SGLANG_SPARSE_FP8_SPLIT_FACTOR=2: twice the programs over fp8 (the kernel's best
+    on dense rows; off by default since session 32, see FP8_SPLIT_FACTOR)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(K.two_segment_decode.__module__), "FP8_SPLIT_FACTOR", 2)
+
+
+def test_choose_num_splits(fp8_doubles):
     f = K.choose_num_splits
     # Batch 1 at long context: enough programs to cover all SMs (132 on H100).
     assert 1 * 8 * f(1, 8, 131072, 132) >= 132
@@ -278,7 +287,7 @@ def test_choose_num_splits():
     assert f(1, 8, 300, 132, min_split_len=256, kv_fp8=True) == 2  # the length bound holds
 
 
-def test_balances_over_fp8_counts_its_programs():
+def test_balances_over_fp8_counts_its_programs(fp8_doubles):
     """Every batch whose launch balances its splits over bf16 still does over fp8
     (twice the programs, the fused merge's range kept); the waves bound counts
     fp8's programs."""
@@ -288,7 +297,7 @@ def test_balances_over_fp8_counts_its_programs():
     assert K.programs_per_sm(True) == 2 * K.programs_per_sm(False)
 
 
-def test_fused_merge_bound_lets_fp8_batch_4_double(monkeypatch):
+def test_fused_merge_bound_lets_fp8_batch_4_double(monkeypatch, fp8_doubles):
     """SGLANG_SPARSE_FUSED_MERGE_MAX_SPLITS (the A/B knob): at 16, batch 4 over fp8
     takes 16 splits and still balances; the variable is read as a bounded count."""
     import importlib
@@ -307,14 +316,15 @@ def test_fused_merge_bound_lets_fp8_batch_4_double(monkeypatch):
 
 
 def test_fp8_split_factor_one_is_bf16s_heuristic(monkeypatch):
-    """SGLANG_SPARSE_FP8_SPLIT_FACTOR=1 (the A/B knob against session 31's splits):
-    over fp8 the heuristic, its balancing and its program count are bf16's."""
+    """SGLANG_SPARSE_FP8_SPLIT_FACTOR=1, the default (session 31's served splits, the
+    better end to end; 2 is the A/B knob): over fp8 the heuristic, its balancing and
+    its program count are bf16's."""
     import importlib
 
     from sgl_sparse.kernels import _utils
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
-    monkeypatch.setattr(tsd, "FP8_SPLIT_FACTOR", 1)
+    assert tsd.FP8_SPLIT_FACTOR == 1
     for bs in (1, 2, 4, 8, 16, 32, 64):
         assert K.choose_num_splits(bs, 8, 33792, 132, kv_fp8=True) == K.choose_num_splits(bs, 8, 33792, 132), bs
         assert K.balances(bs, 8, 33792, 132, kv_fp8=True) == K.balances(bs, 8, 33792, 132), bs
@@ -895,7 +905,7 @@ def test_gpu_fp8_long_context(fp8):
     _check_fp8(_as_fp8_cache(case, fp8, 0.75, 1.5), 0.75, 1.5)
 
 
-def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch):
+def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch, fp8_doubles):
     """Over fp8 the balanced launch's grid is BALANCE_FACTOR x the fp8 heuristic's
     splits (twice bf16's here), and its answers are the reference's."""
     import importlib
@@ -921,10 +931,10 @@ def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch):
 
 @gpu_test
 @pytest.mark.parametrize("fp8", FP8)
-def test_gpu_fp8_balanced_launch_as_served(fp8):
+def test_gpu_fp8_balanced_launch_as_served(fp8, fp8_doubles):
     """The launch a batch of 8 takes over fp8 in a step with an SFI slow row among
-    fast ones: the heuristic's 8 splits (programs_per_sm), balanced over a 32-split
-    grid, fused merge, one dense row of 32K among compact rows of 2308 keys."""
+    fast ones, split factor 2: the heuristic's 8 splits (programs_per_sm), balanced
+    over a 32-split grid, fused merge, one dense row of 32K among compact rows of 2308 keys."""
     bs, n = 8, 32768
     seq_lens = [n - 37 * i for i in range(bs)]
     a_lens = [0] + [2052] * (bs - 1)
