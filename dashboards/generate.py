@@ -203,7 +203,7 @@ def overview() -> Json:
                    "dense: FlashInfer alone; kernel: sgl_sparse's kernel alone; kernel_balanced: the kernel "
                    "with balanced splits (an SFI slow step may run beside fast ones); mixed: both; qa: both "
                    "with the query-aware blocks; qa_<policy>: both with that policy's blocks alone; "
-                   "reference: the CPU path.",
+                   "qa*_kernel: those blocks with the kernel alone (every row indexed); reference: the CPU path.",
                    [(f"sum by (path) (rate(sglang_sparse_decode_forwards_total{{{SEL}}}[{RATE}]))", "{{path}}")],
                    "ops", w=8, h=6),
         timeseries("SFI refresh graph captures",

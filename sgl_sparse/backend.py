@@ -334,13 +334,14 @@ class SparseAttnBackend(AttentionBackend):
             variant = self._graph_variant or graph_variants.MIXED
         else:
             # query-aware rows: both paths, whatever their routing (a row whose
-            # selection is pending is dense this step but its queries are recorded)
+            # selection is pending is dense this step but its queries are recorded),
+            # but in a graph whose rows all take the kernel: its kernel-only twin
             qa_policies = self.state.step_query_aware_policies()
             qa = bool(qa_policies)
-            route = graph_variants.route_of(mask) if not qa else graph_variants.MIXED
+            route = graph_variants.route_of(mask)
             balance = self.balance_splits and self.state.step_balance()
             if eager:
-                variant = route if graph_variants.ROUTE_ENABLED else graph_variants.MIXED
+                variant = route if graph_variants.ROUTE_ENABLED and not qa else graph_variants.MIXED
                 if variant == graph_variants.KERNEL and balance:
                     variant = graph_variants.KERNEL_BALANCED
             else:
@@ -350,7 +351,8 @@ class SparseAttnBackend(AttentionBackend):
             self.state.metrics.on_decode_path(variant)
         # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
         self._balance_step = variant == graph_variants.KERNEL_BALANCED
-        route = self._route = (graph_variants.MIXED if graph_variants.is_qa(variant) else
+        route = self._route = (graph_variants.KERNEL if graph_variants.is_kernel_only(variant) else
+                               graph_variants.MIXED if graph_variants.is_qa(variant) else
                                graph_variants.KERNEL if self._balance_step else variant)
         # CUDA-graph padding rows (state row 0, `full`, one key) go with the real rows:
         # to FlashInfer, or to the kernel when FlashInfer does not run.

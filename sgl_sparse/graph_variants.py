@@ -19,6 +19,13 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
   policy without a row but still cost a launch and the gap after it each: on the H100
   at 32768 x 1, a quest batch replaying `qa` with asyncspade also offered ran 780
   kernels a step against stock's 383, 26% of its span idle (bench/README, "Session 18");
+- `qa_kernel`, `qa_<policy>_kernel`: the same query-aware blocks with the two-segment
+  kernel alone, for a batch whose rows the host routes all to it (every query-aware row
+  indexed, no `full` row): no FlashInfer launch or plan. A `qa` graph's FlashInfer
+  launch over its one-key rows took 13 us a layer on the H200 at 32768 x 8 (0.36 ms a
+  lfps or asyncspade step, bench/README "Session 32"). A row the device still finds
+  dense (the host's twin of its decision disagreeing) has B = [0, n): the kernel attends
+  it all;
 - `mixed`: both paths (rows of each kind);
 - `dense`: FlashInfer alone, the stock graph plus our plan launch (every row dense);
 - `kernel`: the two-segment kernel alone, no FlashInfer launch and no FlashInfer plan
@@ -36,7 +43,9 @@ Switches: SGLANG_SPARSE_QA_GRAPH_VARIANTS=0 captures one graph with the query-aw
 blocks for every batch (no `mixed` / `dense` / `kernel`); SGLANG_SPARSE_ROUTE_VARIANTS=0
 drops `dense` and `kernel`, so both paths launch at every step (the behaviour before);
 SGLANG_SPARSE_QA_POLICY_VARIANTS=0 drops the per-policy `qa_<policy>` graphs (every
-query-aware batch replays `qa`, the behaviour before session 18).
+query-aware batch replays `qa`, the behaviour before session 18);
+SGLANG_SPARSE_QA_KERNEL_VARIANTS=0 drops the kernel-only twins of the query-aware ones
+(both paths at every query-aware step, the behaviour before session 32).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from sgl_sparse.policies.base import PolicyId
 QA_ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
 ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
 QA_POLICY_ENABLED = env_switch("QA_POLICY_VARIANTS", True)
+QA_KERNEL_ENABLED = env_switch("QA_KERNEL_VARIANTS", True)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
 # KERNEL with the kernel's splits balanced across requests (a step that may hold an
@@ -67,6 +77,20 @@ def qa_of(policy: PolicyId) -> str:
     return f"{QA}_{policy.name.lower()}"
 
 
+#: A query-aware variant's kernel-only twin: its name and this suffix.
+KERNEL_ONLY_SUFFIX = "_" + KERNEL
+
+
+def kernel_only(variant: str) -> str:
+    """The kernel-only twin of a query-aware variant."""
+    return variant + KERNEL_ONLY_SUFFIX
+
+
+def is_kernel_only(variant: Optional[str]) -> bool:
+    """Whether `variant` is a query-aware variant's kernel-only twin."""
+    return is_qa(variant) and variant.endswith(KERNEL_ONLY_SUFFIX)
+
+
 def is_qa(variant: Optional[str]) -> bool:
     """Whether `variant` holds query-aware blocks (`qa` or a `qa_<policy>`)."""
     return variant is not None and (variant == QA or variant.startswith(QA + "_"))
@@ -75,7 +99,11 @@ def is_qa(variant: Optional[str]) -> bool:
 def qa_policies(variant: Optional[str]) -> Optional[frozenset[PolicyId]]:
     """The query-aware policies whose blocks a capture of `variant` holds; None: every
     offered one (`qa`, or no variant at all: eager forwards, one unlabelled graph)."""
-    if variant is None or variant == QA or not is_qa(variant):
+    if variant is None or not is_qa(variant):
+        return None
+    if variant.endswith(KERNEL_ONLY_SUFFIX):
+        variant = variant[: -len(KERNEL_ONLY_SUFFIX)]
+    if variant == QA:
         return None
     return frozenset({PolicyId[variant[len(QA) + 1:].upper()]})
 
@@ -92,7 +120,7 @@ def route_of(mask: Sequence[int]) -> str:
 
 
 def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
-           balance: Optional[bool] = None) -> tuple[str, ...]:
+           balance: Optional[bool] = None, qa_kernel: bool = QA_KERNEL_ENABLED) -> tuple[str, ...]:
     """The variants `backend` (a SparseAttnBackend) captures per batch size, largest
     graph first; () for one unlabelled graph per size."""
     if backend.dense is None or not compat.has_dense_decode_graph_wrappers(backend.dense):
@@ -104,6 +132,8 @@ def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
     out = [QA] if device is not None else []
     if device is not None and qa and QA_POLICY_ENABLED and len(device.policies) > 1:
         out += [qa_of(p) for p in device.policies]
+    if out and qa and route and qa_kernel:
+        out += [kernel_only(v) for v in out]
     if not out or qa:
         out.append(MIXED)
     if route:
@@ -117,19 +147,22 @@ def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool
            policies: AbstractSet[PolicyId] = frozenset()) -> str:
     """The captured variant a batch replays: when it holds a query-aware row, the
     graph with those rows' policy alone (`policies`: the batch's query-aware ones) if
-    captured, else the one with them all (or, when that graph is all there is, it);
+    captured, else the one with them all (or, when that graph is all there is, it),
+    its kernel-only twin where the batch's route is KERNEL and the twin is captured;
     otherwise the graph of its route when
     captured (KERNEL_BALANCED for a kernel-only batch that wants `balance`, when
     captured), else the one with both paths (MIXED when nothing is captured: one
     unlabelled graph per size, with both paths)."""
     if not captured:
         return MIXED
-    if query_aware and len(policies) == 1:
-        one = qa_of(next(iter(policies)))
-        if one in captured:
-            return one
-    if query_aware and QA in captured:
-        return QA
+    if query_aware:
+        pick = None
+        if len(policies) == 1 and qa_of(next(iter(policies))) in captured:
+            pick = qa_of(next(iter(policies)))
+        elif QA in captured:
+            pick = QA
+        if pick is not None:
+            return kernel_only(pick) if route == KERNEL and kernel_only(pick) in captured else pick
     if route == KERNEL and balance and KERNEL_BALANCED in captured:
         return KERNEL_BALANCED
     if route in captured:

@@ -59,7 +59,7 @@ def batch_mix(policies) -> str:
 
 # graph_variants' paths (their values) and the CPU reference path: every series from 0.
 DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "qa_quest", "qa_asyncspade", "qa_lfps",
-                "reference")
+                "qa_kernel", "qa_quest_kernel", "qa_asyncspade_kernel", "qa_lfps_kernel", "reference")
 
 
 class SchedulerMetrics:

@@ -144,6 +144,9 @@ gv.QA_POLICY_ENABLED = True
 Q, A, L = PolicyId.QUEST, PolicyId.ASYNCSPADE, PolicyId.LFPS
 out["choose_qa"] = {name: gv.choose(two_variants, bool(p), gv.MIXED, False, frozenset(p))
                     for name, p in (("quest", [Q]), ("asyncspade", [A]), ("both", [Q, A]), ("lfps", [L]), ("none", []))}
+out["choose_qa_kernel_route"] = {name: gv.choose(two_variants, bool(p), gv.KERNEL, False, frozenset(p))
+                                 for name, p in (("quest", [Q]), ("both", [Q, A]), ("lfps", [L]), ("none", []))}
+out["choose_qa_kernel_route_balanced"] = gv.choose(two_variants, True, gv.KERNEL, True, frozenset([A]))
 out["choose_qa_single_policy_server"] = gv.choose(("qa", "mixed", "dense", "kernel"), True, gv.MIXED, False,
                                                   frozenset([Q]))
 # a capture of qa_<policy> narrows the device's blocks to that policy, and only then
@@ -158,6 +161,12 @@ for v in two_variants:
     with two.capturing_graph_variant(v):
         out["captures_qa"][v] = two._captures_query_aware()
 out["captures_qa"]["eager"] = two._captures_query_aware()
+# the route each capture records: FlashInfer in the query-aware graphs but their twins
+out["capture_route"] = {}
+for v in two_variants:
+    with two.capturing_graph_variant(v):
+        two._route_decode_rows(batch([2, 3], 4), eager=False, in_capture=True)
+        out["capture_route"][v] = two._route
 be = make_backend()
 for name, rows in (("full", [1]), ("full+covering", [1, 4]), ("windowed", [2, 3]), ("mixed", [1, 2]),
                    ("windowed+covering", [2, 4])):
@@ -261,17 +270,17 @@ def res(tmp_path_factory):
 def test_captured_variants(res):
     v = res["variants"]
     # query-aware blocks captured: their graph, then both paths, then one path each
-    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "mixed", "dense", "kernel", "kernel_balanced"]
+    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "qa_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=True,route=True,qa=False"] == ["qa", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=True,route=False,qa=True"] == ["qa", "mixed"]
     assert v["qa_dev=True,route=False,qa=False"] == []  # one graph with the blocks (before)
     assert v["qa_dev=False,route=True,qa=True"] == ["mixed", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=False,route=False,qa=True"] == []  # one graph, both paths (before)
     # two query-aware policies under graphs: one graph each beside the one with both
-    assert res["variants_two_qa"] == ["qa", "qa_quest", "qa_asyncspade", "mixed", "dense", "kernel",
-                                      "kernel_balanced"]
+    assert res["variants_two_qa"] == ["qa", "qa_quest", "qa_asyncspade", "qa_kernel", "qa_quest_kernel",
+                                      "qa_asyncspade_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
     assert res["variants_two_qa_one_graph"] == ["qa", "dense", "kernel", "kernel_balanced"]
-    assert res["variants_two_qa_switch_off"] == ["qa", "mixed", "dense", "kernel", "kernel_balanced"]
+    assert res["variants_two_qa_switch_off"] == ["qa", "qa_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
 
 
 @pytest.mark.timeout(300)
@@ -281,11 +290,22 @@ def test_query_aware_batches_replay_their_policies_graph(res):
     assert res["choose_qa"] == {"quest": "qa_quest", "asyncspade": "qa_asyncspade", "both": "qa", "lfps": "qa",
                                 "none": "mixed"}
     assert res["choose_qa_single_policy_server"] == "qa"
+    # every row to the kernel (each query-aware row indexed): the kernel-only twin
+    assert res["choose_qa_kernel_route"] == {"quest": "qa_quest_kernel", "both": "qa_kernel", "lfps": "qa_kernel",
+                                             "none": "kernel"}
+    assert res["choose_qa_kernel_route_balanced"] == "qa_asyncspade_kernel"
     # the capture of qa_<policy> holds that policy's blocks alone; the others, none
-    assert res["only"] == {"qa": None, "qa_quest": ["QUEST"], "qa_asyncspade": ["ASYNCSPADE"], "mixed": None,
+    assert res["only"] == {"qa": None, "qa_quest": ["QUEST"], "qa_asyncspade": ["ASYNCSPADE"], "qa_kernel": None,
+                           "qa_quest_kernel": ["QUEST"], "qa_asyncspade_kernel": ["ASYNCSPADE"], "mixed": None,
                            "dense": None, "kernel": None, "kernel_balanced": None, "after": None}
-    assert res["captures_qa"] == {"qa": True, "qa_quest": True, "qa_asyncspade": True, "mixed": False,
+    assert res["captures_qa"] == {"qa": True, "qa_quest": True, "qa_asyncspade": True, "qa_kernel": True,
+                                  "qa_quest_kernel": True, "qa_asyncspade_kernel": True, "mixed": False,
                                   "dense": False, "kernel": False, "kernel_balanced": False, "eager": True}
+    # the twins capture no FlashInfer launch (the kernel route), the others as before
+    assert res["capture_route"] == {"qa": "mixed", "qa_quest": "mixed", "qa_asyncspade": "mixed",
+                                    "qa_kernel": "kernel", "qa_quest_kernel": "kernel",
+                                    "qa_asyncspade_kernel": "kernel", "mixed": "mixed", "dense": "dense",
+                                    "kernel": "kernel", "kernel_balanced": "kernel"}
 
 
 @pytest.mark.timeout(300)
@@ -324,7 +344,9 @@ def test_captures_and_wrappers_per_variant(res):
     assert res["capture_balanced"] == ["kernel", True]
     assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
     assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 0.0, "mixed": 1.0, "qa": 0.0,
-                            "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "reference": 0.0}
+                            "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "qa_kernel": 0.0,
+                            "qa_quest_kernel": 0.0, "qa_asyncspade_kernel": 0.0, "qa_lfps_kernel": 0.0,
+                            "reference": 0.0}
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]
     assert set(kept) == {"mixed/4", "dense/4"} and kept["mixed/4"] != kept["dense/4"]
