@@ -82,3 +82,19 @@ def test_the_kv_cache_dtype_among_the_extra_flags():
     assert server_compare.kv_cache_dtype("--kv-cache-dtype=fp8_e5m2 --tp-size 2") == "fp8_e5m2"
     assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph") == "auto"
     assert server_compare.kv_cache_dtype("--kv-cache-dtype") == "auto"
+
+
+def test_slow_bursts_find_the_slow_step_and_its_refresh():
+    """A pinned SFI trace (session 32, 130000 x 4: a slow step, then the step carrying
+    its refresh, every 32 steps): bursts of two, their steps' times apart, the fast
+    steps' median; one request's burst at its trace's end still counts."""
+    fast = [2.3, 2.4, 2.5, 2.2] * 8
+    a = fast[:31] + [19.0, 18.0] + fast[:31] + [19.2, 25.0] + fast[:5]
+    b = fast[:31] + [18.8, 18.2] + fast[:31] + [19.4]
+    got = server_compare.slow_bursts([a, b])
+    assert got["burst_steps_mean"] == 1.75 and got["burst_ms_by_position"] == [19.1, 20.4]
+    assert got["bursts_per_100_steps"] == round(100 * 4 / (len(a) + len(b)), 2)
+    assert 2.2 <= got["fast_ms_p50"] <= 2.5
+    assert server_compare.slow_bursts([fast]) == {"fast_ms_p50": 2.35, "bursts_per_100_steps": 0.0,
+                                                  "burst_steps_mean": 0, "burst_ms_by_position": []}
+    assert server_compare.slow_bursts([]) == {}

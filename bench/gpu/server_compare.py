@@ -91,6 +91,34 @@ def step_times(arrivals, since=float("-inf")):
     return times, late
 
 
+def slow_bursts(trace: list[list[float]], factor: float = 2.0) -> dict:
+    """SFI's slow tail from the requests' step-time traces (ms): a burst is a run of
+    consecutive steps above `factor` x the median step (a slow step, then the step
+    that carries its refresh, under a pinned ratio), per request. Returns the fast
+    steps' median, bursts per 100 steps, their mean length, and the mean time of a
+    burst's first, second, ... step (where the slow step and the refresh go)."""
+    steps = sorted(t for ts in trace for t in ts)
+    if not steps:
+        return {}
+    cut = factor * steps[len(steps) // 2]
+    bursts = []
+    for ts in trace:
+        run = []
+        for t in ts + [0.0]:  # a sentinel closes the last run
+            if t > cut:
+                run.append(t)
+            elif run:
+                bursts.append(run)
+                run = []
+    fast = [t for ts in trace for t in ts if t <= cut]
+    longest = max((len(b) for b in bursts), default=0)
+    by_pos = [[b[i] for b in bursts if len(b) > i] for i in range(longest)]
+    return {"fast_ms_p50": round(statistics.median(fast), 3) if fast else None,
+            "bursts_per_100_steps": round(100 * len(bursts) / len(steps), 2),
+            "burst_steps_mean": round(statistics.fmean(len(b) for b in bursts), 2) if bursts else 0,
+            "burst_ms_by_position": [round(statistics.fmean(x), 2) for x in by_pos]}
+
+
 def itl_stats(url, prompts, n, sparse=None):
     """Per-step latency of a batch, client side (each request streamed): mean, median
     and p99 over every request's steps once all of them decode. Before that, a
@@ -115,7 +143,8 @@ def itl_stats(url, prompts, n, sparse=None):
             "decode_tok_s_itl": round(len(prompts) / mean, 1),
             # Each request's step times in order: where the slow tail falls (SFI's
             # refresh steps recur every T_max + 1 steps per request).
-            "itl_ms_trace": [[round(1e3 * t, 2) for t in ts] for ts, _ in per_req]}
+            "itl_ms_trace": [[round(1e3 * t, 2) for t in ts] for ts, _ in per_req],
+            "itl_bursts": slow_bursts([[1e3 * t for t in ts] for ts, _ in per_req])}
 
 
 def batch_wall(url, prompts, n, sparse=None):
@@ -458,6 +487,7 @@ def main():
                 row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
                 # the slow tail against a dense step at the same length (issue 4: <= 1.3)
                 row["itl_p99_over_stock_p50"] = round(c["itl_ms_p99"] / st["itl_ms_p50"], 3)
+                row["itl_bursts"] = c.get("itl_bursts")
             if a.interleave:  # round i of this policy ran right after round i of stock
                 per = [ratio(x, y) for x, y in zip(c["decode_tok_s_runs"], st["decode_tok_s_runs"])]
                 row["paired_ratios"] = per
@@ -480,6 +510,9 @@ def main():
                   + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else "")
                   + (f" itl ratio {row['itl_ratio']}, p99 / stock p50 {row['itl_p99_over_stock_p50']}"
                      if "itl_ratio" in row else "")
+                  + (f"; slow bursts {b['bursts_per_100_steps']} / 100 steps, {b['burst_steps_mean']} steps each, "
+                     f"ms by step {b['burst_ms_by_position']} (fast {b['fast_ms_p50']})"
+                     if (b := row.get("itl_bursts")) and b.get("burst_steps_mean") else "")
                   + (f" DENSE FALLBACK on {row['dense_fallback_share']:.0%} of its steps"
                      if row.get("dense_fallback_share") else ""))
     with open(a.out, "w") as f:
