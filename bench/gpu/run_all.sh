@@ -60,15 +60,17 @@ fp8)
     # lfps's kernels, fp8 pools among their cases
     python3 -m pytest -q tests/kernels/test_lfps_sparsity.py tests/kernels/test_lfps_tables.py -p no:cacheprovider \
         2>&1 | tee -a "$OUT/fp8_tests.log" | tail -3
-    # each cache dtype at the heuristic's splits (the table) and at forced ones ("splits" lines);
+    # each cache dtype at the heuristic's splits (the table) and at forced ones ("splits" lines;
+    # "slow step": SFI's dense launch with its logits kept, at the heuristic's and those);
     # FP8_VARIANTS=1: e4m3 also with the values widened by the compiler (v_asm0) and with
     # bf16 dots (f16dots0), session 31's A/B
     for run in model fp8_e4m3 fp8_e5m2 ${FP8_VARIANTS:+fp8_e4m3:SGLANG_SPARSE_FP8_V_ASM=0 fp8_e4m3:SGLANG_SPARSE_FP8_F16_DOTS=0}; do
         kv=${run%%:*}; var=${run#*:}; [ "$var" = "$run" ] && var=""
         tag=$kv${var:+_$(echo "${var#SGLANG_SPARSE_FP8_}" | tr 'A-Z=' 'a-z_' | tr -d '_')}
         env $var python3 bench/kernels/bench_decode.py --contexts 32768 --batches 8 --fractions 1/64,1/16,1 --no-indexed \
-            --split-counts 4,8,16,32 --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$tag.json" 2>&1 \
-            | tee "$OUT/decode_32k8_kv_$tag.log" | grep -E "splits ctx|ours_dense \||ours_sparse \||FAIL" | sed "s/^/$tag /"
+            --split-counts 4,8,16,32 --slow-step --kv-dtype "$kv" --out "$OUT/decode_32k8_kv_$tag.json" 2>&1 \
+            | tee "$OUT/decode_32k8_kv_$tag.log" | grep -E "splits ctx|slow step|ours_dense \||ours_sparse \||FAIL" \
+            | sed "s/^/$tag /"
     done
     ;;
 lfps)

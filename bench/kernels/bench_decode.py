@@ -111,6 +111,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--split-counts", type=_int_list, default=None,
                    help="also time our kernel at each of these split counts (serving's merge choice: one launch "
                         "up to the fused merge's limit), dense and each sparse fraction, CUDA-graph replay")
+    p.add_argument("--slow-step", action="store_true",
+                   help="also time the dense launch of SFI's slow step (key norms, saved query, logits kept)")
     p.add_argument("--with-pack", action="store_true", help="also time pack_compact for the sparse fractions")
     p.add_argument("--no-indexed", action="store_true", help="skip the indexed segment-A (a_pos) rows")
     p.add_argument("--no-fused", action="store_true", help="skip the fused_merge=True rows")
@@ -368,6 +370,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.split_counts:
                 time_split_counts(args, K, T, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0,
                                   dense_bytes, counters)
+            if args.slow_step:
+                time_slow_step(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, dense_bytes,
+                               counters, kv_dtype != dtype)
             if args.sweep:
                 sweep(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0, dense_bytes)
             del ref
@@ -487,6 +492,39 @@ def time_split_counts(args, K, T, timer, case, ref, max_kv_len, results, n, bs, 
                             bytes=nbytes, gbps=nbytes / (t * 1e-6) / 1e9, rel_err=err))
         line.append(f"{ns}: {t:.1f}" + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"))
     print(f"  splits ctx={n} bs={bs} {kernel} frac={frac:.4f} ({nbytes / 1e6:.1f} MB), us by split count: "
+          + ", ".join(line), flush=True)
+
+
+def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, nbytes, counters, kv_fp8):
+    """SFI's slow step as the backend launches it: every row dense, storing its key
+    norm, saving its query and keeping its logits for the Selector (``logits_out``
+    ``[rows, Hkv, G, L]`` fp32, L = the context), at the heuristic's splits and at each
+    of ``--split-counts``, CUDA-graph replay. The logits' writes are added to the bytes."""
+    hq, d = case.q.shape[1], case.q.shape[2]
+    hkv = case.k_pool.shape[1]
+    dev = case.q.device
+    key_norms = torch.zeros(case.k_pool.shape[0], hkv, dtype=torch.float32, device=dev)
+    q_save = torch.empty(bs, hq, d, dtype=case.q.dtype, device=dev)
+    q_save_slot = torch.arange(bs, dtype=torch.int32, device=dev)
+    logits = torch.empty(bs, hkv, hq // hkv, n, dtype=torch.float32, device=dev)
+    total = nbytes + logits.numel() * 4
+    out = case.q.new_empty(case.q.shape)
+    heuristic = K.choose_num_splits(bs, hkv, max_kv_len, torch.cuda.get_device_properties(0).multi_processor_count
+                                    if dev.type == "cuda" else 4, kv_fp8=kv_fp8)
+    line = []
+    for ns in [heuristic] + [c for c in (args.split_counts or []) if c != heuristic]:
+        kw = dict(max_kv_len=max_kv_len, num_splits=ns, out=out, split_counters=counters, key_norms=key_norms,
+                  q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
+        run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+        out.fill_(float("nan"))
+        run()
+        err = T.rel_error(out.float(), ref)
+        t = timer.graph_us(run) or timer.eager_us(run)
+        results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step", frac=1.0, num_splits=ns, time_us=t,
+                            bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err, heuristic=ns == heuristic))
+        line.append(f"{ns}{'*' if ns == heuristic else ''}: {t:.1f}"
+                    + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"))
+    print(f"  slow step ctx={n} bs={bs} (KV + logits {total / 1e6:.1f} MB), us by split count: "
           + ", ".join(line), flush=True)
 
 
