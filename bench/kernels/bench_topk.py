@@ -64,9 +64,11 @@ def parse_args(argv=None):
 
 def _cases(smoke: bool):
     # (name, R, H, N, k, live lengths per row as fractions of N (0 = empty)[, the share of
-    # the live range that is finite, the rest -inf (default 1)])
+    # the live range that is finite, the rest -inf (default 1)[, "prefix": that share is
+    # the range's first positions, not random ones]])
     if smoke:
-        return [("smoke-half-empty", 4, 2, 300, 40, [0.9, 0.0, 0.5, 0.0]), ("smoke-full", 2, 2, 300, 40, [1.0, 0.7])]
+        return [("smoke-half-empty", 4, 2, 300, 40, [0.9, 0.0, 0.5, 0.0]), ("smoke-full", 2, 2, 300, 40, [1.0, 0.7]),
+                ("smoke-prefix", 2, 2, 300, 40, [1.0, 0.5], 0.3, "prefix")]
     half = [1.0, 0.0, 0.6, 0.0, 0.3, 0.0, 0.1, 0.0]
     full = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
     return [
@@ -98,6 +100,11 @@ def _cases(smoke: bool):
         ("lfps-prio-5pct", 8, 8, 33792, 8192, [32768 / 33792] * 8, 0.05),
         ("lfps-prio-50pct", 8, 8, 33792, 8192, [32768 / 33792] * 8, 0.5),
         ("lfps-rank", 8, 8, 8192, 2048, [0.2] * 8),
+        # the rank Top-K as served: rows over the whole candidate buffer [0, 8192), C1's
+        # exact scores finite in its first n_c1 (here 4096, and all 8192: C1 above the
+        # candidates), -inf after; the budget selects (session 32's profile: 23 us a layer)
+        ("lfps-rank-c1-half", 8, 8, 8192, 2048, [1.0] * 8, 0.5, "prefix"),
+        ("lfps-rank-c1-full", 8, 8, 8192, 2048, [1.0] * 8),
     ]
 
 
@@ -145,7 +152,10 @@ def main(argv=None) -> int:
         pos_n = torch.arange(n, device=dev)
         live = (pos_n >= lo[:, None]) & (pos_n < hi[:, None])
         s = torch.randn(r, h, n, generator=gen, device=dev).masked_fill(~live[:, None, :], float("-inf"))
-        if density:
+        if density and len(density) > 1 and density[1] == "prefix":  # finite: the live range's first share
+            cut = lo + ((hi - lo).clamp(min=0).float() * density[0]).to(torch.int32)
+            s = s.masked_fill((pos_n >= cut[:, None])[:, None, :], float("-inf"))
+        elif density:
             sparse = torch.rand(r, h, n, generator=gen, device=dev) >= density[0]
             s = s.masked_fill(sparse, float("-inf"))
 
