@@ -299,3 +299,28 @@ def test_gpu_priority_at_32k_slots_as_served():
     assert torch.equal(cnt, want_cnt) and bool(listed[1].all()) and not bool(listed[4].any())
     for i, j in (want_cnt > 0).nonzero().tolist():
         assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)
+
+
+@pytest.mark.parametrize("kernel, const", [
+    ("_lfps_table_sums_kernel", dict(CHUNKS=8, BLOCK_M=1024)),
+    ("_lfps_table_moments_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
+    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
+    ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
+])
+def test_priority_kernels_compile_for_sm90(kernel, const):
+    """The chunked priorities and the C1 listing as lfps_device launches them at
+    32768 x 8 (8 chunks) compile for the H100/H200 (sm_90). Their table reads are
+    4-byte loads (coalesced across a warp): a chunk starts anywhere (the sink, the
+    row's own length) and Φ_sla is read backwards, so no wider load is provable."""
+    import importlib
+
+    from sgl_sparse.kernels.testing import compile_sm90
+
+    fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
+    ptrs = {"RHO": "*fp32", "EPS": "*fp32", "A": "*fp32", "VER": "*fp32", "SLA": "*fp32", "N": "*i32",
+            "SINK": "*i32", "WORK": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32", "OUT": "*i32",
+            "OUT_LEN": "*i32", "SKIP": "*i32"}
+    sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+    got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
+                       options={"num_warps": 4})
+    assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got

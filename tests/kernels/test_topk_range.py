@@ -607,3 +607,21 @@ def test_takes_htop_where_the_defaults_take_its_kernel(monkeypatch):
     assert not T.takes_htop(0, 64, cpu)
     monkeypatch.setattr(T, "SMALL_DIGITS", False)
     assert not T.takes_htop(32768, 64, cpu)  # 8-bit digits asked for
+
+
+@pytest.mark.parametrize("phase", [0, 3])
+def test_topk_split_kernel_with_skip_compiles_for_sm90(phase):
+    """The split kernel's phases with ``skip`` (lfps's C1 Top-K over 64 rows of 33792)
+    compile for sm_90."""
+    import importlib
+
+    from sgl_sparse.kernels.testing import compile_sm90
+
+    fn = importlib.import_module("sgl_sparse.kernels.topk_split")._topk_split_kernel
+    ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "HIST": "*i32",
+            "OUT": "*i32", "OUT_LEN": "*i32", "SKIP": "*i32"}
+    const = dict(PHASE=phase, BLOCK_N=1024, HAS_SKIP=True)
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
+    got = compile_sm90("sgl_sparse.kernels.topk_split", "_topk_split_kernel", sig, const,
+                       [n for n in fn.arg_names if n in ptrs], options={"num_warps": 4})
+    assert got.get("ld.global.b32", 0) + got.get("ld.global.v4.b32", 0) > 0, got
