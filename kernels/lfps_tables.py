@@ -252,8 +252,8 @@ def _lfps_priority_kernel(
     tl.store(row + cur_p * 8 + 6, tl.sum(members, 0).to(tl.float32))
 
 
-@triton.jit(do_not_specialize=["M", "K_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh", "stride_ls",
-                               "stride_ks"])
+@triton.jit(do_not_specialize=["M", "K_MAX", "K2_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh",
+                               "stride_ls", "stride_ks", "stride_is", "stride_ih", "stride_cs", "stride_ks2"])
 def _lfps_c1_list_kernel(
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
@@ -263,21 +263,35 @@ def _lfps_c1_list_kernel(
     OUT,  # [S, Hkv, K_MAX] int32 out: C1's positions, ascending
     OUT_LEN,  # [S, Hkv] int32 out: |C1|
     SKIP,  # [S, Hkv] int32 out: 1 where this listed the row (topk_range leaves it alone)
+    BUDGET2,  # [S] int32: C2's budget (HAS_C2 only)
+    IDX,  # [S, Hkv, K2_MAX] int32 out: C2 as indices into OUT (HAS_C2 only)
+    COUNT,  # [S, Hkv] int32 out: |C2| (HAS_C2 only)
+    SKIP2,  # [S, Hkv] int32 out: 1 where C2 = C1 was listed here (HAS_C2 only)
     stride_ps,
     stride_ph,
     stride_os,
     stride_oh,
     stride_ls,
     stride_ks,
+    stride_is,
+    stride_ih,
+    stride_cs,
+    stride_ks2,
     M,
     K_MAX,
+    K2_MAX,
     CHUNKS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HAS_C2: tl.constexpr,
 ):
     """Where C1 fits its budget (k = F: lfps's usual case, a few % of the context
     against its candidates), C1 listed ascending, each chunk at the sizes of the
-    chunks before it: topk_range's k = F output without its passes over the row."""
+    chunks before it: topk_range's k = F output without its passes over the row.
+    HAS_C2: where C1 also fits C2's budget, C2 is all of C1 (the Top-budget of |C1|
+    finite exact scores keeps them all): its indices 0..|C1|-1 listed too, so the rank
+    Top-K skips the row: rows whose C1 is within C2's budget (a few % of a short
+    context is) never pay that select."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -288,20 +302,31 @@ def _lfps_c1_list_kernel(
     sizes = tl.load(row + offs_p * 8 + 6, mask=(offs_p < CHUNKS) & (n > 0), other=0.0).to(tl.int32)
     total = tl.sum(sizes, 0)
     fits = (n > 0) & (total <= tl.minimum(tl.load(BUDGET + cur_s), K_MAX))
+    fits2 = fits
+    if HAS_C2:
+        fits2 = fits & (total <= tl.minimum(tl.load(BUDGET2 + cur_s), K2_MAX))
     if cur_p == 0:
         tl.store(SKIP + cur_s * stride_ks + cur_h, fits.to(tl.int32))
         if fits:
             tl.store(OUT_LEN + cur_s * stride_ls + cur_h, total)
+        if HAS_C2:
+            tl.store(SKIP2 + cur_s * stride_ks2 + cur_h, fits2.to(tl.int32))
+            if fits2:
+                tl.store(COUNT + cur_s * stride_cs + cur_h, total)
     if fits:
         written = tl.sum(tl.where(offs_p < cur_p, sizes, 0), 0)
         prio = PRIO + cur_s.to(tl.int64) * stride_ps + cur_h.to(tl.int64) * stride_ph
         out = OUT + cur_s.to(tl.int64) * stride_os + cur_h.to(tl.int64) * stride_oh
+        idx = IDX + cur_s.to(tl.int64) * stride_is + cur_h.to(tl.int64) * stride_ih
         offs = tl.arange(0, BLOCK_M)
         for start in range(c0, c1, BLOCK_M):
             pos = start + offs
             ok = pos < c1
             keep = (ok & (tl.load(prio + pos, mask=ok, other=float("-inf")) > float("-inf"))).to(tl.int32)
-            tl.store(out + written + tl.cumsum(keep, 0) - keep, pos, mask=keep != 0)
+            at = written + tl.cumsum(keep, 0) - keep
+            tl.store(out + at, pos, mask=keep != 0)
+            if HAS_C2:
+                tl.store(idx + at, at, mask=(keep != 0) & fits2)
             written += tl.sum(keep, 0)
 
 
@@ -324,7 +349,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
                   n: torch.Tensor, sink: torch.Tensor, *, prio: torch.Tensor | None = None,
                   bypass: torch.Tensor | None = None, chunks: int | None = None, block_m: int = 1024,
                   num_warps: int = 4,
-                  c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+                  c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                  c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -339,7 +365,11 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     (ascending into ``out``, its size into ``out_len``) and sets ``skip`` there (0
     elsewhere), so ``topk_range(prio, sink, n, budget, K, out=out, out_len=out_len,
     skip=skip)`` gives the same output as without it, selecting only the rows whose C1
-    is larger than their budget."""
+    is larger than their budget. ``c2_list`` = ``(budget2 [S], idx [S, Hkv, K2], count
+    [S, Hkv], skip2 [S, Hkv])``, with ``c1_list``: where C1 also fits ``min(budget2,
+    K2)``, C2 is all of it: ``idx`` 0..|C1|-1, ``count`` |C1|, ``skip2`` 1 (0
+    elsewhere), the rank Top-K's output over C1's exact scores when they are finite
+    (as ``token_scores_at`` writes them below ``n_c1``)."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -378,11 +408,24 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
         assert out.shape[:2] == (s, hkv) and out.dtype == torch.int32 and out.stride(2) == 1, "c1_list: out"
         for name, t in (("out_len", out_len), ("skip", skip)):
             assert t.shape == (s, hkv) and t.dtype == torch.int32 and t.stride(1) == 1, f"c1_list: {name}"
+        if c2_list is not None:
+            budget2, idx, count, skip2 = c2_list
+            assert budget2.shape == (s,) and budget2.dtype == torch.int32 and budget2.is_contiguous(), \
+                "c2_list: budget"
+            assert idx.shape[:2] == (s, hkv) and idx.dtype == torch.int32 and idx.stride(2) == 1, "c2_list: idx"
+            for name, t in (("count", count), ("skip", skip2)):
+                assert t.shape == (s, hkv) and t.dtype == torch.int32 and t.stride(1) == 1, f"c2_list: {name}"
+        else:
+            budget2, idx, count, skip2 = budget, out, out_len, skip  # not touched without HAS_C2
         _lfps_c1_list_kernel[grid](
-            n, sink, budget, work, prio, out, out_len, skip,
+            n, sink, budget, work, prio, out, out_len, skip, budget2, idx, count, skip2,
             prio.stride(0), prio.stride(1), out.stride(0), out.stride(1), out_len.stride(0), skip.stride(0),
-            m, out.shape[2], CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), BLOCK_M=block_m, num_warps=num_warps,
+            idx.stride(0), idx.stride(1), count.stride(0), skip2.stride(0),
+            m, out.shape[2], idx.shape[2], CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), BLOCK_M=block_m,
+            HAS_C2=c2_list is not None, num_warps=num_warps,
         )
+    else:
+        assert c2_list is None, "c2_list: with c1_list only"
     return prio, bypass
 
 

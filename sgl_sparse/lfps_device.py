@@ -11,12 +11,14 @@ each a chunk of the row):
   tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
               above eps), Eq. (8)'s thresholds, C0 / C1 and the priorities
               Φ_ver + Φ_sla over the valid range [sink, n) only; where C1 fits
-              the `candidates` budget (the usual case), C1 listed ascending
+              the `candidates` budget (the usual case), C1 listed ascending, and
+              where it also fits `budget`, C2 = C1 listed too
   C1 buffer   kernels/topk_range.py over [sink, n) of the other rows: the
               `candidates` best by Φ_ver + Φ_sla, ascending (the torch path's
               topk of the same set)
   exact q.k   kernels/token_scores.token_scores_at on C1 only (group max)
-  C2          topk_range of those scores, Top-`budget`, ascending
+  C2          topk_range of those scores, Top-`budget`, ascending (the rows
+              whose C2 is not all of C1)
   segment A   kernels/lfps_tables.lfps_select_out: sinks, then C2 below
               b_start, straight into the slot's batch row of a_pos / a_len
   finish      kernels/lfps_tables.lfps_finish: bypassed heads output V̄;
@@ -104,19 +106,22 @@ class LfpsDevice:
         rho = lfps_head_sparsity(q3, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
                                  store.sigma_hat2[li], scale, q_rows=f.sr.b_any)
         # C1 where it fits its budget (the usual case) listed by the priorities' own
-        # launches; topk_range selects the other rows only
+        # launches, and C2 = C1 where C1 also fits C2's; topk_range selects the other
+        # rows only
         cand = torch.empty(s, hkv, self.c, dtype=torch.int32, device=dev)  # read below n_c1 only
         n_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
         listed = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
+        count = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+        all_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
-                                     c1_list=(f.c_max, cand, n_c1, listed))
+                                     c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1))
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing
         rank = token_scores_at(q3, k_cache, req_to_token, f.rpi, cand, scale, cand_len=n_c1, q_rows=f.sr.b_any,
                                row_on=f.budget)
-        idx = torch.empty(s, hkv, self.k, dtype=torch.int32, device=dev)  # read below count only
-        idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx)
+        idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx, out_len=count, skip=all_c1)
         self._sel = LfpsSelection(bypass, cand, idx, count)
         lfps_select_out(f.row, f.n, f.sink, f.b_start, cand, idx, count, bypass, a_pos, a_len, store.cfg.capacity,
                         slots=None if a_slots is None else (req_to_token, f.rpi, a_slots))

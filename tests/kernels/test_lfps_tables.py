@@ -92,6 +92,29 @@ def test_priority(group, chunks, block_m):
     for i, j in (want_cnt > 0).nonzero().tolist():
         assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)
 
+    # c2_list: where C1 also fits C2's budget, C2 = C1 (indices 0..|C1|-1) listed too and
+    # the rank Top-K skips the row: its output over finite exact scores below n_c1
+    k2, budget2 = 6, torch.tensor([4, 6, 2, 100, 3], dtype=torch.int32)
+    cand = torch.full((s, HKV, k), -3, dtype=torch.int32)
+    cnt = torch.full((s, HKV), -4, dtype=torch.int32)
+    idx = torch.full((s, HKV, k2), -7, dtype=torch.int32)
+    count = torch.full((s, HKV), -8, dtype=torch.int32)
+    skip2 = torch.full((s, HKV), -9, dtype=torch.int32)
+    run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio2, chunks=chunks, block_m=block_m,
+                  c1_list=(budget, cand, cnt, skip), c2_list=(budget2, idx, count, skip2))
+    fits2 = fits & (sizes <= budget2.clamp(max=k2)[:, None])
+    assert torch.equal(skip2, fits2.to(torch.int32)) and fits2.any() and (fits & ~fits2).any()
+    run_on_device(topk_range, prio2, sink, n, budget, k, out=cand, out_len=cnt, skip=skip)
+    rank = torch.randn(s, HKV, k, generator=gen)  # exact scores: finite below n_c1, -inf after
+    rank = rank.masked_fill(torch.arange(k)[None, None, :] >= cnt[..., None], float("-inf"))
+    zero = torch.zeros(s, dtype=torch.int32)
+    run_on_device(topk_range, rank, zero, budget, budget2, k2, out=idx, out_len=count, skip=skip2)
+    want_idx, want_count = run_on_device(topk_range, rank, zero, budget, budget2, k2)
+    live2 = (n > 0)[:, None].expand_as(count)
+    assert torch.equal(count[live2], want_count[live2])
+    for i, j in (want_count > 0).nonzero().tolist():
+        assert torch.equal(idx[i, j, : int(want_count[i, j])], want_idx[i, j, : int(want_count[i, j])]), (i, j)
+
 
 def test_priority_chunks_fill_the_gpu_from_static_shapes():
     """A row's chunks: ~PRIORITY_PROGRAMS_PER_SM programs an SM over the slots' rows,
@@ -293,19 +316,35 @@ def test_gpu_priority_at_32k_slots_as_served():
     cand = torch.empty(s, hkv, k, dtype=torch.int32, device=dev)
     cnt = torch.empty(s, hkv, dtype=torch.int32, device=dev)
     listed = torch.empty(s, hkv, dtype=torch.int32, device=dev)
-    prio, _ = lfps_priority(*args, c1_list=(budget, cand, cnt, listed))
+    k2 = 2048
+    budget2 = torch.tensor([k2, k2, k2, 16, k2, k2, k2, k2], dtype=torch.int32, device=dev)
+    idx = torch.empty(s, hkv, k2, dtype=torch.int32, device=dev)
+    count = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+    all_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
+    prio, _ = lfps_priority(*args, c1_list=(budget, cand, cnt, listed), c2_list=(budget2, idx, count, all_c1))
     topk_range(prio, args[6], args[5], budget, k, out=cand, out_len=cnt, skip=listed)
     want_pos, want_cnt = topk_range(prio, args[6], args[5], budget, k)
     assert torch.equal(cnt, want_cnt) and bool(listed[1].all()) and not bool(listed[4].any())
     for i, j in (want_cnt > 0).nonzero().tolist():
         assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)
+    # C2 = C1 where C1 fits 2048 (row 5: 1000 keys), not where its budget is 16 (row 3)
+    rank = torch.randn(s, hkv, k, device=dev).masked_fill(torch.arange(k, device=dev) >= cnt[..., None],
+                                                          float("-inf"))
+    zero = torch.zeros(s, dtype=torch.int32, device=dev)
+    topk_range(rank, zero, budget, budget2, k2, out=idx, out_len=count, skip=all_c1)
+    want_idx, want_count = topk_range(rank, zero, budget, budget2, k2)
+    live = n.to(dev) > 0
+    assert torch.equal(count[live], want_count[live]) and bool(all_c1[5].all()) and not bool(all_c1[3].any())
+    for i, j in (want_count > 0).nonzero().tolist():
+        assert torch.equal(idx[i, j, : int(want_count[i, j])], want_idx[i, j, : int(want_count[i, j])]), (i, j)
 
 
 @pytest.mark.parametrize("kernel, const", [
     ("_lfps_table_sums_kernel", dict(CHUNKS=8, BLOCK_M=1024)),
     ("_lfps_table_moments_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
-    ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
+    ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
+    ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=True)),
 ])
 def test_priority_kernels_compile_for_sm90(kernel, const):
     """The chunked priorities and the C1 listing as lfps_device launches them at
@@ -319,7 +358,7 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
     ptrs = {"RHO": "*fp32", "EPS": "*fp32", "A": "*fp32", "VER": "*fp32", "SLA": "*fp32", "N": "*i32",
             "SINK": "*i32", "WORK": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32", "OUT": "*i32",
-            "OUT_LEN": "*i32", "SKIP": "*i32"}
+            "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
