@@ -82,10 +82,22 @@ def _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS):
 
 
 @triton.jit
+def _work_row(WORK, cur_s, cur_h, nh, CHUNKS):
+    """A (slot, KV head) row's chunk partials in WORK [S, Hkv, CHUNKS, 8]."""
+    return WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
+
+
+@triton.jit
+def _row_column(WORK_ROW, col, CHUNKS, BLOCK_P: tl.constexpr):
+    """Column `col` of a row's chunk partials, one entry a chunk (0 past CHUNKS)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    return tl.load(WORK_ROW + offs_p * 8 + col, mask=offs_p < CHUNKS, other=0.0)
+
+
+@triton.jit
 def _row_sums(WORK_ROW, col, CHUNKS, BLOCK_P: tl.constexpr):
     """Column `col` of a row's chunk partials, summed (every program of the row in the same order)."""
-    offs_p = tl.arange(0, BLOCK_P)
-    return tl.sum(tl.load(WORK_ROW + offs_p * 8 + col, mask=offs_p < CHUNKS, other=0.0), 0)
+    return tl.sum(_row_column(WORK_ROW, col, CHUNKS, BLOCK_P), 0)
 
 
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
@@ -119,7 +131,7 @@ def _lfps_table_sums_kernel(
         ok = pos < c1
         sv += tl.load(ver + pos, mask=ok, other=0.0)
         ss += _sla_at(sla, pos, ok, n, M)
-    work = WORK + ((cur_s * tl.num_programs(1) + cur_h) * CHUNKS + cur_p).to(tl.int64) * 8
+    work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 8
     tl.store(work, tl.sum(sv, 0))
     tl.store(work + 1, tl.sum(ss, 0))
 
@@ -148,7 +160,7 @@ def _lfps_table_moments_kernel(
     n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
     if n <= 0:
         return
-    row = WORK + ((cur_s * tl.num_programs(1) + cur_h) * CHUNKS).to(tl.int64) * 8
+    row = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS)
     cnt = tl.maximum(n - lo, 1).to(tl.float32)
     mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
     ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
@@ -219,7 +231,7 @@ def _lfps_priority_kernel(
         tl.store(BYPASS + cur_s * nh + cur_h, bypass.to(tl.int8))
     a = tl.load(A + cur_s)
     # Eq. (8)'s thresholds from every chunk's sums (each program of the row alike)
-    row = WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
+    row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
     cnt = tl.maximum(n - lo, 1).to(tl.float32)
     mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
     ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
@@ -297,9 +309,10 @@ def _lfps_c1_list_kernel(
     cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
     n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
-    row = WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
+    row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
     offs_p = tl.arange(0, BLOCK_P)
-    sizes = tl.load(row + offs_p * 8 + 6, mask=(offs_p < CHUNKS) & (n > 0), other=0.0).to(tl.int32)
+    # a row without a live request has no sizes written (its programs returned at once)
+    sizes = tl.where(n > 0, _row_column(row, 6, CHUNKS, BLOCK_P), 0.0).to(tl.int32)
     total = tl.sum(sizes, 0)
     fits = (n > 0) & (total <= tl.minimum(tl.load(BUDGET + cur_s), K_MAX))
     fits2 = fits

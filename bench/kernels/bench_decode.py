@@ -474,25 +474,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 1 if failures else 0
 
 
-def time_split_counts(args, K, T, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes, counters):
-    """Our kernel at each of ``--split-counts`` (everything else as served: the
-    merge in one launch up to FUSED_MERGE_MAX_SPLITS, else the merge kernel),
-    CUDA-graph replay: what a split heuristic for this GPU should pick."""
+def _time_at_splits(args, K, T, timer, case, ref, counts, **kw):
+    """(split count, µs, relative error) of our kernel at each of ``counts``, checked
+    against ``ref`` first, CUDA-graph replay (eager where capture fails); ``kw``: the
+    launch's other arguments (everything else as served: the merge in one launch up to
+    FUSED_MERGE_MAX_SPLITS, else the merge kernel)."""
     out = case.q.new_empty(case.q.shape)
-    line = []
-    for ns in args.split_counts:
-        kw = dict(max_kv_len=max_kv_len, num_splits=ns, out=out, split_counters=counters,
-                  block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
-        run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+    timed = []
+    for ns in counts:
+        kw_ns = dict(kw, num_splits=ns, out=out)
+        run = lambda: K.two_segment_decode(*case.args(), **kw_ns)  # noqa: E731
         out.fill_(float("nan"))
         run()
         err = T.rel_error(out.float(), ref)
-        t = timer.graph_us(run) or timer.eager_us(run)
+        timed.append((ns, timer.graph_us(run) or timer.eager_us(run), err))
+    return timed
+
+
+def _split_line(args, timed, mark=None) -> str:
+    return ", ".join(f"{ns}{'*' if ns == mark else ''}: {t:.1f}"
+                     + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)") for ns, t, err in timed)
+
+
+def time_split_counts(args, K, T, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes, counters):
+    """Our kernel at each of ``--split-counts``, CUDA-graph replay: what a split
+    heuristic for this GPU should pick."""
+    timed = _time_at_splits(args, K, T, timer, case, ref, args.split_counts, max_kv_len=max_kv_len,
+                            split_counters=counters, block_n=args.block_n, num_warps=args.num_warps,
+                            num_stages=args.num_stages)
+    for ns, t, err in timed:
         results.append(dict(ctx=n, bs=bs, kernel=kernel + "_splits", frac=frac, num_splits=ns, time_us=t,
                             bytes=nbytes, gbps=nbytes / (t * 1e-6) / 1e9, rel_err=err))
-        line.append(f"{ns}: {t:.1f}" + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"))
     print(f"  splits ctx={n} bs={bs} {kernel} frac={frac:.4f} ({nbytes / 1e6:.1f} MB), us by split count: "
-          + ", ".join(line), flush=True)
+          + _split_line(args, timed), flush=True)
 
 
 def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, nbytes, counters, kv_fp8):
@@ -508,24 +522,16 @@ def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, 
     q_save_slot = torch.arange(bs, dtype=torch.int32, device=dev)
     logits = torch.empty(bs, hkv, hq // hkv, n, dtype=torch.float32, device=dev)
     total = nbytes + logits.numel() * 4
-    out = case.q.new_empty(case.q.shape)
     heuristic = K.choose_num_splits(bs, hkv, max_kv_len, torch.cuda.get_device_properties(0).multi_processor_count
                                     if dev.type == "cuda" else 4, kv_fp8=kv_fp8)
-    line = []
-    for ns in [heuristic] + [c for c in (args.split_counts or []) if c != heuristic]:
-        kw = dict(max_kv_len=max_kv_len, num_splits=ns, out=out, split_counters=counters, key_norms=key_norms,
-                  q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
-        run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
-        out.fill_(float("nan"))
-        run()
-        err = T.rel_error(out.float(), ref)
-        t = timer.graph_us(run) or timer.eager_us(run)
+    counts = [heuristic] + [c for c in (args.split_counts or []) if c != heuristic]
+    timed = _time_at_splits(args, K, T, timer, case, ref, counts, max_kv_len=max_kv_len, split_counters=counters,
+                            key_norms=key_norms, q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
+    for ns, t, err in timed:
         results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step", frac=1.0, num_splits=ns, time_us=t,
                             bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err, heuristic=ns == heuristic))
-        line.append(f"{ns}{'*' if ns == heuristic else ''}: {t:.1f}"
-                    + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"))
     print(f"  slow step ctx={n} bs={bs} (KV + logits {total / 1e6:.1f} MB), us by split count: "
-          + ", ".join(line), flush=True)
+          + _split_line(args, timed, heuristic), flush=True)
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):

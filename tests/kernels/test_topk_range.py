@@ -513,19 +513,18 @@ def test_topk_range_gpu(n, k_max):
         _check(s.cpu(), lo.cpu(), hi.cpu(), budget.cpu(), k_max, pos.cpu(), cnt.cpu())
 
 
-def _compile_topk(kernel: str, const: dict, **kw) -> dict:
-    """compile_sm90 of a topk_range kernel (pointers 16-aligned, as launched)."""
+def _compile_topk(kernel: str, const: dict, module: str = "sgl_sparse.kernels.topk_range", **kw) -> dict:
+    """compile_sm90 of a topk_range (or topk_split) kernel (pointers 16-aligned, as launched)."""
     import importlib
 
     from sgl_sparse.kernels.testing import compile_sm90
 
-    fn = getattr(importlib.import_module("sgl_sparse.kernels.topk_range"), kernel)  # the package exports the function
+    fn = getattr(importlib.import_module(module), kernel)  # the package exports the function
     const = {"HAS_SKIP": False, **const}
     ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "OUT": "*i32",
-            "OUT_LEN": "*i32", "HTOP": "*i32", "SKIP": "*i32"}
+            "OUT_LEN": "*i32", "HTOP": "*i32", "HIST": "*i32", "SKIP": "*i32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-    return compile_sm90("sgl_sparse.kernels.topk_range", kernel, sig, const, [n for n in fn.arg_names if n in ptrs],
-                        **kw)
+    return compile_sm90(module, kernel, sig, const, [n for n in fn.arg_names if n in ptrs], **kw)
 
 
 @pytest.mark.parametrize("small_digits", [True, False])
@@ -613,15 +612,6 @@ def test_takes_htop_where_the_defaults_take_its_kernel(monkeypatch):
 def test_topk_split_kernel_with_skip_compiles_for_sm90(phase):
     """The split kernel's phases with ``skip`` (lfps's C1 Top-K over 64 rows of 33792)
     compile for sm_90."""
-    import importlib
-
-    from sgl_sparse.kernels.testing import compile_sm90
-
-    fn = importlib.import_module("sgl_sparse.kernels.topk_split")._topk_split_kernel
-    ptrs = {"S": "*fp32", "SCR": "*fp32", "LO": "*i32", "HI": "*i32", "BUDGET": "*i32", "HIST": "*i32",
-            "OUT": "*i32", "OUT_LEN": "*i32", "SKIP": "*i32"}
-    const = dict(PHASE=phase, BLOCK_N=1024, HAS_SKIP=True)
-    sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-    got = compile_sm90("sgl_sparse.kernels.topk_split", "_topk_split_kernel", sig, const,
-                       [n for n in fn.arg_names if n in ptrs], options={"num_warps": 4})
+    got = _compile_topk("_topk_split_kernel", dict(PHASE=phase, BLOCK_N=1024, HAS_SKIP=True),
+                        module="sgl_sparse.kernels.topk_split", options={"num_warps": 4})
     assert got.get("ld.global.b32", 0) + got.get("ld.global.v4.b32", 0) > 0, got
