@@ -327,14 +327,17 @@ def test_gpu_priority_at_32k_slots_as_served():
     assert torch.equal(cnt, want_cnt) and bool(listed[1].all()) and not bool(listed[4].any())
     for i, j in (want_cnt > 0).nonzero().tolist():
         assert torch.equal(cand[i, j, : int(want_cnt[i, j])], want_pos[i, j, : int(want_cnt[i, j])]), (i, j)
-    # C2 = C1 where C1 fits 2048 (row 5: 1000 keys), not where its budget is 16 (row 3)
+    # C2 = C1 where C1 fits 2048 (row 5: 1000 keys), not where its budget is 16 (row 3),
+    # except on row 3's bypassed head 1 (rho 0.9: its C1 is empty, so it fits any budget)
     rank = torch.randn(s, hkv, k, device=dev).masked_fill(torch.arange(k, device=dev) >= cnt[..., None],
                                                           float("-inf"))
     zero = torch.zeros(s, dtype=torch.int32, device=dev)
     topk_range(rank, zero, budget, budget2, k2, out=idx, out_len=count, skip=all_c1)
     want_idx, want_count = topk_range(rank, zero, budget, budget2, k2)
     live = n.to(dev) > 0
-    assert torch.equal(count[live], want_count[live]) and bool(all_c1[5].all()) and not bool(all_c1[3].any())
+    fits2 = listed.bool() & (cnt <= budget2.clamp(max=k2)[:, None])
+    assert torch.equal(count[live], want_count[live]) and torch.equal(all_c1.bool(), fits2)
+    assert bool(all_c1[5].all()) and all_c1[3].tolist() == [0, 1, 0, 0, 0, 0, 0, 0] and int(cnt[3, 1]) == 0
     for i, j in (want_count > 0).nonzero().tolist():
         assert torch.equal(idx[i, j, : int(want_count[i, j])], want_idx[i, j, : int(want_count[i, j])]), (i, j)
 
