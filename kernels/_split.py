@@ -16,7 +16,10 @@ blocks, one program per (row, head, slice), and every pass is its own launch:
    number of survivors of the slices before it (``H1[s' < s]`` at the picked
    digit): the row's survivors, in position order, fill ``SCR[0, count)``;
 4. the consumer (the next launch, whatever it does with the result) redoes the
-   picks and reads the survivors for the last two digits (:func:`finish`).
+   picks and reads the survivors for the last two digits (:func:`finish`); or, where
+   the survivors may be most of the row, two more launches cut them into ``S``
+   slices as well (:func:`low_pass`, the third digit then the fourth) and the
+   consumer picks from the histograms alone (:func:`finish_split`).
 
 Per-slice histograms, not atomics: no buffer to zero, and the counts of the
 slices *before* a slice (what the top-k's compaction needs to place its kept
@@ -25,7 +28,11 @@ same element the single-program select finds. Each program re-reads ``S``
 histograms per pass (``S x 1 KiB``) and, in step 4, all the row's survivors
 (typically ~1% of the row); if very many values share the top 16 bits (e.g. all
 equal) every program reads them all -- as slow as the single-program select,
-never wrong.
+never wrong. Key norms are such rows: Qwen3's per-head RMSNorm on keys leaves
+every norm within a few % of the others: at 130000 x 4 over fp8 (session 33's
+profile) the launch finishing the Selector's median took 1.45 ms, 10x a pass over
+the row (so most of each row shared the median's top 16 bits). The medians take
+:func:`low_pass` since.
 
 The split count depends only on host-known sizes (the rows' bound and the
 number of rows), so the grids are static: CUDA-graph capturable. Each kernel has
@@ -156,3 +163,57 @@ def finish(tot0, H1, S, s, k, SCR, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
     k, prefix, off, cnt, below = prefix16(tot0, H1, S, s, k)
     bits, rank = select_low16(SCR, cnt, k, prefix, KEY, BLOCK_N)
     return bits, rank, off, below
+
+
+@triton.jit
+def low_pass(tot0, H1, H2, H3, S, s, k, SCR, KEY: tl.constexpr, STEP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step 4 split like the others: the histogram of the third digit (STEP 0) or,
+    with the third picked from ``H2``, the fourth (STEP 1) over this program's slice
+    of the row's survivors SCR[0, count) (:func:`select_pass` step 2) -> ``H2[s]`` /
+    ``H3[s]``. Each program reads count / S values instead of all of them."""
+    SRC_KEY: tl.constexpr = 0 if KEY == 1 else KEY  # SCR holds v: |X - center| is taken
+    k, prefix, _, cnt, _ = prefix16(tot0, H1, S, s, k)
+    a, b = slice_bounds(0, cnt, s, S, BLOCK_N)
+    bins = tl.arange(0, 256)
+    if STEP == 0:
+        tl.store(H2 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 8, SRC_KEY, True, BLOCK_N))
+    else:
+        tot2, _ = hist_totals(H2, S, s)
+        k, prefix = _pick_digit(tot2, k, prefix)
+        tl.store(H3 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 0, SRC_KEY, True, BLOCK_N))
+
+
+@triton.jit
+def finish_split(tot0, H1, H2, H3, S, s, k):
+    """:func:`finish` after both :func:`low_pass` launches: (key bits, rank) of the
+    k-th smallest key from the four digits' histograms, no survivor read."""
+    k, prefix, _, _, _ = prefix16(tot0, H1, S, s, k)
+    tot2, _ = hist_totals(H2, S, s)
+    k, prefix = _pick_digit(tot2, k, prefix)
+    tot3, _ = hist_totals(H3, S, s)
+    k, prefix = _pick_digit(tot3, k, prefix)
+    return prefix, k
+
+
+@triton.jit
+def split_select_step(X, a, b, center, k, H, S, s, SCR, KEY: tl.constexpr, STEP: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Launch STEP (0-4) of the whole split select of the k-th smallest key, for the
+    slice [a, b): :func:`select_pass` steps 0-2, then both :func:`low_pass` steps.
+    H: the row's [4, S, 256] histograms, one [S, 256] per digit."""
+    if STEP == 0:
+        select_pass(X, a, b, center, k, 0, H, H + S * 256, S, s, SCR, KEY, 0, BLOCK_N)
+    else:
+        tot0, _ = hist_totals(H, S, s)
+        if STEP < 3:
+            select_pass(X, a, b, center, k, tot0, H, H + S * 256, S, s, SCR, KEY, STEP, BLOCK_N)
+        else:
+            low_pass(tot0, H + S * 256, H + 2 * S * 256, H + 3 * S * 256, S, s, k, SCR, KEY, STEP - 3, BLOCK_N)
+
+
+@triton.jit
+def split_select_done(H, S, s, k):
+    """After :func:`split_select_step`'s five launches: the k-th smallest key's
+    (bits, rank), the same in every program."""
+    tot0, _ = hist_totals(H, S, s)
+    return finish_split(tot0, H + S * 256, H + 2 * S * 256, H + 3 * S * 256, S, s, k)

@@ -8,15 +8,18 @@ a few hundred programs that walk is latency-bound. Here the row is cut into
 ``S`` slices (grid ``(R, H, S)``, ``_split.py``) and the work into launches
 (``PHASE``), each one's results read by the next:
 
-* 0-2: the median of the key norms, the select's split steps (``H[0]``, ``H[1]``);
-* 3: every program finishes the median from the survivors (slice 0 stores it),
-  then the MAD's first step over ``|norm - median|`` (``H[2]``);
-* 4-5: the MAD's other split steps (``H[3]``, survivors);
-* 6: every program finishes the MAD (slice 0 stores it); its slice's partial
+* 0-2: the median of the key norms, the select's split steps (``H[0]``, ``H[1]``,
+  the survivors gathered);
+* 3-4: its last two digits over slices of the survivors (``H[2]``, ``H[3]``;
+  ``_split.low_pass``: key norms share their top 16 bits by the thousands);
+* 5: every program picks the median from the histograms (slice 0 stores it),
+  then the MAD's first step over ``|norm - median|`` (``H[4]``);
+* 6-9: the MAD's other steps, the same way (``H[5]``, survivors, ``H[6]``, ``H[7]``);
+* 10: every program picks the MAD (slice 0 stores it); its slice's partial
   sums of the unnormalized evidence and prior;
-* 7: the normalizers ``s_e``, ``s_p`` (sums of the partials, the same order in
+* 11: the normalizers ``s_e``, ``s_p`` (sums of the partials, the same order in
   every program); the slice's partial ``<e, d>``, ``|d|^2``;
-* 8 (grid ``(R, H, 1)``): ``lam`` and the five stats, 0 for an empty row.
+* 12 (grid ``(R, H, 1)``): ``lam`` and the five stats, 0 for an empty row.
 
 The medians are the exact elements the single program finds; the sums add the
 same terms in another order (per slice, then over the slices): equal to fp32
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._split import finish, hist_totals, select_pass, slice_bounds
+from ._split import slice_bounds, split_select_done, split_select_step
 from .selector_scores import TINY, _prior_knobs, _terms
 
 __all__ = ["selector_stats_split", "PHASES"]
@@ -48,7 +51,7 @@ def _slice_sum(PART, NSPLIT, c):
 @triton.jit(do_not_specialize=["NSPLIT", "stride_r", "stride_h"])
 def _selector_stats_split(
     U, NORMS, LO, HI, BETA, ALPHA, KAPPA, ZETA, CLIP, EPS, STATS, SCRATCH,
-    HIST,  # [R, H, 4, NSPLIT, 256] int32: the median's two top-digit passes, then the MAD's
+    HIST,  # [R, H, 8, NSPLIT, 256] int32: the median's four digits, then the MAD's
     PART,  # [R, H, NSPLIT, 4] fp32: each slice's se, sp, num, den
     NSPLIT, stride_r, stride_h, stride_sr, stride_sh,
     PHASE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,32 +69,25 @@ def _selector_stats_split(
     scr = SCRATCH + cur_r * stride_r + cur_h * stride_h
     st = STATS + cur_r * stride_sr + cur_h * stride_sh
     rh = (cur_r * tl.num_programs(1) + cur_h).to(tl.int64)
-    h_med = HIST + rh * (4 * NSPLIT * 256)
-    h_mad = h_med + 2 * NSPLIT * 256
+    h_med = HIST + rh * (8 * NSPLIT * 256)  # [4, NSPLIT, 256]: a digit's histograms each
+    h_mad = h_med + 4 * NSPLIT * 256
     part = PART + rh * (NSPLIT * 4)
     k = (hi - lo - 1) // 2  # the lower median's rank
-    if PHASE == 0:
-        select_pass(n_row, a, b, 0.0, k, 0, h_med, h_med + NSPLIT * 256, NSPLIT, cur_s, scr, 0, 0, BLOCK_N)
-    elif PHASE < 3:
-        tot0, _ = hist_totals(h_med, NSPLIT, cur_s)
-        select_pass(n_row, a, b, 0.0, k, tot0, h_med, h_med + NSPLIT * 256, NSPLIT, cur_s, scr, 0, PHASE, BLOCK_N)
-    elif PHASE == 3:
-        tot0, _ = hist_totals(h_med, NSPLIT, cur_s)
-        bits, _, _, _ = finish(tot0, h_med + NSPLIT * 256, NSPLIT, cur_s, k, scr, 0, BLOCK_N)
+    if PHASE < 5:
+        split_select_step(n_row, a, b, 0.0, k, h_med, NSPLIT, cur_s, scr, 0, PHASE, BLOCK_N)
+    elif PHASE == 5:
+        bits, _ = split_select_done(h_med, NSPLIT, cur_s, k)
         med = bits.to(tl.float32, bitcast=True)
         if cur_s == 0:  # read by the later phases; nothing here reads it
             tl.store(st + 3, med)
-        select_pass(n_row, a, b, med, k, 0, h_mad, h_mad + NSPLIT * 256, NSPLIT, cur_s, scr, 1, 0, BLOCK_N)
-    elif PHASE < 6:
-        # The median's survivors in SCR are dead: phase 5 overwrites them with the MAD's.
-        tot0, _ = hist_totals(h_mad, NSPLIT, cur_s)
-        select_pass(n_row, a, b, tl.load(st + 3), k, tot0, h_mad, h_mad + NSPLIT * 256, NSPLIT, cur_s, scr, 1,
-                    PHASE - 3, BLOCK_N)
-    elif PHASE < 8:
+        split_select_step(n_row, a, b, med, k, h_mad, NSPLIT, cur_s, scr, 1, 0, BLOCK_N)
+    elif PHASE < 10:
+        # The median's survivors in SCR are dead: phase 7 overwrites them with the MAD's.
+        split_select_step(n_row, a, b, tl.load(st + 3), k, h_mad, NSPLIT, cur_s, scr, 1, PHASE - 5, BLOCK_N)
+    elif PHASE < 12:
         med = tl.load(st + 3)
-        if PHASE == 6:
-            tot0, _ = hist_totals(h_mad, NSPLIT, cur_s)
-            bits, _, _, _ = finish(tot0, h_mad + NSPLIT * 256, NSPLIT, cur_s, k, scr, 1, BLOCK_N)
+        if PHASE == 10:
+            bits, _ = split_select_done(h_mad, NSPLIT, cur_s, k)
             mad = bits.to(tl.float32, bitcast=True)
             if cur_s == 0:
                 tl.store(st + 4, mad)
@@ -106,7 +102,7 @@ def _selector_stats_split(
         for n0 in range(a, b, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             e_hat, p_hat = _terms(u_row, n_row, offs, offs < b, lo, span, inv_beta, alpha, kappa, zeta, eps, med, mad)
-            if PHASE == 6:
+            if PHASE == 10:
                 acc0 += e_hat
                 acc1 += p_hat
             else:  # the single program's order of operations: products of d = e - pi
@@ -114,8 +110,8 @@ def _selector_stats_split(
                 d = e - p_hat / s_p
                 acc0 += e * d
                 acc1 += d * d
-        tl.store(part + cur_s * 4 + (PHASE - 6) * 2, tl.sum(acc0, 0))
-        tl.store(part + cur_s * 4 + (PHASE - 6) * 2 + 1, tl.sum(acc1, 0))
+        tl.store(part + cur_s * 4 + (PHASE - 10) * 2, tl.sum(acc0, 0))
+        tl.store(part + cur_s * 4 + (PHASE - 10) * 2 + 1, tl.sum(acc1, 0))
     else:
         s_e = tl.maximum(_slice_sum(part, NSPLIT, 0), TINY)
         s_p = tl.maximum(_slice_sum(part, NSPLIT, 1), TINY)
@@ -131,7 +127,7 @@ def _selector_stats_split(
 
 
 #: The launches, in order (the last one on grid (R, H, 1)).
-PHASES = tuple(range(9))
+PHASES = tuple(range(13))
 
 
 def selector_stats_split(u, norms, lo, hi, knobs, stats, splits: int, block_n: int, num_warps: int) -> None:
@@ -140,7 +136,7 @@ def selector_stats_split(u, norms, lo, hi, knobs, stats, splits: int, block_n: i
     r, h, _ = u.shape
     assert 1 < splits <= _PART_TILE_HOST
     scratch = torch.empty_like(u)
-    hist = torch.empty((r, h, 4, splits, 256), dtype=torch.int32, device=u.device)
+    hist = torch.empty((r, h, 8, splits, 256), dtype=torch.int32, device=u.device)
     part = torch.empty((r, h, splits, 4), dtype=torch.float32, device=u.device)
     args = (u, norms, lo, hi, knobs.beta, knobs.alpha, knobs.kappa, knobs.zeta, knobs.clip, knobs.eps, stats,
             scratch, hist, part, splits, u.stride(0), u.stride(1), stats.stride(0), stats.stride(1))

@@ -128,6 +128,24 @@ def test_stats_kernel_with_the_bracketed_mad_compiles_for_sm90():
     assert counts.get("ld.global.b32", 0) > 0, counts
 
 
+@pytest.mark.parametrize("phase", [3, 4, 5, 10])
+def test_split_stats_survivor_phases_compile_for_sm90(phase):
+    """The split stats' launches over slices of the survivors (3, 4: the median's
+    last two digits; 5, 10: the picks from the four histograms) compiled for the
+    H100: the interpreter runs the test below, not the compiler."""
+    from sgl_sparse.kernels import testing as T
+    from sgl_sparse.kernels.selector_stats_split import _selector_stats_split as fn
+
+    ptrs = {"LO": "*i32", "HI": "*i32", "HIST": "*i32"}
+    const = dict(PHASE=phase, BLOCK_N=1024)
+    sig = {name: "constexpr" if name in const else ptrs.get(name, "*fp32") if name.isupper() else "i32"
+           for name in fn.arg_names}
+    sig["NSPLIT"] = "i32"
+    counts = T.compile_sm90("sgl_sparse.kernels.selector_stats_split", "_selector_stats_split", sig, const,
+                            [name for name in fn.arg_names if sig[name].startswith("*")])
+    assert counts.get("ld.global.b32", 0) + counts.get("ld.global.v4.b32", 0) > 0, counts
+
+
 def test_split_stats_match_the_single_program():
     """Each (row, head) split over several programs (selector_stats_split): the same
     exact medians (all equal and low-bit-only rows: every value a survivor, over
