@@ -46,6 +46,7 @@ Public API:
 """
 
 from .asyncspade_predict import asyncspade_predict, asyncspade_predict_ref, make_arrivals
+from .gather_key_norms import gather_key_norms, gather_key_norms_ref
 from .index_keys import index_token_scores, index_token_scores_ref, quantize_keys
 from .layer_pools import LayerPools
 from .lfps_sparsity import lfps_head_sparsity
@@ -93,6 +94,8 @@ __all__ = [
     "stored_evidence",
     "selector_scores",
     "selector_stats",
+    "gather_key_norms",
+    "gather_key_norms_ref",
     "topk_range",
     "topk_range_ref",
     "top_digit_hist_ref",

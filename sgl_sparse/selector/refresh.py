@@ -247,7 +247,8 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
     # min(budget, |A_t|) of them in every layer and head.
     sel_len = lo + torch.minimum(g.budget[:r], (hi - lo).clamp(min=0))
     if use_kernels:
-        from sgl_sparse.kernels import pack_compact_layers, selector_scores, stored_evidence, window_evidence
+        from sgl_sparse.kernels import (gather_key_norms, pack_compact_layers, selector_scores, stored_evidence,
+                                        window_evidence)
         from sgl_sparse.kernels.topk_range import topk_range
 
         do_pack = torch.ones(r, dtype=torch.bool, device=dev)
@@ -285,8 +286,8 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
                 logits = window_logits_torch(qwin_all[layer], k_buffer(layer), tok, g.qpos[:r], scaling,
                                              k_scale=k_scale)
                 u[li * r: (li + 1) * r] = evidence_power_mean(logits, allowed, qmask, knobs_l.beta[:r])
-        norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
         if use_kernels:
+            norms = gather_key_norms(store.knorm[first: first + nl], tok)
             s = selector_scores(u, norms, lo_l, hi_l, knobs_l)
             # Step 6 as top_k_positions(use_kernel=True) runs it, its int32 output as
             # the packing reads it (after the sink prefix), for every layer at once.
@@ -298,6 +299,7 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
                                 g.ridx[:r], pos, sel_len[:, None].expand(-1, hkv), lo, do_pack,
                                 store.k[first: first + nl], store.v[first: first + nl], g.slot[:r], a_len)
             continue
+        norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
         s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
         pos, _ = top_k_positions(s, lo_l, hi_l, g.budget[:m], k_max, k_min, use_kernel=False)
         del s
