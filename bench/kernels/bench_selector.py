@@ -64,7 +64,7 @@ def time_ms(fn, reps: int) -> float:
 LAYERS = 28
 
 
-def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: int = 0):
+def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: int = 0, norms: str = "pool"):
     """`room` > ctx: req_to_token rows and stored logits sized for `room` positions
     (a refresh's bound may then exceed the requests' length, as a padded one does)."""
     dev = torch.device("cuda")
@@ -85,7 +85,10 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: in
     st.compact = CompactStore(slots=bs, capacity=cap, num_layers=LAYERS, num_kv_heads=hkv, num_q_heads=hq,
                               head_dim=d, dtype=torch.bfloat16, pool_size=pool, prompt_queries=max(w - 1, 0),
                               device=dev, logit_len=room if stored else 0)
-    st.compact.knorm[:] = k.float().norm(dim=-1)
+    # "pool": the random keys' own norms (a chi spread: few survivors in the medians);
+    # "qknorm": norms as a Qwen3 pool holds them (stats_ab's qk_normed_key_norms)
+    shape = tuple(st.compact.knorm.shape)
+    st.compact.knorm[:] = k.float().norm(dim=-1) if norms == "pool" else qk_normed_key_norms(shape, dev)
     st.compact.q.normal_()
     st.compact.q_prompt.normal_()
     idx = torch.tensor(rows, device=dev)
@@ -268,12 +271,31 @@ def length_pad(ctx: int, bs: int, factors: tuple[int, ...] = (1, 2, 4), calls: i
     return out
 
 
-def stats_ab(ctx: int, bs: int, reps: int) -> dict:
+def qk_normed_key_norms(shape: tuple, dev: torch.device, d: int = 128, vectors: int = 1 << 16,
+                        weight_spread: float = 0.0) -> torch.Tensor:
+    """Key norms as a Qwen3 KV pool holds them: every key RMS-normalized per head
+    (the model's k_norm; RoPE keeps the norm) times a per-channel weight, stored as
+    fp8 e4m3, so the norms lie within a few % of each other -- unlike the log-normal
+    norms below, much of a row shares the median's top 16 bits (session 33's 130000
+    x 4 profile). ``weight_spread`` 0: the weights of the random-weights checkpoints
+    served here (ones); a trained model's vary. ``vectors`` such keys, drawn at
+    random into ``shape``."""
+    g = torch.Generator(device=dev).manual_seed(33)
+    w = 1 + weight_spread * torch.randn(d, device=dev, generator=g)
+    x = torch.randn(vectors, d, device=dev, generator=g)
+    k = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.float8_e4m3fn).float()
+    return k.norm(dim=-1)[torch.randint(0, vectors, shape, device=dev, generator=g)]
+
+
+def stats_ab(ctx: int, bs: int, reps: int, norms_kind: str = "lognormal") -> dict:
     """The Selector's stats kernel (medians of the key norms, then the sums) on one
     layer chunk as the refresh batches it ([layers x bs, Hkv, ctx]), with the
     medians' last two radix passes over the gathered survivors (the default) and
     over all of A (the previous kernel); single program, the MAD bracketed by the
-    median's histograms (``stats_split1_ms``, the default) or not (``stats_mad_radix_ms``)."""
+    median's histograms (``stats_split1_ms``, the default) or not (``stats_mad_radix_ms``).
+    ``norms_kind``: ``lognormal`` (spread: few survivors) or ``qknorm``
+    (:func:`qk_normed_key_norms`, as served); ``survivors`` is the share of a row
+    sharing its median's top 16 bits."""
     from sgl_sparse.config import SfiPolicy
     from sgl_sparse.kernels import selector_stats
     from sgl_sparse.selector.core import SelectorKnobs
@@ -281,14 +303,22 @@ def stats_ab(ctx: int, bs: int, reps: int) -> dict:
     dev = torch.device("cuda")
     hkv = 8
     rows = max(1, min(LAYERS * bs, (1 << 25) // (hkv * ctx)))  # refresh._MAX_SELECT_ELEMS_KERNELS
-    norms = torch.exp(torch.randn(rows, hkv, ctx, device=dev) * 0.3) * 20
+    if norms_kind == "qknorm":
+        norms = qk_normed_key_norms((rows, hkv, ctx), dev)
+    else:
+        norms = torch.exp(torch.randn(rows, hkv, ctx, device=dev) * 0.3) * 20
     u = torch.rand(rows, hkv, ctx, device=dev)
     lo = torch.full((rows,), 4, device=dev)
     hi = torch.full((rows,), ctx - 256, device=dev)
     knobs = SelectorKnobs.from_specs([SfiPolicy()] * rows, dev, torch.float32)
     from sgl_sparse.kernels._split import STATS_RULE, split_count
 
-    out = {"ctx": ctx, "batch": bs, "rows": rows, "auto_splits": split_count(ctx, rows * hkv, dev, STATS_RULE)}
+    on = norms[..., 4: ctx - 256]
+    med = on.sort(dim=-1).values[..., (on.shape[-1] - 1) // 2]
+    top16 = lambda t: t.view(torch.int32) >> 16  # noqa: E731
+    out = {"ctx": ctx, "batch": bs, "rows": rows, "norms": norms_kind,
+           "survivors": round(float((top16(on) == top16(med)[..., None]).float().mean()), 4),
+           "auto_splits": split_count(ctx, rows * hkv, dev, STATS_RULE)}
     for name, gather in (("stats_gather_ms", True), ("stats_all_passes_ms", False)):
         out[name] = round(time_ms(lambda: selector_stats(u, norms, lo, hi, knobs, gather=gather), reps), 3)
     # The MAD's select bracketed by the median's histograms (one pass over the row;
@@ -350,6 +380,9 @@ def main():
     ap.add_argument("--host-profile", default="", help="CTXxBATCH,...: host vs device time of a refresh, cProfile")
     ap.add_argument("--length-pad", default="", help="CTXxBATCH,...: graphed refresh device time with its "
                     "bound on positions 1x, 2x, 4x the requests' length (coarser length buckets)")
+    ap.add_argument("--norms", choices=("pool", "qknorm"), default="pool",
+                    help="the refresh's key norms: the random keys' own, or Qwen3-like (qk-norm, fp8)")
+    ap.add_argument("--windows", default="1,32", help="the refresh's evidence windows w timed per case")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
     a = ap.parse_args()
@@ -369,13 +402,14 @@ def main():
     for c in filter(None, a.cases.split(",")):
         ctx, bs = map(int, c.split("x"))
         if a.stats_ab:
-            ab.append(stats_ab(ctx, bs, a.reps))
-            print(json.dumps(ab[-1]), flush=True)
+            for kind in ("lognormal", "qknorm"):
+                ab.append(stats_ab(ctx, bs, a.reps, kind))
+                print(json.dumps(ab[-1]), flush=True)
         if a.pack_ab:
             ab.append(pack_ab(ctx, bs, a.reps))
             print(json.dumps(ab[-1]), flush=True)
-        for w in (1, 32):
-            r = case(ctx, bs, w, a.reps)
+        for w in map(int, a.windows.split(",")):
+            r = case(ctx, bs, w, a.reps, norms=a.norms)
             print(json.dumps(r), flush=True)
             res.append(r)
             torch.cuda.empty_cache()
