@@ -1,7 +1,7 @@
 """kernels/gather_key_norms.py: the refresh's key norms in its row layout, equal to
 the torch gather-and-permute it replaced (a copy: bit-exact), over layer slices,
 Hkv 1-8 (3: not a power of two), lengths not a multiple of the block, int32 and
-int64 slot maps, no rows."""
+int64 slot maps, no rows; compiled on the GPU where there is one."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ def test_matches_the_torch_gather(hkv, n, block_n):
     tok = torch.randint(0, pool, (r, n), generator=gen)
     for layers in (slice(0, 5), slice(2, 4)):  # a chunk of layers: a view into the store
         for t in (tok, tok.int()):
-            got = gather_key_norms(knorm[layers], t, block_n=block_n)
+            got = T.run_on_device(gather_key_norms, knorm[layers], t, block_n=block_n)
             want = gather_key_norms_ref(knorm[layers], t)
             assert got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
     # the rows of a req_to_token slice (its row stride wider than N)
     wide = torch.randint(0, pool, (r, n + 9), generator=gen).int()
-    assert torch.equal(gather_key_norms(knorm, wide[:, :n]), gather_key_norms_ref(knorm, wide[:, :n]))
-    assert gather_key_norms(knorm, tok[:0]).shape == (0, hkv, n)
+    assert torch.equal(T.run_on_device(gather_key_norms, knorm, wide[:, :n]), gather_key_norms_ref(knorm, wide[:, :n]))
+    assert T.run_on_device(gather_key_norms, knorm, tok[:0]).shape == (0, hkv, n)
 
 
 def test_compiles_for_sm90():

@@ -381,13 +381,15 @@ def test_refresh_host_ops_stay_few():
     across refreshes (counted after a first refresh over the same pools): 2 x layers
     KV buffer fetches -> 2 (layer 0's K and V, compared with the cache), the same glue
     ops and launches, views/allocs 52 and 120-121 at 2-4 layers (the address tables'
-    two tensor copies, counted before for pools the counter had not seen, gone)."""
+    two tensor copies, counted before for pools the counter had not seen, gone).
+    Since session 33 the key norms' gather is a launch of its own (gather_key_norms):
+    9 and 18 launches, the index gather and permuting copy gone."""
     mod = _count_refresh_ops()
     later = mod.per_layer(1, 2, later_only=True)
-    assert later["triton launches"] == (8, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
+    assert later["triton launches"] == (9, 0) and later["glue ops"][1] == 0 and later["views/allocs"][1] <= 0
     assert later["glue ops"][0] <= 32, later
     mixed = mod.per_layer(1, 2)
-    assert mixed["triton launches"] == (16, 0) and mixed["glue ops"][1] == 0, mixed
+    assert mixed["triton launches"] == (18, 0) and mixed["glue ops"][1] == 0, mixed
     assert mixed["glue ops"][0] <= 76 and mixed["views/allocs"][1] <= 0, mixed
     # the pools' address tables from the cache: layer 0's K and V fetched, not every layer's
     assert later["KV buffer fetches"] == (2, 0) and mixed["KV buffer fetches"] == (2, 0), (later, mixed)
