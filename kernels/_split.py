@@ -66,8 +66,11 @@ class SplitRule:
 
 # The medians (selector_stats): 256 (row, head) programs of 128K keys ran 1.56x
 # faster in 8 slices (2.30 -> 1.47 ms), 1024 programs of 32K ran 3-12% slower in 2
-# or 4 slices: split only where at least 4 slices fill the GPU.
-STATS_RULE = SplitRule(per_sm=16, min_splits=4, max_splits=32)
+# or 4 slices (H100, session 9). H200, session 33 (bench_selector --stats-ab, the
+# survivors split too): 1024 programs of 32K (the 32768 x 8 refresh's chunk) take
+# 1.93 -> 1.57 ms in 2 slices over Qwen3-like key norms (43% of a row sharing the
+# median's top 16 bits), 1.44 -> 1.46 over log-normal ones: 2 slices from there on.
+STATS_RULE = SplitRule(per_sm=16, min_splits=2, max_splits=32)
 # The Top-K (topk_range; four launches when split): 64 programs of 32K-40K scores
 # (asyncspade's per-step token select, graph replay) 114 -> 74 and 140 -> 85 us in 4
 # slices, 8-16 no better; 512 programs of 32K (the Selector's) 397 -> 360 us in 2-4.

@@ -427,7 +427,8 @@ def test_topk_range_split_count():
     assert split_count(1 << 15, 17, cpu, TOPK_RULE) == 1  # fewer than min_splits slices: not worth it
     assert split_count(1 << 15, 4096, cpu, TOPK_RULE) == 1  # many rows
     assert split_count(1 << 15, 16, cpu, STATS_RULE) == 4
-    assert split_count(1 << 15, 32, cpu, STATS_RULE) == 1  # 2 < STATS_RULE.min_splits
+    assert split_count(1 << 15, 32, cpu, STATS_RULE) == 2  # the 32768 x 8 refresh's chunk (1024 programs / 132 SMs)
+    assert split_count(1 << 15, 33, cpu, STATS_RULE) == 1  # 1 < STATS_RULE.min_splits
     assert split_count(1 << 20, 1, cpu, STATS_RULE) == 32  # capped
     assert split_count(1 << 15, 1, cpu, STATS_RULE) == 8  # slices of at least MIN_SLICE
 
