@@ -120,6 +120,16 @@ FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 BALANCE_FACTOR = 4
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
+# Over an fp8 cache, a balanced step whose programs would each read at least this many
+# keys at the heuristic's program count takes twice the programs: such long rows are
+# bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
+# keeping its logits (an SFI slow step, every row dense): 546 us at the heuristic's 8
+# splits, 398.5 at 16 (session 33, bench_decode.py --slow-step); served it took 534 us a
+# layer. Decided on the device from the step's keys, so a fast step (rows of ~2.3K
+# keys) keeps its splits: fp8's doubled splits made those slower (session 32).
+# 32768 x 8's dense step (~8K keys a program) stays below it: served there the doubled
+# splits were not faster (session 32). SGLANG_SPARSE_FP8_DENSE_SPLIT_KEYS=0: never.
+FP8_DENSE_SPLIT_KEYS = env_count("FP8_DENSE_SPLIT_KEYS", 12288, 0, 1 << 30)
 # Over an fp8 KV cache the kernel's dots run in fp16 (the query, the widened keys and
 # values, P), fp32 accumulation, whatever the model's dtype: e4m3 widens to fp16 in one
 # conversion a pair, and compiled, the values widen before P.V reads its operand
@@ -741,12 +751,15 @@ def _balance_fits(batch_size: int, num_kv_heads: int, splits: int, num_sms: int,
 
 
 def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
-                    row_mask: Optional[torch.Tensor], programs_per_head: int, max_splits: int) -> torch.Tensor:
+                    row_mask: Optional[torch.Tensor], programs_per_head: int, max_splits: int,
+                    kv_fp8: bool = False) -> torch.Tensor:
     """Splits per request for ``balance``: round(keys x P / batch keys), clamped to
     ``[1, max_splits]``, with P = ``programs_per_head`` (the heuristic's program
     target over the KV heads) and the keys those of KV head 0 (segment A's count
     and segment B's range, as the descriptors give them: an estimate for balance,
     never for what is read), over the rows the launch serves (``row_mask`` 1).
+    ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
+    per program of P (dense fp8 rows: see that constant).
 
     A uniform batch gets the heuristic's split count back (every request's share is
     P / bs); a request with many more keys than the others -- a dense row (an SFI
@@ -759,7 +772,11 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     if row_mask is not None:
         keys = torch.where(row_mask == 1, keys, 0)
     total = keys.sum().clamp(min=1)
-    share = (keys * (2 * programs_per_head) + total) // (2 * total)
+    programs = programs_per_head
+    if kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0:
+        programs = torch.where(total >= programs_per_head * FP8_DENSE_SPLIT_KEYS, 2 * programs_per_head,
+                               programs_per_head)
+    share = (keys * (2 * programs) + total) // (2 * total)
     return share.clamp(1, max_splits).int()
 
 
@@ -993,7 +1010,7 @@ def two_segment_decode(
     num_splits = int(max(1, num_splits))
     balance = bool(balance) and num_splits > 1
     if balance and row_splits is None:
-        row_splits = balanced_splits(a_len, b_start, b_end, row_mask, programs // num_kv_heads, num_splits)
+        row_splits = balanced_splits(a_len, b_start, b_end, row_mask, programs // num_kv_heads, num_splits, kv_fp8)
 
     if block_n is None:
         block_n = _default_block_n(head_dim)

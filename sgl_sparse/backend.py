@@ -404,7 +404,8 @@ class SparseAttnBackend(AttentionBackend):
         if not balances(bs, self._num_kv_heads, self._max_kv_len, sms, kv_fp8=self._kv_fp8):
             return None
         return balanced_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:bs],
-                               sms * programs_per_sm(self._kv_fp8) // self._num_kv_heads, MAX_SPLITS)
+                               sms * programs_per_sm(self._kv_fp8) // self._num_kv_heads, MAX_SPLITS,
+                               kv_fp8=self._kv_fp8)
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor

@@ -814,6 +814,34 @@ def test_balanced_splits_are_shares_of_the_programs_by_keys():
     assert K.balanced_splits(torch.zeros(2, 8, **i32), empty, empty, None, 33, 4).tolist() == [1, 1]
 
 
+def test_balanced_splits_double_over_fp8_for_dense_steps():
+    """Over fp8 a step whose programs would each read >= FP8_DENSE_SPLIT_KEYS keys
+    (an SFI slow step at 131072 x 4: every row dense) takes twice the programs; the
+    same batch's fast steps (rows of ~2.3K keys), 32768 x 8's dense step (~8K keys a
+    program) and bf16 pools keep the heuristic's."""
+    from sgl_sparse.kernels.two_segment_decode import FP8_DENSE_SPLIT_KEYS
+
+    i32 = dict(dtype=torch.int32)
+
+    def rows(bs, n, dense):
+        a = torch.full((bs, 8), 0 if dense else 2052, **i32)
+        b0 = torch.full((bs,), 0 if dense else n - 256, **i32)
+        return a, b0, torch.full((bs,), n, **i32)
+
+    assert FP8_DENSE_SPLIT_KEYS == 12288
+    dense130 = rows(4, 130512, True)
+    assert K.balanced_splits(*dense130[:3], None, 33, 32).tolist() == [8] * 4  # bf16: the heuristic's
+    assert K.balanced_splits(*dense130[:3], None, 33, 32, kv_fp8=True).tolist() == [17] * 4
+    assert K.balanced_splits(*dense130[:3], None, 33, 16, kv_fp8=True).tolist() == [16] * 4  # the grid's bound
+    assert K.balanced_splits(*rows(4, 130512, False), None, 33, 32, kv_fp8=True).tolist() == [8] * 4
+    assert K.balanced_splits(*rows(8, 33280, True), None, 33, 16, kv_fp8=True).tolist() == [4] * 8
+    # one dense row among sparse ones: 137436 keys, 4165 a program, below the bound;
+    # the dense row gets round(130512 * 33 / 137436) = 31 as before
+    a, b0, b1 = rows(4, 130512, False)
+    a[0], b0[0] = 0, 0
+    assert K.balanced_splits(a, b0, b1, None, 33, 32, kv_fp8=True).tolist() == [31, 1, 1, 1]
+
+
 # -----------------------------------------------------------------------------
 # fp8 KV caches (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2)
 # -----------------------------------------------------------------------------
