@@ -22,7 +22,11 @@ splits once per step, `balanced_splits`, passed to every layer); the outputs are
 checked equal (fp32 tolerance). Rows with no dense row and all-dense rows show what balance costs
 where every row is alike.
 
-Qwen3-1.7B attention shape: Hq 16, Hkv 8, D 128, bf16.
+Qwen3-1.7B attention shape: Hq 16, Hkv 8, D 128, bf16; ``--kv-dtype fp8_e4m3``: the
+pool and compact buffers as an fp8 cache holds them (unit scales), the splits as the
+backend picks them over fp8 (``kv_fp8``: balanced_splits doubles the programs of a
+step whose keys a program pass FP8_DENSE_SPLIT_KEYS; run it again with
+SGLANG_SPARSE_FP8_DENSE_SPLIT_KEYS=0 for the A/B).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from _bench_env import graph_replay_ms
 
 from sgl_sparse.kernels import balanced_splits, balances, make_split_counters, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
-from sgl_sparse.kernels.two_segment_decode import CTAS_PER_SM_TARGET, MAX_SPLITS, choose_num_splits
+from sgl_sparse.kernels.two_segment_decode import MAX_SPLITS, choose_num_splits, programs_per_sm
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
@@ -47,7 +51,7 @@ def _factor() -> int:
     return importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR
 
 
-def case(ctx: int, bs: int, dense: int) -> dict:
+def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -58,6 +62,9 @@ def case(ctx: int, bs: int, dense: int) -> dict:
     a_k = torch.randn(bs, HKV, CAP, D, device=dev, dtype=torch.bfloat16, generator=gen)
     a_v = torch.randn_like(a_k)
     q = torch.randn(bs, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    fp8 = kv_dtype != torch.bfloat16
+    if fp8:
+        k, v, a_k, a_v = (t.to(kv_dtype) for t in (k, v, a_k, a_v))
     is_dense = torch.arange(bs, device=dev) < dense  # the first `dense` rows
     a_slot = torch.where(is_dense, -1, torch.arange(bs, device=dev)).int()
     a_len = torch.where(is_dense, 0, CAP)[:, None].expand(bs, HKV).contiguous().int()
@@ -67,7 +74,7 @@ def case(ctx: int, bs: int, dense: int) -> dict:
     counters = make_split_counters(bs, HKV, dev)
     scale = D ** -0.5
     sms = device_num_sms(dev)
-    base_splits = choose_num_splits(bs, HKV, MAX_KV_LEN, sms)
+    base_splits = choose_num_splits(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
@@ -78,9 +85,10 @@ def case(ctx: int, bs: int, dense: int) -> dict:
         def step():
             # As the backend: the splits once per step, for every layer.
             kw = dict(balance=False)
-            if balance and balances(bs, HKV, MAX_KV_LEN, sms):
+            if balance and balances(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8):
                 kw = dict(balance=True, row_splits=balanced_splits(a_len, b_start, b_end, None,
-                                                                   sms * CTAS_PER_SM_TARGET // HKV, MAX_SPLITS))
+                                                                   sms * programs_per_sm(fp8) // HKV, MAX_SPLITS,
+                                                                   kv_fp8=fp8))
             for _ in range(LAYERS):
                 two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
                                    max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
@@ -90,8 +98,9 @@ def case(ctx: int, bs: int, dense: int) -> dict:
     t_bal = graph_replay_ms(launch("balanced", True))
     err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
            / outs["default"].float().abs().max().clamp(min=1e-6)).item()
-    moved = LAYERS * keys * D * 2 * 2  # K and V bytes read
-    return {"ctx": ctx, "batch": bs, "dense_rows": dense, "splits": base_splits,
+    moved = LAYERS * keys * D * 2 * (1 if fp8 else 2)  # K and V bytes read
+    return {"ctx": ctx, "batch": bs, "dense_rows": dense, "kv_dtype": str(kv_dtype).replace("torch.", ""),
+            "splits": base_splits,
             "balanced_grid_splits": min(64, base_splits * _factor()),
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
@@ -104,8 +113,10 @@ def main():
     ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
+    ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
     if a.factor is not None:
         import importlib
 
@@ -114,7 +125,7 @@ def main():
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d))
+            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype)
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()

@@ -154,13 +154,13 @@ def _runs(fns: dict) -> list:
     return [(n, f) for n, f in fns.items() if not n.startswith("_")]
 
 
-def profile(ctx: int, bs: int, w: int) -> None:
+def profile(ctx: int, bs: int, w: int, norms: str = "pool") -> None:
     """Where a refresh's time goes: CUDA time per op (torch.profiler), all layers;
     for w = 1 both the key-reading refresh and the one from stored logits."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     fns: dict = {}
-    case(ctx, bs, w, 2, fns)
+    case(ctx, bs, w, 2, fns, norms=norms)
     for name, fn in _runs(fns):
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             fn()
@@ -388,7 +388,7 @@ def main():
     a = ap.parse_args()
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
-        profile(ctx, bs, 1)
+        profile(ctx, bs, 1, a.norms)
     hp = []
     for c in filter(None, a.host_profile.split(",")):
         ctx, bs = map(int, c.split("x"))
