@@ -359,15 +359,40 @@ def pool_tokens(a) -> int:
     return int(need * 1.1) + 8192
 
 
+def _timed_row(a, s, label, pol, ctx: int, bs: int, t1: float, walls: list, before: str, after: str) -> dict:
+    """One (server, policy)'s row from its timed batches and the counters around them."""
+    stats = sparse_stats(before, after, (pol or {}).get("policy", ""))
+    if a.interleave:  # the host-time counter is per server: mixed over its policies here
+        stats.pop("prepare_ms_per_step", None)
+    if "decode_steps" in stats:  # 1.0: every decoded token of the timed batches counted once
+        stats["steps_per_decoded_token"] = round(stats["decode_steps"] / (a.repeats * bs * (a.out_len - 1)), 3)
+    tl = statistics.median(walls)
+    # None where a batch was not slower than its prefill alone: no decode time to divide by
+    tok = lambda w: bs * (a.out_len - 1) / (w - t1) if w > t1 else None  # noqa: E731
+    return {"ctx": ctx, "batch": bs, "policy": label, "sparse": pol, "out_len": a.out_len,
+            "t_prefill_s": round(t1, 3), "t_total_s": round(tl, 3), "t_total_runs_s": [round(w, 3) for w in walls],
+            "decode_tok_s": tok(tl) and round(tok(tl), 1),
+            "decode_tok_s_runs": [x and round(x, 1) for x in map(tok, walls)],
+            **stats}
+
+
+def _show(s, row: dict) -> None:
+    shown = {k: v for k, v in row.items() if k != "itl_ms_trace"}  # the trace: JSON only
+    print(json.dumps({"backend": s.backend, **shown}), flush=True)
+
+
 def time_cases(a, servers: list) -> None:
     """Per case and (server, policy): the prefill-only wall time, then `repeats` timed
     batches; decode time = batch wall time - prefill-only wall time (median of the
     batches; each re-prefills: the radix cache is off). With several servers the
-    timed batches alternate round by round (--interleave)."""
+    timed batches alternate round by round (--interleave). Each row is printed (and
+    kept) as soon as its timed batches are done, then again with its per-step
+    latencies (--itl): a run its watchdog stops keeps the rows it finished (session
+    33 lost a server's every row to the last one's ITL batch)."""
     for case in a.cases.split(","):
         ctx, bs, ps = case_prompts(a, case)
         runs = [(s, label, pol) for s in servers for label, pol in s.policies]
-        t1, before, after, walls = {}, {}, {}, {}
+        t1, before, walls, rows = {}, {}, {}, {}
         for i, (s, label, pol) in enumerate(runs):
             batch_wall(s.url, ps[:1], 2, pol)  # JIT / graph warm-up at this size
             t1[i] = min(batch_wall(s.url, ps, 1, pol) for _ in range(a.prefill_runs))
@@ -382,26 +407,13 @@ def time_cases(a, servers: list) -> None:
                 before[i] = scrape(s.url)
             walls[i].append(batch_wall(s.url, ps, a.out_len, pol))
             if k == a.repeats - 1:
-                after[i] = scrape(s.url)
-        itl = {i: itl_stats(s.url, ps, a.out_len, pol) for i, (s, label, pol) in enumerate(runs)} if a.itl else {}
-        for i, (s, label, pol) in enumerate(runs):
-            stats = sparse_stats(before[i], after[i], (pol or {}).get("policy", ""))
-            if a.interleave:  # the host-time counter is per server: mixed over its policies here
-                stats.pop("prepare_ms_per_step", None)
-            if "decode_steps" in stats:  # 1.0: every decoded token of the timed batches counted once
-                stats["steps_per_decoded_token"] = round(stats["decode_steps"] / (a.repeats * bs * (a.out_len - 1)), 3)
-            tl = statistics.median(walls[i])
-            # None where a batch was not slower than its prefill alone: no decode time to divide by
-            tok = lambda w: bs * (a.out_len - 1) / (w - t1[i]) if w > t1[i] else None  # noqa: E731
-            runs_tok_s = [tok(w) for w in walls[i]]
-            s.res["cases"].append({"ctx": ctx, "batch": bs, "policy": label, "sparse": pol, "out_len": a.out_len,
-                                   "t_prefill_s": round(t1[i], 3), "t_total_s": round(tl, 3),
-                                   "t_total_runs_s": [round(w, 3) for w in walls[i]],
-                                   "decode_tok_s": tok(tl) and round(tok(tl), 1),
-                                   "decode_tok_s_runs": [x and round(x, 1) for x in runs_tok_s], **stats,
-                                   **itl.get(i, {})})
-            shown = {k: v for k, v in s.res["cases"][-1].items() if k != "itl_ms_trace"}  # the trace: JSON only
-            print(json.dumps({"backend": s.backend, **shown}), flush=True)
+                rows[i] = _timed_row(a, s, label, pol, ctx, bs, t1[i], walls[i], before[i], scrape(s.url))
+                s.res["cases"].append(rows[i])
+                _show(s, rows[i])
+        if a.itl:
+            for i, (s, label, pol) in enumerate(runs):
+                rows[i].update(itl_stats(s.url, ps, a.out_len, pol))
+                _show(s, rows[i])
 
 
 def run_servers(a) -> list:
