@@ -957,6 +957,36 @@ def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch, fp8_doubles):
     assert grids == [(3, 2, base * tsd.BALANCE_FACTOR)]
 
 
+def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
+    """FP8_DENSE_SPLIT_KEYS lowered to this test's sizes: a balanced launch over fp8
+    whose rows are all dense gives each row about twice its share of programs
+    (within the grid), and its answers are still the reference's; the row splits it
+    used are recorded from the launch."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", 16)
+    seen, orig = [], tsd.balanced_splits
+
+    def recording(*args, **kw):
+        seen.append(orig(*args, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(tsd, "balanced_splits", recording)
+    lens = [300, 290, 280]
+    case = T.make_decode_case(lens, [0, 0, 0], [(0, n) for n in lens], num_kv_heads=2, group=2, head_dim=64, cap=20,
+                              dtype=torch.bfloat16, device=DEVICE, seed=4)
+    zeros = torch.zeros(3, 2, dtype=torch.int32)
+    b0, b1 = torch.zeros(3, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    per_head = 4 * tsd.programs_per_sm(True) // 2  # 4 pretend SMs over 2 KV heads
+    plain = orig(zeros, b0, b1, None, per_head, 4)
+    doubled = orig(zeros, b0, b1, None, per_head, 4, kv_fp8=True)
+    assert plain.tolist() == [1, 1, 1] and doubled.tolist() == [3, 3, 3]  # round(290 * 8 / 870), the grid 4
+    _check_fp8(_as_fp8_cache(case, FP8[0], 0.5, 2.0), 0.5, 2.0, num_sms=4, max_kv_len=400, balance=True,
+               split_counters=K.make_split_counters(3, 2, DEVICE), min_split_len=16, block_n=16)
+    assert [t.tolist() for t in seen] == [[3, 3, 3]]
+
+
 @gpu_test
 @pytest.mark.parametrize("fp8", FP8)
 def test_gpu_fp8_balanced_launch_as_served(fp8, fp8_doubles):
