@@ -281,6 +281,13 @@ def policy_drilldown() -> Json:
                    [(f"sum by (policy, model_name) (sglang_sparse_query_store_capacity_bytes{{{PSEL}}})",
                      "{{policy}} {{model_name}}")],
                    "bytes", w=8),
+        timeseries("lfps: share of positions scored exactly",
+                   "Per finished lfps request: positions scored exactly (its candidates C1) over the positions "
+                   "past the sinks, summed over its sparse decode steps, layers and KV heads (the LFPS "
+                   "paper's Table 4). What lfps's selection reads besides its score tables.",
+                   [(quantile(q, "sglang_sparse_lfps_scored_fraction", "model_name", SEL), f"p{round(q * 100)}")
+                    for q in (0.5, 0.9)],
+                   "percentunit", w=8, max_=1),
     ]
     return dashboard("sgl-sparse-policy", "sgl_sparse / Policy drill-down",
                      "One or more policies in detail: TPOT, retention, slow steps, fallbacks, Selector, compact buffers.",

@@ -457,6 +457,8 @@ def _lfps_select_out_kernel(
     REQ_TO_TOKEN,  # [reqs, CTX] int32 (only if HAS_SLOTS)
     REQ_POOL_IDX,  # [S] int: the slot's request (only if HAS_SLOTS)
     A_SLOTS,  # shaped as A_POS, int32 out: the listed positions' pool slots (only if HAS_SLOTS)
+    N_C1,  # [S, Hkv] int32: |C1| scored (only if HAS_SCORED)
+    SCORED,  # [S, Hkv, 2] fp32, added to: |C1|, max(n - sink, 1) (only if HAS_SCORED)
     stride_cs,
     stride_ch,
     stride_is,
@@ -473,6 +475,7 @@ def _lfps_select_out_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    HAS_SCORED: tl.constexpr,
 ):
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -482,6 +485,10 @@ def _lfps_select_out_kernel(
         return
     row = tl.load(ROW + cur_s).to(tl.int64)
     sink = tl.maximum(tl.load(SINK + cur_s), 0)
+    if HAS_SCORED:  # this program's own (slot, head) cell: no other program adds to it
+        acc = SCORED + (cur_s * nh + cur_h) * 2
+        tl.store(acc, tl.load(acc) + tl.load(N_C1 + cur_s * nh + cur_h).to(tl.float32))
+        tl.store(acc + 1, tl.load(acc + 1) + tl.maximum(n - sink, 1).to(tl.float32))
     b_start = tl.load(B_START + cur_s)
     count = tl.load(COUNT + cur_s * nh + cur_h)
     offs_k = tl.arange(0, BLOCK_K)
@@ -517,13 +524,17 @@ def _lfps_select_out_kernel(
 def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
                     cand: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor,
                     a_pos: torch.Tensor, a_len: torch.Tensor, width: int, *,
-                    slots: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
+                    slots: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                    scored: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """C2 of each live slot -> its batch row ``row[s]`` of ``a_pos`` (first ``width``
     entries: sinks, then C2 in ``[sink, b_start)``) and ``a_len`` (0 if bypassed), in place.
 
     ``slots`` = ``(req_to_token [reqs, ctx] int32, rpi [S] int, a_slots)``: the same
     entries of ``a_slots`` (shaped as ``a_pos``) get ``req_to_token[rpi[s], pos]``
-    (``rpi`` per slot, like ``n``)."""
+    (``rpi`` per slot, like ``n``). ``scored`` = ``(n_c1 [S, Hkv] int32, acc [S, Hkv, 2]
+    fp32)``: each live slot's head adds ``n_c1`` and ``max(n - sink, 1)`` to its cell
+    of ``acc`` (the scored fraction's sums, ``queryaware.lfps.step``'s ``scored`` and
+    denominator)."""
     s, hkv, k = idx.shape
     assert cand.shape[:2] == (s, hkv) and cand.dtype == torch.int32 and cand.stride(2) == 1
     assert idx.dtype == torch.int32 and idx.stride(2) == 1 and count.shape == (s, hkv) and count.is_contiguous()
@@ -531,14 +542,21 @@ def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_st
     assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1 and a_len.stride(1) == 1
     assert width <= a_pos.shape[2]
     req_to_token, rpi, a_slots = unpack_slots(slots, s, a_pos, n)
+    if scored is not None:
+        n_c1, acc = scored
+        assert n_c1.shape == (s, hkv) and n_c1.dtype == torch.int32 and n_c1.is_contiguous(), "scored: n_c1"
+        assert acc.shape == (s, hkv, 2) and acc.dtype == torch.float32 and acc.is_contiguous(), "scored: acc"
+    else:
+        n_c1, acc = count, a_len  # not read without HAS_SCORED
     if s == 0 or hkv == 0:
         return
     _lfps_select_out_kernel[(s, hkv)](
-        row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, req_to_token, rpi, a_slots,
+        row, n, sink, b_start, cand, idx, count, bypass, a_pos, a_len, req_to_token, rpi, a_slots, n_c1, acc,
         cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1), a_pos.stride(0), a_pos.stride(1),
         a_len.stride(0), req_to_token.stride(0) if slots is not None else 0, a_slots.stride(0), a_slots.stride(1),
         k, int(width), req_to_token.shape[1] if slots is not None else 1,
-        BLOCK_K=max(16, next_pow2(k)), BLOCK_S=16, HAS_SLOTS=slots is not None, num_warps=1 if k <= 64 else 4,
+        BLOCK_K=max(16, next_pow2(k)), BLOCK_S=16, HAS_SLOTS=slots is not None, HAS_SCORED=scored is not None,
+        num_warps=1 if k <= 64 else 4,
     )
 
 

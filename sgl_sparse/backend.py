@@ -175,6 +175,8 @@ class SparseAttnBackend(AttentionBackend):
             elif mode.is_extend():
                 self._plan_prompt_queries(forward_batch, admitted)
         if self.qa is not None:
+            if not in_capture:  # released lfps requests' sums, before admissions reuse their slots
+                self.qa.read_scored(self.state.take_scored_releases())
             self._plan_query_aware(forward_batch, admitted, graphed=not eager)
         if self.dense is None:
             if self.state.metrics is not None and mode.is_decode():

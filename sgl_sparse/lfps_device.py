@@ -20,7 +20,8 @@ each a chunk of the row):
   C2          topk_range of those scores, Top-`budget`, ascending (the rows
               whose C2 is not all of C1)
   segment A   kernels/lfps_tables.lfps_select_out: sinks, then C2 below
-              b_start, straight into the slot's batch row of a_pos / a_len
+              b_start, straight into the slot's batch row of a_pos / a_len;
+              and |C1| and n - sink added to the slot's `scored` sums
   finish      kernels/lfps_tables.lfps_finish: bypassed heads output V̄;
               Eq. (10) in place on the slots' tables
 Slots without an indexed row this step get n = 0 and budget 0: every program of
@@ -123,8 +124,10 @@ class LfpsDevice:
                                row_on=f.budget)
         idx, count = topk_range(rank, f.zero, f.c_max, f.budget, self.k, out=idx, out_len=count, skip=all_c1)
         self._sel = LfpsSelection(bypass, cand, idx, count)
+        # and the scored fraction's sums of each live slot (|C1|, n - sink), no launch of their own
         lfps_select_out(f.row, f.n, f.sink, f.b_start, cand, idx, count, bypass, a_pos, a_len, store.cfg.capacity,
-                        slots=None if a_slots is None else (req_to_token, f.rpi, a_slots))
+                        slots=None if a_slots is None else (req_to_token, f.rpi, a_slots),
+                        scored=(n_c1, store.scored))
 
     def finish(self, li: int, f: LfpsForward, q3: torch.Tensor, o3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, scale: float) -> None:

@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 import torch
 
 _RETENTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0)
+# lfps's scored fraction: the paper's Table 4 has a few % of the context scored.
+_SCORED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 # Seconds per output token / per decode step: GPU decode (ms) up to a loaded CPU box.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -93,6 +95,11 @@ class SchedulerMetrics:
             "sglang_sparse_request_retention_ratio",
             "Mean over a finished request's decode steps of tokens attended / tokens in cache.",
             labels, buckets=_RETENTION_BUCKETS)
+        self.lfps_scored = Histogram(
+            "sglang_sparse_lfps_scored_fraction",
+            "lfps, per finished request: positions scored exactly (|C1|) over positions past the sinks, "
+            "summed over its selected decode steps, layers and KV heads.",
+            ["model_name"], buckets=_SCORED_BUCKETS)
         self.active_requests = Gauge(
             "sglang_sparse_active_requests", "Requests holding sgl_sparse state, by policy.", labels,
             multiprocess_mode="livesum")
@@ -219,6 +226,10 @@ class SchedulerMetrics:
         self.active_requests.labels(policy, self.model_name).dec()
         if mean_retention is not None:
             self.request_retention.labels(policy, self.model_name).observe(mean_retention)
+
+    def on_lfps_scored(self, fraction: float) -> None:
+        """An lfps request's scored fraction (query_serving.QueryAwareRuntime.drain_scored)."""
+        self.lfps_scored.labels(self.model_name).observe(fraction)
 
     def on_request_finished(self, policy: str, tpot_seconds: Optional[float]) -> None:
         if tpot_seconds is not None:

@@ -110,6 +110,7 @@ class QueryAwareRuntime:
         # The device path runs this forward: the batch has its rows, or the forward
         # may be a CUDA-graph capture / replay (whose work cannot depend on the batch).
         self.device_active = False
+        self._scored_reads: list[tuple[Optional[torch.cuda.Event], torch.Tensor]] = []
 
     def active(self) -> bool:
         """Per-layer selection to do this decode forward."""
@@ -151,6 +152,7 @@ class QueryAwareRuntime:
 
     def plan_extend(self, order: list[int], seq_lens: list[int], ext_lens: list[int],
                     admitted: tuple[list[int], list[RowInit]]) -> None:
+        self._zero_scored(admitted)
         want = {int(r): i for r, i in zip(*admitted)
                 if i.policy in self.stores and i.slot >= 0}
         self.extend_rows = []
@@ -169,6 +171,52 @@ class QueryAwareRuntime:
             dev_rows = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
             for e, d in zip(self.extend_rows, dev_rows):
                 e.dev = d
+
+    # ---- lfps's scored fraction, per finished request ---------------------------------
+    def read_scored(self, slots: list[int]) -> None:
+        """The scored-fraction sums (``LfpsStore.scored``) of lfps requests released
+        since the last forward, copied to the host in this forward's stream order --
+        before its admissions zero a reused slot -- without a synchronize: observed
+        when the copy's event has completed (:meth:`drain_scored`). Not while a CUDA
+        graph is captured (the caller keeps those slots out of captures)."""
+        store = self.stores.get(PolicyId.LFPS)
+        if store is not None and slots and self.state.metrics is not None:
+            idx = torch.tensor(slots, dtype=torch.int64)
+            dev = store.scored.device
+            if dev.type == "cuda":
+                sums = store.scored[idx.pin_memory().to(dev, non_blocking=True)].sum(1)
+                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                host.copy_(sums, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                self._scored_reads.append((done, host))
+            else:
+                self._scored_reads.append((None, store.scored[idx].sum(1)))
+        self.drain_scored()
+
+    def drain_scored(self) -> None:
+        """Observe the completed reads: scored / eligible per request (none for a
+        request no step selected for: nothing eligible)."""
+        keep = []
+        for done, host in self._scored_reads:
+            if done is not None and not done.query():
+                keep.append((done, host))
+                continue
+            for scored, eligible in host.tolist():
+                if eligible > 0:
+                    self.state.metrics.on_lfps_scored(scored / eligible)
+        self._scored_reads = keep
+
+    def _zero_scored(self, admitted: tuple[list[int], list[RowInit]]) -> None:
+        """A slot an lfps request takes starts its sums at 0 (after read_scored)."""
+        store = self.stores.get(PolicyId.LFPS)
+        slots = [i.slot for i in admitted[1] if i.policy == PolicyId.LFPS and i.slot >= 0]
+        if store is None or not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.int64)
+        dev = store.scored.device
+        idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx
+        store.scored.index_fill_(0, idx, 0.0)
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""
@@ -303,6 +351,10 @@ class QueryAwareRuntime:
                 # Tables learn from the steps that used them [ours]: dense steps leave them.
                 res = res._replace(counts=torch.where(mine[:, None], res.counts, 0))
                 lfps_math.update_tables(store.layer(li), res, n, lfps_knobs(g.spec), rows=g.slots)
+                # the scored fraction's sums, as the device path adds them (lfps_select_out)
+                denom = (n - g.spec.sink).clamp(min=1)[:, None].expand_as(res.scored)
+                add = torch.stack([res.scored, denom], -1).to(torch.float32)
+                store.scored[g.slots] += torch.where(mine[:, None, None], add, 0.0)
             elif g.policy == PolicyId.ASYNCSPADE:
                 self._predict(li, store, g, q3, k_cache, req_to_token, req_pool_indices, n, scale)
 

@@ -38,6 +38,10 @@ Layouts (slot = one live request of the policy; layers of this rank):
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
+              scored       [slots, Hkv, 2] fp32  |C1| scored and n - sink, summed over
+                                                 the request's selected steps and layers
+                                                 (the scored fraction, Table 4's shape),
+                                                 zeroed when a request takes the slot
 A slot is owned by one request from admission to release (SparseState); its
 contents are rewritten at the request's extend chunks before any decode step reads
 them, so a reused slot never leaks its previous owner's data into a selection.
@@ -120,9 +124,10 @@ class LfpsStore:
         self.kbar = torch.zeros(num_layers, cfg.slots, num_kv_heads, head_dim, **f32)
         self.vbar = torch.zeros_like(self.kbar)
         self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
+        self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, **f32)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2
+        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.scored
 
     def layer(self, li: int):
         from sgl_sparse.queryaware.lfps import LfpsState

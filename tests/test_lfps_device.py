@@ -51,3 +51,11 @@ def test_lfps_device_path_matches_the_torch_path(group, candidates):
     # row 3 lists its sinks whenever it attends: a_len 0 is a bypass (V̄ output, no update)
     bypassed = sum(int((a_len == 0).sum()) for _, r, a_len in indexed if r == 3)
     assert 0 < bypassed < 10 * HKV
+    # the scored fraction's sums (|C1|, n - sink per selected step, layer and head): the
+    # same on both paths, and only on the slots of rows lfps indexed
+    from sgl_sparse.policies.base import PolicyId
+
+    got, want = (t.rt.stores[PolicyId.LFPS].scored for t in (dev, ref))
+    assert torch.equal(got, want), (got, want)
+    live = want[..., 1].sum(-1) > 0
+    assert int(live.sum()) == 4 and (want[..., 0] <= want[..., 1]).all()  # rows 1-4: lfps indexed steps

@@ -252,6 +252,10 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     assert 0 < stream_ratio < 1
     assert _value(m, "sglang_sparse_request_retention_ratio_count", policy="streaming") >= 2
     assert _value(m, "sglang_sparse_request_retention_ratio_bucket", policy="streaming", le="0.1") >= 1
+    # lfps: each finished request's scored fraction, read after its release (the lfps
+    # requests above that were served sparse); a fraction of the positions past the sinks
+    n_scored = _value(m, "sglang_sparse_lfps_scored_fraction_count")
+    assert n_scored >= 1 and 0 < _value(m, "sglang_sparse_lfps_scored_fraction_sum") <= n_scored
     # window >= length requests were served by the dense kernel, and said why
     assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="streaming",
                   reason="window_covers_sequence") > 0

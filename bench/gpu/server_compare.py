@@ -185,13 +185,14 @@ def scrape(url):
 def parse_metrics(text):
     """sglang_sparse_* counters by (name, policy), summed over the other labels; the
     kernel-compile counter by (name, "phase=<phase>"), the decode-forward one by
-    (name, "path=<path>"); the prepare and Selector-run histograms' sum and count by
-    (name, "")."""
+    (name, "path=<path>"); the prepare, Selector-run and lfps scored-fraction
+    histograms' sum and count by (name, "")."""
     out = {}
     for line in text.splitlines():
         if line.startswith(("sglang_sparse_decode_prepare_duration_seconds_",
-                            "sglang_sparse_selector_refresh_duration_seconds_")) and ("_sum{" in line or "_count{" in line):
-            key = (line.split("{", 1)[0], "")  # host time per decode forward; Selector runs
+                            "sglang_sparse_selector_refresh_duration_seconds_",
+                            "sglang_sparse_lfps_scored_fraction_")) and ("_sum{" in line or "_count{" in line):
+            key = (line.split("{", 1)[0], "")  # host time per decode forward; Selector runs; lfps's scored
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("sglang_sparse_") and "_total{" in line:
             name, rest = line.split("{", 1)
@@ -215,6 +216,7 @@ def sparse_stats(before, after, policy):
     prep = "sglang_sparse_decode_prepare_duration_seconds_"
     forwards, prep_s = d0(prep + "count"), d0(prep + "sum")
     compiles = ("sglang_sparse_kernel_compiles_total", "phase=serving")
+    scored = "sglang_sparse_lfps_scored_fraction_"
     # Selector runs (each one refresh before a decode step, with a fixed cost whatever
     # its rows) per decode forward, and the rows each refreshed.
     runs = d0("sglang_sparse_selector_refresh_duration_seconds_count")
@@ -237,7 +239,10 @@ def sparse_stats(before, after, policy):
             # SFI refresh shapes captured (each held its step): level off after the first batch
             "refresh_graph_captures": int(d0("sglang_sparse_refresh_graph_captures_total")),
             # Triton compiles during the row's timed batches (each stalled one): should be 0
-            "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0))}
+            "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0)),
+            # lfps: positions scored exactly over those past the sinks, per finished request
+            # (read a forward after each release: the previous batch's requests, mostly)
+            "lfps_scored_fraction": round(d0(scored + "sum") / d0(scored + "count"), 4) if d0(scored + "count") else None}
 
 
 #: quest/asyncspade/lfps requests that attend every key of check_greedy's prompts

@@ -73,6 +73,7 @@ class LfpsStep(NamedTuple):
     bypass: torch.Tensor  # [bs, Hkv] bool: output vbar, skip the update
     scored_frac: torch.Tensor  # [bs, Hkv] float32: |C1 scored| / (n - n_sink)
     weights: torch.Tensor  # [bs, Hkv, k_max]: w_i on C2 (group mean softmax over C2), 0 after
+    scored: torch.Tensor  # [bs, Hkv] int64: |C1 scored| (scored_frac's numerator)
 
 
 # ---- initialization (prefill) -------------------------------------------------------
@@ -286,7 +287,7 @@ def step(state: LfpsState, q: torch.Tensor, keys: torch.Tensor, n: torch.Tensor,
         wsel = torch.nn.functional.pad(wsel, (0, k_max - k))
     denom = (n.to(torch.int64) - knobs.n_sink).clamp(min=1)[:, None].to(torch.float32)
     frac = n_c1.to(torch.float32) / denom
-    return LfpsStep(pos.to(torch.int32), count.to(torch.int32), bypass, frac, wsel)
+    return LfpsStep(pos.to(torch.int32), count.to(torch.int32), bypass, frac, wsel, n_c1)
 
 
 def update_tables(state: LfpsState, res: LfpsStep, n: torch.Tensor, knobs: LfpsKnobs = LfpsKnobs(),

@@ -199,6 +199,17 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
     run_on_device(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, pos_s, len_s, width,
                   slots=(r2t, rpi, a_slots))
     assert torch.equal(pos_s, a_pos) and torch.equal(len_s, a_len)
+    # scored: each live slot's heads add |C1| and max(n - sink, 1) to their cells, twice
+    # here; a slot without a row (n = 0) adds nothing
+    n_c1 = torch.randint(0, c + 1, (s, HKV), generator=gen, dtype=torch.int32)
+    acc = torch.full((s, HKV, 2), 0.5)
+    for _ in range(2):
+        run_on_device(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, pos_s, len_s, width,
+                      scored=(n_c1, acc))
+    live = (n > 0)[:, None].float()
+    assert torch.equal(acc[..., 0], 0.5 + 2 * live * n_c1.float())
+    assert torch.equal(acc[..., 1], (0.5 + 2 * live * (n - sink).clamp(min=1)[:, None].float()).expand(s, HKV))
+    assert torch.equal(pos_s, a_pos) and torch.equal(len_s, a_len)
     for i in range(s):
         if not on[i]:
             continue
@@ -348,10 +359,12 @@ def test_gpu_priority_at_32k_slots_as_served():
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=True)),
+    ("_lfps_select_out_kernel", dict(BLOCK_K=2048, BLOCK_S=16, HAS_SLOTS=True, HAS_SCORED=True)),
 ])
 def test_priority_kernels_compile_for_sm90(kernel, const):
-    """The chunked priorities and the C1 listing as lfps_device launches them at
-    32768 x 8 (8 chunks) compile for the H100/H200 (sm_90). Their table reads are
+    """The chunked priorities, the C1 listing and the C2 output with the scored
+    sums as lfps_device launches them at 32768 x 8 (8 chunks) compile for the
+    H100/H200 (sm_90). Their table reads are
     4-byte loads (coalesced across a warp): a chunk starts anywhere (the sink, the
     row's own length) and Φ_sla is read backwards, so no wider load is provable."""
     import importlib
@@ -361,7 +374,10 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
     ptrs = {"RHO": "*fp32", "EPS": "*fp32", "A": "*fp32", "VER": "*fp32", "SLA": "*fp32", "N": "*i32",
             "SINK": "*i32", "WORK": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32", "OUT": "*i32",
-            "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32"}
+            "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32",
+            # lfps_select_out (C2 into the batch rows, the scored fraction's sums)
+            "ROW": "*i64", "B_START": "*i32", "CAND": "*i32", "A_POS": "*i32", "A_LEN": "*i32",
+            "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "A_SLOTS": "*i32", "N_C1": "*i32", "SCORED": "*fp32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
