@@ -123,10 +123,11 @@ BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
-# keeping its logits (an SFI slow step, every row dense): 546 us at the heuristic's 8
-# splits, 398.5 at 16 (session 33, bench_decode.py --slow-step); served it took 534 us a
-# layer. Decided on the device from the step's keys, so a fast step (rows of ~2.3K
-# keys) keeps its splits: fp8's doubled splits made those slower (session 32).
+# keeping its logits (an SFI slow step, every row dense): 548.6 us at the heuristic's 8
+# splits, 398.7 at 16, with either merge (session 33, bench_decode.py --slow-step); 28
+# layers of the balanced launch with every row dense 17.25 -> 15.39 ms
+# (bench_mixed_rows.py --kv-dtype fp8_e4m3; the other rows within 2%). Decided on the
+# device from the step's keys, so a fast step (rows of ~2.3K keys) keeps its splits.
 # 32768 x 8's dense step (~8K keys a program) stays below it: served there the doubled
 # splits were not faster (session 32). SGLANG_SPARSE_FP8_DENSE_SPLIT_KEYS=0: never.
 FP8_DENSE_SPLIT_KEYS = env_count("FP8_DENSE_SPLIT_KEYS", 12288, 0, 1 << 30)
