@@ -159,6 +159,7 @@ class SchedulerMetrics:
             "SFI refresh shapes captured into CUDA graphs (compact.refresh_graphs); the decode step "
             "each was captured on waited for it (an eager run plus the capture).", ["model_name"])
         self._captures_child = self.refresh_graph_captures.labels(model_name)  # from 0
+        self._lfps_scored_child = self.lfps_scored.labels(model_name)  # from 0: its rate is 0, not absent
         self._slot_bytes = 0
         self._slots_in_use = 0
         self._last_decode_t: Optional[float] = None
@@ -229,7 +230,7 @@ class SchedulerMetrics:
 
     def on_lfps_scored(self, fraction: float) -> None:
         """An lfps request's scored fraction (query_serving.QueryAwareRuntime.drain_scored)."""
-        self.lfps_scored.labels(self.model_name).observe(fraction)
+        self._lfps_scored_child.observe(fraction)
 
     def on_request_finished(self, policy: str, tpot_seconds: Optional[float]) -> None:
         if tpot_seconds is not None:

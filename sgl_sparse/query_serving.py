@@ -152,7 +152,6 @@ class QueryAwareRuntime:
 
     def plan_extend(self, order: list[int], seq_lens: list[int], ext_lens: list[int],
                     admitted: tuple[list[int], list[RowInit]]) -> None:
-        self._zero_scored(admitted)
         want = {int(r): i for r, i in zip(*admitted)
                 if i.policy in self.stores and i.slot >= 0}
         self.extend_rows = []
@@ -175,23 +174,25 @@ class QueryAwareRuntime:
     # ---- lfps's scored fraction, per finished request ---------------------------------
     def read_scored(self, slots: list[int]) -> None:
         """The scored-fraction sums (``LfpsStore.scored``) of lfps requests released
-        since the last forward, copied to the host in this forward's stream order --
-        before its admissions zero a reused slot -- without a synchronize: observed
-        when the copy's event has completed (:meth:`drain_scored`). Not while a CUDA
-        graph is captured (the caller keeps those slots out of captures)."""
+        since the last forward, copied to the host and then zeroed, in this forward's
+        stream order -- before its admissions can reuse the slots -- without a
+        synchronize: observed when the copy's event has completed (:meth:`drain_scored`).
+        Not while a CUDA graph is captured (the caller keeps those slots for later)."""
         store = self.stores.get(PolicyId.LFPS)
         if store is not None and slots and self.state.metrics is not None:
             idx = torch.tensor(slots, dtype=torch.int64)
             dev = store.scored.device
             if dev.type == "cuda":
-                sums = store.scored[idx.pin_memory().to(dev, non_blocking=True)].sum(1)
+                idx = idx.pin_memory().to(dev, non_blocking=True)
+                sums = store.scored[idx].sum(1)
                 host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
                 host.copy_(sums, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
-                self._scored_reads.append((done, host))
             else:
-                self._scored_reads.append((None, store.scored[idx].sum(1)))
+                host, done = store.scored[idx].sum(1), None
+            store.scored.index_fill_(0, idx, 0.0)  # the slot's next request starts from 0
+            self._scored_reads.append((done, host))
         self.drain_scored()
 
     def drain_scored(self) -> None:
@@ -206,17 +207,6 @@ class QueryAwareRuntime:
                 if eligible > 0:
                     self.state.metrics.on_lfps_scored(scored / eligible)
         self._scored_reads = keep
-
-    def _zero_scored(self, admitted: tuple[list[int], list[RowInit]]) -> None:
-        """A slot an lfps request takes starts its sums at 0 (after read_scored)."""
-        store = self.stores.get(PolicyId.LFPS)
-        slots = [i.slot for i in admitted[1] if i.policy == PolicyId.LFPS and i.slot >= 0]
-        if store is None or not slots:
-            return
-        idx = torch.tensor(slots, dtype=torch.int64)
-        dev = store.scored.device
-        idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx
-        store.scored.index_fill_(0, idx, 0.0)
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""

@@ -40,8 +40,9 @@ Layouts (slot = one live request of the policy; layers of this rank):
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
               scored       [slots, Hkv, 2] fp32  |C1| scored and n - sink, summed over
                                                  the request's selected steps and layers
-                                                 (the scored fraction, Table 4's shape),
-                                                 zeroed when a request takes the slot
+                                                 (the scored fraction, Table 4's shape);
+                                                 read and zeroed after its release (with
+                                                 --enable-metrics: query_serving.read_scored)
 A slot is owned by one request from admission to release (SparseState); its
 contents are rewritten at the request's extend chunks before any decode step reads
 them, so a reused slot never leaks its previous owner's data into a selection.

@@ -364,6 +364,7 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
              nms_buckets: bool = False) -> None:
     from sgl_sparse.kernels import (
         LayerPools,
+        gather_key_norms,
         pack_compact_layers,
         selector_scores,
         selector_stats,
@@ -392,6 +393,11 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
             selector_scores(u, norms, lo.long(), hi.long(), knobs, warm_nms_buckets=nms_buckets)
         if store.logits is not None and store.logit_len >= n:
             stored_evidence(store.logits[0], zero, lo, hi, knobs.beta.float(), n)
+    # The key norms in the refresh's layout, as it gathers them per chunk of layers: the
+    # first chunk's slice, and a later one (its offset may not be 16-byte aligned).
+    tok = req_to_token[ridx.long(), :n].long()
+    for first in range(min(2, store.knorm.shape[0])):
+        gather_key_norms(store.knorm[first: first + 1], tok)
     # Unless SGL_SPARSE_SPLIT_ROWS=0, long rows with few programs split each (row, head)
     # over several programs (kernels/_split.py): those launches too, whatever the
     # split count (a grid size, not a compiled constant).
