@@ -458,7 +458,7 @@ def _lfps_select_out_kernel(
     REQ_POOL_IDX,  # [S] int: the slot's request (only if HAS_SLOTS)
     A_SLOTS,  # shaped as A_POS, int32 out: the listed positions' pool slots (only if HAS_SLOTS)
     N_C1,  # [S, Hkv] int32: |C1| scored (only if HAS_SCORED)
-    SCORED,  # [S, Hkv, 2] fp32, added to: |C1|, max(n - sink, 1) (only if HAS_SCORED)
+    SCORED,  # [S, Hkv, 2] fp64, added to: |C1|, max(n - sink, 1) (only if HAS_SCORED)
     stride_cs,
     stride_ch,
     stride_is,
@@ -487,8 +487,8 @@ def _lfps_select_out_kernel(
     sink = tl.maximum(tl.load(SINK + cur_s), 0)
     if HAS_SCORED:  # this program's own (slot, head) cell: no other program adds to it
         acc = SCORED + (cur_s * nh + cur_h) * 2
-        tl.store(acc, tl.load(acc) + tl.load(N_C1 + cur_s * nh + cur_h).to(tl.float32))
-        tl.store(acc + 1, tl.load(acc + 1) + tl.maximum(n - sink, 1).to(tl.float32))
+        tl.store(acc, tl.load(acc) + tl.load(N_C1 + cur_s * nh + cur_h).to(tl.float64))
+        tl.store(acc + 1, tl.load(acc + 1) + tl.maximum(n - sink, 1).to(tl.float64))
     b_start = tl.load(B_START + cur_s)
     count = tl.load(COUNT + cur_s * nh + cur_h)
     offs_k = tl.arange(0, BLOCK_K)
@@ -532,7 +532,7 @@ def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_st
     ``slots`` = ``(req_to_token [reqs, ctx] int32, rpi [S] int, a_slots)``: the same
     entries of ``a_slots`` (shaped as ``a_pos``) get ``req_to_token[rpi[s], pos]``
     (``rpi`` per slot, like ``n``). ``scored`` = ``(n_c1 [S, Hkv] int32, acc [S, Hkv, 2]
-    fp32)``: each live slot's head adds ``n_c1`` and ``max(n - sink, 1)`` to its cell
+    fp64: a long request's sums pass fp32's exact integers)``: each live slot's head adds ``n_c1`` and ``max(n - sink, 1)`` to its cell
     of ``acc`` (the scored fraction's sums, ``queryaware.lfps.step``'s ``scored`` and
     denominator)."""
     s, hkv, k = idx.shape
@@ -545,7 +545,7 @@ def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_st
     if scored is not None:
         n_c1, acc = scored
         assert n_c1.shape == (s, hkv) and n_c1.dtype == torch.int32 and n_c1.is_contiguous(), "scored: n_c1"
-        assert acc.shape == (s, hkv, 2) and acc.dtype == torch.float32 and acc.is_contiguous(), "scored: acc"
+        assert acc.shape == (s, hkv, 2) and acc.dtype == torch.float64 and acc.is_contiguous(), "scored: acc"
     else:
         n_c1, acc = count, a_len  # not read without HAS_SCORED
     if s == 0 or hkv == 0:

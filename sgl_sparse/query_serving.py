@@ -343,7 +343,7 @@ class QueryAwareRuntime:
                 lfps_math.update_tables(store.layer(li), res, n, lfps_knobs(g.spec), rows=g.slots)
                 # the scored fraction's sums, as the device path adds them (lfps_select_out)
                 denom = (n - g.spec.sink).clamp(min=1)[:, None].expand_as(res.scored)
-                add = torch.stack([res.scored, denom], -1).to(torch.float32)
+                add = torch.stack([res.scored, denom], -1).to(torch.float64)
                 store.scored[g.slots] += torch.where(mine[:, None, None], add, 0.0)
             elif g.policy == PolicyId.ASYNCSPADE:
                 self._predict(li, store, g, q3, k_cache, req_to_token, req_pool_indices, n, scale)

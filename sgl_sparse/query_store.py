@@ -38,7 +38,7 @@ Layouts (slot = one live request of the policy; layers of this rank):
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
-              scored       [slots, Hkv, 2] fp32  |C1| scored and n - sink, summed over
+              scored       [slots, Hkv, 2] fp64  |C1| scored and n - sink, summed over
                                                  the request's selected steps and layers
                                                  (the scored fraction, Table 4's shape);
                                                  read and zeroed after its release (with
@@ -125,7 +125,8 @@ class LfpsStore:
         self.kbar = torch.zeros(num_layers, cfg.slots, num_kv_heads, head_dim, **f32)
         self.vbar = torch.zeros_like(self.kbar)
         self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
-        self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, **f32)
+        # fp64: summed over a request's steps, layers and heads, fp32 would drop units
+        self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, dtype=torch.float64, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.scored

@@ -202,13 +202,13 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
     # scored: each live slot's heads add |C1| and max(n - sink, 1) to their cells, twice
     # here; a slot without a row (n = 0) adds nothing
     n_c1 = torch.randint(0, c + 1, (s, HKV), generator=gen, dtype=torch.int32)
-    acc = torch.full((s, HKV, 2), 0.5)
+    acc = torch.full((s, HKV, 2), 0.5, dtype=torch.float64)
     for _ in range(2):
         run_on_device(lfps_select_out, row, n, sink, b_start, cand, idx, count, bypass, pos_s, len_s, width,
                       scored=(n_c1, acc))
-    live = (n > 0)[:, None].float()
-    assert torch.equal(acc[..., 0], 0.5 + 2 * live * n_c1.float())
-    assert torch.equal(acc[..., 1], (0.5 + 2 * live * (n - sink).clamp(min=1)[:, None].float()).expand(s, HKV))
+    live = (n > 0)[:, None].double()
+    assert torch.equal(acc[..., 0], 0.5 + 2 * live * n_c1.double())
+    assert torch.equal(acc[..., 1], (0.5 + 2 * live * (n - sink).clamp(min=1)[:, None].double()).expand(s, HKV))
     assert torch.equal(pos_s, a_pos) and torch.equal(len_s, a_len)
     for i in range(s):
         if not on[i]:
@@ -377,7 +377,7 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
             "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32",
             # lfps_select_out (C2 into the batch rows, the scored fraction's sums)
             "ROW": "*i64", "B_START": "*i32", "CAND": "*i32", "A_POS": "*i32", "A_LEN": "*i32",
-            "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "A_SLOTS": "*i32", "N_C1": "*i32", "SCORED": "*fp32"}
+            "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "A_SLOTS": "*i32", "N_C1": "*i32", "SCORED": "*fp64"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
