@@ -150,9 +150,11 @@ def test_split_stats_match_the_single_program():
     """Each (row, head) split over several programs (selector_stats_split): the same
     exact medians (all equal and low-bit-only rows: every value a survivor, over
     several slices; ties; |A| = 1; an empty range; ranges ending mid-block), the
-    sums to fp32 rounding, and the same Top-K from the scores."""
+    sums to fp32 rounding, and the same Top-K from the scores. Compiled on the GPU
+    where there is one (the kernels on its tensors, the references on the host)."""
     from sgl_sparse.kernels.topk_range import topk_range
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
     n, hkv = 200, 2
     norms = torch.stack([
@@ -167,9 +169,10 @@ def test_split_stats_match_the_single_program():
     hi = torch.tensor([n, 177, n - 1, 11, 20])  # |A| = 1, then empty
     u = (torch.rand(r, hkv, n, generator=gen) ** 3).masked_fill(~core.candidate_mask(lo, hi, n), 0.0)
     specs = [SfiPolicy(beta=(0.5, 1.0, 2.0)[i % 3], clip=(0.02, 1.0)[i % 2]) for i in range(r)]
-    knobs = core.SelectorKnobs.from_specs(specs, "cpu", torch.float32)
-    one = K.selector_stats(u, norms, lo, hi, knobs, block_n=32, splits=1)
-    got = K.selector_stats(u, norms, lo, hi, knobs, block_n=32, splits=3)
+    knobs = core.SelectorKnobs.from_specs(specs, dev, torch.float32)
+    on_dev = [x.to(dev) for x in (u, norms, lo, hi)]
+    one = K.selector_stats(*on_dev, knobs, block_n=32, splits=1).cpu()
+    got = K.selector_stats(*on_dev, knobs, block_n=32, splits=3).cpu()
     assert not got.isnan().any()
     assert torch.equal(got[..., 3:], one[..., 3:])
     torch.testing.assert_close(got[..., :3], one[..., :3], rtol=1e-5, atol=0.0)
@@ -180,14 +183,15 @@ def test_split_stats_match_the_single_program():
     # The scores (rows 0 and 2: the ties, the low bits) and their Top-K.
     rows = [0, 2]
     u, norms, lo, hi = u[rows], norms[rows], lo[rows], hi[rows]
-    knobs = core.SelectorKnobs.from_specs([specs[i] for i in rows], "cpu", torch.float32)
-    s_one = K.selector_scores(u, norms, lo, hi, knobs, splits=1)
-    s_got = K.selector_scores(u, norms, lo, hi, knobs, splits=3)
+    knobs = core.SelectorKnobs.from_specs([specs[i] for i in rows], dev, torch.float32)
+    on_dev = [x.to(dev) for x in (u, norms, lo, hi)]
+    s_one = K.selector_scores(*on_dev, knobs, splits=1)
+    s_got = K.selector_scores(*on_dev, knobs, splits=3)
     fin = torch.isfinite(s_one)
     assert torch.equal(torch.isfinite(s_got), fin) and fin.any()
     torch.testing.assert_close(s_got[fin], s_one[fin], rtol=1e-5, atol=1e-5)
-    budget = torch.full((len(rows),), 17, dtype=torch.int32)
-    lo32, hi32 = lo.int(), hi.int()
+    budget = torch.full((len(rows),), 17, dtype=torch.int32, device=dev)
+    lo32, hi32 = lo.int().to(dev), hi.int().to(dev)
     assert all(torch.equal(x, y) for x, y in zip(topk_range(s_got, lo32, hi32, budget, 17),
                                                  topk_range(s_one, lo32, hi32, budget, 17)))
 
