@@ -19,7 +19,7 @@ blocks, one program per (row, head, slice), and every pass is its own launch:
    picks and reads the survivors for the last two digits (:func:`finish`); or, where
    the survivors may be most of the row, two more launches cut them into ``S``
    slices as well (:func:`low_pass`, the third digit then the fourth) and the
-   consumer picks from the histograms alone (:func:`finish_split`).
+   consumer picks from the histograms alone (:func:`split_select_done`).
 
 Per-slice histograms, not atomics: no buffer to zero, and the counts of the
 slices *before* a slice (what the top-k's compaction needs to place its kept
@@ -169,33 +169,22 @@ def finish(tot0, H1, S, s, k, SCR, KEY: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def low_pass(tot0, H1, H2, H3, S, s, k, SCR, KEY: tl.constexpr, STEP: tl.constexpr, BLOCK_N: tl.constexpr):
+def low_pass(tot0, H, S, s, k, SCR, KEY: tl.constexpr, STEP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Step 4 split like the others: the histogram of the third digit (STEP 0) or,
-    with the third picked from ``H2``, the fourth (STEP 1) over this program's slice
-    of the row's survivors SCR[0, count) (:func:`select_pass` step 2) -> ``H2[s]`` /
-    ``H3[s]``. Each program reads count / S values instead of all of them."""
+    with the third picked, the fourth (STEP 1) over this program's slice of the
+    row's survivors SCR[0, count) (:func:`select_pass` step 2) -> ``H[2, s]`` /
+    ``H[3, s]`` (H: [4, S, 256], a digit's histograms each; tot0: the sum of
+    ``H[0]``). Each program reads count / S values instead of all of them."""
     SRC_KEY: tl.constexpr = 0 if KEY == 1 else KEY  # SCR holds v: |X - center| is taken
-    k, prefix, _, cnt, _ = prefix16(tot0, H1, S, s, k)
+    k, prefix, _, cnt, _ = prefix16(tot0, H + S * 256, S, s, k)
     a, b = slice_bounds(0, cnt, s, S, BLOCK_N)
     bins = tl.arange(0, 256)
     if STEP == 0:
-        tl.store(H2 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 8, SRC_KEY, True, BLOCK_N))
+        tl.store(H + 2 * S * 256 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 8, SRC_KEY, True, BLOCK_N))
     else:
-        tot2, _ = hist_totals(H2, S, s)
+        tot2, _ = hist_totals(H + 2 * S * 256, S, s)
         k, prefix = _pick_digit(tot2, k, prefix)
-        tl.store(H3 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 0, SRC_KEY, True, BLOCK_N))
-
-
-@triton.jit
-def finish_split(tot0, H1, H2, H3, S, s, k):
-    """:func:`finish` after both :func:`low_pass` launches: (key bits, rank) of the
-    k-th smallest key from the four digits' histograms, no survivor read."""
-    k, prefix, _, _, _ = prefix16(tot0, H1, S, s, k)
-    tot2, _ = hist_totals(H2, S, s)
-    k, prefix = _pick_digit(tot2, k, prefix)
-    tot3, _ = hist_totals(H3, S, s)
-    k, prefix = _pick_digit(tot3, k, prefix)
-    return prefix, k
+        tl.store(H + 3 * S * 256 + s * 256 + bins, digit_histogram(SCR, a, b, 0.0, prefix, 0, SRC_KEY, True, BLOCK_N))
 
 
 @triton.jit
@@ -211,12 +200,17 @@ def split_select_step(X, a, b, center, k, H, S, s, SCR, KEY: tl.constexpr, STEP:
         if STEP < 3:
             select_pass(X, a, b, center, k, tot0, H, H + S * 256, S, s, SCR, KEY, STEP, BLOCK_N)
         else:
-            low_pass(tot0, H + S * 256, H + 2 * S * 256, H + 3 * S * 256, S, s, k, SCR, KEY, STEP - 3, BLOCK_N)
+            low_pass(tot0, H, S, s, k, SCR, KEY, STEP - 3, BLOCK_N)
 
 
 @triton.jit
 def split_select_done(H, S, s, k):
     """After :func:`split_select_step`'s five launches: the k-th smallest key's
-    (bits, rank), the same in every program."""
+    (bits, rank) as :func:`finish` returns them, from the four digits' histograms
+    alone (no survivor read), the same in every program."""
     tot0, _ = hist_totals(H, S, s)
-    return finish_split(tot0, H + S * 256, H + 2 * S * 256, H + 3 * S * 256, S, s, k)
+    k, prefix, _, _, _ = prefix16(tot0, H + S * 256, S, s, k)
+    for d in tl.static_range(2, 4):
+        tot, _ = hist_totals(H + d * S * 256, S, s)
+        k, prefix = _pick_digit(tot, k, prefix)
+    return prefix, k

@@ -532,9 +532,9 @@ def lfps_select_out(row: torch.Tensor, n: torch.Tensor, sink: torch.Tensor, b_st
     ``slots`` = ``(req_to_token [reqs, ctx] int32, rpi [S] int, a_slots)``: the same
     entries of ``a_slots`` (shaped as ``a_pos``) get ``req_to_token[rpi[s], pos]``
     (``rpi`` per slot, like ``n``). ``scored`` = ``(n_c1 [S, Hkv] int32, acc [S, Hkv, 2]
-    fp64: a long request's sums pass fp32's exact integers)``: each live slot's head adds ``n_c1`` and ``max(n - sink, 1)`` to its cell
-    of ``acc`` (the scored fraction's sums, ``queryaware.lfps.step``'s ``scored`` and
-    denominator)."""
+    fp64``: a long request's sums pass fp32's exact integers): each live slot's head
+    adds ``n_c1`` and ``max(n - sink, 1)`` to its cell of ``acc`` (the scored
+    fraction's sums, ``queryaware.lfps.step``'s ``scored`` and denominator)."""
     s, hkv, k = idx.shape
     assert cand.shape[:2] == (s, hkv) and cand.dtype == torch.int32 and cand.stride(2) == 1
     assert idx.dtype == torch.int32 and idx.stride(2) == 1 and count.shape == (s, hkv) and count.is_contiguous()

@@ -44,6 +44,7 @@ from sgl_sparse.query_device import POLICIES as DEVICE_POLICIES
 from sgl_sparse.query_device import QueryAwareDevice
 from sgl_sparse.queryaware import asyncspade as aspd
 from sgl_sparse.queryaware import lfps as lfps_math
+from sgl_sparse.selector.core import to_device
 
 
 @dataclass
@@ -166,9 +167,7 @@ class QueryAwareRuntime:
             # synchronizing copy per row and layer (8 rows x 28 layers a chunk at
             # 32768 x 8) stalled the host behind the GPU through the whole prefill.
             host = torch.tensor([[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows], dtype=torch.int64)
-            dev = self.state.device
-            dev_rows = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-            for e, d in zip(self.extend_rows, dev_rows):
+            for e, d in zip(self.extend_rows, to_device(host, self.state.device)):
                 e.dev = d
 
     # ---- lfps's scored fraction, per finished request ---------------------------------
@@ -180,19 +179,14 @@ class QueryAwareRuntime:
         Not while a CUDA graph is captured (the caller keeps those slots for later)."""
         store = self.stores.get(PolicyId.LFPS)
         if store is not None and slots and self.state.metrics is not None:
-            idx = torch.tensor(slots, dtype=torch.int64)
-            dev = store.scored.device
-            if dev.type == "cuda":
-                idx = idx.pin_memory().to(dev, non_blocking=True)
-                sums = store.scored[idx].sum(1)
-                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-                host.copy_(sums, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            else:
-                host, done = store.scored[idx].sum(1), None
+            idx = to_device(torch.tensor(slots, dtype=torch.int64), store.scored.device)
+            sums, done = store.scored[idx].sum(1), None
             store.scored.index_fill_(0, idx, 0.0)  # the slot's next request starts from 0
-            self._scored_reads.append((done, host))
+            if sums.is_cuda:
+                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                sums, done = host.copy_(sums, non_blocking=True), torch.cuda.Event()
+                done.record()
+            self._scored_reads.append((done, sums))
         self.drain_scored()
 
     def drain_scored(self) -> None:
