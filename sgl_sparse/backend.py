@@ -84,6 +84,9 @@ class SparseAttnBackend(AttentionBackend):
             _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
         _check_store_memory(self.state, model_runner)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
+        if self.qa is not None:
+            self.state.on_lfps_released = self.qa.read_scored
+            self.qa.warm_scored_reads()
         qa_device = self.qa.device if self.qa is not None else None
         if qa_device is not None and qa_device.wants_high_priority_main:
             compat.capture_graphs_at_high_priority()
@@ -175,8 +178,7 @@ class SparseAttnBackend(AttentionBackend):
             elif mode.is_extend():
                 self._plan_prompt_queries(forward_batch, admitted)
         if self.qa is not None:
-            if not in_capture:  # released lfps requests' sums, before admissions reuse their slots
-                self.qa.read_scored(self.state.take_scored_releases())
+            self.qa.note_forward(in_capture)
             self._plan_query_aware(forward_batch, admitted, graphed=not eager)
         if self.dense is None:
             if self.state.metrics is not None and mode.is_decode():

@@ -229,7 +229,8 @@ class SchedulerMetrics:
             self.request_retention.labels(policy, self.model_name).observe(mean_retention)
 
     def on_lfps_scored(self, fraction: float) -> None:
-        """An lfps request's scored fraction (query_serving.QueryAwareRuntime.drain_scored)."""
+        """An lfps request's scored fraction (query_serving.QueryAwareRuntime.read_scored, at its
+        release; on CUDA from device_reads' thread once the copy has completed)."""
         self._lfps_scored_child.observe(fraction)
 
     def on_request_finished(self, policy: str, tpot_seconds: Optional[float]) -> None:

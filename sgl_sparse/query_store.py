@@ -41,7 +41,7 @@ Layouts (slot = one live request of the policy; layers of this rank):
               scored       [slots, Hkv, 2] fp64  |C1| scored and n - sink, summed over
                                                  the request's selected steps and layers
                                                  (the scored fraction, Table 4's shape);
-                                                 read and zeroed after its release (with
+                                                 read and zeroed at its release (with
                                                  --enable-metrics: query_serving.read_scored)
 A slot is owned by one request from admission to release (SparseState); its
 contents are rewritten at the request's extend chunks before any decode step reads

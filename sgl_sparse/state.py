@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -120,9 +120,10 @@ class SparseState:
         self._step_rows: list[int] | None = None  # rows of the decode batch, in order
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
-        # lfps slots released since the last forward, their scored-fraction sums not yet
-        # read (query_serving.QueryAwareRuntime.read_scored; with metrics only)
-        self._scored_released: list[int] = []
+        # Called with the slots of released lfps requests, before any later admission
+        # can take them (query_serving.QueryAwareRuntime.read_scored: their scored-fraction
+        # sums; set by the backend)
+        self.on_lfps_released: Optional[Callable[[list[int]], None]] = None
         self.metrics = None  # sgl_sparse.metrics.SchedulerMetrics when --enable-metrics
 
     # ---- admission / release (host side, once per request) -------------------
@@ -409,7 +410,7 @@ class SparseState:
         return rows
 
     def release(self, rows: Iterable[int]) -> None:
-        done = []
+        done, lfps_slots = [], []
         with self._lock:
             for r in rows:
                 row = self._active.pop(int(r), None)
@@ -421,20 +422,15 @@ class SparseState:
                 free = self._free_list(row.policy) if row is not None else None
                 if free is not None and row.slot >= 0:
                     free.append(row.slot)
-                    if row.policy == PolicyId.LFPS and self.metrics is not None:
-                        self._scored_released.append(row.slot)
+                    if row.policy == PolicyId.LFPS:
+                        lfps_slots.append(row.slot)
                 if row is not None:
                     done.append((row.policy.name.lower(), st[1] / st[0] if st and st[0] else None))
+            if lfps_slots and self.on_lfps_released is not None:
+                self.on_lfps_released(lfps_slots)  # under the lock: before any admission
         if self.metrics is not None:
             for policy, retention in done:
                 self.metrics.on_release(policy, retention)
-
-    def take_scored_releases(self) -> list[int]:
-        """The lfps slots released since the last call (their sums are still the
-        released requests' until a forward admits another request into them)."""
-        with self._lock:
-            slots, self._scored_released = self._scored_released, []
-        return slots
 
     def release_all(self) -> None:
         with self._lock:

@@ -103,3 +103,17 @@ def test_slow_bursts_find_the_slow_step_and_its_refresh():
     assert server_compare.slow_bursts([fast]) == {"fast_ms_p50": 2.35, "bursts_per_100_steps": 0.0,
                                                   "burst_steps_mean": 0, "burst_ms_by_position": []}
     assert server_compare.slow_bursts([]) == {}
+
+
+def test_parse_policy_windows_named_runs_and_knob_overrides():
+    parse = server_compare.parse_policy
+    assert parse("full") == ("full", {"policy": "full"})
+    assert parse("streaming:2048") == ("streaming", {"policy": "streaming", "window": 2048})
+    assert parse("sfi-pinned") == ("sfi-pinned", server_compare.NAMED["sfi-pinned"])
+    # knobs: the load test's spelling, values as JSON; the label keeps them apart
+    assert parse("lfps:a=0.001:s=16") == (
+        "lfps:a=0.001:s=16", {"policy": "lfps", "a": 0.001, "s": 16})
+    label, meta = parse("sfi-pinned:budget=1024:sentence_triggers=true")
+    assert label == "sfi-pinned:budget=1024:sentence_triggers=true"
+    assert meta == {**server_compare.NAMED["sfi-pinned"], "budget": 1024, "sentence_triggers": True}
+    assert server_compare.NAMED["sfi-pinned"]["budget"] == 2048  # the named run is not changed

@@ -49,7 +49,7 @@ TRAFFIC = [
     ({"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "sfi"),
     ({"policy": "sfi", "budget": 24, "recent": 8, "t_max": 8}, "sfi"),
     ({"policy": "sfi", "budget": 2000}, "sfi"),  # covers: dense fallback
-    # sparse: its scored fraction, read a forward after its release (round 1's in round 2)
+    # sparse: its scored fraction, observed at its release
     ({"policy": "lfps", "budget": 16, "local": 8, "sink": 4}, "lfps"),
 ]
 STREAMED = {"policy": "sfi", "budget": 16, "recent": 8}

@@ -256,6 +256,10 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     # requests above that were served sparse); a fraction of the positions past the sinks
     n_scored = _value(m, "sglang_sparse_lfps_scored_fraction_count")
     assert n_scored >= 1 and 0 < _value(m, "sglang_sparse_lfps_scored_fraction_sum") <= n_scored
+    # ... observed at the release itself, not at a later forward: with the server idle
+    # after it, the response of one more lfps request brings its observation
+    _ids(_generate(sparse_server.url, _prompts(think_ids)["plain_c"], {"policy": "lfps", "budget": 24, "local": 6}))
+    assert _value(_scrape(sparse_server.url), "sglang_sparse_lfps_scored_fraction_count") == n_scored + 1
     # window >= length requests were served by the dense kernel, and said why
     assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="streaming",
                   reason="window_covers_sequence") > 0

@@ -167,11 +167,23 @@ NAMED = {"sfi": SFI, "sfi-pinned": {**SFI, "sentence_triggers": False, "t_max": 
 
 
 def parse_policy(text):
-    """'name[:window]' or a NAMED run -> (label, request metadata)."""
-    if text in NAMED:
-        return text, NAMED[text]
-    name, _, window = text.partition(":")
-    return name, {"policy": name, **({"window": int(window)} if window else {})}
+    """'name[:window]' or a NAMED run, then ':knob=value' overrides of its request
+    metadata (the load test's spelling; values as JSON) -> (label, metadata):
+    'lfps:a=0.001' (labelled so), 'streaming:2048' (labelled 'streaming')."""
+    base, *parts = text.split(":")
+    meta = dict(NAMED[base]) if base in NAMED else {"policy": base}
+    knobs = False
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq:
+            meta["window"] = int(part)
+            continue
+        try:
+            meta[key] = json.loads(value)
+        except json.JSONDecodeError:
+            meta[key] = value
+        knobs = True
+    return (text if knobs or base in NAMED else base), meta
 
 
 def scrape(url):
@@ -412,6 +424,9 @@ def time_cases(a, servers: list) -> None:
                 before[i] = scrape(s.url)
             walls[i].append(batch_wall(s.url, ps, a.out_len, pol))
             if k == a.repeats - 1:
+                # lfps's scored fractions are observed by a server thread once their copies
+                # complete, just after the last responses (sgl_sparse/device_reads.py)
+                time.sleep(0.2)
                 rows[i] = _timed_row(a, s, label, pol, ctx, bs, t1[i], walls[i], before[i], scrape(s.url))
                 s.res["cases"].append(rows[i])
                 _show(s, rows[i])

@@ -1,0 +1,92 @@
+"""lfps's scored fraction is read when its requests are released, not a forward later
+(query_serving.QueryAwareRuntime.read_scored, sgl_sparse/device_reads.py).
+
+In a subprocess (the real SchedulerMetrics registers its series in the process's
+default Prometheus registry, once). On CUDA the forward stream is still busy at the
+release -- as under SGLang's overlap scheduler, which releases finished requests while
+the next forward runs -- and adds to a released slot after its busy stretch: the read
+must be ordered after that add (on the forward stream, not the releasing one), must
+not block the host, and must be observed without another forward."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sglang_independent
+
+SNIPPET = r"""
+import json, sys, time
+import torch
+from prometheus_client import REGISTRY
+from sgl_sparse.config import SparseServerConfig
+from sgl_sparse.metrics import SchedulerMetrics
+from sgl_sparse.policies.base import PolicyId
+from sgl_sparse.query_serving import QueryAwareRuntime
+from sgl_sparse.query_store import LfpsStore
+from sgl_sparse.state import SparseState
+
+dev = torch.device(sys.argv[1])
+cfg = SparseServerConfig.model_validate(
+    {"query_aware": {"lfps": {"slots": 4, "max_context": 64, "capacity": 16, "candidates": 64}}})
+st = SparseState(8, dev, cfg)
+store = LfpsStore(cfg.query_aware.lfps, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=16, device=dev)
+st.query_stores[PolicyId.LFPS] = store
+st.metrics = SchedulerMetrics("m")
+rt = QueryAwareRuntime(st, use_kernels=False)
+rt.warm_scored_reads()  # as the backend's start-up does (CUDA): the timed read below is a steady-state one
+# per slot and KV head: (|C1| scored, positions past the sinks), summed over steps
+store.scored[1] = torch.tensor([[3.0, 100.0], [1.0, 100.0]], dtype=torch.float64)  # 4 / 200
+store.scored[2] = torch.tensor([[0.0, 50.0], [0.0, 50.0]], dtype=torch.float64)  # 0 / 100
+store.scored[3] = torch.tensor([[9.0, 9.0], [9.0, 9.0]], dtype=torch.float64)  # not released
+out = {}
+
+def sample(name):
+    return REGISTRY.get_sample_value("sglang_sparse_lfps_scored_fraction_" + name, {"model_name": "m"})
+
+forward = torch.cuda.Stream() if dev.type == "cuda" else None
+if forward is not None:
+    torch.cuda.synchronize()
+    with torch.cuda.stream(forward):
+        rt.note_forward(False)  # a forward begins on its own stream
+        torch.cuda._sleep(400_000_000)  # still running at the release (~0.2 s)
+        store.scored[1, 0] += torch.tensor([6.0, 0.0], dtype=torch.float64, device=dev)  # its last step's add
+t0 = time.perf_counter()
+rt.read_scored([1, 2])  # the release, from the scheduler's (default) stream
+out["host_s"] = time.perf_counter() - t0
+out["count_at_release"] = sample("count")
+if forward is not None:
+    out["observed"] = rt._scored.wait_idle(30)
+out["count"], out["sum"] = sample("count"), sample("sum")
+out["left"] = store.scored.sum((1, 2)).tolist()
+print(json.dumps(out))
+"""
+
+
+def _run(device: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", SNIPPET, device], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_release_observes_at_once():
+    out = _run("cpu")
+    assert out["count_at_release"] == 2.0  # no event to wait for: observed in the release
+    assert out["sum"] == pytest.approx(0.02, rel=1e-12)
+    assert out["left"] == [0.0, 0.0, 0.0, 36.0]  # the released slots start their next request at 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_release_reads_in_the_forward_streams_order_without_waiting():
+    out = _run("cuda")
+    assert out["host_s"] < 0.1, out  # enqueued, not waited for: the forward stream sleeps ~0.2 s
+    assert out["count_at_release"] == 0.0, out  # its copy had not completed yet
+    assert out["observed"] and out["count"] == 2.0, out  # observed by DeviceReads' thread, no forward
+    # slot 1 read after its last add, ordered on the forward stream: (4 + 6) / 200
+    assert out["sum"] == pytest.approx(0.05, rel=1e-12), out
+    assert out["left"] == [0.0, 0.0, 0.0, 36.0], out
