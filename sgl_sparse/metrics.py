@@ -21,6 +21,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from sgl_sparse.device_reads import DeviceReads
+
 _RETENTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0)
 # lfps's scored fraction: the paper's Table 4 has a few % of the context scored.
 _SCORED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -164,7 +166,7 @@ class SchedulerMetrics:
         self._slots_in_use = 0
         self._last_decode_t: Optional[float] = None
         self._last_mix: Optional[str] = None
-        self._pending_selector: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._selector_reads = DeviceReads(self._observe_selector, "sgl_sparse-selector-time")
         # labels() locks and hashes per call: the per-step series, resolved once.
         self._step_children: dict[str, tuple] = {}  # policy -> on_step's counters
         self._mix_children: dict[str, object] = {}  # mix -> step_duration
@@ -265,32 +267,27 @@ class SchedulerMetrics:
     @contextlib.contextmanager
     def time_selector(self, device: torch.device, rows: int) -> Iterator[None]:
         """Time one Selector refresh. CUDA: two events around the enqueued work,
-        read at a later refresh once `query()` says they completed (never a
-        synchronize); events still pending are kept (up to 64) for the next call."""
+        observed once the second has completed (device_reads.DeviceReads: never a
+        synchronize, nor a wait for the next refresh)."""
         self.selector_rows.labels(self.model_name).inc(rows)
         if device.type != "cuda":
             t0 = time.perf_counter()
             yield
-            self.selector_duration.labels(self.model_name).observe(time.perf_counter() - t0)
+            self._observe_selector(time.perf_counter() - t0)
             return
         if torch.cuda.is_current_stream_capturing():
             yield
             return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = DeviceReads.event(timing=True), DeviceReads.event(timing=True)
         start.record()
         yield
         end.record()
-        self._pending_selector.append((start, end))
-        self.drain_selector_events()
+        self._selector_reads.put((start, end), end)
 
-    def drain_selector_events(self) -> None:
-        keep = []
-        for start, end in self._pending_selector:
-            if end.query():
-                self.selector_duration.labels(self.model_name).observe(start.elapsed_time(end) / 1e3)
-            else:
-                keep.append((start, end))
-        self._pending_selector = keep[-64:]
+    def _observe_selector(self, value) -> None:
+        if isinstance(value, tuple):  # (start, end) events, both completed
+            value = value[0].elapsed_time(value[1]) / 1e3
+        self.selector_duration.labels(self.model_name).observe(value)
 
 
 _rejected = None

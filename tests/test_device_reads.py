@@ -1,12 +1,15 @@
-"""lfps's scored fraction is read when its requests are released, not a forward later
-(query_serving.QueryAwareRuntime.read_scored, sgl_sparse/device_reads.py).
+"""Metric values from the device observed without a synchronize and without waiting
+for later work (sgl_sparse/device_reads.py): lfps's scored fraction, read when its
+requests are released (query_serving.QueryAwareRuntime.read_scored), and the
+Selector's refresh duration (metrics.time_selector).
 
 In a subprocess (the real SchedulerMetrics registers its series in the process's
 default Prometheus registry, once). On CUDA the forward stream is still busy at the
 release -- as under SGLang's overlap scheduler, which releases finished requests while
 the next forward runs -- and adds to a released slot after its busy stretch: the read
 must be ordered after that add (on the forward stream, not the releasing one), must
-not block the host, and must be observed without another forward."""
+not block the host, and must be observed without another forward. A timed refresh is
+observed once its work has run, with no later refresh."""
 
 from __future__ import annotations
 
@@ -63,6 +66,20 @@ if forward is not None:
     out["observed"] = rt._scored.wait_idle(30)
 out["count"], out["sum"] = sample("count"), sample("sum")
 out["left"] = store.scored.sum((1, 2)).tolist()
+
+# The Selector's refresh duration: ~0.1 s of device work inside the timed block
+def refresh_sample(name):
+    return REGISTRY.get_sample_value("sglang_sparse_selector_refresh_duration_seconds_" + name, {"model_name": "m"})
+
+with st.metrics.time_selector(dev, rows=3):
+    if forward is not None:
+        torch.cuda._sleep(200_000_000)
+    else:
+        time.sleep(0.1)
+out["refresh_count_at_exit"] = refresh_sample("count")
+if forward is not None:
+    out["refresh_observed"] = st.metrics._selector_reads.wait_idle(30)
+out["refresh_count"], out["refresh_s"] = refresh_sample("count"), refresh_sample("sum")
 print(json.dumps(out))
 """
 
@@ -73,16 +90,17 @@ def _run(device: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_cpu_release_observes_at_once():
+def test_cpu_values_are_observed_at_once():
     out = _run("cpu")
     assert out["count_at_release"] == 2.0  # no event to wait for: observed in the release
     assert out["sum"] == pytest.approx(0.02, rel=1e-12)
     assert out["left"] == [0.0, 0.0, 0.0, 36.0]  # the released slots start their next request at 0
+    assert out["refresh_count_at_exit"] == 1.0 and 0.1 <= out["refresh_s"] < 1.0  # wall clock
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_release_reads_in_the_forward_streams_order_without_waiting():
+def test_cuda_reads_in_the_forward_streams_order_without_waiting():
     out = _run("cuda")
     assert out["host_s"] < 0.1, out  # enqueued, not waited for: the forward stream sleeps ~0.2 s
     assert out["count_at_release"] == 0.0, out  # its copy had not completed yet
@@ -90,3 +108,6 @@ def test_cuda_release_reads_in_the_forward_streams_order_without_waiting():
     # slot 1 read after its last add, ordered on the forward stream: (4 + 6) / 200
     assert out["sum"] == pytest.approx(0.05, rel=1e-12), out
     assert out["left"] == [0.0, 0.0, 0.0, 36.0], out
+    # the refresh: not complete when its block exits, observed once it is (~0.1 s of sleep)
+    assert out["refresh_count_at_exit"] == 0.0 and out["refresh_observed"], out
+    assert out["refresh_count"] == 1.0 and 0.05 < out["refresh_s"] < 1.0, out
