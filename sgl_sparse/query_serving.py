@@ -208,15 +208,18 @@ class QueryAwareRuntime:
         """At start-up (CUDA, with metrics): one read of each batch size class, waited
         for, so that a release during serving finds the read's kernels loaded and its
         pinned host blocks cached (a first pinned allocation or kernel load can wait
-        for the device: the GPU test's first read, untimed since, took over 0.1 s
-        while its forward stream was busy). Reads the unused slot 0's zero sums."""
+        for the device: a GPU test's first read took over 0.1 s while its forward
+        stream was busy, session 34). Reads the unused slot 0's zero sums."""
         store = self.stores.get(PolicyId.LFPS)
         if store is None or not store.scored.is_cuda or self.state.metrics is None:
             return
         n = 1
         while True:
-            _, done = self._read_sums([0] * n)
-            done.synchronize()
+            read = self._read_sums([0] * n)
+            if read is None:  # a capture is running: nothing to warm now
+                self._scored_later.clear()
+                return
+            read[1].synchronize()
             if n >= store.cfg.slots:
                 break
             n = min(2 * n, store.cfg.slots)

@@ -12,6 +12,7 @@ until the row's next owner overwrites it, in stream order, at admission.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections import Counter
 from typing import Callable, Iterable, Optional, Sequence
@@ -30,6 +31,8 @@ from sgl_sparse.selector.core import KNOB_NAMES, knob_values
 _POLICY_NAMES = {p: p.name.lower() for p in PolicyId}
 _FULL, _SADAS, _SFI = PolicyId.FULL, PolicyId.SADAS, PolicyId.SFI
 _QUERY_AWARE = frozenset(QUERY_AWARE_IDS)
+
+logger = logging.getLogger(__name__)
 
 
 def _knob(init: RowInit, policy: PolicyId, name: str, default):
@@ -427,7 +430,10 @@ class SparseState:
                 if row is not None:
                     done.append((row.policy.name.lower(), st[1] / st[0] if st and st[0] else None))
             if lfps_slots and self.on_lfps_released is not None:
-                self.on_lfps_released(lfps_slots)  # under the lock: before any admission
+                try:  # under the lock: before any admission
+                    self.on_lfps_released(lfps_slots)
+                except Exception:  # noqa: BLE001 -- a metric's read must not fail a request's release
+                    logger.exception("sgl_sparse: reading lfps's scored fraction at release failed")
         if self.metrics is not None:
             for policy, retention in done:
                 self.metrics.on_release(policy, retention)

@@ -111,3 +111,37 @@ def test_cuda_reads_in_the_forward_streams_order_without_waiting():
     # the refresh: not complete when its block exits, observed once it is (~0.1 s of sleep)
     assert out["refresh_count_at_exit"] == 0.0 and out["refresh_observed"], out
     assert out["refresh_count"] == 1.0 and 0.05 < out["refresh_s"] < 1.0, out
+
+
+def test_release_hands_lfps_slots_to_the_read_and_survives_its_failure(caplog):
+    """state.release calls on_lfps_released with the released lfps requests' slots (and
+    only theirs), under its lock; a read that raises is logged, and the release still
+    frees the slot for the next request."""
+    from sgl_sparse.config import LfpsPolicy, SparseServerConfig
+    from sgl_sparse.policies import MODULES
+    from sgl_sparse.policies.base import PolicyId
+    from sgl_sparse.state import SparseState
+
+    cfg = SparseServerConfig.model_validate({"query_aware": {"lfps": {"slots": 2, "max_context": 64}}})
+    st = SparseState(8, "cpu", cfg)
+    lfps = MODULES["lfps"].init_row(LfpsPolicy(budget=8), [], [], (None, None))
+    full = MODULES["full"].init_row(None, [], [], (None, None))
+    st.admit([3, 5, 6], [lfps, full, lfps])
+    slots = {r: st._active[r].slot for r in (3, 6)}
+    assert sorted(slots.values()) == [0, 1]  # both lfps slots taken
+    seen = []
+    st.on_lfps_released = seen.append
+    st.release([5, 3])
+    assert seen == [[slots[3]]]  # the full row has no slot to read
+
+    def fail(_slots):
+        raise RuntimeError("read failed")
+
+    st.on_lfps_released = fail
+    with caplog.at_level("ERROR"):
+        st.release([6])
+    assert "scored fraction" in caplog.text and "read failed" in caplog.text
+    st.on_lfps_released = None
+    st.admit([4, 7], [lfps, lfps])  # both slots free again: none lost to the failed read
+    assert {st._active[r].slot for r in (4, 7)} == {0, 1}
+    assert all(st._active[r].policy is PolicyId.LFPS for r in (4, 7))
