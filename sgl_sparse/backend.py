@@ -26,6 +26,7 @@ import torch
 from sgl_sparse import compat, compile_watch, graph_variants, reference, store_budget
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
+from sgl_sparse.lfps_scored import ScoredFractionReads
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 from sgl_sparse.query_serving import QueryAwareRuntime
 from sgl_sparse.selector.refresh import refresh
@@ -84,9 +85,11 @@ class SparseAttnBackend(AttentionBackend):
             _setup_query_stores(self.state, model_runner, self.token_to_kv_pool)
         _check_store_memory(self.state, model_runner)
         self.qa = QueryAwareRuntime(self.state) if self.state.query_stores else None
-        if self.qa is not None:
-            self.state.on_lfps_released = self.qa.read_scored
-            self.qa.warm_scored_reads()
+        # lfps's scored fraction per finished request, read at its release (lfps_scored.py)
+        self.lfps_scored = ScoredFractionReads(self.state) if PolicyId.LFPS in self.state.query_stores else None
+        if self.lfps_scored is not None:
+            self.state.on_lfps_released = self.lfps_scored.read
+            self.lfps_scored.warm()
         qa_device = self.qa.device if self.qa is not None else None
         if qa_device is not None and qa_device.wants_high_priority_main:
             compat.capture_graphs_at_high_priority()
@@ -177,8 +180,9 @@ class SparseAttnBackend(AttentionBackend):
                 self._refresh_selections()
             elif mode.is_extend():
                 self._plan_prompt_queries(forward_batch, admitted)
+        if self.lfps_scored is not None:
+            self.lfps_scored.note_forward(in_capture)
         if self.qa is not None:
-            self.qa.note_forward(in_capture)
             self._plan_query_aware(forward_batch, admitted, graphed=not eager)
         if self.dense is None:
             if self.state.metrics is not None and mode.is_decode():

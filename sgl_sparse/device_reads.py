@@ -7,7 +7,7 @@ next forward either: an idle server's last requests would never be observed (ses
 forward after them came with the next row). So a daemon thread waits on each copy's
 event -- a blocking-sync event: it sleeps instead of spinning a core next to the
 scheduler -- and observes the value; a value with no event is observed at once.
-Users: lfps's scored fraction (query_serving.read_scored), the Selector's refresh
+Users: lfps's scored fraction (lfps_scored.py), the Selector's refresh
 duration (metrics.time_selector).
 """
 

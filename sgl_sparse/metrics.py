@@ -231,7 +231,7 @@ class SchedulerMetrics:
             self.request_retention.labels(policy, self.model_name).observe(mean_retention)
 
     def on_lfps_scored(self, fraction: float) -> None:
-        """An lfps request's scored fraction (query_serving.QueryAwareRuntime.read_scored, at its
+        """An lfps request's scored fraction (lfps_scored.ScoredFractionReads, at its
         release; on CUDA from device_reads' thread once the copy has completed)."""
         self._lfps_scored_child.observe(fraction)
 

@@ -30,14 +30,12 @@ The torch groups stay the CPU path and that path's oracle.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from sgl_sparse.decision import DecodePlan
-from sgl_sparse.device_reads import DeviceReads
 from sgl_sparse.kernels import indexed_slots
 from sgl_sparse.kernels.index_keys import channel_smoothing, quantize_keys, smoothed_codes, smoothed_query
 from sgl_sparse.policies import quest, query_aware
@@ -113,11 +111,6 @@ class QueryAwareRuntime:
         # The device path runs this forward: the batch has its rows, or the forward
         # may be a CUDA-graph capture / replay (whose work cannot depend on the batch).
         self.device_active = False
-        # lfps's scored fraction (with --enable-metrics): read at each lfps request's
-        # release, in the forward stream's order (read_scored)
-        self._scored = DeviceReads(self._observe_scored, "sgl_sparse-lfps-scored")
-        self._forward_stream: Optional[torch.cuda.Stream] = None
-        self._scored_later: list[int] = []  # released while that stream was capturing
 
     def active(self) -> bool:
         """Per-layer selection to do this decode forward."""
@@ -175,82 +168,6 @@ class QueryAwareRuntime:
             host = torch.tensor([[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows], dtype=torch.int64)
             for e, d in zip(self.extend_rows, to_device(host, self.state.device)):
                 e.dev = d
-
-    # ---- lfps's scored fraction, per finished request ---------------------------------
-    def note_forward(self, in_capture: bool) -> None:
-        """A forward begins on the current stream: the stream lfps's sums are added on,
-        and so the one their reads are ordered on (SGLang's overlap scheduler runs
-        forwards on a stream of their own and releases requests on another). Reads held
-        back during a capture are enqueued now, before this forward's admissions."""
-        if in_capture:
-            return
-        if self.state.device.type == "cuda":
-            self._forward_stream = torch.cuda.current_stream()
-        if self._scored_later:
-            slots, self._scored_later = self._scored_later, []
-            self.read_scored(slots)
-
-    def read_scored(self, slots: list[int]) -> None:
-        """At the release of lfps requests (``state.release``, the scheduler thread):
-        their slots' scored-fraction sums (``LfpsStore.scored``) copied to the host
-        and then zeroed, enqueued on the forward stream -- after every forward that
-        added to them (the overlap scheduler's extra step of a finished request
-        included), before any later forward's admission can reuse the slots -- and
-        observed once the copy has completed (DeviceReads: no synchronize, no wait
-        for another forward)."""
-        if PolicyId.LFPS not in self.stores or not slots or self.state.metrics is None:
-            return
-        read = self._read_sums(slots)
-        if read is not None:
-            self._scored.put(*read)
-
-    def warm_scored_reads(self) -> None:
-        """At start-up (CUDA, with metrics): one read of each batch size class, waited
-        for, so that a release during serving finds the read's kernels loaded and its
-        pinned host blocks cached (a first pinned allocation or kernel load can wait
-        for the device: a GPU test's first read took over 0.1 s while its forward
-        stream was busy, session 34). Reads the unused slot 0's zero sums."""
-        store = self.stores.get(PolicyId.LFPS)
-        if store is None or not store.scored.is_cuda or self.state.metrics is None:
-            return
-        n = 1
-        while True:
-            read = self._read_sums([0] * n)
-            if read is None:  # a capture is running: nothing to warm now
-                self._scored_later.clear()
-                return
-            read[1].synchronize()
-            if n >= store.cfg.slots:
-                break
-            n = min(2 * n, store.cfg.slots)
-
-    def _read_sums(self, slots: list[int]) -> Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]]:
-        """(host sums [len(slots), 2], the copy's event or None on CPU); None: held
-        back while the forward stream captures a graph."""
-        store = self.stores[PolicyId.LFPS]
-        on_cuda = store.scored.is_cuda
-        stream = self._forward_stream if on_cuda else None
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if on_cuda and torch.cuda.is_current_stream_capturing():
-                self._scored_later.extend(slots)  # not part of a graph: after the capture
-                return None
-            idx = to_device(torch.tensor(slots, dtype=torch.int64), store.scored.device)
-            sums = store.scored[idx].sum(1)
-            store.scored.index_fill_(0, idx, 0.0)  # the slot's next request starts from 0
-            if not on_cuda:
-                return sums, None
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            done = DeviceReads.event()
-            done.record()
-        return host, done
-
-    def _observe_scored(self, sums: torch.Tensor) -> None:
-        """scored / eligible per request (none for a request no step selected for:
-        nothing eligible)."""
-        for scored, eligible in sums.tolist():
-            if eligible > 0:
-                self.state.metrics.on_lfps_scored(scored / eligible)
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""

@@ -42,7 +42,7 @@ Layouts (slot = one live request of the policy; layers of this rank):
                                                  the request's selected steps and layers
                                                  (the scored fraction, Table 4's shape);
                                                  read and zeroed at its release (with
-                                                 --enable-metrics: query_serving.read_scored)
+                                                 --enable-metrics: lfps_scored.py)
 A slot is owned by one request from admission to release (SparseState); its
 contents are rewritten at the request's extend chunks before any decode step reads
 them, so a reused slot never leaks its previous owner's data into a selection.

@@ -124,7 +124,7 @@ class SparseState:
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
         self._stats: dict[int, list[float]] = {}
         # Called with the slots of released lfps requests, before any later admission
-        # can take them (query_serving.QueryAwareRuntime.read_scored: their scored-fraction
+        # can take them (lfps_scored.ScoredFractionReads.read: their scored-fraction
         # sums; set by the backend)
         self.on_lfps_released: Optional[Callable[[list[int]], None]] = None
         self.metrics = None  # sgl_sparse.metrics.SchedulerMetrics when --enable-metrics

@@ -1,6 +1,6 @@
 """Metric values from the device observed without a synchronize and without waiting
 for later work (sgl_sparse/device_reads.py): lfps's scored fraction, read when its
-requests are released (query_serving.QueryAwareRuntime.read_scored), and the
+requests are released (lfps_scored.ScoredFractionReads), and the
 Selector's refresh duration (metrics.time_selector).
 
 In a subprocess (the real SchedulerMetrics registers its series in the process's
@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 from sgl_sparse.config import SparseServerConfig
 from sgl_sparse.metrics import SchedulerMetrics
 from sgl_sparse.policies.base import PolicyId
-from sgl_sparse.query_serving import QueryAwareRuntime
+from sgl_sparse.lfps_scored import ScoredFractionReads
 from sgl_sparse.query_store import LfpsStore
 from sgl_sparse.state import SparseState
 
@@ -40,8 +40,8 @@ st = SparseState(8, dev, cfg)
 store = LfpsStore(cfg.query_aware.lfps, num_layers=1, num_kv_heads=2, num_q_heads=4, head_dim=16, device=dev)
 st.query_stores[PolicyId.LFPS] = store
 st.metrics = SchedulerMetrics("m")
-rt = QueryAwareRuntime(st, use_kernels=False)
-rt.warm_scored_reads()  # as the backend's start-up does (CUDA): the timed read below is a steady-state one
+rt = ScoredFractionReads(st)  # as the backend holds it
+rt.warm()  # as the backend's start-up does (CUDA): the timed read below is a steady-state one
 # per slot and KV head: (|C1| scored, positions past the sinks), summed over steps
 store.scored[1] = torch.tensor([[3.0, 100.0], [1.0, 100.0]], dtype=torch.float64)  # 4 / 200
 store.scored[2] = torch.tensor([[0.0, 50.0], [0.0, 50.0]], dtype=torch.float64)  # 0 / 100
@@ -59,11 +59,11 @@ if forward is not None:
         torch.cuda._sleep(400_000_000)  # still running at the release (~0.2 s)
         store.scored[1, 0] += torch.tensor([6.0, 0.0], dtype=torch.float64, device=dev)  # its last step's add
 t0 = time.perf_counter()
-rt.read_scored([1, 2])  # the release, from the scheduler's (default) stream
+rt.read([1, 2])  # the release, from the scheduler's (default) stream
 out["host_s"] = time.perf_counter() - t0
 out["count_at_release"] = sample("count")
 if forward is not None:
-    out["observed"] = rt._scored.wait_idle(30)
+    out["observed"] = rt.wait_idle(30)
 out["count"], out["sum"] = sample("count"), sample("sum")
 out["left"] = store.scored.sum((1, 2)).tolist()
 
