@@ -277,3 +277,24 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     # the CPU server compiles no Triton kernel (the interpreter runs them); both series exist
     compiles = {dict(ls)["phase"]: v for (n, ls), v in m.items() if n == "sglang_sparse_kernel_compiles_total"}
     assert compiles == {"startup": 0, "serving": 0}
+
+
+def test_lfps_scored_fraction_follows_its_threshold_scale(sparse_server):
+    """lfps's served scored fraction, one request at a time (each observed at its
+    release, the server idle after it): its candidates are the table entries above
+    τ = a · Σx / kurtosis (Eq. 8), so the request's lower `a` scores more of the
+    context (here 0.12 at the paper's 0.2 against 0.17 at 0.001; on the H200's flat
+    32K random-weight tables, none at 0.2: bench/README session 34)."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(20, 300) for _ in range(1500)]
+    name = "sglang_sparse_lfps_scored_fraction_"
+
+    def served(a: float) -> float:
+        m0 = _scrape(sparse_server.url)
+        _ids(_generate(sparse_server.url, prompt, {"policy": "lfps", "budget": 64, "local": 6, "a": a}))
+        m1 = _scrape(sparse_server.url)
+        assert _value(m1, name + "count") == _value(m0, name + "count") + 1
+        return _value(m1, name + "sum") - _value(m0, name + "sum")
+
+    paper, low = served(0.2), served(0.001)
+    assert 0.0 < paper < low <= 1.0, (paper, low)
