@@ -89,7 +89,7 @@ def make_backend(route=True, eager_route=True, balance=True):
     be = object.__new__(SparseAttnBackend)
     be.balance_splits = balance  # compact.balance_splits on a server with SFI slots
     be.device = torch.device("cpu")
-    be.state, be.qa, be.think_ids = st, None, st.think_ids
+    be.state, be.qa, be.lfps_scored, be.think_ids = st, None, None, st.think_ids
     be.token_to_kv_pool, be._layer0, be._num_kv_heads = kv, 0, HKV
     be.req_to_token_pool = type("R", (), {"req_to_token": req_to_token})()
     be.dense = FlashInferStandIn(kv)
