@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,8 +54,6 @@ class DeviceReads:
 
     def wait_idle(self, timeout: float) -> bool:
         """Whether every value put so far was observed within ``timeout`` seconds (tests)."""
-        import time
-
         deadline = time.monotonic() + timeout
         while self._pending:
             if time.monotonic() > deadline:

@@ -273,7 +273,7 @@ class SchedulerMetrics:
         if device.type != "cuda":
             t0 = time.perf_counter()
             yield
-            self._observe_selector(time.perf_counter() - t0)
+            self.selector_duration.labels(self.model_name).observe(time.perf_counter() - t0)
             return
         if torch.cuda.is_current_stream_capturing():
             yield
@@ -284,10 +284,9 @@ class SchedulerMetrics:
         end.record()
         self._selector_reads.put((start, end), end)
 
-    def _observe_selector(self, value) -> None:
-        if isinstance(value, tuple):  # (start, end) events, both completed
-            value = value[0].elapsed_time(value[1]) / 1e3
-        self.selector_duration.labels(self.model_name).observe(value)
+    def _observe_selector(self, events: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
+        """A refresh's (start, end) events, both completed."""
+        self.selector_duration.labels(self.model_name).observe(events[0].elapsed_time(events[1]) / 1e3)
 
 
 _rejected = None
