@@ -53,11 +53,14 @@ def sample(name):
 
 forward = torch.cuda.Stream() if dev.type == "cuda" else None
 if forward is not None:
+    # made before the sleep: a host-to-device copy of a pageable tensor inside the busy
+    # stream would block the host until the sleep ends (session 35's failed first run)
+    add = torch.tensor([6.0, 0.0], dtype=torch.float64, device=dev)
     torch.cuda.synchronize()
     with torch.cuda.stream(forward):
         rt.note_forward(False)  # a forward begins on its own stream
         torch.cuda._sleep(400_000_000)  # still running at the release (~0.2 s)
-        store.scored[1, 0] += torch.tensor([6.0, 0.0], dtype=torch.float64, device=dev)  # its last step's add
+        store.scored[1, 0] += add  # its last step's add
 t0 = time.perf_counter()
 rt.read([1, 2])  # the release, from the scheduler's (default) stream
 out["host_s"] = time.perf_counter() - t0
