@@ -31,8 +31,11 @@ launches:
   V̄; otherwise, with ``|C2| > 0``, Eq. (10): the weights ``w_i`` (each query
   head's softmax over C2 of ``scale q.k_i``, the group's mean), the tables
   multiplied by ``r`` and ``w_i - 0.5 / |C2|`` added at ``i`` (``Φ_ver``) and at
-  ``n - 1 - i`` (``Φ_sla``). The decay pass and the scatter pass are ordered by a
-  block barrier (C2's positions are distinct, so the scatter has no conflicts).
+  ``n - 1 - i`` (``Φ_sla``). Two launches over ``(S, Hkv, chunks)``, each row's C2
+  entries and table slices cut among its chunks: the softmax partials and the decay,
+  then the weights from every chunk's partials and the scatter (after all of the
+  decay; C2's positions are distinct, so no two programs add to one entry). One
+  program a row doing it all took 176 us a layer at 32768 x 8 (session 35).
 
 No host sync, grids from static shapes only (CUDA-graph capturable).
 """
@@ -51,7 +54,7 @@ from .asyncspade_predict import _round_bf16_rtne
 from .token_scores import _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
 
-__all__ = ["lfps_priority", "priority_chunks", "lfps_select_out", "lfps_finish"]
+__all__ = ["lfps_priority", "priority_chunks", "lfps_select_out", "lfps_finish", "finish_chunks"]
 
 
 @triton.jit
@@ -580,8 +583,29 @@ def _c2_logits(q_hi, q_lo, CAND_ROW, IDX_ROW, K_POOL, tok_row, cur_h, stride_kt,
     return pos, in_k, lg
 
 
-@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
-def _lfps_finish_kernel(
+@triton.jit
+def _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh):
+    """(n, bypassed, |C2|) of a (slot, KV head) row."""
+    n = tl.load(N + cur_s)
+    byp = tl.load(BYPASS + cur_s * nh + cur_h)
+    count = tl.load(COUNT + cur_s * nh + cur_h)
+    return n, byp, count
+
+
+@triton.jit
+def _c2_chunk(count, cur_p, CHUNKS):
+    """This program's share [k0, k1) of a row's C2 entries (near-equal, in order)."""
+    size = (count + CHUNKS - 1) // CHUNKS
+    k0 = tl.minimum(cur_p * size, count)
+    return k0, tl.minimum(k0 + size, count)
+
+
+# the strides of the tables and of C2's lists follow their (static) widths
+_FINISH_WIDTHS = ["M", "stride_cs", "stride_is", "stride_vs", "stride_vh", "stride_ss", "stride_sh"]
+
+
+@triton.jit(do_not_specialize=_FINISH_WIDTHS)
+def _lfps_finish_stats_kernel(
     Q,  # [bs, Hq, D] this layer's queries
     O,  # [bs, Hq, Dv] the attention's output (V̄ on bypassed heads, in place)
     K_POOL,
@@ -597,6 +621,7 @@ def _lfps_finish_kernel(
     VBAR,  # [S, Hkv, Dv] fp32
     VER,  # [S, Hkv, M] fp32, in place
     SLA,
+    WORK,  # [S, Hkv, CHUNKS, 2, BLOCK_H] fp32 out: each chunk's softmax max and normalizer
     sm_scale,
     stride_qb,
     stride_qh,
@@ -624,79 +649,181 @@ def _lfps_finish_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    CHUNKS: tl.constexpr,
     Q_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BF16_RTNE: tl.constexpr,
 ):
+    """Grid (S, Hkv, CHUNKS). A bypassed head: V̄ into its output rows (chunk 0).
+    Otherwise, with |C2| > 0: each query head's online softmax max and normalizer over
+    this chunk's C2 entries, and Eq. (10)'s decay of this chunk's slice of both tables."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
-    n = tl.load(N + cur_s)
+    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh)
     if n <= 0:
         return
     row = tl.load(ROW + cur_s).to(tl.int64)
-    byp = tl.load(BYPASS + cur_s * nh + cur_h)
-    count = tl.load(COUNT + cur_s * nh + cur_h)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     if byp != 0:
-        offs_v = tl.arange(0, BLOCK_DV)
-        vb = tl.load(VBAR + cur_s * stride_bs + cur_h * stride_bh + offs_v, mask=offs_v < V_DIM, other=0.0)
-        if BF16_RTNE:
-            vb = _round_bf16_rtne(vb)
-        o = O + row * stride_ob + (cur_h * GROUP + offs_h)[:, None] * stride_oh + offs_v[None, :]
-        tl.store(o, tl.broadcast_to(vb[None, :], [BLOCK_H, BLOCK_DV]).to(O.dtype.element_ty),
-                 mask=mask_h[:, None] & (offs_v < V_DIM)[None, :])
+        if cur_p == 0:
+            offs_v = tl.arange(0, BLOCK_DV)
+            vb = tl.load(VBAR + cur_s * stride_bs + cur_h * stride_bh + offs_v, mask=offs_v < V_DIM, other=0.0)
+            if BF16_RTNE:
+                vb = _round_bf16_rtne(vb)
+            o = O + row * stride_ob + (cur_h * GROUP + offs_h)[:, None] * stride_oh + offs_v[None, :]
+            tl.store(o, tl.broadcast_to(vb[None, :], [BLOCK_H, BLOCK_DV]).to(O.dtype.element_ty),
+                     mask=mask_h[:, None] & (offs_v < V_DIM)[None, :])
     elif count > 0:
         tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_s).to(tl.int64) * stride_r2t
         q_hi, q_lo = _load_q_parts(Q, row, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
                                    BLOCK_H, BLOCK_D, Q_SPLIT)
         cand = CAND + cur_s * stride_cs + cur_h * stride_ch
         idx = IDX + cur_s * stride_is + cur_h * stride_ih
-        # 1. each query head's softmax over C2: max and normalizer (online)
+        # 1. this chunk's share of each query head's softmax over C2 (online)
+        k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for start in range(0, count, BLOCK_K):
-            _, _, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, count,
+        for start in range(k0, k1, BLOCK_K):
+            _, _, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, k1,
                                   sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
             m_new = tl.maximum(m_i, tl.max(lg, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
             m_i = m_new
-        m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        # 2. Eq. (10)'s decay of both tables
+        work = WORK + (((cur_s * nh + cur_h) * CHUNKS + cur_p) * 2 * BLOCK_H).to(tl.int64)
+        tl.store(work + offs_h, m_i)
+        tl.store(work + BLOCK_H + offs_h, l_i)
+        # 2. Eq. (10)'s decay of this chunk's slice of both tables (the scatter, next
+        # launch, adds to decayed entries)
         r = tl.load(R + cur_s)
         ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
         sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+        size_m = (M + CHUNKS - 1) // CHUNKS
+        m0 = cur_p * size_m
+        m1 = tl.minimum(m0 + size_m, M)
         offs_m = tl.arange(0, BLOCK_M)
-        for start in range(0, M, BLOCK_M):
+        for start in range(m0, m1, BLOCK_M):
             pos = start + offs_m
-            ok = pos < M
+            ok = pos < m1
             tl.store(ver + pos, tl.load(ver + pos, mask=ok, other=0.0) * r, mask=ok)
             tl.store(sla + pos, tl.load(sla + pos, mask=ok, other=0.0) * r, mask=ok)
-        tl.debug_barrier()  # the scatter below reads the decayed entries
-        # 3. + (w_i - 0.5 / |C2|) at i (Φ_ver) and at n - 1 - i (Φ_sla); C2's entries are distinct
-        half = 0.5 / count.to(tl.float32)
-        last = n - 1
-        for start in range(0, count, BLOCK_K):
-            pos, in_k, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start,
-                                       count, sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
-            p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
-            w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
-            inc = w - half
-            tl.store(ver + pos, tl.load(ver + pos, mask=in_k, other=0.0) + inc, mask=in_k)
-            off = last - pos
-            ok = in_k & (off >= 0) & (off < M)
-            tl.store(sla + off, tl.load(sla + off, mask=ok, other=0.0) + inc, mask=ok)
+
+
+@triton.jit(do_not_specialize=_FINISH_WIDTHS)
+def _lfps_finish_update_kernel(
+    Q,
+    K_POOL,
+    REQ_TO_TOKEN,
+    REQ_POOL_IDX,
+    ROW,
+    N,
+    CAND,
+    IDX,
+    COUNT,
+    BYPASS,
+    VER,
+    SLA,
+    WORK,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_r2t,
+    stride_cs,
+    stride_ch,
+    stride_is,
+    stride_ih,
+    stride_vs,
+    stride_vh,
+    stride_ss,
+    stride_sh,
+    M,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Grid (S, Hkv, CHUNKS), after the stats launch: the row's softmax from every
+    chunk's partials (the same order in each program), then for this chunk's C2 entries
+    ``w_i - 0.5 / |C2|`` added at i (Φ_ver) and at n - 1 - i (Φ_sla). C2's entries are
+    distinct: no two programs add to one entry."""
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    cur_p = tl.program_id(2)
+    nh = tl.num_programs(1)
+    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh)
+    k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
+    if (n <= 0) | (byp != 0) | (k1 <= k0):
+        return
+    row = tl.load(ROW + cur_s).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    offs_p = tl.arange(0, BLOCK_P)
+    work = WORK + ((cur_s * nh + cur_h) * CHUNKS * 2 * BLOCK_H).to(tl.int64)
+    at = (offs_p * 2 * BLOCK_H)[:, None] + offs_h[None, :]
+    in_p = (offs_p < CHUNKS)[:, None]
+    m_p = tl.load(work + at, mask=in_p, other=float("-inf"))  # [BLOCK_P, BLOCK_H]
+    l_p = tl.load(work + BLOCK_H + at, mask=in_p, other=0.0)
+    m_i = tl.max(m_p, 0)
+    m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
+    l_i = tl.sum(tl.where(l_p > 0, l_p * tl.exp(m_p - m_safe[None, :]), 0.0), 0)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_s).to(tl.int64) * stride_r2t
+    q_hi, q_lo = _load_q_parts(Q, row, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
+                               BLOCK_H, BLOCK_D, Q_SPLIT)
+    cand = CAND + cur_s * stride_cs + cur_h * stride_ch
+    idx = IDX + cur_s * stride_is + cur_h * stride_ih
+    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+    half = 0.5 / count.to(tl.float32)
+    last = n - 1
+    for start in range(k0, k1, BLOCK_K):
+        pos, in_k, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, k1,
+                                   sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+        p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
+        w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
+        inc = w - half
+        tl.store(ver + pos, tl.load(ver + pos, mask=in_k, other=0.0) + inc, mask=in_k)
+        off = last - pos
+        ok = in_k & (off >= 0) & (off < M)
+        tl.store(sla + off, tl.load(sla + off, mask=ok, other=0.0) + inc, mask=ok)
+
+
+#: lfps_finish's programs a row aim at this many an SM in all, as the priorities':
+#: one program a (slot, KV head) row walked its C2 keys (gathered through
+#: req_to_token, latency-bound) twice and its whole tables once, 176 us a layer at
+#: 32768 x 8 with C1 at 2.1% of the positions (session 35's profile, 4.9 ms a step).
+FINISH_PROGRAMS_PER_SM = 4
+FINISH_MAX_CHUNKS = 32
+
+
+def finish_chunks(slots: int, kv_heads: int, c2_max: int, num_sms: int, block_k: int = 32) -> int:
+    """Chunks each row's finish is cut into (static: the grids' third dimension):
+    about FINISH_PROGRAMS_PER_SM programs an SM over the slots' rows, at most one a
+    BLOCK_K of C2's width and FINISH_MAX_CHUNKS."""
+    want = (FINISH_PROGRAMS_PER_SM * num_sms) // max(1, slots * kv_heads)
+    return int(max(1, min(want, cdiv(max(c2_max, 1), block_k), FINISH_MAX_CHUNKS)))
 
 
 def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, row: torch.Tensor, n: torch.Tensor, r: torch.Tensor, cand: torch.Tensor,
                 idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
-                sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024) -> None:
-    """The module docstring's third kernel, in place on ``o`` (bypassed heads of the
-    live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``)."""
+                sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024,
+                chunks: int | None = None) -> None:
+    """The module docstring's third step, in place on ``o`` (bypassed heads of the
+    live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``): two
+    launches over a grid ``(S, Hkv, chunks)`` (``finish_chunks`` by default), each row's
+    C2 entries and table slices cut among its chunks -- the softmax partials and the
+    decay, then the softmax's weights and the scatter."""
     s, hkv, _ = idx.shape
     m = ver.shape[2]
     assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
@@ -706,12 +833,28 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     assert count.is_contiguous() and bypass.is_contiguous() and cand.stride(2) == 1 and idx.stride(2) == 1
     if s == 0 or hkv == 0:
         return
+    if chunks is None:
+        chunks = finish_chunks(s, hkv, idx.shape[2], device_num_sms(q.device), block_k)
+    chunks = int(chunks)
+    assert chunks >= 1, "chunks"
+    meta = group_tile_meta(q, k_pool)
+    # written by every chunk of a live, not bypassed row with |C2| > 0 before the
+    # update launch reads it (never read uninitialised)
+    work = torch.empty(s, hkv, chunks, 2, meta["BLOCK_H"], dtype=torch.float32, device=q.device)
+    grid = (s, hkv, chunks)
     dv = vbar.shape[2]
-    _lfps_finish_kernel[(s, hkv)](
-        q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla,
+    _lfps_finish_stats_kernel[grid](
+        q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
         float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0), k_pool.stride(1),
         req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
         vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m,
-        V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m,
-        BF16_RTNE=needs_bf16_rtne(o.dtype), num_warps=4, **group_tile_meta(q, k_pool),
+        V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), num_warps=4, **meta,
+    )
+    _lfps_finish_update_kernel[grid](
+        q, k_pool, req_to_token, req_pool_idx, row, n, cand, idx, count, bypass, ver, sla, work,
+        float(sm_scale), q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
+        ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m,
+        BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), num_warps=4, **meta,
     )

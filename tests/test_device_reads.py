@@ -53,9 +53,13 @@ def sample(name):
 
 forward = torch.cuda.Stream() if dev.type == "cuda" else None
 if forward is not None:
-    # made before the sleep: a host-to-device copy of a pageable tensor inside the busy
-    # stream would block the host until the sleep ends (session 35's failed first run)
+    # Everything the busy stretch launches is made and run once before it: a pageable
+    # host-to-device copy, or a kernel's first launch (CUDA's lazy module loading),
+    # inside it would make the host wait for the sleep, and the release would then
+    # find the forward done (session 35: the count observed at the release, twice).
     add = torch.tensor([6.0, 0.0], dtype=torch.float64, device=dev)
+    store.scored[1, 0].clone().add_(add)
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
     with torch.cuda.stream(forward):
         rt.note_forward(False)  # a forward begins on its own stream

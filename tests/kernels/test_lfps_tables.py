@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from sgl_sparse.kernels.lfps_tables import lfps_finish, lfps_priority, lfps_select_out, priority_chunks
+from sgl_sparse.kernels.lfps_tables import (finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
+                                           priority_chunks)
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.kernels.topk_range import topk_range
 from sgl_sparse.queryaware.lfps import candidates
@@ -125,6 +126,17 @@ def test_priority_chunks_fill_the_gpu_from_static_shapes():
     assert priority_chunks(8, 8, 1500, 132) == 2  # the table's blocks
     assert priority_chunks(64, 8, 33792, 132) == 1
     assert priority_chunks(8, 8, 33792, 132, block_m=512) == 8
+
+
+def test_finish_chunks_fill_the_gpu_from_static_shapes():
+    """A row's finish chunks: ~FINISH_PROGRAMS_PER_SM programs an SM over the slots'
+    rows, never more than C2's blocks nor FINISH_MAX_CHUNKS, at least one."""
+    assert finish_chunks(8, 8, 2048, 132) == 8  # 32768 x 8: 512 programs a launch
+    assert finish_chunks(4, 8, 2048, 132) == 16  # 130000 x 4
+    assert finish_chunks(1, 8, 1 << 16, 132) == 32  # the bound
+    assert finish_chunks(8, 8, 40, 132) == 2  # C2's blocks
+    assert finish_chunks(64, 8, 2048, 132) == 1
+    assert finish_chunks(8, 8, 0, 132) == 1
 
 
 def _c2(gen, n, sink, c, k):
@@ -243,14 +255,20 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
             off = int(n[i]) - 1 - pos
             ok = (off >= 0) & (off < M)
             sla_ref[i, h].mul_(r[i]).scatter_add_(-1, off[ok], inc[ok])
-    run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale, block_k=16,
-                block_m=32)
-    assert torch.equal(o, o_ref)
-    torch.testing.assert_close(ver, ver_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sla, sla_ref, rtol=1e-5, atol=1e-6)
-    # no row, bypassed, or an empty C2: the tables as they were, bit for bit
-    for i, h in [(1, 0), (1, 1), (2, 1)] + [(i, h) for i in range(s) for h in range(HKV) if count[i, h] == 0]:
-        assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (i, h)
+    # one program a row; rows cut into chunks: 3 (not a power of two, the tables'
+    # slices ending inside a block), 8 (more chunks than most rows' C2 entries)
+    o_in = o.clone()
+    for chunks in (1, 3, 8):
+        o, ver, sla = o_in.clone(), ver0.clone(), sla0.clone()
+        run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale,
+                      block_k=16, block_m=32, chunks=chunks)
+        assert torch.equal(o, o_ref), chunks
+        torch.testing.assert_close(ver, ver_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sla, sla_ref, rtol=1e-5, atol=1e-6)
+        assert not (torch.isnan(ver).any() or torch.isnan(sla).any()), chunks
+        # no row, bypassed, or an empty C2: the tables as they were, bit for bit
+        for i, h in [(1, 0), (1, 1), (2, 1)] + [(i, h) for i in range(s) for h in range(HKV) if count[i, h] == 0]:
+            assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (chunks, i, h)
 
 
 def test_q_rows_read_in_place():
@@ -379,6 +397,31 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
             "ROW": "*i64", "B_START": "*i32", "CAND": "*i32", "A_POS": "*i32", "A_LEN": "*i32",
             "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "A_SLOTS": "*i32", "N_C1": "*i32", "SCORED": "*fp64"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+    got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
+                       options={"num_warps": 4})
+    assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got
+
+
+@pytest.mark.parametrize("kernel", ["_lfps_finish_stats_kernel", "_lfps_finish_update_kernel"])
+def test_finish_kernels_compile_for_sm90(kernel):
+    """The chunked finish as lfps_device launches it at 32768 x 8 over an e4m3 pool
+    (bf16 queries and output, GQA 2, 8 chunks) compiles for the H100/H200 (sm_90),
+    its tables read and written in place with 4-byte accesses."""
+    import importlib
+
+    from sgl_sparse.kernels.testing import compile_sm90
+
+    fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
+    const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_K=32, BLOCK_D=128, CHUNKS=8, Q_SPLIT=False, FP32_DOT=False)
+    if kernel == "_lfps_finish_stats_kernel":
+        const.update(V_DIM=128, BLOCK_DV=128, BLOCK_M=1024, BF16_RTNE=False)
+    else:
+        const.update(BLOCK_P=8)
+    ptrs = {"Q": "*bf16", "O": "*bf16", "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64",
+            "ROW": "*i64", "N": "*i32", "R": "*fp32", "CAND": "*i32", "IDX": "*i32", "COUNT": "*i32",
+            "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32"}
+    sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
+           for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
     assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got
