@@ -8,7 +8,7 @@
 #   bash bench/gpu/run_all.sh fp8       # fp8 KV caches: the fp8 tests of the decode kernel and every policy's kernels, its time at
 #                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
 #   bash bench/gpu/run_all.sh splits    # our decode kernel at forced split counts over the grid's shapes (bare machine)
-#   bash bench/gpu/run_all.sh lfps      # lfps's selection kernels: tests compiled, the priorities by chunks, its Top-K shapes (bare machine)
+#   bash bench/gpu/run_all.sh lfps      # lfps's selection kernels: tests compiled, the priorities and the table update by chunks, its Top-K shapes (bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -76,10 +76,12 @@ fp8)
     ;;
 lfps)
     # lfps's per-layer selection kernels (bare machine): their tests compiled (the
-    # 32K priority layer among them), the priorities by chunks a row, the Top-K's shapes
+    # 32K priority layer among them), the priorities and the table update by chunks a
+    # row, the Top-K's shapes
     python3 -m pytest -q tests/kernels/test_lfps_sparsity.py tests/kernels/test_lfps_tables.py -p no:cacheprovider \
         2>&1 | tee "$OUT/lfps_tests.log" | tail -3
     python3 bench/kernels/bench_lfps_priority.py --out "$OUT/lfps_priority.json" 2>&1 | tee "$OUT/lfps_priority.log"
+    python3 bench/kernels/bench_lfps_finish.py --out "$OUT/lfps_finish.json" 2>&1 | tee "$OUT/lfps_finish.log"
     python3 bench/kernels/bench_topk.py --cases lfps --out "$OUT/topk_lfps.json" 2>&1 | tee "$OUT/topk_lfps.log" | tail -12
     ;;
 splits)

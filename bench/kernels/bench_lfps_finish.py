@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""
+Benchmark: LFPS's table update after the attention (kernels/lfps_tables.lfps_finish) by chunks a row
+====================================================================================================
+
+Run on a GPU (bare machine: torch and triton only)::
+
+    python bench/kernels/bench_lfps_finish.py --out results/lfps_finish.json
+
+One layer of LFPS's store as served: ``[slots, Hkv, max_context]`` fp32 tables,
+every slot live with its C2 (``|C2|`` distinct positions, the same count in every
+row) over a paged pool read through a scattered ``req_to_token``, GQA 2, D 128, an
+e4m3 pool with bf16 queries (``--kv-cache-dtype fp8_e4m3``) and a bf16 one. Each
+row's finish gathers its C2 keys twice (the softmax, then the weights) and decays
+both of its tables once. Served as one program a (slot, KV head) row it took 176 µs
+a layer at 32768 x 8 with C1 at 2.1% of the positions (session 35's profile, H200);
+``chunks=1`` is that layout (in the two launches it runs as now), the default
+(``finish_chunks``) and every power of two up to 32 cut each row's C2 entries and
+table slices into that many programs. Each variant is checked against ``chunks=1``
+first (the tables within fp32 rounding, the output bit for bit), then timed eagerly
+and under CUDA-graph replay from the same tables (the update is in place: the
+tables keep decaying between launches, which does not change the work).
+``--smoke`` runs a tiny shape through the Triton CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_env import Timer, import_kernels, use_cuda_or_exit  # noqa: E402
+
+
+def _cases(smoke: bool):
+    # (name, slots, KV heads, max_context, live length, |C2| a row)
+    if smoke:
+        return [("smoke", 2, 2, 300, 280, 40)]
+    return [
+        ("32k8-c2-688", 8, 8, 33792, 32768, 688),  # session 35's served C1: 2.1% of 32768
+        ("32k8-c2-2048", 8, 8, 33792, 32768, 2048),  # C2 at the default budget
+        ("130k4-c2-2048", 4, 8, 132052, 130000, 2048),
+    ]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter")
+    ap.add_argument("--cases", default="", help="comma-separated case-name prefixes (default: all)")
+    ap.add_argument("--kv-dtypes", default="fp8_e4m3,bf16", help="pool dtypes: fp8_e4m3, bf16")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    use_cuda = use_cuda_or_exit(args.smoke)
+    if use_cuda is None:
+        return 2
+    lt = import_kernels("lfps_tables")
+    import triton
+
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else 4
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
+    print("# lfps finish benchmark\n" + json.dumps(env))
+    timer = Timer(use_cuda, args.warmup, args.rep, graphs=True)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    kv_dtypes = {"fp8_e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+    results, failures = [], []
+    prefixes = [c for c in args.cases.split(",") if c]
+    group, d = 2, (16 if args.smoke else 128)
+    for name, s, hkv, m, n_live, c2 in _cases(args.smoke):
+        if prefixes and not any(name.startswith(c) for c in prefixes):
+            continue
+        for kv_name in [k for k in args.kv_dtypes.split(",") if k]:
+            kv_dtype = kv_dtypes[kv_name]
+            bs, hq = s, hkv * group
+            pool = s * m + 16
+            # scattered pool slots, as a serving allocator leaves them after a while
+            req_to_token = torch.randperm(pool, generator=gen, device=dev)[: s * m].view(s, m).to(torch.int32)
+            rpi = torch.arange(s, device=dev)
+            row = torch.arange(s, device=dev)
+            k_pool = torch.randn(pool, hkv, d, generator=gen, device=dev).to(kv_dtype)
+            q = torch.randn(bs, hq, d, generator=gen, device=dev).to(torch.bfloat16)
+            o = torch.zeros(bs, hq, d, device=dev, dtype=torch.bfloat16)
+            n = torch.full((s,), n_live, dtype=torch.int32, device=dev)
+            r = torch.full((s,), 0.95, device=dev)
+            # C1 = C2 here (lfps's usual case: C1 within C2's budget, idx 0..|C1|-1)
+            cand = torch.stack([torch.randperm(n_live - 4, generator=gen, device=dev)[:c2].sort().values + 4
+                                for _ in range(s * hkv)]).view(s, hkv, c2).to(torch.int32)
+            idx = torch.arange(c2, dtype=torch.int32, device=dev).expand(s, hkv, c2).contiguous()
+            count = torch.full((s, hkv), c2, dtype=torch.int32, device=dev)
+            bypass = torch.zeros(s, hkv, dtype=torch.int8, device=dev)
+            bypass[0, 0] = 1  # one sink-bypassed head: V̄ into its output rows, no C2 (as served)
+            count[0, 0] = 0
+            vbar = torch.randn(s, hkv, d, generator=gen, device=dev)
+            ver0 = torch.randn(s, hkv, m, generator=gen, device=dev).exp()
+            sla0 = torch.randn(s, hkv, m, generator=gen, device=dev).exp()
+            ver, sla = ver0.clone(), sla0.clone()
+            scale = 1 / math.sqrt(d)
+            default = lt.finish_chunks(s, hkv, c2, num_sms)
+
+            def run(chunks):
+                lt.lfps_finish(q, o, k_pool, req_to_token, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla,
+                               scale, chunks=chunks)
+
+            run(1)
+            want = ver.clone(), sla.clone(), o.clone()
+            nbytes = s * hkv * (2 * c2 * d * k_pool.element_size() + 2 * 2 * m * 4)
+            for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
+                ver.copy_(ver0)
+                sla.copy_(sla0)
+                o.zero_()
+                run(chunks)
+                ok = bool(torch.equal(o, want[2]) and torch.allclose(ver, want[0], rtol=1e-5, atol=1e-6)
+                          and torch.allclose(sla, want[1], rtol=1e-5, atol=1e-6)
+                          and not (torch.isnan(ver).any() or torch.isnan(sla).any()))
+                if not ok:
+                    failures.append((name, kv_name, chunks))
+                t, g = timer.eager_us(lambda: run(chunks)), timer.graph_us(lambda: run(chunks))
+                best = g if g is not None else t
+                res = dict(case=name, kv=kv_name, slots=s, kv_heads=hkv, max_context=m, c2=c2, chunks=chunks,
+                           default=chunks == default, eager_us=round(t, 1), graph_us=None if g is None else round(g, 1),
+                           bytes=nbytes, gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok)
+                results.append(res)
+                print(f"  {name:14s} {kv_name:8s} chunks {chunks:2d}{'*' if chunks == default else ' '}: "
+                      f"{t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})  {res['gbps']:7.1f} GB/s  "
+                      f"{'ok' if ok else 'MISMATCH'}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "command": " ".join(sys.argv), "results": results}, f, indent=1)
+    if failures:
+        print(f"FAIL: tables differ from chunks=1 at {failures}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""bench/kernels/bench_lfps_finish.py --smoke: the script runs end to end on the CPU
+interpreter and its own check holds (every chunk count updates the tables as one
+program a row does, a bypassed head's output alike), so the next GPU lease's timing
+call does not fail on the script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.sglang_independent
+
+
+def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location(
+        "bench_lfps_finish", os.path.join(ROOT, "bench", "kernels", "bench_lfps_finish.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "f.json"
+    assert mod.main(["--smoke", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["kv"], r["chunks"]) for r in rows} == {(k, c) for k in ("fp8_e4m3", "bf16") for c in (1, 2, 3)}
+    assert all(r["ok"] for r in rows) and sum(r["default"] for r in rows) == 2
