@@ -32,10 +32,12 @@ launches:
   head's softmax over C2 of ``scale q.k_i``, the group's mean), the tables
   multiplied by ``r`` and ``w_i - 0.5 / |C2|`` added at ``i`` (``Φ_ver``) and at
   ``n - 1 - i`` (``Φ_sla``). Two launches over ``(S, Hkv, chunks)``, each row's C2
-  entries and table slices cut among its chunks: the softmax partials and the decay,
-  then the weights from every chunk's partials and the scatter (after all of the
-  decay; C2's positions are distinct, so no two programs add to one entry). One
-  program a row doing it all took 176 us a layer at 32768 x 8 (session 35).
+  entries and table slices cut among its chunks: C2's logits (kept, with their
+  positions), the softmax partials and the decay, then the weights from every
+  chunk's partials and the kept logits, and the scatter (after all of the decay; C2's
+  positions are distinct, so no two programs add to one entry). One program a row
+  doing it all, gathering C2's keys twice, took 176 us a layer at 32768 x 8 (session
+  35).
 
 No host sync, grids from static shapes only (CUDA-graph capturable).
 """
@@ -601,7 +603,7 @@ def _c2_chunk(count, cur_p, CHUNKS):
 
 
 # the strides of the tables and of C2's lists follow their (static) widths
-_FINISH_WIDTHS = ["M", "stride_cs", "stride_is", "stride_vs", "stride_vh", "stride_ss", "stride_sh"]
+_FINISH_WIDTHS = ["M", "K2", "stride_cs", "stride_is", "stride_vs", "stride_vh", "stride_ss", "stride_sh"]
 
 
 @triton.jit(do_not_specialize=_FINISH_WIDTHS)
@@ -622,6 +624,8 @@ def _lfps_finish_stats_kernel(
     VER,  # [S, Hkv, M] fp32, in place
     SLA,
     WORK,  # [S, Hkv, CHUNKS, 2, BLOCK_H] fp32 out: each chunk's softmax max and normalizer
+    LOGITS,  # [S, Hkv, GROUP, K2] fp32 out: C2's logits, for the update launch
+    POS,  # [S, Hkv, K2] int32 out: C2's positions
     sm_scale,
     stride_qb,
     stride_qh,
@@ -641,6 +645,7 @@ def _lfps_finish_stats_kernel(
     stride_ss,
     stride_sh,
     M,
+    K2,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -655,8 +660,10 @@ def _lfps_finish_stats_kernel(
     BF16_RTNE: tl.constexpr,
 ):
     """Grid (S, Hkv, CHUNKS). A bypassed head: V̄ into its output rows (chunk 0).
-    Otherwise, with |C2| > 0: each query head's online softmax max and normalizer over
-    this chunk's C2 entries, and Eq. (10)'s decay of this chunk's slice of both tables."""
+    Otherwise, with |C2| > 0: the logits of this chunk's C2 entries (kept, with their
+    positions, so the update launch reads them instead of gathering the keys again),
+    each query head's online softmax max and normalizer over them, and Eq. (10)'s
+    decay of this chunk's slice of both tables."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -682,18 +689,24 @@ def _lfps_finish_stats_kernel(
                                    BLOCK_H, BLOCK_D, Q_SPLIT)
         cand = CAND + cur_s * stride_cs + cur_h * stride_ch
         idx = IDX + cur_s * stride_is + cur_h * stride_ih
-        # 1. this chunk's share of each query head's softmax over C2 (online)
+        rh = (cur_s * nh + cur_h).to(tl.int64)
+        lg_row = LOGITS + rh * GROUP * K2
+        pos_row = POS + rh * K2
+        # 1. this chunk's C2 logits, kept, and its share of each query head's softmax (online)
         k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(k0, k1, BLOCK_K):
-            _, _, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, k1,
-                                  sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+            pos, in_k, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, k1,
+                                       sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+            offs_k = start + tl.arange(0, BLOCK_K)
+            tl.store(lg_row + offs_h[:, None] * K2 + offs_k[None, :], lg, mask=mask_h[:, None] & in_k[None, :])
+            tl.store(pos_row + offs_k, pos, mask=in_k)
             m_new = tl.maximum(m_i, tl.max(lg, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
             m_i = m_new
-        work = WORK + (((cur_s * nh + cur_h) * CHUNKS + cur_p) * 2 * BLOCK_H).to(tl.int64)
+        work = WORK + (rh * CHUNKS + cur_p) * 2 * BLOCK_H
         tl.store(work + offs_h, m_i)
         tl.store(work + BLOCK_H + offs_h, l_i)
         # 2. Eq. (10)'s decay of this chunk's slice of both tables (the scatter, next
@@ -714,48 +727,30 @@ def _lfps_finish_stats_kernel(
 
 @triton.jit(do_not_specialize=_FINISH_WIDTHS)
 def _lfps_finish_update_kernel(
-    Q,
-    K_POOL,
-    REQ_TO_TOKEN,
-    REQ_POOL_IDX,
-    ROW,
     N,
-    CAND,
-    IDX,
     COUNT,
     BYPASS,
     VER,
     SLA,
     WORK,
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_r2t,
-    stride_cs,
-    stride_ch,
-    stride_is,
-    stride_ih,
+    LOGITS,
+    POS,
     stride_vs,
     stride_vh,
     stride_ss,
     stride_sh,
     M,
-    HEAD_DIM: tl.constexpr,
+    K2,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    Q_SPLIT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
 ):
     """Grid (S, Hkv, CHUNKS), after the stats launch: the row's softmax from every
     chunk's partials (the same order in each program), then for this chunk's C2 entries
-    ``w_i - 0.5 / |C2|`` added at i (Φ_ver) and at n - 1 - i (Φ_sla). C2's entries are
-    distinct: no two programs add to one entry."""
+    (their kept logits and positions) ``w_i - 0.5 / |C2|`` added at i (Φ_ver) and at
+    n - 1 - i (Φ_sla). C2's entries are distinct: no two programs add to one entry."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -764,11 +759,11 @@ def _lfps_finish_update_kernel(
     k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
     if (n <= 0) | (byp != 0) | (k1 <= k0):
         return
-    row = tl.load(ROW + cur_s).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     offs_p = tl.arange(0, BLOCK_P)
-    work = WORK + ((cur_s * nh + cur_h) * CHUNKS * 2 * BLOCK_H).to(tl.int64)
+    rh = (cur_s * nh + cur_h).to(tl.int64)
+    work = WORK + rh * CHUNKS * 2 * BLOCK_H
     at = (offs_p * 2 * BLOCK_H)[:, None] + offs_h[None, :]
     in_p = (offs_p < CHUNKS)[:, None]
     m_p = tl.load(work + at, mask=in_p, other=float("-inf"))  # [BLOCK_P, BLOCK_H]
@@ -777,18 +772,18 @@ def _lfps_finish_update_kernel(
     m_safe = tl.where(m_i > float("-inf"), m_i, 0.0)
     l_i = tl.sum(tl.where(l_p > 0, l_p * tl.exp(m_p - m_safe[None, :]), 0.0), 0)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_s).to(tl.int64) * stride_r2t
-    q_hi, q_lo = _load_q_parts(Q, row, cur_h, stride_qb, stride_qh, K_POOL.dtype.element_ty, HEAD_DIM, GROUP,
-                               BLOCK_H, BLOCK_D, Q_SPLIT)
-    cand = CAND + cur_s * stride_cs + cur_h * stride_ch
-    idx = IDX + cur_s * stride_is + cur_h * stride_ih
+    lg_row = LOGITS + rh * GROUP * K2
+    pos_row = POS + rh * K2
     ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     half = 0.5 / count.to(tl.float32)
     last = n - 1
     for start in range(k0, k1, BLOCK_K):
-        pos, in_k, lg = _c2_logits(q_hi, q_lo, cand, idx, K_POOL, tok_row, cur_h, stride_kt, stride_kh, start, k1,
-                                   sm_scale, mask_h, HEAD_DIM, BLOCK_K, BLOCK_D, Q_SPLIT, FP32_DOT)
+        offs_k = start + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k1
+        lg = tl.load(lg_row + offs_h[:, None] * K2 + offs_k[None, :], mask=mask_h[:, None] & in_k[None, :],
+                     other=float("-inf"))
+        pos = tl.load(pos_row + offs_k, mask=in_k, other=0)
         p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
         w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
         inc = w - half
@@ -822,39 +817,41 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     """The module docstring's third step, in place on ``o`` (bypassed heads of the
     live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``): two
     launches over a grid ``(S, Hkv, chunks)`` (``finish_chunks`` by default), each row's
-    C2 entries and table slices cut among its chunks -- the softmax partials and the
-    decay, then the softmax's weights and the scatter."""
-    s, hkv, _ = idx.shape
+    C2 entries and table slices cut among its chunks -- the logits (kept), softmax
+    partials and the decay, then the weights and the scatter."""
+    s, hkv, k2 = idx.shape
     m = ver.shape[2]
     assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert vbar.shape[:2] == (s, hkv) and vbar.stride(2) == 1 and vbar.dtype == torch.float32
     assert o.stride(2) == 1 and q.stride(2) == 1 and o.shape[1] == q.shape[1] and o.shape[2] == vbar.shape[2]
     assert r.shape == (s,) and r.dtype == torch.float32 and row.shape == (s,) and req_pool_idx.shape == (s,)
     assert count.is_contiguous() and bypass.is_contiguous() and cand.stride(2) == 1 and idx.stride(2) == 1
-    if s == 0 or hkv == 0:
+    if s == 0 or hkv == 0 or k2 == 0:
         return
     if chunks is None:
-        chunks = finish_chunks(s, hkv, idx.shape[2], device_num_sms(q.device), block_k)
+        chunks = finish_chunks(s, hkv, k2, device_num_sms(q.device), block_k)
     chunks = int(chunks)
     assert chunks >= 1, "chunks"
     meta = group_tile_meta(q, k_pool)
-    # written by every chunk of a live, not bypassed row with |C2| > 0 before the
-    # update launch reads it (never read uninitialised)
+    group = meta["GROUP"]
+    # each written by the stats launch where the update launch reads it (a live, not
+    # bypassed row with |C2| > 0: every chunk's partials, its own entries' logits)
     work = torch.empty(s, hkv, chunks, 2, meta["BLOCK_H"], dtype=torch.float32, device=q.device)
+    logits = torch.empty(s, hkv, group, k2, dtype=torch.float32, device=q.device)
+    pos = torch.empty(s, hkv, k2, dtype=torch.int32, device=q.device)
     grid = (s, hkv, chunks)
     dv = vbar.shape[2]
     _lfps_finish_stats_kernel[grid](
         q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
-        float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0), k_pool.stride(1),
-        req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
-        vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m,
+        logits, pos, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
+        k_pool.stride(1), req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
+        vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
         BF16_RTNE=needs_bf16_rtne(o.dtype), num_warps=4, **meta,
     )
     _lfps_finish_update_kernel[grid](
-        q, k_pool, req_to_token, req_pool_idx, row, n, cand, idx, count, bypass, ver, sla, work,
-        float(sm_scale), q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
-        ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m,
-        BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), num_warps=4, **meta,
+        n, count, bypass, ver, sla, work, logits, pos,
+        ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
+        GROUP=group, BLOCK_H=meta["BLOCK_H"], BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
+        num_warps=4,
     )

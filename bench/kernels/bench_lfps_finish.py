@@ -11,10 +11,11 @@ One layer of LFPS's store as served: ``[slots, Hkv, max_context]`` fp32 tables,
 every slot live with its C2 (``|C2|`` distinct positions, the same count in every
 row) over a paged pool read through a scattered ``req_to_token``, GQA 2, D 128, an
 e4m3 pool with bf16 queries (``--kv-cache-dtype fp8_e4m3``) and a bf16 one. Each
-row's finish gathers its C2 keys twice (the softmax, then the weights) and decays
-both of its tables once. Served as one program a (slot, KV head) row it took 176 µs
-a layer at 32768 x 8 with C1 at 2.1% of the positions (session 35's profile, H200);
-``chunks=1`` is that layout (in the two launches it runs as now), the default
+row's finish gathers its C2 keys once (the logits, kept for the weights) and decays
+both of its tables once. Served as one program a (slot, KV head) row, gathering the
+keys twice, it took 176 µs a layer at 32768 x 8 with C1 at 2.1% of the positions
+(session 35's profile, H200); ``chunks=1`` is that layout (in the two launches it
+runs as now), the default
 (``finish_chunks``) and every power of two up to 32 cut each row's C2 entries and
 table slices into that many programs. Each variant is checked against ``chunks=1``
 first (the tables within fp32 rounding, the output bit for bit), then timed eagerly
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
 
             run(1)
             want = ver.clone(), sla.clone(), o.clone()
-            nbytes = s * hkv * (2 * c2 * d * k_pool.element_size() + 2 * 2 * m * 4)
+            nbytes = s * hkv * (c2 * d * k_pool.element_size() + 2 * 2 * m * 4)
             for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
                 ver.copy_(ver0)
                 sla.copy_(sla0)

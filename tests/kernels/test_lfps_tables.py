@@ -406,20 +406,23 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 def test_finish_kernels_compile_for_sm90(kernel):
     """The chunked finish as lfps_device launches it at 32768 x 8 over an e4m3 pool
     (bf16 queries and output, GQA 2, 8 chunks) compiles for the H100/H200 (sm_90),
-    its tables read and written in place with 4-byte accesses."""
+    its tables read and written in place with 4-byte accesses (the update launch:
+    from the stats launch's kept logits and positions, no key gathered again)."""
     import importlib
 
     from sgl_sparse.kernels.testing import compile_sm90
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
-    const = dict(HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_K=32, BLOCK_D=128, CHUNKS=8, Q_SPLIT=False, FP32_DOT=False)
+    const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8)
     if kernel == "_lfps_finish_stats_kernel":
-        const.update(V_DIM=128, BLOCK_DV=128, BLOCK_M=1024, BF16_RTNE=False)
+        const.update(HEAD_DIM=128, BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, V_DIM=128, BLOCK_DV=128,
+                     BLOCK_M=1024, BF16_RTNE=False)
     else:
         const.update(BLOCK_P=8)
     ptrs = {"Q": "*bf16", "O": "*bf16", "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64",
             "ROW": "*i64", "N": "*i32", "R": "*fp32", "CAND": "*i32", "IDX": "*i32", "COUNT": "*i32",
-            "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32"}
+            "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32", "LOGITS": "*fp32",
+            "POS": "*i32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
