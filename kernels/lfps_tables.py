@@ -586,11 +586,13 @@ def _c2_logits(q_hi, q_lo, CAND_ROW, IDX_ROW, K_POOL, tok_row, cur_h, stride_kt,
 
 
 @triton.jit
-def _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh):
-    """(n, bypassed, |C2|) of a (slot, KV head) row."""
+def _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2):
+    """(n, bypassed, |C2|) of a (slot, KV head) row; |C2| within C2's width K2 (the
+    select's output never exceeds it; the bound keeps the kept logits' writes in
+    their buffer whatever the count holds)."""
     n = tl.load(N + cur_s)
     byp = tl.load(BYPASS + cur_s * nh + cur_h)
-    count = tl.load(COUNT + cur_s * nh + cur_h)
+    count = tl.minimum(tl.load(COUNT + cur_s * nh + cur_h), K2)
     return n, byp, count
 
 
@@ -668,7 +670,7 @@ def _lfps_finish_stats_kernel(
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
-    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh)
+    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2)
     if n <= 0:
         return
     row = tl.load(ROW + cur_s).to(tl.int64)
@@ -755,7 +757,7 @@ def _lfps_finish_update_kernel(
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
-    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh)
+    n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2)
     k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
     if (n <= 0) | (byp != 0) | (k1 <= k0):
         return
