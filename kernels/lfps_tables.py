@@ -37,7 +37,8 @@ launches:
   chunk's partials and the kept logits, and the scatter (after all of the decay; C2's
   positions are distinct, so no two programs add to one entry). One program a row
   doing it all, gathering C2's keys twice, took 176 us a layer at 32768 x 8 (session
-  35).
+  35). Served with the lazy decay (``tscale``): the decay multiplies a scale per row,
+  not both tables (~35 MB a layer at 32768 x 8 read and written every step).
 
 No host sync, grids from static shapes only (CUDA-graph capturable).
 """
@@ -604,6 +605,14 @@ def _c2_chunk(count, cur_p, CHUNKS):
     return k0, tl.minimum(k0 + size, count)
 
 
+#: The lazy decay's floor: a row's tables are renormalized (multiplied by their
+#: scale, scale 1) once the scale falls below it, every ~216 steps at r = 0.95. It
+#: bounds the stored values at 2^16 times the true ones, which keeps the
+#: thresholds' fourth central moments (Σd⁴ over up to ~2^17 positions) inside fp32:
+#: Eq. (15) bounds a table's sum, so its entries, by 0.5 / (1 - r).
+RENORM_BELOW = tl.constexpr(2.0 ** -16)
+
+
 # the strides of the tables and of C2's lists follow their (static) widths
 _FINISH_WIDTHS = ["M", "K2", "stride_cs", "stride_is", "stride_vs", "stride_vh", "stride_ss", "stride_sh"]
 
@@ -628,6 +637,8 @@ def _lfps_finish_stats_kernel(
     WORK,  # [S, Hkv, CHUNKS, 2, BLOCK_H] fp32 out: each chunk's softmax max and normalizer
     LOGITS,  # [S, Hkv, GROUP, K2] fp32 out: C2's logits, for the update launch
     POS,  # [S, Hkv, K2] int32 out: C2's positions
+    TSCALE,  # LAZY: [S, Hkv] fp32 the tables' scale (true value = stored * scale); read only here
+    NEWSCALE,  # LAZY: [S, Hkv, CHUNKS] fp32 out: the scale after this step, for the update launch
     sm_scale,
     stride_qb,
     stride_qh,
@@ -660,12 +671,15 @@ def _lfps_finish_stats_kernel(
     Q_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
     BF16_RTNE: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """Grid (S, Hkv, CHUNKS). A bypassed head: V̄ into its output rows (chunk 0).
     Otherwise, with |C2| > 0: the logits of this chunk's C2 entries (kept, with their
     positions, so the update launch reads them instead of gathering the keys again),
     each query head's online softmax max and normalizer over them, and Eq. (10)'s
-    decay of this chunk's slice of both tables."""
+    decay of this chunk's slice of both tables -- LAZY: the row's scale times r
+    instead, the slice multiplied (to true values, scale 1) only once the scale falls
+    below RENORM_BELOW."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -712,19 +726,27 @@ def _lfps_finish_stats_kernel(
         tl.store(work + offs_h, m_i)
         tl.store(work + BLOCK_H + offs_h, l_i)
         # 2. Eq. (10)'s decay of this chunk's slice of both tables (the scatter, next
-        # launch, adds to decayed entries)
+        # launch, adds to decayed entries); LAZY: of the row's scale, the tables
+        # touched only to renormalize (every program of the row decides alike)
         r = tl.load(R + cur_s)
-        ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
-        sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
-        size_m = (M + CHUNKS - 1) // CHUNKS
-        m0 = cur_p * size_m
-        m1 = tl.minimum(m0 + size_m, M)
-        offs_m = tl.arange(0, BLOCK_M)
-        for start in range(m0, m1, BLOCK_M):
-            pos = start + offs_m
-            ok = pos < m1
-            tl.store(ver + pos, tl.load(ver + pos, mask=ok, other=0.0) * r, mask=ok)
-            tl.store(sla + pos, tl.load(sla + pos, mask=ok, other=0.0) * r, mask=ok)
+        factor = r
+        decay = True
+        if LAZY:
+            factor = tl.load(TSCALE + rh) * r
+            decay = factor < RENORM_BELOW
+            tl.store(NEWSCALE + rh * CHUNKS + cur_p, tl.where(decay, 1.0, factor))
+        if decay:
+            ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
+            sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
+            size_m = (M + CHUNKS - 1) // CHUNKS
+            m0 = cur_p * size_m
+            m1 = tl.minimum(m0 + size_m, M)
+            offs_m = tl.arange(0, BLOCK_M)
+            for start in range(m0, m1, BLOCK_M):
+                pos = start + offs_m
+                ok = pos < m1
+                tl.store(ver + pos, tl.load(ver + pos, mask=ok, other=0.0) * factor, mask=ok)
+                tl.store(sla + pos, tl.load(sla + pos, mask=ok, other=0.0) * factor, mask=ok)
 
 
 @triton.jit(do_not_specialize=_FINISH_WIDTHS)
@@ -737,6 +759,8 @@ def _lfps_finish_update_kernel(
     WORK,
     LOGITS,
     POS,
+    TSCALE,  # LAZY: written by chunk 0 (the stats launch's NEWSCALE)
+    NEWSCALE,
     stride_vs,
     stride_vh,
     stride_ss,
@@ -748,11 +772,14 @@ def _lfps_finish_update_kernel(
     BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """Grid (S, Hkv, CHUNKS), after the stats launch: the row's softmax from every
     chunk's partials (the same order in each program), then for this chunk's C2 entries
     (their kept logits and positions) ``w_i - 0.5 / |C2|`` added at i (Φ_ver) and at
-    n - 1 - i (Φ_sla). C2's entries are distinct: no two programs add to one entry."""
+    n - 1 - i (Φ_sla); LAZY: divided by the row's new scale, which chunk 0 stores
+    (each program reads its own chunk's copy, so none reads it while it changes).
+    C2's entries are distinct: no two programs add to one entry."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -779,6 +806,11 @@ def _lfps_finish_update_kernel(
     ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     half = 0.5 / count.to(tl.float32)
+    unit = 1.0
+    if LAZY:
+        unit = tl.load(NEWSCALE + rh * CHUNKS + cur_p)
+        if cur_p == 0:
+            tl.store(TSCALE + rh, unit)
     last = n - 1
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
@@ -788,7 +820,7 @@ def _lfps_finish_update_kernel(
         pos = tl.load(pos_row + offs_k, mask=in_k, other=0)
         p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
         w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
-        inc = w - half
+        inc = (w - half) / unit
         tl.store(ver + pos, tl.load(ver + pos, mask=in_k, other=0.0) + inc, mask=in_k)
         off = last - pos
         ok = in_k & (off >= 0) & (off < M)
@@ -815,12 +847,21 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
                 req_pool_idx: torch.Tensor, row: torch.Tensor, n: torch.Tensor, r: torch.Tensor, cand: torch.Tensor,
                 idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
                 sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024,
-                chunks: int | None = None) -> None:
+                chunks: int | None = None, tscale: Optional[torch.Tensor] = None) -> None:
     """The module docstring's third step, in place on ``o`` (bypassed heads of the
     live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``): two
     launches over a grid ``(S, Hkv, chunks)`` (``finish_chunks`` by default), each row's
     C2 entries and table slices cut among its chunks -- the logits (kept), softmax
-    partials and the decay, then the weights and the scatter."""
+    partials and the decay, then the weights and the scatter.
+
+    ``tscale`` ``[S, Hkv]`` fp32 (in place): the lazy decay. The tables are stored
+    divided by their row's scale (true value = stored * scale), so Eq. (10)'s decay
+    multiplies the scale by ``r`` instead of both tables, and the increments are
+    added divided by the new scale; a row is renormalized (its tables multiplied by
+    the scale, the scale set to 1) once the scale falls below ``RENORM_BELOW``. Every
+    decision read from the tables (Eq. 8's thresholds, C0 / C1, the priorities'
+    order) is the same under a common positive factor, so the selections do not see
+    the scale. Without it the tables decay in place at every step."""
     s, hkv, k2 = idx.shape
     m = ver.shape[2]
     assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
@@ -841,19 +882,25 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     work = torch.empty(s, hkv, chunks, 2, meta["BLOCK_H"], dtype=torch.float32, device=q.device)
     logits = torch.empty(s, hkv, group, k2, dtype=torch.float32, device=q.device)
     pos = torch.empty(s, hkv, k2, dtype=torch.int32, device=q.device)
+    lazy = tscale is not None
+    if lazy:
+        assert tscale.shape == (s, hkv) and tscale.dtype == torch.float32 and tscale.is_contiguous(), "tscale"
+        newscale = torch.empty(s, hkv, chunks, dtype=torch.float32, device=q.device)
+    else:
+        tscale = newscale = work  # not read without LAZY
     grid = (s, hkv, chunks)
     dv = vbar.shape[2]
     _lfps_finish_stats_kernel[grid](
         q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
-        logits, pos, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
+        logits, pos, tscale, newscale, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
         k_pool.stride(1), req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
         vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
-        BF16_RTNE=needs_bf16_rtne(o.dtype), num_warps=4, **meta,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, num_warps=4, **meta,
     )
     _lfps_finish_update_kernel[grid](
-        n, count, bypass, ver, sla, work, logits, pos,
+        n, count, bypass, ver, sla, work, logits, pos, tscale, newscale,
         ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         GROUP=group, BLOCK_H=meta["BLOCK_H"], BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
-        num_warps=4,
+        LAZY=lazy, num_warps=4,
     )

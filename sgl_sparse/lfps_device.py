@@ -138,4 +138,4 @@ class LfpsDevice:
 
         store, sel = self.store, self._sel
         lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
-                    sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale)
+                    sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale, tscale=store.tscale[li])

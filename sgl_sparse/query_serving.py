@@ -213,6 +213,7 @@ class QueryAwareRuntime:
                 lfps_math.init_tables(
                     q3[e.q_end - s: e.q_end][None], k_cache[locs][None], values,
                     e.dev[1:2], scale, store.cfg.max_context, knobs, out=store.layer(li), rows=e.dev[0:1])
+                store.tscale[li, e.slot].fill_(1.0)  # the tables as written: true values
 
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,

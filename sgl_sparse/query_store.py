@@ -35,7 +35,14 @@ Layouts (slot = one live request of the policy; layers of this rank):
               kept from each layer's scoring to the group's one Top-K launch
               (overwritten every step, never read across steps):
               scores       [G, slots, Hkv, max_context] fp32
-  lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables
+  lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables, stored
+                                                 divided by tscale
+              tscale       [layers, slots, Hkv] fp32      the tables' scale (true value =
+                                                 stored * scale): Eq. (10)'s decay on the
+                                                 device path multiplies it by r instead of
+                                                 the tables (kernels/lfps_tables.lfps_finish);
+                                                 1 after the prompt's init, and always on
+                                                 the torch path (no kernels: CPU)
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
               scored       [slots, Hkv, 2] fp64  |C1| scored and n - sink, summed over
@@ -125,11 +132,17 @@ class LfpsStore:
         self.kbar = torch.zeros(num_layers, cfg.slots, num_kv_heads, head_dim, **f32)
         self.vbar = torch.zeros_like(self.kbar)
         self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
+        self.tscale = torch.ones(num_layers, cfg.slots, num_kv_heads, **f32)
         # fp64: summed over a request's steps, layers and heads, fp32 would drop units
         self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, dtype=torch.float64, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.scored
+        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.tscale, self.scored
+
+    def true_tables(self, li: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's (Φ_ver, Φ_sla) of layer li as the algorithm defines them (stored * scale)."""
+        scale = self.tscale[li, slot][:, None]
+        return self.ver[li, slot] * scale, self.sla[li, slot] * scale
 
     def layer(self, li: int):
         from sgl_sparse.queryaware.lfps import LfpsState

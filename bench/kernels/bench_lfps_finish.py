@@ -17,10 +17,12 @@ keys twice, it took 176 µs a layer at 32768 x 8 with C1 at 2.1% of the position
 (session 35's profile, H200); ``chunks=1`` is that layout (in the two launches it
 runs as now), the default
 (``finish_chunks``) and every power of two up to 32 cut each row's C2 entries and
-table slices into that many programs. Each variant is checked against ``chunks=1``
-first (the tables within fp32 rounding, the output bit for bit), then timed eagerly
-and under CUDA-graph replay from the same tables (the update is in place: the
-tables keep decaying between launches, which does not change the work).
+table slices into that many programs; each with the tables decayed in place and
+with the lazy decay as served (``tscale``: a scale per row instead of the tables'
+pass). Each variant is checked against ``chunks=1`` with the decay first (the true
+tables within fp32 rounding, the output bit for bit), then timed eagerly and under
+CUDA-graph replay (the update is in place: the tables keep changing between
+launches, which does not change the work).
 ``--smoke`` runs a tiny shape through the Triton CPU interpreter.
 """
 
@@ -112,32 +114,45 @@ def main(argv=None) -> int:
             scale = 1 / math.sqrt(d)
             default = lt.finish_chunks(s, hkv, c2, num_sms)
 
-            def run(chunks):
-                lt.lfps_finish(q, o, k_pool, req_to_token, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla,
-                               scale, chunks=chunks)
+            tscale = torch.ones(s, hkv, device=dev)
 
-            run(1)
+            def run(chunks, lazy):
+                if lazy:  # as served: a scale a little above the renormalization floor, never reaching it here
+                    tscale.fill_(0.5)
+                lt.lfps_finish(q, o, k_pool, req_to_token, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla,
+                               scale, chunks=chunks, tscale=tscale if lazy else None)
+
+            run(1, False)
             want = ver.clone(), sla.clone(), o.clone()
-            nbytes = s * hkv * (c2 * d * k_pool.element_size() + 2 * 2 * m * 4)
-            for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
-                ver.copy_(ver0)
-                sla.copy_(sla0)
-                o.zero_()
-                run(chunks)
-                ok = bool(torch.equal(o, want[2]) and torch.allclose(ver, want[0], rtol=1e-5, atol=1e-6)
-                          and torch.allclose(sla, want[1], rtol=1e-5, atol=1e-6)
-                          and not (torch.isnan(ver).any() or torch.isnan(sla).any()))
-                if not ok:
-                    failures.append((name, kv_name, chunks))
-                t, g = timer.eager_us(lambda: run(chunks)), timer.graph_us(lambda: run(chunks))
-                best = g if g is not None else t
-                res = dict(case=name, kv=kv_name, slots=s, kv_heads=hkv, max_context=m, c2=c2, chunks=chunks,
-                           default=chunks == default, eager_us=round(t, 1), graph_us=None if g is None else round(g, 1),
-                           bytes=nbytes, gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok)
-                results.append(res)
-                print(f"  {name:14s} {kv_name:8s} chunks {chunks:2d}{'*' if chunks == default else ' '}: "
-                      f"{t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})  {res['gbps']:7.1f} GB/s  "
-                      f"{'ok' if ok else 'MISMATCH'}", flush=True)
+            for lazy in (False, True):
+                # bytes: C2's keys once; with the decay both tables read and written
+                nbytes = s * hkv * (c2 * d * k_pool.element_size() + (0 if lazy else 2 * 2 * m * 4))
+                for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
+                    if lazy:  # stored over 0.5: true = stored * 0.5, then the step
+                        ver.copy_(ver0 * 2)
+                        sla.copy_(sla0 * 2)
+                    else:
+                        ver.copy_(ver0)
+                        sla.copy_(sla0)
+                    o.zero_()
+                    run(chunks, lazy)
+                    got_v, got_s = (ver * tscale[..., None], sla * tscale[..., None]) if lazy else (ver, sla)
+                    ok = bool(torch.equal(o, want[2]) and torch.allclose(got_v, want[0], rtol=1e-5, atol=1e-6)
+                              and torch.allclose(got_s, want[1], rtol=1e-5, atol=1e-6)
+                              and not (torch.isnan(ver).any() or torch.isnan(sla).any()))
+                    if not ok:
+                        failures.append((name, kv_name, chunks, "lazy" if lazy else "decay"))
+                    t = timer.eager_us(lambda: run(chunks, lazy))
+                    g = timer.graph_us(lambda: run(chunks, lazy))
+                    best = g if g is not None else t
+                    res = dict(case=name, kv=kv_name, slots=s, kv_heads=hkv, max_context=m, c2=c2, chunks=chunks,
+                               lazy=lazy, default=chunks == default, eager_us=round(t, 1),
+                               graph_us=None if g is None else round(g, 1), bytes=nbytes,
+                               gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok)
+                    results.append(res)
+                    print(f"  {name:14s} {kv_name:8s} {'lazy ' if lazy else 'decay'} chunks {chunks:2d}"
+                          f"{'*' if chunks == default else ' '}: {t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})"
+                          f"  {res['gbps']:7.1f} GB/s  {'ok' if ok else 'MISMATCH'}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "command": " ".join(sys.argv), "results": results}, f, indent=1)

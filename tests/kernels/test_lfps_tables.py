@@ -270,6 +270,46 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
         for i, h in [(1, 0), (1, 1), (2, 1)] + [(i, h) for i in range(s) for h in range(HKV) if count[i, h] == 0]:
             assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (chunks, i, h)
 
+    # the lazy decay: tables stored over a scale per row (true = stored * scale), some
+    # rows' scales one decay away from renormalizing (slot 3: below RENORM_BELOW after
+    # this step, so its tables are multiplied out and its scale is 1)
+    from sgl_sparse.kernels.lfps_tables import RENORM_BELOW
+
+    floor = float(RENORM_BELOW.value if hasattr(RENORM_BELOW, "value") else RENORM_BELOW)
+    tscale0 = torch.rand(s, HKV, generator=gen) * 0.5 + 0.5
+    tscale0[3] = floor * 1.05  # r = 0.8 takes it below the floor
+    for chunks in (1, 3):
+        o, ver, sla, tscale = o_in.clone(), ver0.clone(), sla0.clone(), tscale0.clone()
+        run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale,
+                      block_k=16, block_m=32, chunks=chunks, tscale=tscale)
+        assert torch.equal(o, o_ref), chunks
+        # the reference from the true tables: stored * scale before, decayed and added to
+        true_ref_v, true_ref_s = ver0 * tscale0[..., None], sla0 * tscale0[..., None]
+        for i in range(s):
+            if not on[i]:
+                continue
+            for h in range(HKV):
+                cnt = int(count[i, h])
+                if bypass[i, h] or cnt == 0:
+                    continue
+                moved = (ver_ref[i, h] - ver0[i, h] * r[i], sla_ref[i, h] - sla0[i, h] * r[i])  # the increments
+                true_ref_v[i, h] = true_ref_v[i, h] * r[i] + moved[0]
+                true_ref_s[i, h] = true_ref_s[i, h] * r[i] + moved[1]
+        torch.testing.assert_close(ver * tscale[..., None], true_ref_v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sla * tscale[..., None], true_ref_s, rtol=1e-5, atol=1e-6)
+        for i in range(s):
+            for h in range(HKV):
+                touched = bool(on[i]) and not bool(bypass[i, h]) and int(count[i, h]) > 0
+                if not touched:  # scale and tables as they were
+                    assert float(tscale[i, h]) == float(tscale0[i, h]), (chunks, i, h)
+                    assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (i, h)
+                elif i == 3:  # renormalized: scale 1, the tables multiplied out
+                    assert float(tscale[i, h]) == 1.0, (chunks, h)
+                else:  # the tables untouched but at C2's entries, the scale decayed
+                    assert float(tscale[i, h]) == pytest.approx(float(tscale0[i, h] * r[i]), rel=1e-6)
+                    moved = (ver[i, h] != ver0[i, h]).sum() + (sla[i, h] != sla0[i, h]).sum()
+                    assert 0 < int(moved) <= 2 * int(count[i, h]), (chunks, i, h)
+
 
 def test_q_rows_read_in_place():
     """q_rows (lfps_head_sparsity, token_scores_at, quest_page_scores): each row reads
@@ -405,7 +445,7 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 @pytest.mark.parametrize("kernel", ["_lfps_finish_stats_kernel", "_lfps_finish_update_kernel"])
 def test_finish_kernels_compile_for_sm90(kernel):
     """The chunked finish as lfps_device launches it at 32768 x 8 over an e4m3 pool
-    (bf16 queries and output, GQA 2, 8 chunks) compiles for the H100/H200 (sm_90),
+    (bf16 queries and output, GQA 2, 8 chunks, the lazy decay) compiles for the H100/H200 (sm_90),
     its tables read and written in place with 4-byte accesses (the update launch:
     from the stats launch's kept logits and positions, no key gathered again)."""
     import importlib
@@ -413,7 +453,7 @@ def test_finish_kernels_compile_for_sm90(kernel):
     from sgl_sparse.kernels.testing import compile_sm90
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
-    const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8)
+    const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8, LAZY=True)
     if kernel == "_lfps_finish_stats_kernel":
         const.update(HEAD_DIM=128, BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, V_DIM=128, BLOCK_DV=128,
                      BLOCK_M=1024, BF16_RTNE=False)
@@ -422,7 +462,7 @@ def test_finish_kernels_compile_for_sm90(kernel):
     ptrs = {"Q": "*bf16", "O": "*bf16", "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64",
             "ROW": "*i64", "N": "*i32", "R": "*fp32", "CAND": "*i32", "IDX": "*i32", "COUNT": "*i32",
             "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32", "LOGITS": "*fp32",
-            "POS": "*i32"}
+            "POS": "*i32", "TSCALE": "*fp32", "NEWSCALE": "*fp32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
