@@ -107,3 +107,34 @@ def graph_replay_ms(fn, reps: int = 20, warm_replays: int = 0, capture_stream=No
         b.synchronize()
         out.append(a.elapsed_time(b))
     return statistics.median(out)
+
+
+def add_common_args(ap) -> None:
+    """The flags every kernel benchmark takes."""
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter")
+    ap.add_argument("--cases", default="", help="comma-separated case-name prefixes (default: all)")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def start(args, title: str):
+    """(use_cuda, device, SM count, environment dict, Timer) for a benchmark run, the
+    environment printed under ``title``; None when neither CUDA nor ``--smoke``."""
+    import json
+    import platform
+
+    import torch
+
+    use_cuda = use_cuda_or_exit(args.smoke)
+    if use_cuda is None:
+        return None
+    import triton
+
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else 4
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
+    print(f"# {title}\n" + json.dumps(env))
+    return use_cuda, dev, num_sms, env, Timer(use_cuda, args.warmup, args.rep, graphs=True)

@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_env import Timer, import_kernels, use_cuda_or_exit  # noqa: E402
+from _bench_env import add_common_args, import_kernels, start  # noqa: E402
 
 
 def _cases(smoke: bool):
@@ -49,12 +48,7 @@ def _cases(smoke: bool):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter")
-    ap.add_argument("--cases", default="", help="comma-separated case-name prefixes (default: all)")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_common_args(ap)
     return ap.parse_args(argv)
 
 
@@ -62,19 +56,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    use_cuda = use_cuda_or_exit(args.smoke)
-    if use_cuda is None:
+    started = start(args, "lfps priority benchmark")
+    if started is None:
         return 2
+    _, dev, num_sms, env, timer = started
     lt = import_kernels("lfps_tables")
     kernels_topk = import_kernels("topk_range")
-    import triton
-
-    dev = torch.device("cuda" if use_cuda else "cpu")
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if use_cuda else 4
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
-    print("# lfps priority benchmark\n" + json.dumps(env))
-    timer = Timer(use_cuda, args.warmup, args.rep, graphs=True)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     results, failures = [], []
     prefixes = [c for c in args.cases.split(",") if c]
