@@ -606,11 +606,12 @@ def _c2_chunk(count, cur_p, CHUNKS):
 
 
 #: The lazy decay's floor: a row's tables are renormalized (multiplied by their
-#: scale, scale 1) once the scale falls below it, every ~216 steps at r = 0.95. It
-#: bounds the stored values at 2^16 times the true ones, which keeps the
-#: thresholds' fourth central moments (Σd⁴ over up to ~2^17 positions) inside fp32:
-#: Eq. (15) bounds a table's sum, so its entries, by 0.5 / (1 - r).
-RENORM_BELOW = tl.constexpr(2.0 ** -16)
+#: scale, scale 1) once the scale falls below it, every ~108 steps at r = 0.95 (the
+#: tables' pass once in that many steps instead of every step). It bounds the stored
+#: values at 2^8 times the true ones, which keeps the thresholds' fourth central
+#: moments (Σd⁴ over up to ~2^17 positions) inside fp32 for any r: an entry gains at
+#: most 1 a step, so it stays below the steps decoded (~2^17) as well as 1 / (1 - r).
+RENORM_BELOW = tl.constexpr(2.0 ** -8)
 
 
 # the strides of the tables and of C2's lists follow their (static) widths
