@@ -870,7 +870,7 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     assert o.stride(2) == 1 and q.stride(2) == 1 and o.shape[1] == q.shape[1] and o.shape[2] == vbar.shape[2]
     assert r.shape == (s,) and r.dtype == torch.float32 and row.shape == (s,) and req_pool_idx.shape == (s,)
     assert count.is_contiguous() and bypass.is_contiguous() and cand.stride(2) == 1 and idx.stride(2) == 1
-    if s == 0 or hkv == 0 or k2 == 0:
+    if s == 0 or hkv == 0:
         return
     if chunks is None:
         chunks = finish_chunks(s, hkv, k2, device_num_sms(q.device), block_k)

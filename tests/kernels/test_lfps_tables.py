@@ -468,3 +468,28 @@ def test_finish_kernels_compile_for_sm90(kernel):
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
     assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got
+
+
+def test_finish_without_c2_width_still_writes_the_bypassed_heads():
+    """A C2 list of width 0 (no entry to update): the tables stay as they are and a
+    bypassed head's output rows still get V̄."""
+    gen = torch.Generator().manual_seed(3)
+    s, group, bs = 2, 2, 3
+    q = torch.randn(bs, HKV * group, D, generator=gen).half()
+    o = torch.zeros(bs, HKV * group, D, dtype=torch.float32)
+    k_pool = torch.randn(50, HKV, D, generator=gen).half()
+    r2t = torch.randint(0, 50, (2, 40), generator=gen, dtype=torch.int32)
+    rpi, row = torch.tensor([0, 1]), torch.tensor([2, 0])
+    n, r = torch.tensor([30, 20], dtype=torch.int32), torch.tensor([0.9, 0.9])
+    cand = torch.zeros(s, HKV, 4, dtype=torch.int32)
+    idx = torch.zeros(s, HKV, 0, dtype=torch.int32)
+    count = torch.zeros(s, HKV, dtype=torch.int32)
+    bypass = torch.tensor([[1, 0], [0, 0]], dtype=torch.int8)
+    vbar = torch.randn(s, HKV, D, generator=gen)
+    ver, sla = _tables(gen, s)
+    ver0, sla0 = ver.clone(), sla.clone()
+    tscale = torch.ones(s, HKV)
+    run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, 0.25,
+                  tscale=tscale)
+    assert torch.equal(o[2, :group], vbar[0, 0].expand(group, D)) and not o[2, group:].any() and not o[:2].any()
+    assert torch.equal(ver, ver0) and torch.equal(sla, sla0) and torch.equal(tscale, torch.ones(s, HKV))
