@@ -76,15 +76,22 @@ def _c0(VER_ROW, SLA_ROW, i, lo, n, M, tv, ts):
 
 
 @triton.jit
+def _share(lo, hi, cur_p, CHUNKS):
+    """Chunk cur_p's [start, stop) of [lo, hi) cut into CHUNKS near-equal chunks, in
+    order (empty past the range's end, and for an empty range)."""
+    size = (tl.maximum(hi - lo, 0) + CHUNKS - 1) // CHUNKS
+    start = tl.minimum(lo + cur_p * size, hi)
+    return start, tl.minimum(start + size, hi)
+
+
+@triton.jit
 def _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS):
     """(n, lo, the chunk's [start, stop)): a live row's valid range [lo, n) cut into
     CHUNKS near-equal chunks by its own length (n <= 0: no row)."""
     n = tl.minimum(tl.load(N + cur_s), M)
     lo = tl.maximum(tl.load(SINK + cur_s), 0)
-    span = tl.maximum(n - lo, 0)
-    size = (span + CHUNKS - 1) // CHUNKS
-    start = lo + cur_p * size
-    return n, lo, start, tl.minimum(start + size, n)
+    start, stop = _share(lo, n, cur_p, CHUNKS)
+    return n, lo, start, stop
 
 
 @triton.jit
@@ -597,14 +604,6 @@ def _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2):
     return n, byp, count
 
 
-@triton.jit
-def _c2_chunk(count, cur_p, CHUNKS):
-    """This program's share [k0, k1) of a row's C2 entries (near-equal, in order)."""
-    size = (count + CHUNKS - 1) // CHUNKS
-    k0 = tl.minimum(cur_p * size, count)
-    return k0, tl.minimum(k0 + size, count)
-
-
 #: The lazy decay's floor: a row's tables are renormalized (multiplied by their
 #: scale, scale 1) once the scale falls below it, every ~108 steps at r = 0.95 (the
 #: tables' pass once in that many steps instead of every step). It bounds the stored
@@ -710,7 +709,7 @@ def _lfps_finish_stats_kernel(
         lg_row = LOGITS + rh * GROUP * K2
         pos_row = POS + rh * K2
         # 1. this chunk's C2 logits, kept, and its share of each query head's softmax (online)
-        k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
+        k0, k1 = _share(0, count, cur_p, CHUNKS)  # this chunk's C2 entries
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(k0, k1, BLOCK_K):
@@ -739,9 +738,7 @@ def _lfps_finish_stats_kernel(
         if decay:
             ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
             sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
-            size_m = (M + CHUNKS - 1) // CHUNKS
-            m0 = cur_p * size_m
-            m1 = tl.minimum(m0 + size_m, M)
+            m0, m1 = _share(0, M, cur_p, CHUNKS)
             offs_m = tl.arange(0, BLOCK_M)
             for start in range(m0, m1, BLOCK_M):
                 pos = start + offs_m
@@ -786,7 +783,7 @@ def _lfps_finish_update_kernel(
     cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
     n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2)
-    k0, k1 = _c2_chunk(count, cur_p, CHUNKS)
+    k0, k1 = _share(0, count, cur_p, CHUNKS)  # this chunk's C2 entries
     if (n <= 0) | (byp != 0) | (k1 <= k0):
         return
     offs_h = tl.arange(0, BLOCK_H)
