@@ -83,7 +83,8 @@ with st.metrics.time_selector(dev, rows=3):
         torch.cuda._sleep(200_000_000)
     else:
         time.sleep(0.1)
-out["refresh_count_at_exit"] = refresh_sample("count")
+# the histogram's child for "m" exists from its first observation on: None before it
+out["refresh_count_at_exit"] = refresh_sample("count") or 0.0
 if forward is not None:
     out["refresh_observed"] = st.metrics._selector_reads.wait_idle(30)
 out["refresh_count"], out["refresh_s"] = refresh_sample("count"), refresh_sample("sum")
