@@ -6,23 +6,18 @@ call does not fail on the script."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_scripts import load_bench_script
 
 pytestmark = pytest.mark.sglang_independent
 
 
 def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location(
-        "bench_lfps_finish", os.path.join(ROOT, "bench", "kernels", "bench_lfps_finish.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("kernels/bench_lfps_finish.py")
     out = tmp_path / "f.json"
     assert mod.main(["--smoke", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]

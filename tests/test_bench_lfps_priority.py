@@ -4,19 +4,14 @@ program a row; C1 listed by the priorities' launches equals topk_range's), so th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_scripts import load_bench_script
 
 
 def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location(
-        "bench_lfps_priority", os.path.join(ROOT, "bench", "kernels", "bench_lfps_priority.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("kernels/bench_lfps_priority.py")
     out = tmp_path / "p.json"
     assert mod.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]

@@ -6,20 +6,15 @@ profiler's format."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench_script
+
 pytestmark = pytest.mark.sglang_independent
 
-_GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
-sys.path.insert(0, str(_GPU))
-_spec = importlib.util.spec_from_file_location("profile_decode", _GPU / "profile_decode.py")
-profile_decode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(profile_decode)
+profile_decode = load_bench_script("gpu/profile_decode.py")
 
 
 def _kernel(name: str, ts: float, dur: float, stream: int) -> dict:

@@ -7,15 +7,11 @@ between the SGLang venvs."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "server_compare", Path(__file__).resolve().parent.parent / "bench" / "gpu" / "server_compare.py")
-server_compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(server_compare)
+from tests.bench_scripts import load_bench_script
+
+server_compare = load_bench_script("gpu/server_compare.py")
 
 
 def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,

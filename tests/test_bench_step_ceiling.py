@@ -5,24 +5,18 @@ H100 profiles."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import BENCH, load_bench_script
+
 pytestmark = pytest.mark.sglang_independent
 
-_GPU = Path(__file__).resolve().parent.parent / "bench" / "gpu"
-_RESULTS = _GPU.parent / "results"
-sys.path.insert(0, str(_GPU))
-_spec = importlib.util.spec_from_file_location("step_ceiling", _GPU / "step_ceiling.py")
-step_ceiling = importlib.util.module_from_spec(_spec)
-sys.modules["step_ceiling"] = step_ceiling  # dataclasses look their module up there
-_spec.loader.exec_module(step_ceiling)
-from shapes import SHAPES, Shape  # noqa: E402  (bench/gpu, on the path above)
+_RESULTS = BENCH / "results"
+step_ceiling = load_bench_script("gpu/step_ceiling.py")
+from shapes import SHAPES, Shape  # noqa: E402  (bench/gpu, on the path load_bench_script puts it)
 
 
 def _run(backend, policy, span, busy, top, sparse=None, ctx=1000, batch=2):

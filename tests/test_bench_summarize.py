@@ -5,21 +5,16 @@ quest / asyncspade / lfps get no roofline (step_ceiling.py is their tool)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench_script
+
 pytestmark = pytest.mark.sglang_independent
 
-_GPU = Path(__file__).resolve().parent.parent / "bench" / "gpu"
-sys.path.insert(0, str(_GPU))
-_spec = importlib.util.spec_from_file_location("summarize", _GPU / "summarize.py")
-summarize = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(summarize)
-from shapes import SHAPES  # noqa: E402  (bench/gpu, on the path above)
+summarize = load_bench_script("gpu/summarize.py")
+from shapes import SHAPES  # noqa: E402  (bench/gpu, on the path load_bench_script puts it)
 
 SFI = {"policy": "sfi", "budget": 2048, "recent": 256, "sink": 4}
 

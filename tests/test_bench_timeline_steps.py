@@ -6,17 +6,15 @@ refresh step)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import BENCH, load_bench_script
+
 pytestmark = pytest.mark.sglang_independent
 
-_GPU = Path(__file__).resolve().parent.parent / "bench" / "gpu"
-_spec = importlib.util.spec_from_file_location("timeline_steps", _GPU / "timeline_steps.py")
-timeline_steps = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timeline_steps)
+timeline_steps = load_bench_script("gpu/timeline_steps.py")
 
 
 def _write(path: Path, rows: list[tuple[int, float, float, str]]) -> None:
@@ -47,7 +45,7 @@ def test_steps_cut_at_the_lm_head_and_slow_steps_broken_down(tmp_path):
 
 
 def test_the_committed_130k_burst():
-    path = _GPU.parent / "results" / "profile_decode_h200_130000x4_fp8_sfi_pinned_timeline_s33.csv.gz"
+    path = BENCH / "results" / "profile_decode_h200_130000x4_fp8_sfi_pinned_timeline_s33.csv.gz"
     out = timeline_steps.summarize(str(path), "nvjet_sm90_tst_384x8", 3.0, 3)
     assert out["steps"] == 32 and 2.0 < out["median_step_ms"] < 3.0
     slow, refresh = out["slow_steps"]

@@ -31,6 +31,7 @@ from sgl_sparse.policies.base import QUERY_AWARE_IDS
 from sgl_sparse.query_serving import QueryAwareRuntime
 from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
 from sgl_sparse.state import SparseState
+from tests.bench_scripts import load_bench_script
 
 # Loads no SGLang: CI runs it under one SGLang version (tests/ci_legs.py).
 pytestmark = pytest.mark.sglang_independent
@@ -544,14 +545,7 @@ def test_ops_per_layer_stay_few():
     its budget (topk_range then skips those rows): 0 / 0 + 19 / 20; lfps's finish in
     two launches over chunks of a row (one program a row walked C2's gathered keys
     twice, latency-bound: 176 us a layer at 32768 x 8, session 35): 0 / 0 + 20 / 21."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "bench", "kernels", "count_query_device_ops.py")
-    spec = importlib.util.spec_from_file_location("count_query_device_ops", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("kernels/count_query_device_ops.py")
     res = mod.count()
     assert res["other"].total <= 2, dict(res["other"].ops)
     assert res["first"].total <= 2, dict(res["first"].ops)
@@ -569,9 +563,6 @@ def test_one_policy_graph_runs_that_policy_alone(policy):
     alone: its rows get the torch path's selections, attention and stores, step after
     step; the other policies' stores are not touched (their rows are not in the
     batch); each layer launches that policy's kernels only."""
-    import importlib.util
-    import os
-
     pid = PolicyId[policy.upper()]
     gen = torch.Generator().manual_seed(11)
     ref, dev = Twin(2, use_kernels=False), Twin(2, use_kernels=True)
@@ -587,11 +578,7 @@ def test_one_policy_graph_runs_that_policy_alone(policy):
     for p, before in others.items():
         assert all(torch.equal(a, b) for a, b in zip(before, _store_tensors(dev.st.query_stores[p]))), p
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "bench", "kernels", "count_query_device_ops.py")
-    spec = importlib.util.spec_from_file_location("count_query_device_ops", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("kernels/count_query_device_ops.py")
 
     def narrow(twin):
         twin.rt.device.only = frozenset({pid})

@@ -525,13 +525,49 @@ def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, 
     heuristic = K.choose_num_splits(bs, hkv, max_kv_len, torch.cuda.get_device_properties(0).multi_processor_count
                                     if dev.type == "cuda" else 4, kv_fp8=kv_fp8)
     counts = [heuristic] + [c for c in (args.split_counts or []) if c != heuristic]
+    sfi = dict(key_norms=key_norms, q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
     timed = _time_at_splits(args, K, T, timer, case, ref, counts, max_kv_len=max_kv_len, split_counters=counters,
-                            key_norms=key_norms, q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
+                            **sfi)
     for ns, t, err in timed:
         results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step", frac=1.0, num_splits=ns, time_us=t,
                             bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err, heuristic=ns == heuristic))
     print(f"  slow step ctx={n} bs={bs} (KV + logits {total / 1e6:.1f} MB), us by split count: "
           + _split_line(args, timed, heuristic), flush=True)
+    served = time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, kv_fp8, **sfi)
+    if served is not None:
+        splits, grid, t, err = served
+        results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step_balanced", frac=1.0, num_splits=grid,
+                            row_splits=splits, time_us=t, bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err))
+        print(f"  slow step ctx={n} bs={bs} balanced as served (grid {grid} splits, rows {splits}): {t:.1f} us"
+              + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"), flush=True)
+
+
+def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, kv_fp8, **sfi):
+    """The slow step's launch as the backend makes it where the batch balances its
+    splits (``backend._balanced_row_splits``): the grid at BALANCE_FACTOR x the
+    heuristic's splits, each request's share from ``balanced_splits`` (over fp8, doubled
+    for long dense rows: FP8_DENSE_SPLIT_KEYS), the merge in one launch. Served at
+    131072 x 4 over e4m3 it took 534 us a layer where this benchmark's 16 splits took
+    397 (session 36): this row tells the launch from its surroundings. None where the
+    shape does not balance (batch 1, too many programs)."""
+    import importlib
+
+    td = importlib.import_module(K.two_segment_decode.__module__)
+    bs, hkv = case.q.shape[0], case.k_pool.shape[1]
+    sms = td.device_num_sms(case.q.device)
+    if not K.balances(bs, hkv, max_kv_len, sms, kv_fp8=kv_fp8):
+        return None
+    row_splits = K.balanced_splits(case.a_len, case.b_start, case.b_end, None, sms * td.programs_per_sm(kv_fp8) // hkv,
+                                   td.MAX_SPLITS, kv_fp8=kv_fp8)
+    grid = min(td.MAX_SPLITS, td.cdiv(max_kv_len, td.DEFAULT_MIN_SPLIT_LEN),
+               td.choose_num_splits(bs, hkv, max_kv_len, sms, kv_fp8=kv_fp8) * td.BALANCE_FACTOR)
+    out = case.q.new_empty(case.q.shape)
+    kw = dict(max_kv_len=max_kv_len, out=out, split_counters=counters, balance=True, row_splits=row_splits, **sfi)
+    run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+    out.fill_(float("nan"))
+    run()
+    err = T.rel_error(out.float(), ref)
+    return row_splits.tolist(), grid, timer.graph_us(run) or timer.eager_us(run), err
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):

@@ -133,15 +133,9 @@ def test_window_evidence_matches_the_selector_formula(dtype, group, w):
 
 def _count_refresh_ops():
     """bench/kernels/count_refresh_ops.py: its refresh problem (per-layer pools) and op counter."""
-    import importlib.util
-    import os
+    from tests.bench_scripts import load_bench_script
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "bench", "kernels", "count_refresh_ops.py")
-    spec = importlib.util.spec_from_file_location("count_refresh_ops", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("kernels/count_refresh_ops.py")
 
 
 @pytest.mark.parametrize("group, w", [(1, 1), (4, 3)])
