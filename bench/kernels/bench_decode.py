@@ -306,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as fh:
                 json.dump({"env": env, "args": vars(args), "copy_gbps": copy_gbps, "results": results,
-                           "failures": failures}, fh, indent=1)
+                           "failures": failures, "stage1_variants": compiled_variants(K)}, fh, indent=1)
 
     sparse_ctxs = set(args.sparse_contexts or args.contexts)
     for n in args.contexts:
@@ -373,6 +373,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.slow_step:
                 time_slow_step(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, dense_bytes,
                                counters, kv_dtype != dtype)
+                for v in compiled_variants(K):
+                    print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()), flush=True)
             if args.sweep:
                 sweep(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0, dense_bytes)
             del ref
@@ -533,6 +535,13 @@ def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, 
                             bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err, heuristic=ns == heuristic))
     print(f"  slow step ctx={n} bs={bs} (KV + logits {total / 1e6:.1f} MB), us by split count: "
           + _split_line(args, timed, heuristic), flush=True)
+    fused = _time_at_splits(args, K, T, timer, case, ref, [c for c in counts if c > 1], max_kv_len=max_kv_len,
+                            split_counters=counters, fused_merge=True, **sfi)
+    for ns, t, err in fused:
+        results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step_fused", frac=1.0, num_splits=ns, time_us=t,
+                            bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err))
+    print(f"  slow step ctx={n} bs={bs}, the merge in one launch, us by split count: "
+          + _split_line(args, fused, heuristic), flush=True)
     served = time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, kv_fp8, **sfi)
     if served is not None:
         splits, grid, t, err = served
@@ -568,6 +577,33 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
     run()
     err = T.rel_error(out.float(), ref)
     return row_splits.tolist(), grid, timer.graph_us(run) or timer.eager_us(run), err
+
+
+def compiled_variants(K) -> list[dict]:
+    """Registers, spills and shared memory of each compiled variant of the decode's
+    stage-1 kernel (by its constexpr flags): a variant that needs more registers
+    keeps fewer programs per SM resident. Empty on the interpreter or where this
+    Triton keeps its cache elsewhere."""
+    import importlib
+
+    fn = importlib.import_module(K.two_segment_decode.__module__)._two_segment_decode_stage1
+    fn = getattr(fn, "fn", fn)  # under the interpreter: no device caches
+    flags = ("DIRECT", "FUSED_MERGE", "BALANCE", "SAVE_LOGITS", "SAVE_Q", "STORE_KNORM", "HAS_ROW_MASK")
+    rows = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        for kernel in caches[0].values():
+            consts = {}
+            try:
+                names = fn.arg_names
+                for key, val in kernel.src.constants.items():
+                    name = names[key[0]] if isinstance(key, tuple) else key
+                    consts[name if isinstance(name, str) else str(name)] = val
+            except Exception:  # the layout of a compiled kernel's source differs across Triton versions
+                pass
+            rows.append({"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                         "shared": getattr(getattr(kernel, "metadata", None), "shared", None),
+                         **{f: consts.get(f) for f in flags}})
+    return rows
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):
