@@ -206,24 +206,30 @@ def _selector_refine(
     S, LO, HI, GAMMA, RADIUS, ETA, TAU, OUT,
     H, N,
     stride_r, stride_h,
-    R_MAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    R_LIMIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Soft-NMS (neighbours read from S, -inf off A and past the ends), then cross-head exclusivity."""
+    """Soft-NMS (neighbours read from S, -inf off A and past the ends), then cross-head exclusivity.
+
+    The halo is the row's own radius, a loop bound read at run time: one binary for
+    every radius a request may ask for (R_LIMIT, the config's bound, only clamps a
+    bad value). A compile-time halo took one binary per radius bucket, eight
+    compiled at start-up (18 s of Triton on an empty cache, 11 s of it the 64 halo's
+    unrolled loop), and every row of a launch read the group's largest halo."""
     cur_r, offs_n, offs_h, mask_h, lo, hi = _row_block(LO, HI, H, BLOCK_H, BLOCK_N)
     row = S + cur_r * stride_r + offs_h[:, None] * stride_h
     in_a = (offs_n >= lo) & (offs_n < hi)
     ok = mask_h[:, None] & in_a[None, :]
     s = tl.load(row + offs_n[None, :], mask=ok, other=float("-inf"))
-    radius = tl.load(RADIUS + cur_r)
+    radius = tl.minimum(tl.maximum(tl.load(RADIUS + cur_r), 0), R_LIMIT)
     m = s
-    for d in tl.static_range(1, R_MAX + 1):
+    for d in range(1, radius + 1):
         pl = offs_n - d
         pr = offs_n + d
         left = tl.load(row + pl[None, :], mask=mask_h[:, None] & ((pl >= lo) & (pl < hi))[None, :],
                        other=float("-inf"))
         right = tl.load(row + pr[None, :], mask=mask_h[:, None] & ((pr >= lo) & (pr < hi))[None, :],
                         other=float("-inf"))
-        m = tl.where(d <= radius, tl.maximum(m, tl.maximum(left, right)), m)
+        m = tl.maximum(m, tl.maximum(left, right))
     s = tl.where(ok, s - tl.load(GAMMA + cur_r) * (m - s), 0.0)
     # Exclusivity: log-softmax over the KV heads of s / tau (padded heads excluded).
     t = tl.where(mask_h[:, None], s / tl.load(TAU + cur_r), float("-inf"))
@@ -288,18 +294,8 @@ def selector_stats(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: t
 NMS_RADIUS_LIMIT = 64
 
 
-def nms_radius_bucket(radius: int) -> int:
-    """The Soft-NMS halo compiled for a group whose largest radius is `radius`: the
-    next power of two (0 stays 0). The halo is a compile-time loop bound and each row
-    masks past its own radius, so a bucket serves every radius up to it; 8 buckets
-    (0, 1, 2, ..., 64) instead of one binary per radius a request may choose, all
-    compiled at start-up (`selector_scores(..., warm_nms_buckets=True)`)."""
-    return 0 if radius <= 0 else next_pow2(radius)
-
-
 def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, knobs,
-                    *, block_n: int = 256, num_warps: int = 4, splits: int | None = None,
-                    warm_nms_buckets: bool = False) -> torch.Tensor:
+                    *, block_n: int = 256, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:
     """Refined Selector scores ``[R, H, N]`` fp32 (-inf off ``A = [lo, hi)``), as
     ``refined_scores_from_evidence(u, norms, lo, hi, knobs)``.
 
@@ -307,11 +303,9 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
         u: ``[R, H, N]`` fp32 evidence power mean (0 off A), contiguous.
         norms: ``[R, H, N]`` key norms (same layout).
         lo, hi: ``[R]`` candidate range per row.
-        knobs: ``SelectorKnobs`` with ``[R]`` tensors; ``knobs.nms_radius_max``
-            (host int, >= every radius) sizes the Soft-NMS halo at compile time.
+        knobs: ``SelectorKnobs`` with ``[R]`` tensors (each row's Soft-NMS radius
+            read on the device: one binary for every radius).
         splits: the stats' programs per (row, head) (:func:`selector_stats`).
-        warm_nms_buckets: also compile (not run) the Soft-NMS step for every radius
-            bucket (start-up warm-up: a request's radius never compiles mid-decode).
     """
     r, h, n = u.shape
     norms, lo32, hi32 = _f32(norms), _i32(lo), _i32(hi)
@@ -329,9 +323,5 @@ def selector_scores(u: torch.Tensor, norms: torch.Tensor, lo: torch.Tensor, hi: 
     )
     refine_args = (fused, lo32, hi32, _f32(knobs.nms_gamma), _i32(knobs.nms_radius), _f32(knobs.excl_eta),
                    _f32(knobs.excl_tau), out, h, n, u.stride(0), u.stride(1))
-    r_max = nms_radius_bucket(int(knobs.nms_radius_max))
-    if warm_nms_buckets:
-        for bucket in sorted({nms_radius_bucket(x) for x in range(NMS_RADIUS_LIMIT + 1)} - {r_max}):
-            _selector_refine.warmup(*refine_args, grid=grid, R_MAX=bucket, **common)
-    _selector_refine[grid](*refine_args, R_MAX=r_max, **common)
+    _selector_refine[grid](*refine_args, R_LIMIT=NMS_RADIUS_LIMIT, **common)
     return out

@@ -347,21 +347,19 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
                     specs: Sequence, scaling: float = 1.0) -> None:
     """Compile the refresh kernels at start-up for the variants `specs` (e.g. the
     server's default SFI policy) use: the first slow step's window and w = 1, the
-    Soft-NMS radius (every bucket a request may pick), the Top-K, each for the
+    Selector's scores (one binary for every Soft-NMS radius), the Top-K, each for the
     argument classes of _WARM_SHAPES (tests/kernels/test_warm_up_classes.py checks
     that a refresh launches nothing else).
     Otherwise the first SFI requests would wait for Triton in the middle of decoding.
     Nothing is written: the packing is masked off.
     """
-    for i, (rows, n) in enumerate(_WARM_SHAPES):
-        _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]),
-                 nms_buckets=i == 0)
+    for rows, n in _WARM_SHAPES:
+        _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]))
     if store.k.device.type == "cuda":
         torch.cuda.synchronize(store.k.device)
 
 
-def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int,
-             nms_buckets: bool = False) -> None:
+def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int) -> None:
     from sgl_sparse.kernels import (
         LayerPools,
         gather_key_norms,
@@ -388,9 +386,8 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
             u = window_evidence(q, k_pools, req_to_token, ridx, qpos, lo, hi, full(w), knobs.beta.float(), n,
                                 scaling, k_scales=_k_scales(store, 0, 1))
             norms = torch.ones_like(u)
-            # Every Soft-NMS radius bucket a request may pick (a compile-time loop
-            # bound), compiled once: the other argument classes do not key them.
-            selector_scores(u, norms, lo.long(), hi.long(), knobs, warm_nms_buckets=nms_buckets)
+            # the Soft-NMS radius is read on the device: this binary serves every radius
+            selector_scores(u, norms, lo.long(), hi.long(), knobs)
         if store.logits is not None and store.logit_len >= n:
             stored_evidence(store.logits[0], zero, lo, hi, knobs.beta.float(), n)
     # The key norms in the refresh's layout, as it gathers them per chunk of layers: the

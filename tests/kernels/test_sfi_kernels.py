@@ -233,9 +233,9 @@ def _selector_problem(seed, r, hkv, n, radii):
     return u, norms, lo, hi, specs
 
 
-# Radii 3 and 5 run in the halo buckets 4 and 8 (nms_radius_bucket): rows mask past their own.
+# Rows of one launch with different Soft-NMS radii (each its own loop bound), up to the config's 64.
 @pytest.mark.parametrize("r, hkv, n, radii", [(3, 2, 37, [2]), (5, 3, 300, [0, 1, 3]), (4, 8, 1100, [2, 0]),
-                                             (2, 2, 64, [5, 2])])
+                                             (2, 2, 64, [5, 2]), (3, 2, 150, [64, 0, 7])])
 def test_selector_scores_match_the_float64_formulas(r, hkv, n, radii):
     from sgl_sparse.selector import core
 

@@ -86,15 +86,31 @@ def test_binary_keys_follow_triton_classes():
     assert key(x, 2 ** 40, 7, BLOCK=4)[1] == ("n", ("i64", "D"))
 
 
-def test_nms_radius_buckets_cover_every_radius_a_request_may_ask_for():
+def test_one_soft_nms_binary_serves_every_radius_a_request_may_ask_for(monkeypatch):
+    """The Soft-NMS halo is each row's radius read on the device (clamped to the
+    config's bound): requests asking for radii 0, 2, 5 and 64 launch the binary a
+    default-radius warm-up compiled, nothing else."""
     from sgl_sparse.config import SfiPolicy
-    from sgl_sparse.kernels.selector_scores import NMS_RADIUS_LIMIT, nms_radius_bucket
+    from sgl_sparse.kernels import selector_scores
+    from sgl_sparse.kernels.selector_scores import NMS_RADIUS_LIMIT
+    from sgl_sparse.selector import core
 
     le = [m.le for m in SfiPolicy.model_fields["nms_radius"].metadata if hasattr(m, "le")]
     assert le == [NMS_RADIUS_LIMIT]
-    buckets = {nms_radius_bucket(r) for r in range(NMS_RADIUS_LIMIT + 1)}
-    assert buckets == {0, 1, 2, 4, 8, 16, 32, 64}
-    assert all(r <= nms_radius_bucket(r) <= max(2 * r - 1, r) for r in range(NMS_RADIUS_LIMIT + 1))
+    gen = torch.Generator().manual_seed(3)
+    r, hkv, n = 4, 2, 40
+    u, norms = torch.rand(r, hkv, n, generator=gen), torch.rand(r, hkv, n, generator=gen) + 1
+    lo, hi = torch.zeros(r, dtype=torch.long), torch.full((r,), n, dtype=torch.long)
+
+    def launch(radii):
+        knobs = core.SelectorKnobs.from_specs([SfiPolicy(nms_radius=x) for x in radii], "cpu", torch.float32)
+        selector_scores(u, norms, lo, hi, knobs)
+
+    with _binaries(monkeypatch, execute=False) as warm:
+        launch([SfiPolicy().nms_radius] * r)
+    with _binaries(monkeypatch, execute=False) as served:
+        launch([0, 2, 5, NMS_RADIUS_LIMIT])
+    assert served and served <= warm
 
 
 def _serving_refreshes(case, monkeypatch) -> None:
