@@ -18,8 +18,8 @@ launches:
   heads), written over ``[sink, n)`` only (what ``topk_range`` reads).
   ``Φ_sla(i) = sla[n - 2 - i]`` (0 for ``i = n - 1``), as
   ``queryaware.lfps.table_views``. The same math as ``queryaware.lfps.candidates``
-  (fp32 sums in another order). Each row's passes are cut into chunks (three
-  launches: sums, central moments, C1), since one program a row walking the whole
+  (fp32 sums in another order). Each row's passes are cut into chunks (two
+  launches: the chunks' moments, then C1), since one program a row walking the whole
   context three times was latency-bound (session 32: 110 us a layer at 32768 x 8).
 * :func:`lfps_select_out`: C2 (``cand[idx[i]]``, ``i < count``, ascending) ->
   the slot's batch row of ``a_pos`` / ``a_len``: its sinks, then the C2
@@ -94,32 +94,60 @@ def _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS):
     return n, lo, start, stop
 
 
+#: Floats a chunk's partials take in WORK: Φ_ver's and Φ_sla's mean and central sums
+#: Σd², Σd³, Σd⁴ (columns 0-3 and 4-7), then the chunk's C1 size (column C1_COL).
+WORK_W = 16
+C1_COL = 8
+
+
 @triton.jit
 def _work_row(WORK, cur_s, cur_h, nh, CHUNKS):
-    """A (slot, KV head) row's chunk partials in WORK [S, Hkv, CHUNKS, 8]."""
-    return WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 8
+    """A (slot, KV head) row's chunk partials in WORK [S, Hkv, CHUNKS, 16]."""
+    return WORK + ((cur_s * nh + cur_h) * CHUNKS).to(tl.int64) * 16
 
 
 @triton.jit
 def _row_column(WORK_ROW, col, CHUNKS, BLOCK_P: tl.constexpr):
     """Column `col` of a row's chunk partials, one entry a chunk (0 past CHUNKS)."""
     offs_p = tl.arange(0, BLOCK_P)
-    return tl.load(WORK_ROW + offs_p * 8 + col, mask=offs_p < CHUNKS, other=0.0)
+    return tl.load(WORK_ROW + offs_p * 16 + col, mask=offs_p < CHUNKS, other=0.0)
 
 
 @triton.jit
-def _row_sums(WORK_ROW, col, CHUNKS, BLOCK_P: tl.constexpr):
-    """Column `col` of a row's chunk partials, summed (every program of the row in the same order)."""
-    return tl.sum(_row_column(WORK_ROW, col, CHUNKS, BLOCK_P), 0)
+def _merge_moments(na, ma, m2a, m3a, m4a, nb, mb, m2b, m3b, m4b):
+    """Two parts' (count, mean, Σd², Σd³, Σd⁴ about their means) as one (Pébay 2008,
+    the pairwise update behind Welford's). A part of count 0 leaves the other as is:
+    every correction term carries a factor of its count."""
+    n = na + nb
+    n_safe = tl.maximum(n, 1.0)
+    d = mb - ma
+    dn = d / n_safe
+    ab = na * nb
+    mean = ma + d * (nb / n_safe)
+    m2 = m2a + m2b + d * dn * ab
+    m3 = m3a + m3b + d * dn * dn * ab * (na - nb) + 3.0 * dn * (na * m2b - nb * m2a)
+    m4 = (m4a + m4b + d * dn * dn * dn * ab * (na * na - ab + nb * nb)
+          + 6.0 * dn * dn * (na * na * m2b + nb * nb * m2a) + 4.0 * dn * (na * m3b - nb * m3a))
+    return n, mean, m2, m3, m4
+
+
+@triton.jit
+def _block_moments(x, ok):
+    """(count, mean, Σd², Σd³, Σd⁴) of the entries of one block where ok."""
+    nb = tl.sum(ok.to(tl.float32), 0)
+    mb = tl.sum(tl.where(ok, x, 0.0), 0) / tl.maximum(nb, 1.0)
+    d = tl.where(ok, x - mb, 0.0)
+    d2 = d * d
+    return nb, mb, tl.sum(d2, 0), tl.sum(d2 * d, 0), tl.sum(d2 * d2, 0)
 
 
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
-def _lfps_table_sums_kernel(
+def _lfps_table_stats_kernel(
     VER,  # [S, Hkv, M] fp32
     SLA,  # [S, Hkv, M] fp32
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
-    WORK,  # [S, Hkv, CHUNKS, 8] fp32 out: column 0 / 1 the chunk's sums of Φ_ver / Φ_sla
+    WORK,  # [S, Hkv, CHUNKS, 16] fp32 out: columns 0-7, this chunk's moments of both tables
     stride_vs,
     stride_vh,
     stride_ss,
@@ -128,6 +156,11 @@ def _lfps_table_sums_kernel(
     CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
+    """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla, block by
+    block in one pass (each block's about its own mean, merged): Eq. 8's kurtosis
+    thresholds need the row's, which the priorities' launch merges from its chunks'.
+    One read of the tables, where the sums then the central sums about the row's
+    means took two launches and two reads."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -137,69 +170,38 @@ def _lfps_table_sums_kernel(
     ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     offs = tl.arange(0, BLOCK_M)
-    sv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    nv, mv, v2, v3, v4 = 0.0, 0.0, 0.0, 0.0, 0.0
+    ns, ms, s2, s3, s4 = 0.0, 0.0, 0.0, 0.0, 0.0
     for start in range(c0, c1, BLOCK_M):
         pos = start + offs
         ok = pos < c1
-        sv += tl.load(ver + pos, mask=ok, other=0.0)
-        ss += _sla_at(sla, pos, ok, n, M)
-    work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 8
-    tl.store(work, tl.sum(sv, 0))
-    tl.store(work + 1, tl.sum(ss, 0))
+        b = _block_moments(tl.load(ver + pos, mask=ok, other=0.0), ok)
+        nv, mv, v2, v3, v4 = _merge_moments(nv, mv, v2, v3, v4, b[0], b[1], b[2], b[3], b[4])
+        b = _block_moments(_sla_at(sla, pos, ok, n, M), ok)
+        ns, ms, s2, s3, s4 = _merge_moments(ns, ms, s2, s3, s4, b[0], b[1], b[2], b[3], b[4])
+    work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 16
+    tl.store(work + 0, mv)
+    tl.store(work + 1, v2)
+    tl.store(work + 2, v3)
+    tl.store(work + 3, v4)
+    tl.store(work + 4, ms)
+    tl.store(work + 5, s2)
+    tl.store(work + 6, s3)
+    tl.store(work + 7, s4)
 
 
-@triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
-def _lfps_table_moments_kernel(
-    VER,
-    SLA,
-    N,
-    SINK,
-    WORK,  # in: columns 0 / 1 of every chunk; out: this chunk's columns 2-5
-    stride_vs,
-    stride_vh,
-    stride_ss,
-    stride_sh,
-    M,
-    CHUNKS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """The chunk's central sums about the row's means (Eq. 8's kurtosis_threshold in
-    two passes, as the reference): Σd², Σd⁴ of Φ_ver (columns 2, 3) and Φ_sla (4, 5)."""
-    cur_s = tl.program_id(0)
-    cur_h = tl.program_id(1)
-    cur_p = tl.program_id(2)
-    n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
-    if n <= 0:
-        return
-    row = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS)
-    cnt = tl.maximum(n - lo, 1).to(tl.float32)
-    mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
-    ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
-    ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
-    sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
-    offs = tl.arange(0, BLOCK_M)
-    v2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    v4 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s4 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(c0, c1, BLOCK_M):
-        pos = start + offs
-        ok = pos < c1
-        dv = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - mv, 0.0)
-        ds = tl.where(ok, _sla_at(sla, pos, ok, n, M) - ms, 0.0)
-        dv2 = dv * dv
-        ds2 = ds * ds
-        v2 += dv2
-        v4 += dv2 * dv2
-        s2 += ds2
-        s4 += ds2 * ds2
-    work = row + cur_p * 8
-    tl.store(work + 2, tl.sum(v2, 0))
-    tl.store(work + 3, tl.sum(v4, 0))
-    tl.store(work + 4, tl.sum(s2, 0))
-    tl.store(work + 5, tl.sum(s4, 0))
+@triton.jit
+def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr):
+    """A row's (mean, Σd², Σd⁴) of one table (columns col..col+3) from its chunks'
+    partials, merged in chunk order (every program of the row alike: the same
+    thresholds in each); a chunk's count from its bounds, as the stats launch cut them."""
+    cnt, mean, m2, m3, m4 = 0.0, 0.0, 0.0, 0.0, 0.0
+    for p in range(0, CHUNKS):
+        start, stop = _share(lo, n, p, CHUNKS)
+        w = ROW + p * 16 + col
+        cnt, mean, m2, m3, m4 = _merge_moments(cnt, mean, m2, m3, m4, (stop - start).to(tl.float32),
+                                               tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
+    return mean, m2, m4
 
 
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh", "stride_ps", "stride_ph"])
@@ -211,7 +213,7 @@ def _lfps_priority_kernel(
     SLA,  # [S, Hkv, M] fp32
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
-    WORK,  # [S, Hkv, CHUNKS, 8] fp32: columns 0-5 of every chunk
+    WORK,  # [S, Hkv, CHUNKS, 16] fp32: columns 0-7 of every chunk; out: this chunk's C1 size
     PRIO,  # [S, Hkv, M] fp32 out, written over [sink, n) only
     BYPASS,  # [S, Hkv] int8 out
     stride_rs,
@@ -225,7 +227,6 @@ def _lfps_priority_kernel(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     cur_s = tl.program_id(0)
@@ -243,15 +244,10 @@ def _lfps_priority_kernel(
     if cur_p == 0:
         tl.store(BYPASS + cur_s * nh + cur_h, bypass.to(tl.int8))
     a = tl.load(A + cur_s)
-    # Eq. (8)'s thresholds from every chunk's sums (each program of the row alike)
+    # Eq. (8)'s thresholds from every chunk's moments (each program of the row alike)
     row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
-    cnt = tl.maximum(n - lo, 1).to(tl.float32)
-    mv = _row_sums(row, 0, CHUNKS, BLOCK_P) / cnt
-    ms = _row_sums(row, 1, CHUNKS, BLOCK_P) / cnt
-    m2v = _row_sums(row, 2, CHUNKS, BLOCK_P)
-    m4v = _row_sums(row, 3, CHUNKS, BLOCK_P)
-    m2s = _row_sums(row, 4, CHUNKS, BLOCK_P)
-    m4s = _row_sums(row, 5, CHUNKS, BLOCK_P)
+    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS)
+    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS)
     kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
     ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
     tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
@@ -273,8 +269,8 @@ def _lfps_priority_kernel(
         c1_ = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
         members += c1_.to(tl.int32)
         tl.store(prio + pos, tl.where(c1_, v + s, float("-inf")), mask=ok)
-    # the chunk's C1 size (column 6, as a float: exact below 2^24), for lfps_c1_list
-    tl.store(row + cur_p * 8 + 6, tl.sum(members, 0).to(tl.float32))
+    # the chunk's C1 size (column 8, as a float: exact below 2^24), for lfps_c1_list
+    tl.store(row + cur_p * 16 + 8, tl.sum(members, 0).to(tl.float32))
 
 
 @triton.jit(do_not_specialize=["M", "K_MAX", "K2_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh",
@@ -283,7 +279,7 @@ def _lfps_c1_list_kernel(
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
     BUDGET,  # [S] int32: C1 entries kept at most (topk_range's budget)
-    WORK,  # [S, Hkv, CHUNKS, 8] fp32: column 6, the chunks' C1 sizes
+    WORK,  # [S, Hkv, CHUNKS, 16] fp32: column 8, the chunks' C1 sizes
     PRIO,  # [S, Hkv, M] fp32, written over [sink, n)
     OUT,  # [S, Hkv, K_MAX] int32 out: C1's positions, ascending
     OUT_LEN,  # [S, Hkv] int32 out: |C1|
@@ -325,7 +321,7 @@ def _lfps_c1_list_kernel(
     row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
     offs_p = tl.arange(0, BLOCK_P)
     # a row without a live request has no sizes written (its programs returned at once)
-    sizes = tl.where(n > 0, _row_column(row, 6, CHUNKS, BLOCK_P), 0.0).to(tl.int32)
+    sizes = tl.where(n > 0, _row_column(row, 8, CHUNKS, BLOCK_P), 0.0).to(tl.int32)
     total = tl.sum(sizes, 0)
     fits = (n > 0) & (total <= tl.minimum(tl.load(BUDGET + cur_s), K_MAX))
     fits2 = fits
@@ -357,7 +353,7 @@ def _lfps_c1_list_kernel(
 
 
 #: lfps_priority's programs a (slot, KV head) row aim at this many an SM in all (the
-#: three passes are latency-bound reads of fp32 tables: one program a row, 64 at
+#: passes are latency-bound reads of fp32 tables: one program a row, 64 at
 #: 32768 x 8, took 110 us a layer on an H200 for ~60 MB, session 32's profile).
 PRIORITY_PROGRAMS_PER_SM = 4
 PRIORITY_MAX_CHUNKS = 32
@@ -382,12 +378,12 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
     ``[S, Hkv, M]`` fp32 (one layer of the store), n / sink ``[S]`` int32 (``n <= 0``:
     no row, bypass 0, nothing read or written). ``chunks``: programs a row
-    (``priority_chunks`` by default); three launches, grid ``(S, Hkv, chunks)``: the
-    chunks' sums, their central moments about the row's means, then the thresholds
-    and C1 (each from every chunk's partials, in one order: the same in each program).
+    (``priority_chunks`` by default); two launches, grid ``(S, Hkv, chunks)``: the
+    chunks' means and central sums (one pass), then the thresholds and C1 (from every
+    chunk's partials merged in one order: the same in each program).
 
     ``c1_list`` = ``(budget [S] int32, out [S, Hkv, K] int32, out_len [S, Hkv] int32,
-    skip [S, Hkv] int32)``: a fourth launch lists C1 where it fits ``min(budget, K)``
+    skip [S, Hkv] int32)``: a third launch lists C1 where it fits ``min(budget, K)``
     (ascending into ``out``, its size into ``out_len``) and sets ``skip`` there (0
     elsewhere), so ``topk_range(prio, sink, n, budget, K, out=out, out_len=out_len,
     skip=skip)`` gives the same output as without it, selecting only the rows whose C1
@@ -415,18 +411,15 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     chunks = int(chunks)
     assert chunks >= 1, "chunks"
     # every column a launch reads is written first by a live row's programs (never read uninitialised)
-    work = torch.empty(s, hkv, chunks, 8, dtype=torch.float32, device=ver.device)
+    work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
     group = rho.shape[1] // hkv
     grid = (s, hkv, chunks)
-    tables = (ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m)
-    _lfps_table_sums_kernel[grid](*tables, CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps)
-    _lfps_table_moments_kernel[grid](*tables, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)), BLOCK_M=block_m,
-                                     num_warps=num_warps)
+    _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
+                                   sla.stride(1), m, CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps)
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
-        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
-        BLOCK_M=block_m, num_warps=num_warps,
+        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps,
     )
     if c1_list is not None:
         budget, out, out_len, skip = c1_list

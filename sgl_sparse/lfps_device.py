@@ -9,7 +9,8 @@ program per (slot, KV head) in every launch (the priorities' and C1's: several,
 each a chunk of the row):
   ρ           kernels/lfps_sparsity.py: the sink and local keys read in place
   tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
-              above eps), Eq. (8)'s thresholds, C0 / C1 and the priorities
+              above eps), Eq. (8)'s thresholds (the tables' moments in one
+              pass), C0 / C1 and the priorities
               Φ_ver + Φ_sla over the valid range [sink, n) only; where C1 fits
               the `candidates` budget (the usual case), C1 listed ascending, and
               where it also fits `budget`, C2 = C1 listed too
@@ -26,7 +27,7 @@ each a chunk of the row):
               Eq. (10) in place on the slots' tables
 Slots without an indexed row this step get n = 0 and budget 0: every program of
 theirs returns at once (reads nothing, writes nothing), so a step pays for its
-live slots only, and a batch without an lfps row pays ten near-empty launches
+live slots only, and a batch without an lfps row pays nine near-empty launches
 per layer, the queries read in place by the slots' batch rows (it was ~150 torch ops over [slots, Hkv, max_context]:
 bench/kernels/count_query_aware_ops.py).
 """

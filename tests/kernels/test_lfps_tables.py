@@ -12,7 +12,11 @@ import math
 import pytest
 import torch
 
-from sgl_sparse.kernels.lfps_tables import (finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
+import triton
+import triton.language as tl
+
+from sgl_sparse.kernels.lfps_tables import (WORK_W, _lfps_table_stats_kernel, _row_moments, _work_row,
+                                           finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
                                            priority_chunks)
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.kernels.topk_range import topk_range
@@ -115,6 +119,61 @@ def test_priority(group, chunks, block_m):
     assert torch.equal(count[live2], want_count[live2])
     for i, j in (want_count > 0).nonzero().tolist():
         assert torch.equal(idx[i, j, : int(want_count[i, j])], want_idx[i, j, : int(want_count[i, j])]), (i, j)
+
+
+@triton.jit
+def _row_moments_probe(WORK, N, SINK, OUT, M, CHUNKS: tl.constexpr):
+    """The priorities' merge of a row's chunk partials, as their launch runs it."""
+    cur_s = tl.program_id(0)
+    cur_h = tl.program_id(1)
+    n = tl.minimum(tl.load(N + cur_s), M)
+    lo = tl.maximum(tl.load(SINK + cur_s), 0)
+    row = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS)
+    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS)
+    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS)
+    out = OUT + (cur_s * tl.num_programs(1) + cur_h) * 6
+    tl.store(out + 0, mv)
+    tl.store(out + 1, m2v)
+    tl.store(out + 2, m4v)
+    tl.store(out + 3, ms)
+    tl.store(out + 4, m2s)
+    tl.store(out + 5, m4s)
+
+
+@pytest.mark.parametrize("chunks, block_m", [(1, 8), (3, 8), (7, 16), (32, 8)])
+def test_table_moments_in_one_pass_match_float64(chunks, block_m):
+    """Eq. 8's statistics in one pass over the tables: each block's mean and central
+    sums about its own mean merged into the chunk's (Pébay), the chunks' merged in
+    order by the priorities' launch, give each row's mean, Σd² and Σd⁴ of Φ_ver and
+    Φ_sla over [sink, n) (Φ_sla read backwards from n - 2): against float64, at chunks
+    of several blocks, of part of one, and empty (more chunks than a row has entries).
+    Non-negative tables of unequal blocks, as lfps's are (the rows' C1 comparisons
+    alone pass wrong merge coefficients: the thresholds move little on these rows)."""
+    gen = torch.Generator().manual_seed(chunks)
+    s = len(N)
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    ver, sla = _tables(gen, s)
+    ver += 3.0 * torch.linspace(0, 1, M)  # a trend across the blocks: their means differ
+    work = torch.full((s, HKV, chunks, WORK_W), float("nan"))
+    grid = (s, HKV, chunks)
+    _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
+                                   sla.stride(1), M, CHUNKS=chunks, BLOCK_M=block_m)
+    got = torch.full((s, HKV, 6), float("nan"))
+    _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks)
+    for i in range(s):
+        if int(n[i]) <= int(sink[i]):  # no row, or its sink covers it
+            continue
+        pos = torch.arange(int(sink[i]), int(n[i]))
+        off = int(n[i]) - 2 - pos
+        for h in range(HKV):
+            phi_sla = torch.where(off >= 0, sla[i, h, off.clamp(min=0)], 0.0).double()
+            want = []
+            for x in (ver[i, h, pos].double(), phi_sla):
+                d = x - x.mean()
+                want += [x.mean(), (d ** 2).sum(), (d ** 4).sum()]
+            want = torch.stack(want)
+            assert not got[i, h].isnan().any(), (i, h)
+            assert torch.allclose(got[i, h].double(), want, rtol=2e-5, atol=1e-6), (i, h, got[i, h], want)
 
 
 def test_priority_chunks_fill_the_gpu_from_static_shapes():
@@ -412,9 +471,8 @@ def test_gpu_priority_at_32k_slots_as_served():
 
 
 @pytest.mark.parametrize("kernel, const", [
-    ("_lfps_table_sums_kernel", dict(CHUNKS=8, BLOCK_M=1024)),
-    ("_lfps_table_moments_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
-    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_P=8, BLOCK_M=1024)),
+    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=1024)),
+    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=True)),
     ("_lfps_select_out_kernel", dict(BLOCK_K=2048, BLOCK_S=16, HAS_SLOTS=True, HAS_SCORED=True)),
