@@ -818,11 +818,14 @@ def _lfps_finish_update_kernel(
         tl.store(sla + off, tl.load(sla + off, mask=ok, other=0.0) + inc, mask=ok)
 
 
-#: lfps_finish's programs a row aim at this many an SM in all, as the priorities':
-#: one program a (slot, KV head) row walked its C2 keys (gathered through
-#: req_to_token, latency-bound) twice and its whole tables once, 176 us a layer at
-#: 32768 x 8 with C1 at 2.1% of the positions (session 35's profile, 4.9 ms a step).
-FINISH_PROGRAMS_PER_SM = 4
+#: lfps_finish's programs a row aim at this many an SM in all: one program a (slot,
+#: KV head) row walked its C2 keys (gathered through req_to_token, latency-bound)
+#: twice and its whole tables once, 176 us a layer at 32768 x 8 with C1 at 2.1% of
+#: the positions (session 35's profile, 4.9 ms a step). H200, e4m3 pool, the lazy
+#: decay, graph replay (bench_lfps_finish.py, results/lfps_finish_h200_s36.log), 4
+#: against 8 an SM: 32768 x 8 with |C2| 688 12.8 / 13.0 us, |C2| 2048 32.1 / 22.0,
+#: 130000 x 4 with |C2| 2048 17.1 / 14.8 (bf16 pools alike, 13.6 / 14.4 at 688).
+FINISH_PROGRAMS_PER_SM = 8
 FINISH_MAX_CHUNKS = 32
 
 

@@ -190,11 +190,11 @@ def test_priority_chunks_fill_the_gpu_from_static_shapes():
 def test_finish_chunks_fill_the_gpu_from_static_shapes():
     """A row's finish chunks: ~FINISH_PROGRAMS_PER_SM programs an SM over the slots'
     rows, never more than C2's blocks nor FINISH_MAX_CHUNKS, at least one."""
-    assert finish_chunks(8, 8, 2048, 132) == 8  # 32768 x 8: 512 programs a launch
-    assert finish_chunks(4, 8, 2048, 132) == 16  # 130000 x 4
+    assert finish_chunks(8, 8, 2048, 132) == 16  # 32768 x 8: 1024 programs a launch
+    assert finish_chunks(4, 8, 2048, 132) == 32  # 130000 x 4
     assert finish_chunks(1, 8, 1 << 16, 132) == 32  # the bound
     assert finish_chunks(8, 8, 40, 132) == 2  # C2's blocks
-    assert finish_chunks(64, 8, 2048, 132) == 1
+    assert finish_chunks(128, 8, 2048, 132) == 1
     assert finish_chunks(8, 8, 0, 132) == 1
 
 
