@@ -25,7 +25,7 @@ reads nothing. CUDA-graph capturable: no host sync, the grid from shapes only.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -34,7 +34,7 @@ import triton.language as tl
 from .token_scores import _common_checks, _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
 
-__all__ = ["lfps_head_sparsity"]
+__all__ = ["lfps_head_sparsity", "RhoFrom", "rho_launch_args"]
 
 
 @triton.jit
@@ -95,16 +95,27 @@ def _lfps_head_sparsity_kernel(
     FP32_DOT: tl.constexpr,
     HAS_Q_ROWS: tl.constexpr,
 ):
-    cur_b = tl.program_id(0)
-    cur_h = tl.program_id(1)
+    _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, OUT, Q_ROWS, sm_scale,
+                   stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh, stride_sb,
+                   stride_ob, tl.program_id(0), tl.program_id(1), HEAD_DIM, GROUP, BLOCK_H, BLOCK_N, BLOCK_D,
+                   Q_SPLIT, FP32_DOT, HAS_Q_ROWS)
+
+
+@triton.jit
+def _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, OUT, Q_ROWS, sm_scale,
+                   stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh, stride_sb,
+                   stride_ob, cur_b, cur_h, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+                   HAS_Q_ROWS: tl.constexpr):
+    """ρ of row cur_b's query heads in KV head cur_h's group (the module docstring's
+    formula): the body of _lfps_head_sparsity_kernel's programs, and of the first
+    chunk's programs of lfps_tables' stats launch (``lfps_priority(rho_from=...)``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
+    # n <= 0 (no row): both ranges below are empty, nothing of the pool is read, ρ = 0
     n = tl.load(N + cur_b)
     out = OUT + cur_b * stride_ob + cur_h * GROUP + offs_h
-    if n <= 0:
-        tl.store(out, tl.zeros([BLOCK_H], dtype=tl.float32), mask=mask_h)
-        return
     sink = tl.maximum(tl.load(SINK + cur_b), 0)
     local = tl.maximum(tl.load(LOCAL + cur_b), 0)
     tok_row = REQ_TO_TOKEN + tl.load(REQ_POOL_IDX + cur_b).to(tl.int64) * stride_r2t
@@ -129,7 +140,7 @@ def _lfps_head_sparsity_kernel(
     mx = tl.maximum(tl.maximum(ls, lg), ll)
     es = tl.exp(ls - mx)
     rho = es / (es + tl.exp(lg - mx) + tl.exp(ll - mx))
-    tl.store(out, rho, mask=mask_h)
+    tl.store(out, tl.where(n > 0, rho, 0.0), mask=mask_h)
 
 
 def lfps_head_sparsity(
@@ -161,6 +172,33 @@ def lfps_head_sparsity(
             any number of rows): the CUDA-graph path's slots read their batch rows'
             queries in place, no gather.
     """
+    args, meta, out = rho_launch_args(q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2,
+                                      sm_scale, out=out, q_rows=q_rows, block_n=block_n)
+    if out.shape[0] == 0:
+        return out
+    _lfps_head_sparsity_kernel[(out.shape[0], k_pool.shape[1])](*args, num_warps=num_warps, **meta)
+    return out
+
+
+class RhoFrom(NamedTuple):
+    """What ρ is computed from (``lfps_head_sparsity``'s arguments but the row's
+    n and sink), for a launch that computes it on the way (``lfps_priority(rho_from=)``)."""
+
+    q: torch.Tensor
+    k_pool: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_idx: torch.Tensor
+    local: torch.Tensor
+    kbar: torch.Tensor
+    sigma_hat2: torch.Tensor
+    sm_scale: float
+    q_rows: Optional[torch.Tensor] = None
+
+
+def rho_launch_args(q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, sm_scale, *,
+                    out=None, q_rows=None, block_n: int = 16) -> Tuple[tuple, dict, torch.Tensor]:
+    """(positional arguments, constexprs, out) of ``_head_sparsity`` for rows ``[bs]``
+    (``lfps_head_sparsity``'s checks; ``out`` allocated where None)."""
     _, num_kv_heads, head_dim, group = _common_checks(q, k_pool, req_to_token)
     bs = q.shape[0] if q_rows is None else q_rows.shape[0]
     if q_rows is not None:
@@ -173,13 +211,8 @@ def lfps_head_sparsity(
     if out is None:
         out = torch.empty((bs, num_kv_heads * group), dtype=torch.float32, device=q.device)
     assert out.shape == (bs, num_kv_heads * group) and out.dtype == torch.float32 and out.stride(1) == 1
-    if bs == 0:
-        return out
-    _lfps_head_sparsity_kernel[(bs, num_kv_heads)](
-        q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out,
-        q_rows if q_rows is not None else n, float(sm_scale),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-        kbar.stride(0), kbar.stride(1), sigma_hat2.stride(0), out.stride(0),
-        BLOCK_N=block_n, num_warps=num_warps, HAS_Q_ROWS=q_rows is not None, **group_tile_meta(q, k_pool),
-    )
-    return out
+    args = (q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out,
+            q_rows if q_rows is not None else n, float(sm_scale),
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+            kbar.stride(0), kbar.stride(1), sigma_hat2.stride(0), out.stride(0))
+    return args, dict(BLOCK_N=block_n, HAS_Q_ROWS=q_rows is not None, **group_tile_meta(q, k_pool)), out

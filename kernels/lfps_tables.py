@@ -53,6 +53,7 @@ import triton.language as tl
 
 from ._utils import cdiv, device_num_sms, needs_bf16_rtne, next_pow2
 from .indexed_slots import unpack_slots
+from .lfps_sparsity import RhoFrom, _head_sparsity, rho_launch_args
 from .asyncspade_predict import _round_bf16_rtne
 from .token_scores import _load_q_parts, group_tile_meta
 from .two_segment_decode import _dot
@@ -153,17 +154,32 @@ def _lfps_table_stats_kernel(
     stride_ss,
     stride_sh,
     M,
+    # ρ (HAS_RHO only; lfps_sparsity._head_sparsity's arguments, N and SINK the same)
+    Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, LOCAL, KBAR, SIGMA_HAT2, RHO, Q_ROWS, sm_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh, stride_sb, stride_rb,
     CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HAS_RHO: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 1, GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_N: tl.constexpr = 16,
+    BLOCK_D: tl.constexpr = 16, Q_SPLIT: tl.constexpr = False, FP32_DOT: tl.constexpr = False,
+    HAS_Q_ROWS: tl.constexpr = False,
 ):
     """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla, block by
     block in one pass (each block's about its own mean, merged): Eq. 8's kurtosis
     thresholds need the row's, which the priorities' launch merges from its chunks'.
     One read of the tables, where the sums then the central sums about the row's
-    means took two launches and two reads."""
+    means took two launches and two reads. HAS_RHO: each row's first chunk also
+    computes its group's ρ (lfps_head_sparsity's formula, what the priorities' bypass
+    reads), instead of a launch of its own before this one."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
+    if HAS_RHO:
+        if cur_p == 0:
+            _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, RHO, Q_ROWS,
+                           sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh,
+                           stride_sb, stride_rb, cur_s, cur_h, HEAD_DIM, GROUP, BLOCK_H, BLOCK_N, BLOCK_D, Q_SPLIT,
+                           FP32_DOT, HAS_Q_ROWS)
     n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
     if n <= 0:
         return
@@ -359,6 +375,11 @@ PRIORITY_PROGRAMS_PER_SM = 4
 PRIORITY_MAX_CHUNKS = 32
 
 
+def no_rho_args(n: torch.Tensor) -> tuple:
+    """_lfps_table_stats_kernel's ρ arguments without HAS_RHO: pointers and strides that stand in, unread."""
+    return (n,) * 9 + (1.0,) + (0,) * 9
+
+
 def priority_chunks(slots: int, kv_heads: int, max_context: int, num_sms: int, block_m: int = 1024) -> int:
     """Chunks a row's passes are cut into (static: the grid's third dimension):
     about PRIORITY_PROGRAMS_PER_SM programs an SM over the slots' rows, at most one a
@@ -372,7 +393,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
                   bypass: torch.Tensor | None = None, chunks: int | None = None, block_m: int = 1024,
                   num_warps: int = 4,
                   c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                  c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+                  c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                  rho_from: Optional[RhoFrom] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -391,10 +413,22 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     [S, Hkv], skip2 [S, Hkv])``, with ``c1_list``: where C1 also fits ``min(budget2,
     K2)``, C2 is all of it: ``idx`` 0..|C1|-1, ``count`` |C1|, ``skip2`` 1 (0
     elsewhere), the rank Top-K's output over C1's exact scores when they are finite
-    (as ``token_scores_at`` writes them below ``n_c1``)."""
+    (as ``token_scores_at`` writes them below ``n_c1``).
+
+    ``rho_from`` (a ``lfps_sparsity.RhoFrom``): ``rho`` is not read but written, by
+    the first launch's first chunk of each row (``lfps_head_sparsity``'s formula over
+    these slots' n and sink), before the priorities read it: one launch fewer."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
+    rho_args, rho_meta = (), {}
+    if rho_from is not None:
+        f = rho_from
+        rho_args, rho_meta, _ = rho_launch_args(f.q, f.k_pool, f.req_to_token, f.req_pool_idx, n, sink, f.local,
+                                                f.kbar, f.sigma_hat2, f.sm_scale, out=rho, q_rows=f.q_rows)
+        assert f.k_pool.shape[1] == hkv, "rho_from: the tables' KV heads"
+        rho_args = rho_args[:4] + rho_args[6:]  # N and SINK are the tables' own
+        rho_meta = dict(rho_meta, HAS_RHO=True)
     for name, t in (("n", n), ("sink", sink)):
         assert t.shape == (s,) and t.dtype == torch.int32 and t.is_contiguous(), name
     for name, t in (("eps", eps), ("a", a)):
@@ -414,8 +448,11 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
     group = rho.shape[1] // hkv
     grid = (s, hkv, chunks)
+    if not rho_args:
+        rho_args = no_rho_args(n)
     _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
-                                   sla.stride(1), m, CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps)
+                                   sla.stride(1), m, *rho_args, CHUNKS=chunks, BLOCK_M=block_m,
+                                   num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,

@@ -7,7 +7,8 @@ The torch path sizes its work by the group's longest sequence and reads a dense
 [g, n_max, Hkv, D] view of the keys, both host-decided. Here, per layer, one
 program per (slot, KV head) in every launch (the priorities' and C1's: several,
 each a chunk of the row):
-  ρ           kernels/lfps_sparsity.py: the sink and local keys read in place
+  ρ           kernels/lfps_sparsity.py's formula, the sink and local keys read in
+              place, in the tables' first launch (each row's first chunk)
   tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
               above eps), Eq. (8)'s thresholds (the tables' moments in one
               pass), C0 / C1 and the priorities
@@ -27,7 +28,7 @@ each a chunk of the row):
               Eq. (10) in place on the slots' tables
 Slots without an indexed row this step get n = 0 and budget 0: every program of
 theirs returns at once (reads nothing, writes nothing), so a step pays for its
-live slots only, and a batch without an lfps row pays nine near-empty launches
+live slots only, and a batch without an lfps row pays eight near-empty launches
 per layer, the queries read in place by the slots' batch rows (it was ~150 torch ops over [slots, Hkv, max_context]:
 bench/kernels/count_query_aware_ops.py).
 """
@@ -95,7 +96,7 @@ class LfpsDevice:
         """Segment A of the live slots' batch rows, IN PLACE into a_pos [bs, Hkv, >= capacity]
         and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention), and as
         pool slots into a_slots (shaped as a_pos) where given."""
-        from sgl_sparse.kernels.lfps_sparsity import lfps_head_sparsity
+        from sgl_sparse.kernels.lfps_sparsity import RhoFrom
         from sgl_sparse.kernels.lfps_tables import lfps_priority, lfps_select_out
         from sgl_sparse.kernels.token_scores import token_scores_at
         from sgl_sparse.kernels.topk_range import topk_range
@@ -104,9 +105,10 @@ class LfpsDevice:
         s, hkv = f.n.shape[0], k_cache.shape[1]
         dev = q3.device
         # each slot reads its row's query in place (slots without a row: row 0's, unused: n = 0)
-        # 1. ρ; 2-3. the bypass, C0, C1 and the priorities from the tables
-        rho = lfps_head_sparsity(q3, k_cache, req_to_token, f.rpi, f.n, f.sink, f.local, store.kbar[li],
-                                 store.sigma_hat2[li], scale, q_rows=f.sr.b_any)
+        # 1. ρ (in the tables' first launch); 2-3. the bypass, C0, C1 and the priorities
+        rho = torch.empty(s, q3.shape[1], dtype=torch.float32, device=dev)
+        rho_from = RhoFrom(q3, k_cache, req_to_token, f.rpi, f.local, store.kbar[li], store.sigma_hat2[li], scale,
+                           q_rows=f.sr.b_any)
         # C1 where it fits its budget (the usual case) listed by the priorities' own
         # launches, and C2 = C1 where C1 also fits C2's; topk_range selects the other
         # rows only
@@ -117,7 +119,8 @@ class LfpsDevice:
         count = torch.empty(s, hkv, dtype=torch.int32, device=dev)
         all_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
-                                     c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1))
+                                     c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1),
+                                     rho_from=rho_from)
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing

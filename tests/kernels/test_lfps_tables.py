@@ -17,7 +17,7 @@ import triton.language as tl
 
 from sgl_sparse.kernels.lfps_tables import (WORK_W, _lfps_table_stats_kernel, _row_moments, _work_row,
                                            finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
-                                           priority_chunks)
+                                           no_rho_args, priority_chunks)
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.kernels.topk_range import topk_range
 from sgl_sparse.queryaware.lfps import candidates
@@ -157,7 +157,7 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m):
     work = torch.full((s, HKV, chunks, WORK_W), float("nan"))
     grid = (s, HKV, chunks)
     _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
-                                   sla.stride(1), M, CHUNKS=chunks, BLOCK_M=block_m)
+                                   sla.stride(1), M, *no_rho_args(n), CHUNKS=chunks, BLOCK_M=block_m)
     got = torch.full((s, HKV, 6), float("nan"))
     _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks)
     for i in range(s):
@@ -174,6 +174,43 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m):
             want = torch.stack(want)
             assert not got[i, h].isnan().any(), (i, h)
             assert torch.allclose(got[i, h].double(), want, rtol=2e-5, atol=1e-6), (i, h, got[i, h], want)
+
+
+@pytest.mark.parametrize("group, chunks, kv_dtype", [(2, 3, torch.bfloat16), (1, 1, torch.float16),
+                                                     (3, 7, torch.float8_e4m3fn)])
+def test_priority_computes_rho_in_its_first_launch(group, chunks, kv_dtype):
+    """lfps_priority(rho_from=...): each row's first chunk computes ρ (lfps_head_sparsity's
+    formula over the slots' n and sink, the queries read through q_rows) in the tables'
+    first launch; ρ, the bypass and the priorities equal those of ρ computed first by
+    its own launch (rows without a request: ρ 0, nothing read)."""
+    from sgl_sparse.kernels.lfps_sparsity import RhoFrom, lfps_head_sparsity
+
+    gen = torch.Generator().manual_seed(group * 10 + chunks)
+    s, d = len(N), 16
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    local = torch.tensor([6, 1, 30, 5, 2], dtype=torch.int32)
+    ver, sla = _tables(gen, s)
+    k = (torch.randn(600, HKV, d, generator=gen) * 1.5).to(kv_dtype)
+    r2t = torch.randperm(600, generator=gen)[: s * 100].reshape(s, 100).to(torch.int32)
+    q_dtype = torch.bfloat16 if kv_dtype == torch.float8_e4m3fn else kv_dtype
+    q = (torch.randn(s + 2, HKV * group, d, generator=gen) * 1.5).to(q_dtype)
+    q_rows = torch.tensor([2, 0, 4, 6, 1])  # the slots' batch rows
+    kbar = torch.randn(s, HKV, d, generator=gen) * 0.3
+    sig = torch.rand(s, HKV * group, generator=gen) * 0.5
+    rpi, scale, a = torch.arange(s), d ** -0.5, torch.full((s,), 0.05)
+    rho_a = run_on_device(lfps_head_sparsity, q, k, r2t, rpi, n, sink, local, kbar, sig, scale, q_rows=q_rows)
+    eps = rho_a.view(s, HKV, group).mean(-1).mean(-1)  # heads above their slot's mean bypass
+    prio_a, byp_a = run_on_device(lfps_priority, rho_a, eps, a, ver, sla, n, sink, chunks=chunks, block_m=16)
+    rho_b = torch.full_like(rho_a, float("nan"))
+    prio_b, byp_b = run_on_device(lfps_priority, rho_b, eps, a, ver, sla, n, sink, chunks=chunks, block_m=16,
+                                  rho_from=RhoFrom(q, k, r2t, rpi, local, kbar, sig, scale, q_rows=q_rows))
+    assert torch.equal(rho_b, rho_a) and torch.equal(rho_b[1], torch.zeros(HKV * group))
+    assert torch.equal(byp_b, byp_a)
+    live = n > 0
+    assert byp_a[live].any() and not byp_a[live].all()
+    pos = torch.arange(M)
+    rng = (pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None])
+    assert torch.equal(prio_b[rng[:, None, :].expand_as(prio_b)], prio_a[rng[:, None, :].expand_as(prio_a)])
 
 
 def test_priority_chunks_fill_the_gpu_from_static_shapes():
@@ -471,7 +508,8 @@ def test_gpu_priority_at_32k_slots_as_served():
 
 
 @pytest.mark.parametrize("kernel, const", [
-    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=1024)),
+    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=1024, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
+                                      BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=False)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=True)),
@@ -498,6 +536,28 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
                        options={"num_warps": 4})
     assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got
+
+
+def test_stats_with_rho_compiles_for_sm90():
+    """The tables' first launch as lfps_device makes it (ρ in each row's first chunk,
+    over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks) compiles
+    for the H100/H200 (sm_90) without spilling; the ρ code takes no more than 128
+    registers a thread, so the chunks' programs keep their occupancy."""
+    import importlib
+
+    from sgl_sparse.kernels.testing import compile_sm90
+
+    fn = importlib.import_module("sgl_sparse.kernels.lfps_tables")._lfps_table_stats_kernel
+    ptrs = {"VER": "*fp32", "SLA": "*fp32", "N": "*i32", "SINK": "*i32", "WORK": "*fp32", "Q": "*bf16",
+            "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LOCAL": "*i32",
+            "KBAR": "*fp32", "SIGMA_HAT2": "*fp32", "RHO": "*fp32", "Q_ROWS": "*i64"}
+    const = dict(CHUNKS=8, BLOCK_M=1024, HAS_RHO=True, HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=16,
+                 BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=True)
+    sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
+           for a in fn.arg_names}
+    got = compile_sm90("sgl_sparse.kernels.lfps_tables", "_lfps_table_stats_kernel", sig, const, list(ptrs),
+                       options={"num_warps": 4}, resources=True)
+    assert got["stack_bytes"] == 0 and got["registers"] <= 128 and got.get("st.global.b32", 0) > 0, got
 
 
 @pytest.mark.parametrize("kernel", ["_lfps_finish_stats_kernel", "_lfps_finish_update_kernel"])
