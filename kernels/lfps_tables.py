@@ -96,9 +96,9 @@ def _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS):
 
 
 #: Floats a chunk's partials take in WORK: Φ_ver's and Φ_sla's mean and central sums
-#: Σd², Σd³, Σd⁴ (columns 0-3 and 4-7), then the chunk's C1 size (column C1_COL).
+#: Σd², Σd³, Σd⁴ (columns 0-3 and 4-7), then the chunk's C1 size (column 8). The
+#: kernels spell the width 16 (_work_row, _row_column).
 WORK_W = 16
-C1_COL = 8
 
 
 @triton.jit
