@@ -71,11 +71,13 @@ from .reference import (
 )
 from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import (
+    balanced_grid_splits,
     balanced_splits,
     balances,
     choose_num_splits,
     programs_per_sm,
     make_split_counters,
+    step_row_splits,
     two_segment_decode,
 )
 from .selector_scores import selector_scores, selector_stats
@@ -85,7 +87,9 @@ from .window_evidence import stored_evidence, window_evidence
 __all__ = [
     "two_segment_decode",
     "balanced_splits",
+    "balanced_grid_splits",
     "balances",
+    "step_row_splits",
     "pack_compact",
     "pack_compact_layers",
     "LayerPools",

@@ -78,7 +78,7 @@ from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switc
                      needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
-           "balanced_splits"]
+           "balanced_splits", "balanced_grid_splits", "step_row_splits"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -781,6 +781,30 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     return share.clamp(1, max_splits).int()
 
 
+def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+                         min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> Tuple[int, int]:
+    """(the heuristic's splits, the balanced grid's splits) of a launch whose splits
+    the heuristic picks: the grid allows BALANCE_FACTOR x the heuristic's, bounded by
+    MAX_SPLITS and by the keys (one split per ``min_split_len``)."""
+    base = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
+                             kv_fp8=kv_fp8)
+    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    return base, min(MAX_SPLITS, by_len, base * BALANCE_FACTOR)
+
+
+def step_row_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
+                    row_mask: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int, num_sms: int,
+                    kv_fp8: bool = False) -> Optional[torch.Tensor]:
+    """A step's splits per request for every layer's balanced launch (computed once a
+    step and passed as ``row_splits``), or None where the batch's shape does not
+    balance (:func:`balances`). The shares are of the heuristic's program target
+    over the KV heads, bounded by the grid inside the kernel."""
+    if not balances(b_end.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8):
+        return None
+    return balanced_splits(a_len, b_start, b_end, row_mask, num_sms * programs_per_sm(kv_fp8) // num_kv_heads,
+                           MAX_SPLITS, kv_fp8=kv_fp8)
+
+
 def make_split_counters(max_batch_size: int, num_kv_heads: int, device) -> torch.Tensor:
     """Zeroed arrival counters for ``two_segment_decode(..., fused_merge=True)``.
 
@@ -999,13 +1023,11 @@ def two_segment_decode(
     kv_fp8 = k_pool.dtype in FP8_KV_DTYPES
     programs = num_sms * programs_per_sm(kv_fp8)
     if num_splits is None:
-        num_splits = choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
-                                       kv_fp8=kv_fp8)
-        balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, num_splits, num_sms,
-                                                                           kv_fp8)
+        base, grid_splits = balanced_grid_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8)
+        num_splits = base
+        balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, base, num_sms, kv_fp8)
         if balance:
-            by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
-            base, num_splits = num_splits, min(MAX_SPLITS, by_len, num_splits * BALANCE_FACTOR)
+            num_splits = grid_splits
             if fused_merge is None:  # a request's splits stay around the heuristic's: see FUSED_MERGE_MAX_SPLITS
                 fused_merge = split_counters is not None and base <= FUSED_MERGE_MAX_SPLITS
     num_splits = int(max(1, num_splits))

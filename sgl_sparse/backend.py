@@ -403,17 +403,11 @@ class SparseAttnBackend(AttentionBackend):
         programs instead of holding the step."""
         if self.dense is None or not self._balance_step:
             return None
-        from sgl_sparse.kernels import balanced_splits, balances
+        from sgl_sparse.kernels import step_row_splits
         from sgl_sparse.kernels._utils import device_num_sms
-        from sgl_sparse.kernels.two_segment_decode import MAX_SPLITS, programs_per_sm
 
-        bs = plan.b_end.shape[0]
-        sms = device_num_sms(self.device)
-        if not balances(bs, self._num_kv_heads, self._max_kv_len, sms, kv_fp8=self._kv_fp8):
-            return None
-        return balanced_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:bs],
-                               sms * programs_per_sm(self._kv_fp8) // self._num_kv_heads, MAX_SPLITS,
-                               kv_fp8=self._kv_fp8)
+        return step_row_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:plan.b_end.shape[0]],
+                               self._num_kv_heads, self._max_kv_len, device_num_sms(self.device), kv_fp8=self._kv_fp8)
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor

@@ -29,4 +29,8 @@ def test_smoke_times_the_served_slow_step(tmp_path, monkeypatch):
     balanced = [r for r in rows if r["kernel"] == "ours_dense_slow_step_balanced"]
     # batch 1 does not balance; batch 2 does, each request's share within the grid
     assert {(r["ctx"], r["bs"]) for r in balanced} == {(96, 2), (160, 2)}
+    # each case times the served launch and one difference from it a row
+    for c in (96, 160):
+        names = [r["variant"] for r in balanced if r["ctx"] == c]
+        assert names[0] == "balanced as served" and len(names) == len(set(names)) == 7, names
     assert all(len(r["row_splits"]) == 2 and all(1 <= s for s in r["row_splits"]) for r in balanced)

@@ -287,6 +287,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     cur_fi: Dict[str, Optional[float]] = {}  # FlashInfer dense times at the current (ctx, bs)
 
+    printed_variants: set = set()
+
     def record(**row):
         t = row["time_us"]
         g = row.get("graph_us")
@@ -373,8 +375,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.slow_step:
                 time_slow_step(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, dense_bytes,
                                counters, kv_dtype != dtype)
-                for v in compiled_variants(K):
-                    print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()), flush=True)
+                for v in compiled_variants(K):  # each once: the cache keeps the earlier cases' too
+                    line = "  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items())
+                    if line not in printed_variants:
+                        printed_variants.add(line)
+                        print(line, flush=True)
             if args.sweep:
                 sweep(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, "ours_dense", 1.0, dense_bytes)
             del ref
@@ -542,41 +547,58 @@ def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, 
                             bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err))
     print(f"  slow step ctx={n} bs={bs}, the merge in one launch, us by split count: "
           + _split_line(args, fused, heuristic), flush=True)
-    served = time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, kv_fp8, **sfi)
-    if served is not None:
-        splits, grid, t, err = served
-        results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step_balanced", frac=1.0, num_splits=grid,
-                            row_splits=splits, time_us=t, bytes=total, gbps=total / (t * 1e-6) / 1e9, rel_err=err))
-        print(f"  slow step ctx={n} bs={bs} balanced as served (grid {grid} splits, rows {splits}): {t:.1f} us"
+    for name, grid, row_splits, t, err in time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters,
+                                                                  kv_fp8, **sfi):
+        results.append(dict(ctx=n, bs=bs, kernel="ours_dense_slow_step_balanced", variant=name, frac=1.0,
+                            num_splits=grid, row_splits=row_splits, time_us=t, bytes=total,
+                            gbps=total / (t * 1e-6) / 1e9, rel_err=err))
+        print(f"  slow step ctx={n} bs={bs} {name} (grid {grid} splits, rows {row_splits}): {t:.1f} us"
               + ("" if err < args.check_tol else f" (rel_err {err:.2g}: WRONG)"), flush=True)
 
 
 def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, kv_fp8, **sfi):
     """The slow step's launch as the backend makes it where the batch balances its
-    splits (``backend._balanced_row_splits``): the grid at BALANCE_FACTOR x the
+    splits (``kernels.step_row_splits``, once a step): the grid at BALANCE_FACTOR x the
     heuristic's splits, each request's share from ``balanced_splits`` (over fp8, doubled
     for long dense rows: FP8_DENSE_SPLIT_KEYS), the merge in one launch. Served at
-    131072 x 4 over e4m3 it took 534 us a layer where this benchmark's 16 splits took
-    397 (session 36): this row tells the launch from its surroundings. None where the
-    shape does not balance (batch 1, too many programs)."""
+    131072 x 4 over e4m3 it took 595 us a layer where the plain launch at 16 splits
+    took 397 (session 36), and without the slow step's side effects (bench_mixed_rows)
+    377: the rows beside it take one difference away each (the merge kernel instead of
+    the one-launch merge; no side effects; the logits alone; the query and key norm
+    alone; shares floored to the plain launch's 16). [] where the shape does not
+    balance (batch 1, too many programs)."""
     import importlib
 
     td = importlib.import_module(K.two_segment_decode.__module__)
-    bs, hkv = case.q.shape[0], case.k_pool.shape[1]
+    hkv = case.k_pool.shape[1]
     sms = td.device_num_sms(case.q.device)
-    if not K.balances(bs, hkv, max_kv_len, sms, kv_fp8=kv_fp8):
-        return None
-    row_splits = K.balanced_splits(case.a_len, case.b_start, case.b_end, None, sms * td.programs_per_sm(kv_fp8) // hkv,
-                                   td.MAX_SPLITS, kv_fp8=kv_fp8)
-    grid = min(td.MAX_SPLITS, td.cdiv(max_kv_len, td.DEFAULT_MIN_SPLIT_LEN),
-               td.choose_num_splits(bs, hkv, max_kv_len, sms, kv_fp8=kv_fp8) * td.BALANCE_FACTOR)
+    row_splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, max_kv_len, sms, kv_fp8=kv_fp8)
+    if row_splits is None:
+        return []
+    base, grid = K.balanced_grid_splits(case.q.shape[0], hkv, max_kv_len, sms, kv_fp8=kv_fp8)
+    logits_only = {k: sfi[k] for k in ("q_save", "q_save_slot", "logits_out")}
+    norms_query = {k: sfi[k] for k in ("key_norms", "q_save", "q_save_slot")}
+    plain = base * (2 if int(row_splits.max()) > base else 1)  # the fp8 doubling's plain launch
+    variants = [
+        ("balanced as served", dict(**sfi), row_splits),  # the heuristic sizes the grid
+        ("balanced, merge kernel", dict(num_splits=grid, fused_merge=False, **sfi), row_splits),
+        ("balanced, no side effects", dict(), row_splits),
+        ("balanced, logits only", logits_only, row_splits),
+        ("balanced, key norms + query only", norms_query, row_splits),
+        (f"balanced, shares floored to {plain}", dict(**sfi), row_splits.clamp(max=plain)),
+        (f"balanced in a grid of {plain}", dict(num_splits=plain, fused_merge=True, **sfi), row_splits.clamp(max=plain)),
+    ]
     out = case.q.new_empty(case.q.shape)
-    kw = dict(max_kv_len=max_kv_len, out=out, split_counters=counters, balance=True, row_splits=row_splits, **sfi)
-    run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
-    out.fill_(float("nan"))
-    run()
-    err = T.rel_error(out.float(), ref)
-    return row_splits.tolist(), grid, timer.graph_us(run) or timer.eager_us(run), err
+    rows = []
+    for name, extra, splits in variants:
+        kw = dict(max_kv_len=max_kv_len, out=out, split_counters=counters, balance=True, row_splits=splits, **extra)
+        run = lambda: K.two_segment_decode(*case.args(), **kw)  # noqa: E731
+        out.fill_(float("nan"))
+        run()
+        err = T.rel_error(out.float(), ref)
+        rows.append((name, kw.get("num_splits", grid), splits.tolist(), timer.graph_us(run) or timer.eager_us(run),
+                     err))
+    return rows
 
 
 def compiled_variants(K) -> list[dict]:

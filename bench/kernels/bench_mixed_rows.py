@@ -37,18 +37,11 @@ import json
 import torch
 from _bench_env import graph_replay_ms
 
-from sgl_sparse.kernels import balanced_splits, balances, make_split_counters, two_segment_decode
+from sgl_sparse.kernels import balanced_grid_splits, make_split_counters, step_row_splits, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
-from sgl_sparse.kernels.two_segment_decode import MAX_SPLITS, choose_num_splits, programs_per_sm
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
-
-
-def _factor() -> int:
-    import importlib
-
-    return importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR
 
 
 def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -74,7 +67,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
     counters = make_split_counters(bs, HKV, dev)
     scale = D ** -0.5
     sms = device_num_sms(dev)
-    base_splits = choose_num_splits(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+    base_splits, grid_splits = balanced_grid_splits(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
@@ -85,10 +78,9 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
         def step():
             # As the backend: the splits once per step, for every layer.
             kw = dict(balance=False)
-            if balance and balances(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8):
-                kw = dict(balance=True, row_splits=balanced_splits(a_len, b_start, b_end, None,
-                                                                   sms * programs_per_sm(fp8) // HKV, MAX_SPLITS,
-                                                                   kv_fp8=fp8))
+            row_splits = step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+            if balance and row_splits is not None:
+                kw = dict(balance=True, row_splits=row_splits)
             for _ in range(LAYERS):
                 two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
                                    max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
@@ -101,7 +93,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
     moved = LAYERS * keys * D * 2 * (1 if fp8 else 2)  # K and V bytes read
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "kv_dtype": str(kv_dtype).replace("torch.", ""),
             "splits": base_splits,
-            "balanced_grid_splits": min(64, base_splits * _factor()),
+            "balanced_grid_splits": grid_splits,
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
