@@ -7,6 +7,8 @@ between the SGLang venvs."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tests.bench_scripts import load_bench_script
@@ -113,3 +115,41 @@ def test_parse_policy_windows_named_runs_and_knob_overrides():
     assert label == "sfi-pinned:budget=1024:sentence_triggers=true"
     assert meta == {**server_compare.NAMED["sfi-pinned"], "budget": 1024, "sentence_triggers": True}
     assert server_compare.NAMED["sfi-pinned"]["budget"] == 2048  # the named run is not changed
+
+
+def test_a_run_past_a_query_aware_store_is_refused_before_any_server_starts(tmp_path):
+    """A case whose prompt plus --out-len passes query_aware.<policy>.max_context would
+    time the dense kernel under the policy's name (session 37's lfps row at 130000 x 4:
+    a store of 130304, 512 tokens out, 41% of the steps dense): refused, the field named."""
+    short = server_compare.store_shortfalls
+    qa = {"query_aware": {"lfps": {"max_context": 130304}, "quest": {"max_context": 130560}}}
+    assert short(qa, "lfps,quest", "130000x4", 512) == [
+        "query_aware.lfps.max_context 130304 < 130512 (the longest case's prompt + --out-len)"]
+    assert short(qa, "lfps:a=0.001,full", "130000x4", 128) == []  # 130128 fits
+    assert short(qa, "quest,sfi-pinned,full", "32768x8,130000x4", 512) == []
+    assert short(None, "lfps", "130000x4", 512) == [] and short({"query_aware": {}}, "lfps", "8x1", 9) == []
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("query_aware:\n  lfps: {slots: 4, max_context: 130304}\n")
+    args = argparse.Namespace(backends=f"flashinfer,sgl_sparse@{cfg}+SGLANG_SPARSE_X=1",
+                                             sparse_extra="", policies="lfps", cases="130000x4", out_len=512)
+    with pytest.raises(SystemExit, match=r"c\.yaml: query_aware\.lfps\.max_context 130304 < 130512"):
+        server_compare.check_stores(args)
+    args.out_len = 128
+    server_compare.check_stores(args)  # fits: no exit
+    args.backends, args.sparse_extra = "sgl_sparse", f"--sparse-config {cfg}"
+    args.out_len = 512
+    with pytest.raises(SystemExit):
+        server_compare.check_stores(args)
+
+
+def test_the_bench_configs_hold_the_runs_they_are_made_for():
+    """The 130000 x 4 query-aware config serves 512 generated tokens sparse to the end
+    (the GPU rows' OUT_LEN=512)."""
+    import yaml
+
+    from tests.bench_scripts import BENCH
+
+    with open(BENCH / "gpu" / "sparse_config_130k4_qa.yaml") as f:
+        cfg = yaml.safe_load(f)
+    assert server_compare.store_shortfalls(cfg, "quest,asyncspade,lfps", "130000x4", 512) == []

@@ -353,6 +353,41 @@ def sparse_flags(extra: str, config: str | None) -> list[str]:
     return flags + ["--sparse-config", config]
 
 
+def store_shortfalls(config: dict | None, policies: str, cases: str, out_len: int) -> list[str]:
+    """The query-aware stores of a --sparse-config too short for a run: a request whose
+    prompt plus generated tokens pass ``query_aware.<policy>.max_context`` is served by
+    the dense kernel from there on (reason context_exceeds_store), so its row would time
+    stock attention under the policy's name (session 37: lfps at 130000 x 4 with a store
+    of 130304 and 512 tokens out, 41% of its steps dense)."""
+    longest = max(int(c.split("x")[0]) for c in cases.split(",")) + out_len
+    stores = (config or {}).get("query_aware") or {}
+    short = []
+    for name in sorted({parse_policy(p)[1]["policy"] for p in policies.split(",")}):
+        limit = (stores.get(name) or {}).get("max_context")
+        if limit is not None and int(limit) < longest:
+            short.append(f"query_aware.{name}.max_context {limit} < {longest} (the longest case's prompt + --out-len)")
+    return short
+
+
+def check_stores(a) -> None:
+    """Refuse a run whose sgl_sparse servers' --sparse-config stores are too short
+    (store_shortfalls), before any server starts."""
+    import yaml
+
+    for spec in a.backends.split(","):
+        backend, config = split_backend(split_env(spec)[0])
+        if backend != "sgl_sparse":
+            continue
+        flags = sparse_flags(a.sparse_extra, config)
+        if "--sparse-config" not in flags:
+            continue
+        path = flags[flags.index("--sparse-config") + 1]
+        with open(path) as f:
+            short = store_shortfalls(yaml.safe_load(f), a.policies, a.cases, a.out_len)
+        if short:
+            sys.exit(f"server_compare: {path}: " + "; ".join(short))
+
+
 def log_name(spec: str) -> str:
     return "server-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in spec) + ".log"
 
@@ -496,6 +531,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--logdir", default="/tmp")
     a = ap.parse_args()
+    check_stores(a)
     runs = run_servers(a)
     base = runs[0]
     summary = {"device": os.popen("nvidia-smi --query-gpu=name --format=csv,noheader").read().strip(),
