@@ -109,7 +109,8 @@ def run_on_device(fn, *args, device=None, **kw):
             pairs.append((x, x.to(device)))
             return pairs[-1][1]
         if isinstance(x, tuple):  # e.g. the launchers' slots=(req_to_token, req_pool_idx, out)
-            return tuple(there(v) for v in x)
+            moved = [there(v) for v in x]
+            return type(x)(*moved) if hasattr(x, "_fields") else tuple(moved)  # a NamedTuple keeps its type
         return x
 
     out = fn(*[there(x) for x in args], **{k: there(v) for k, v in kw.items()})
