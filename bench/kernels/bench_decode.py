@@ -598,6 +598,7 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
         ("balanced, logits only", logits_only, row_splits),
         ("balanced, key norms + query only", norms_query, row_splits),
         (f"balanced, shares floored to {plain}", dict(**sfi), row_splits.clamp(max=plain)),
+        (f"balanced, no side effects, shares floored to {plain}", dict(), row_splits.clamp(max=plain)),
         (f"balanced in a grid of {plain}", dict(num_splits=plain, fused_merge=True, **sfi), row_splits.clamp(max=plain)),
     ]
     out = case.q.new_empty(case.q.shape)
