@@ -74,7 +74,7 @@ def _lfps_head_sparsity_kernel(
     LOCAL,  # [bs] int32
     KBAR,  # [bs, Hkv, D] fp32
     SIGMA_HAT2,  # [bs, Hq] fp32
-    OUT,  # [bs, Hq] fp32
+    RHO,  # [bs, Hq] fp32 out
     Q_ROWS,  # [bs] int: the row of Q of each row (only if HAS_Q_ROWS)
     sm_scale,
     stride_qb,
@@ -85,7 +85,7 @@ def _lfps_head_sparsity_kernel(
     stride_kbb,
     stride_kbh,
     stride_sb,
-    stride_ob,
+    stride_rb,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -95,9 +95,9 @@ def _lfps_head_sparsity_kernel(
     FP32_DOT: tl.constexpr,
     HAS_Q_ROWS: tl.constexpr,
 ):
-    _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, OUT, Q_ROWS, sm_scale,
+    _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, RHO, Q_ROWS, sm_scale,
                    stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh, stride_sb,
-                   stride_ob, tl.program_id(0), tl.program_id(1), HEAD_DIM, GROUP, BLOCK_H, BLOCK_N, BLOCK_D,
+                   stride_rb, tl.program_id(0), tl.program_id(1), HEAD_DIM, GROUP, BLOCK_H, BLOCK_N, BLOCK_D,
                    Q_SPLIT, FP32_DOT, HAS_Q_ROWS)
 
 
@@ -176,7 +176,7 @@ def lfps_head_sparsity(
                                       sm_scale, out=out, q_rows=q_rows, block_n=block_n)
     if out.shape[0] == 0:
         return out
-    _lfps_head_sparsity_kernel[(out.shape[0], k_pool.shape[1])](*args, num_warps=num_warps, **meta)
+    _lfps_head_sparsity_kernel[(out.shape[0], k_pool.shape[1])](**args, num_warps=num_warps, **meta)
     return out
 
 
@@ -196,9 +196,11 @@ class RhoFrom(NamedTuple):
 
 
 def rho_launch_args(q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, sm_scale, *,
-                    out=None, q_rows=None, block_n: int = 16) -> Tuple[tuple, dict, torch.Tensor]:
-    """(positional arguments, constexprs, out) of ``_head_sparsity`` for rows ``[bs]``
-    (``lfps_head_sparsity``'s checks; ``out`` allocated where None)."""
+                    out=None, q_rows=None, block_n: int = 16) -> Tuple[dict, dict, torch.Tensor]:
+    """(arguments by name, constexprs, out) of ``_head_sparsity`` for rows ``[bs]``
+    (``lfps_head_sparsity``'s checks; ``out`` allocated where None). The names are
+    ``_lfps_head_sparsity_kernel``'s parameters, which the kernels that compute ρ on
+    the way (``lfps_tables._lfps_table_stats_kernel``) share."""
     _, num_kv_heads, head_dim, group = _common_checks(q, k_pool, req_to_token)
     bs = q.shape[0] if q_rows is None else q_rows.shape[0]
     if q_rows is not None:
@@ -211,8 +213,9 @@ def rho_launch_args(q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar,
     if out is None:
         out = torch.empty((bs, num_kv_heads * group), dtype=torch.float32, device=q.device)
     assert out.shape == (bs, num_kv_heads * group) and out.dtype == torch.float32 and out.stride(1) == 1
-    args = (q, k_pool, req_to_token, req_pool_idx, n, sink, local, kbar, sigma_hat2, out,
-            q_rows if q_rows is not None else n, float(sm_scale),
-            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
-            kbar.stride(0), kbar.stride(1), sigma_hat2.stride(0), out.stride(0))
+    args = dict(Q=q, K_POOL=k_pool, REQ_TO_TOKEN=req_to_token, REQ_POOL_IDX=req_pool_idx, N=n, SINK=sink,
+                LOCAL=local, KBAR=kbar, SIGMA_HAT2=sigma_hat2, RHO=out, Q_ROWS=q_rows if q_rows is not None else n,
+                sm_scale=float(sm_scale), stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kt=k_pool.stride(0),
+                stride_kh=k_pool.stride(1), stride_r2t=req_to_token.stride(0), stride_kbb=kbar.stride(0),
+                stride_kbh=kbar.stride(1), stride_sb=sigma_hat2.stride(0), stride_rb=out.stride(0))
     return args, dict(BLOCK_N=block_n, HAS_Q_ROWS=q_rows is not None, **group_tile_meta(q, k_pool)), out

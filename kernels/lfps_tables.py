@@ -375,9 +375,13 @@ PRIORITY_PROGRAMS_PER_SM = 4
 PRIORITY_MAX_CHUNKS = 32
 
 
-def no_rho_args(n: torch.Tensor) -> tuple:
-    """_lfps_table_stats_kernel's ρ arguments without HAS_RHO: pointers and strides that stand in, unread."""
-    return (n,) * 9 + (1.0,) + (0,) * 9
+def no_rho_args(n: torch.Tensor) -> dict:
+    """_lfps_table_stats_kernel's ρ arguments without HAS_RHO, by name (those of
+    ``rho_launch_args`` but N and SINK): ``n`` for the pointers, 1.0 for the scale, 0
+    for the strides; stand-ins, unread."""
+    names = _lfps_table_stats_kernel.arg_names
+    rho = names[names.index("Q"):names.index("stride_rb") + 1]
+    return {k: 1.0 if k == "sm_scale" else 0 if k.startswith("stride_") else n for k in rho}
 
 
 def priority_chunks(slots: int, kv_heads: int, max_context: int, num_sms: int, block_m: int = 1024) -> int:
@@ -421,13 +425,13 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
-    rho_args, rho_meta = (), {}
+    rho_args, rho_meta = {}, {}
     if rho_from is not None:
         f = rho_from
         rho_args, rho_meta, _ = rho_launch_args(f.q, f.k_pool, f.req_to_token, f.req_pool_idx, n, sink, f.local,
                                                 f.kbar, f.sigma_hat2, f.sm_scale, out=rho, q_rows=f.q_rows)
         assert f.k_pool.shape[1] == hkv, "rho_from: the tables' KV heads"
-        rho_args = rho_args[:4] + rho_args[6:]  # N and SINK are the tables' own
+        rho_args = {k: v for k, v in rho_args.items() if k not in ("N", "SINK")}  # the tables' own, passed first
         rho_meta = dict(rho_meta, HAS_RHO=True)
     for name, t in (("n", n), ("sink", sink)):
         assert t.shape == (s,) and t.dtype == torch.int32 and t.is_contiguous(), name
@@ -451,7 +455,7 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     if not rho_args:
         rho_args = no_rho_args(n)
     _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
-                                   sla.stride(1), m, *rho_args, CHUNKS=chunks, BLOCK_M=block_m,
+                                   sla.stride(1), m, **rho_args, CHUNKS=chunks, BLOCK_M=block_m,
                                    num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,

@@ -159,7 +159,7 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m):
 
     def stats_then_merge(ver, sla, n, sink, work, got):
         _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, ver.stride(0), ver.stride(1),
-                                                   sla.stride(0), sla.stride(1), M, *no_rho_args(n), CHUNKS=chunks,
+                                                   sla.stride(0), sla.stride(1), M, **no_rho_args(n), CHUNKS=chunks,
                                                    BLOCK_M=block_m)
         _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks)
 
