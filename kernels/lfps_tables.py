@@ -132,16 +132,6 @@ def _merge_moments(na, ma, m2a, m3a, m4a, nb, mb, m2b, m3b, m4b):
     return n, mean, m2, m3, m4
 
 
-@triton.jit
-def _block_moments(x, ok):
-    """(count, mean, Σd², Σd³, Σd⁴) of the entries of one block where ok."""
-    nb = tl.sum(ok.to(tl.float32), 0)
-    mb = tl.sum(tl.where(ok, x, 0.0), 0) / tl.maximum(nb, 1.0)
-    d = tl.where(ok, x - mb, 0.0)
-    d2 = d * d
-    return nb, mb, tl.sum(d2, 0), tl.sum(d2 * d, 0), tl.sum(d2 * d2, 0)
-
-
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
 def _lfps_table_stats_kernel(
     VER,  # [S, Hkv, M] fp32
@@ -164,13 +154,17 @@ def _lfps_table_stats_kernel(
     BLOCK_D: tl.constexpr = 16, Q_SPLIT: tl.constexpr = False, FP32_DOT: tl.constexpr = False,
     HAS_Q_ROWS: tl.constexpr = False,
 ):
-    """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla, block by
-    block in one pass (each block's about its own mean, merged): Eq. 8's kurtosis
-    thresholds need the row's, which the priorities' launch merges from its chunks'.
-    One read of the tables, where the sums then the central sums about the row's
-    means took two launches and two reads. HAS_RHO: each row's first chunk also
-    computes its group's ρ (lfps_head_sparsity's formula, what the priorities' bypass
-    reads), instead of a launch of its own before this one."""
+    """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla in one pass:
+    each lane of the BLOCK_M-wide tile keeps the moments of the entries it has read
+    (each new entry merged as a part of count 1), and one tree reduction merges the
+    lanes at the end (Pébay's pairwise formulas as the combine: exact in real
+    arithmetic, stable in floats). Eq. 8's kurtosis thresholds need the row's, which
+    the priorities' launch merges from its chunks'. One read of the tables, and no
+    cross-warp reduction inside the loop: the per-block version reduced five sums a
+    table a block and ran at 0.94 TB/s served (session 37), where the plain sums ran at
+    1.7. HAS_RHO: each row's first chunk also computes its group's ρ
+    (lfps_head_sparsity's formula, what the priorities' bypass reads), instead of a
+    launch of its own before this one."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -186,15 +180,18 @@ def _lfps_table_stats_kernel(
     ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     offs = tl.arange(0, BLOCK_M)
-    nv, mv, v2, v3, v4 = 0.0, 0.0, 0.0, 0.0, 0.0
-    ns, ms, s2, s3, s4 = 0.0, 0.0, 0.0, 0.0, 0.0
+    zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    nv, mv, v2, v3, v4 = zero, zero, zero, zero, zero
+    ns, ms, s2, s3, s4 = zero, zero, zero, zero, zero
     for start in range(c0, c1, BLOCK_M):
         pos = start + offs
         ok = pos < c1
-        b = _block_moments(tl.load(ver + pos, mask=ok, other=0.0), ok)
-        nv, mv, v2, v3, v4 = _merge_moments(nv, mv, v2, v3, v4, b[0], b[1], b[2], b[3], b[4])
-        b = _block_moments(_sla_at(sla, pos, ok, n, M), ok)
-        ns, ms, s2, s3, s4 = _merge_moments(ns, ms, s2, s3, s4, b[0], b[1], b[2], b[3], b[4])
+        one = ok.to(tl.float32)  # a masked lane merges a part of count 0: unchanged
+        nv, mv, v2, v3, v4 = _merge_moments(nv, mv, v2, v3, v4, one, tl.load(ver + pos, mask=ok, other=0.0),
+                                            0.0, 0.0, 0.0)
+        ns, ms, s2, s3, s4 = _merge_moments(ns, ms, s2, s3, s4, one, _sla_at(sla, pos, ok, n, M), 0.0, 0.0, 0.0)
+    nv, mv, v2, v3, v4 = tl.reduce((nv, mv, v2, v3, v4), 0, _merge_moments)
+    ns, ms, s2, s3, s4 = tl.reduce((ns, ms, s2, s3, s4), 0, _merge_moments)
     work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 16
     tl.store(work + 0, mv)
     tl.store(work + 1, v2)
@@ -373,6 +370,10 @@ def _lfps_c1_list_kernel(
 #: 32768 x 8, took 110 us a layer on an H200 for ~60 MB, session 32's profile).
 PRIORITY_PROGRAMS_PER_SM = 4
 PRIORITY_MAX_CHUNKS = 32
+#: The table statistics' tile (its lanes' moments: ten fp32 accumulators an entry a
+#: thread): 512 compiles for sm_90 in 96 registers without spilling, 1024 in 168-175
+#: with a stack (tests/kernels/test_lfps_tables.py).
+STATS_BLOCK_M = 512
 
 
 def no_rho_args(n: torch.Tensor) -> dict:
@@ -455,7 +456,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     if not rho_args:
         rho_args = no_rho_args(n)
     _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
-                                   sla.stride(1), m, **rho_args, CHUNKS=chunks, BLOCK_M=block_m,
+                                   sla.stride(1), m, **rho_args, CHUNKS=chunks,
+                                   BLOCK_M=min(block_m, STATS_BLOCK_M),
                                    num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,

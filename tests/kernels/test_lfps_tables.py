@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.lfps_tables import (WORK_W, _lfps_table_stats_kernel, _row_moments, _work_row,
-                                           finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
+from sgl_sparse.kernels.lfps_tables import (STATS_BLOCK_M, WORK_W, _lfps_table_stats_kernel, _row_moments,
+                                           _work_row, finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
                                            no_rho_args, priority_chunks)
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.kernels.topk_range import topk_range
@@ -512,7 +512,7 @@ def test_gpu_priority_at_32k_slots_as_served():
 
 
 @pytest.mark.parametrize("kernel, const", [
-    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=1024, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
+    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
                                       BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=False)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
@@ -544,9 +544,10 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 
 def test_stats_with_rho_compiles_for_sm90():
     """The tables' first launch as lfps_device makes it (ρ in each row's first chunk,
-    over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks) compiles
-    for the H100/H200 (sm_90) without spilling; the ρ code takes no more than 128
-    registers a thread, so the chunks' programs keep their occupancy."""
+    over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks, its tile
+    of STATS_BLOCK_M lanes' moments) compiles for the H100/H200 (sm_90) without
+    spilling in no more than 128 registers a thread, so the chunks' programs keep
+    their occupancy."""
     import importlib
 
     from sgl_sparse.kernels.testing import compile_sm90
@@ -555,7 +556,7 @@ def test_stats_with_rho_compiles_for_sm90():
     ptrs = {"VER": "*fp32", "SLA": "*fp32", "N": "*i32", "SINK": "*i32", "WORK": "*fp32", "Q": "*bf16",
             "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LOCAL": "*i32",
             "KBAR": "*fp32", "SIGMA_HAT2": "*fp32", "RHO": "*fp32", "Q_ROWS": "*i64"}
-    const = dict(CHUNKS=8, BLOCK_M=1024, HAS_RHO=True, HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=16,
+    const = dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=True, HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=16,
                  BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=True)
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
