@@ -162,18 +162,21 @@ def _lfps_table_stats_kernel(
     the priorities' launch merges from its chunks'. One read of the tables, and no
     cross-warp reduction inside the loop: the per-block version reduced five sums a
     table a block and ran at 0.94 TB/s served (session 37), where the plain sums ran at
-    1.7. HAS_RHO: each row's first chunk also computes its group's ρ
-    (lfps_head_sparsity's formula, what the priorities' bypass reads), instead of a
-    launch of its own before this one."""
+    1.7. HAS_RHO: one more program a row (the grid's last, past the chunks') computes
+    its group's ρ (lfps_head_sparsity's formula, what the priorities' bypass reads),
+    instead of a launch of its own before this one; beside the chunks' programs, not
+    in one of them, so the launch lasts as long as the longer of the two, not their
+    sum."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
     if HAS_RHO:
-        if cur_p == 0:
+        if cur_p == CHUNKS:
             _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, SIGMA_HAT2, RHO, Q_ROWS,
                            sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_r2t, stride_kbb, stride_kbh,
                            stride_sb, stride_rb, cur_s, cur_h, HEAD_DIM, GROUP, BLOCK_H, BLOCK_N, BLOCK_D, Q_SPLIT,
                            FP32_DOT, HAS_Q_ROWS)
+            return
     n, lo, c0, c1 = _chunk_of(N, SINK, M, cur_s, cur_p, CHUNKS)
     if n <= 0:
         return
@@ -421,8 +424,9 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     (as ``token_scores_at`` writes them below ``n_c1``).
 
     ``rho_from`` (a ``lfps_sparsity.RhoFrom``): ``rho`` is not read but written, by
-    the first launch's first chunk of each row (``lfps_head_sparsity``'s formula over
-    these slots' n and sink), before the priorities read it: one launch fewer."""
+    the first launch's last program of each row, past its chunks
+    (``lfps_head_sparsity``'s formula over these slots' n and sink), before the
+    priorities read it: one launch fewer."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -455,10 +459,10 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     grid = (s, hkv, chunks)
     if not rho_args:
         rho_args = no_rho_args(n)
-    _lfps_table_stats_kernel[grid](ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0),
-                                   sla.stride(1), m, **rho_args, CHUNKS=chunks,
-                                   BLOCK_M=min(block_m, STATS_BLOCK_M),
-                                   num_warps=num_warps, **rho_meta)
+    rho_programs = 1 if rho_from is not None else 0  # ρ's own program a row, past the chunks'
+    _lfps_table_stats_kernel[(s, hkv, chunks + rho_programs)](
+        ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, **rho_args,
+        CHUNKS=chunks, BLOCK_M=min(block_m, STATS_BLOCK_M), num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,

@@ -8,7 +8,7 @@ The torch path sizes its work by the group's longest sequence and reads a dense
 program per (slot, KV head) in every launch (the priorities' and C1's: several,
 each a chunk of the row):
   ρ           kernels/lfps_sparsity.py's formula, the sink and local keys read in
-              place, in the tables' first launch (each row's first chunk)
+              place, in the tables' first launch (a program of its own a row)
   tables      kernels/lfps_tables.lfps_priority: the bypass (group mean of ρ
               above eps), Eq. (8)'s thresholds (the tables' moments in one
               pass), C0 / C1 and the priorities

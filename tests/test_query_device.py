@@ -546,7 +546,7 @@ def test_ops_per_layer_stay_few():
     two launches over chunks of a row (one program a row walked C2's gathered keys
     twice, latency-bound: 176 us a layer at 32768 x 8, session 35): 0 / 0 + 20 / 21;
     the tables' sums and central sums in one pass (each chunk's moments merged):
-    0 / 0 + 19 / 20; ρ in that launch's first chunk of each row: 0 / 0 + 18 / 19."""
+    0 / 0 + 19 / 20; ρ in that launch (a program of each row): 0 / 0 + 18 / 19."""
     mod = load_bench_script("kernels/count_query_device_ops.py")
     res = mod.count()
     assert res["other"].total <= 2, dict(res["other"].ops)

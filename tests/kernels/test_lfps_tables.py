@@ -183,10 +183,10 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m):
 @pytest.mark.parametrize("group, chunks, kv_dtype", [(2, 3, torch.bfloat16), (1, 1, torch.float16),
                                                      (3, 7, torch.float8_e4m3fn)])
 def test_priority_computes_rho_in_its_first_launch(group, chunks, kv_dtype):
-    """lfps_priority(rho_from=...): each row's first chunk computes ρ (lfps_head_sparsity's
-    formula over the slots' n and sink, the queries read through q_rows) in the tables'
-    first launch; ρ, the bypass and the priorities equal those of ρ computed first by
-    its own launch (rows without a request: ρ 0, nothing read)."""
+    """lfps_priority(rho_from=...): a program of each row past its chunks computes ρ
+    (lfps_head_sparsity's formula over the slots' n and sink, the queries read through
+    q_rows) in the tables' first launch; ρ, the bypass and the priorities equal those
+    of ρ computed first by its own launch (rows without a request: ρ 0, nothing read)."""
     from sgl_sparse.kernels.lfps_sparsity import RhoFrom, lfps_head_sparsity
 
     gen = torch.Generator().manual_seed(group * 10 + chunks)
@@ -543,7 +543,7 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 
 
 def test_stats_with_rho_compiles_for_sm90():
-    """The tables' first launch as lfps_device makes it (ρ in each row's first chunk,
+    """The tables' first launch as lfps_device makes it (ρ in a program of each row past its chunks,
     over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks, its tile
     of STATS_BLOCK_M lanes' moments) compiles for the H100/H200 (sm_90) without
     spilling in no more than 128 registers a thread, so the chunks' programs keep
