@@ -814,6 +814,26 @@ def test_balanced_splits_are_shares_of_the_programs_by_keys():
     assert K.balanced_splits(torch.zeros(2, 8, **i32), empty, empty, None, 33, 4).tolist() == [1, 1]
 
 
+def test_step_row_splits_and_the_balanced_grid_as_the_wrapper_sizes_them():
+    """step_row_splits: None where the batch does not balance (batch 1), else the
+    shares of the heuristic's program target (what the backend passes every layer);
+    balanced_grid_splits: the heuristic's splits and BALANCE_FACTOR x them, bounded by
+    MAX_SPLITS and by the keys."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    i32 = dict(dtype=torch.int32)
+    a = torch.zeros(4, 8, **i32)
+    b0, b1 = torch.zeros(4, **i32), torch.tensor([130512, 2308, 2308, 2308], **i32)
+    got = K.step_row_splits(a, b0, b1, None, 8, 140000, 132)
+    want = K.balanced_splits(a, b0, b1, None, 132 * tsd.programs_per_sm(False) // 8, tsd.MAX_SPLITS)
+    assert torch.equal(got, want) and int(got[0]) > int(got[1])
+    assert K.step_row_splits(a[:1], b0[:1], b1[:1], None, 8, 140000, 132) is None  # batch 1
+    base = K.choose_num_splits(4, 8, 140000, 132)
+    assert K.balanced_grid_splits(4, 8, 140000, 132) == (base, min(tsd.MAX_SPLITS, base * tsd.BALANCE_FACTOR))
+    assert K.balanced_grid_splits(4, 8, 300, 132)[1] == 3  # the keys bound it: one split per 128
+
+
 def test_balanced_splits_double_over_fp8_for_dense_steps():
     """Over fp8 a step whose programs would each read >= FP8_DENSE_SPLIT_KEYS keys
     (an SFI slow step at 131072 x 4: every row dense) takes twice the programs; the
