@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""
+Probe: the SFI slow step's decode launch with and without BALANCE, for Nsight Compute
+=====================================================================================
+
+    PYTHONPATH=$PWD ncu --set full -k regex:_two_segment_decode_stage1 --launch-skip 4 --launch-count 2 \\
+        -o $OUT/balance python3 bench/kernels/probe_balanced_launch.py --out $OUT/probe.json
+
+Session 37 timed the slow step's launch at 131072 x 4 over e4m3 (every row dense,
+key norms stored, the query saved, the logits kept) at 399 us a layer with 16 splits,
+and the same partition launched with ``balance=True`` (a grid of 16, 16 a request:
+the same chunks, the same relative error to the last digit, its PTX one load and a
+branch apart) at 625 us, in ``bench_decode.py --slow-step``. This script launches the
+two once each after two warm launches apiece (so ``--launch-skip 4 --launch-count 2``
+profiles exactly the pair: the plain launch first), then times them alternately with
+CUDA events (``--rounds`` each, medians), to hold the numbers against a profile's
+achieved occupancy, DRAM throughput and warp stalls. ``--no-side-effects``: the same
+without the slow step's stores.
+
+``--smoke``: a small shape on the CPU interpreter (the two outputs checked equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from _bench_env import import_kernels, use_cuda_or_exit
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU interpreter")
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--splits", type=int, default=16, help="the grid's splits, and every request's")
+    ap.add_argument("--kv-dtype", choices=("fp8_e4m3", "bf16"), default="fp8_e4m3")
+    ap.add_argument("--no-side-effects", action="store_true")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    cuda = use_cuda_or_exit(a.smoke)
+    if cuda is None:
+        return 2
+    import torch
+
+    K = import_kernels()
+    T = import_kernels("testing")
+    dev = "cuda" if cuda else "cpu"
+    n, bs, hkv, group, d = (a.ctx, a.batch, 8, 2, 128) if cuda else (160, 2, 2, 2, 128)
+    case = T.make_decode_case([n] * bs, [0] * bs, [(0, n)] * bs, num_kv_heads=hkv, group=group, head_dim=d,
+                              cap=16, dtype=torch.bfloat16, device=dev, seed=37, empty_slot_value=None)
+    if a.kv_dtype == "fp8_e4m3":  # the pool as an fp8 cache holds it (unit scales)
+        case = T.DecodeCase(**{**case.__dict__, **{f: getattr(case, f).to(torch.float8_e4m3fn)
+                                                   for f in ("k_pool", "v_pool", "a_k", "a_v")}})
+    sfi = {}
+    if not a.no_side_effects:
+        sfi = dict(key_norms=torch.zeros(case.k_pool.shape[0], hkv, device=dev),
+                   q_save=torch.empty(bs, hkv * group, d, dtype=case.q.dtype, device=dev),
+                   q_save_slot=torch.arange(bs, dtype=torch.int32, device=dev),
+                   logits_out=torch.empty(bs, hkv, group, n, device=dev))
+    splits = a.splits if cuda else 3
+    common = dict(num_splits=splits, fused_merge=True, split_counters=K.make_split_counters(bs, hkv, dev),
+                  max_kv_len=n, **sfi)
+    rows = torch.full((bs,), splits, dtype=torch.int32, device=dev)
+    outs = {name: torch.empty_like(case.q) for name in ("plain", "balanced")}
+    launches = {
+        "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
+        "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True, row_splits=rows,
+                                                 **common),
+    }
+    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4)
+        launches[name]()
+        launches[name]()
+    for name in launches:  # the profiled pair, plain first
+        launches[name]()
+    same = torch.equal(outs["plain"], outs["balanced"]) and not outs["plain"].isnan().any().item()
+    times = {name: [] for name in launches}
+    if cuda:
+        for _ in range(a.rounds):
+            for name, run in launches.items():
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                stop.record()
+                stop.synchronize()
+                times[name].append(start.elapsed_time(stop) * 1e3)
+    doc = {"ctx": n, "batch": bs, "splits": splits, "kv_dtype": a.kv_dtype, "side_effects": not a.no_side_effects,
+           "outputs_equal": same, "us": {k: v for k, v in times.items()},
+           "median_us": {k: statistics.median(v) if v else None for k, v in times.items()}}
+    print(json.dumps(doc["median_us"]), "outputs equal:", same)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""bench/kernels/probe_balanced_launch.py --smoke: the plain and the balanced launch of
+the slow step's partition give the same output bit for bit on the CPU interpreter
+(with and without the slow step's stores), so the next GPU lease's Nsight Compute call
+profiles two launches that do the same work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.bench_scripts import load_bench_script
+
+pytestmark = pytest.mark.sglang_independent
+
+
+@pytest.mark.parametrize("side_effects", [True, False])
+def test_smoke_the_two_launches_agree(tmp_path, monkeypatch, side_effects):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod = load_bench_script("kernels/probe_balanced_launch.py")
+    out = tmp_path / "p.json"
+    argv = ["--smoke", "--out", str(out)] + ([] if side_effects else ["--no-side-effects"])
+    assert mod.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["outputs_equal"] and doc["side_effects"] == side_effects and doc["splits"] == 3
