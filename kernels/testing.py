@@ -11,7 +11,7 @@ rather than left empty.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -151,6 +151,15 @@ class DecodeCase:
     seq_lens: torch.Tensor  # [bs] int32, length of each request's sequence
     meta: dict = field(default_factory=dict)
     a_pos: Optional[torch.Tensor] = None  # [bs, Hkv, cap_pos] int32 (rows with a_slot == -2)
+
+    def stored_as(self, kv_dtype: torch.dtype, k_scale: float = 1.0, v_scale: float = 1.0) -> "DecodeCase":
+        """The pool and compact buffers as SGLang stores a cache of ``kv_dtype``:
+        ``(k / k_scale).to(kv_dtype)`` (memory_pool's set_kv_buffer); unit scales by
+        default."""
+        def store(t, s):
+            return (t.float() / s).to(kv_dtype)
+        return replace(self, k_pool=store(self.k_pool, k_scale), v_pool=store(self.v_pool, v_scale),
+                       a_k=store(self.a_k, k_scale), a_v=store(self.a_v, v_scale))
 
     def kwargs(self) -> dict:
         """Keyword arguments describing the problem (beyond the positional ones)."""

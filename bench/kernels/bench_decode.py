@@ -322,9 +322,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 dtype=dtype, device=device, seed=args.seed + n + bs, pool_layout=args.pool_layout,
             )
             if kv_dtype != dtype:  # the pool as an fp8 cache holds it (unit scales)
-                base = T.DecodeCase(**{**base.__dict__, "k_pool": base.k_pool.to(kv_dtype),
-                                       "v_pool": base.v_pool.to(kv_dtype), "a_k": base.a_k.to(kv_dtype),
-                                       "a_v": base.a_v.to(kv_dtype)})
+                base = base.stored_as(kv_dtype)
             max_kv_len = args.max_kv_len or n
             dense_bytes = bytes_two_segment(base, 0, bs * n, elem)
             cur_fi.clear()

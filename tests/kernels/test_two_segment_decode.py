@@ -870,12 +870,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _as_fp8_cache(case, fp8, k_scale, v_scale):
-    """The case's pool and compact buffers stored as SGLang stores an fp8 cache:
-    ``(k / k_scale).to(fp8)`` (memory_pool's set_kv_buffer)."""
-    def store(t, s):
-        return (t.float() / s).to(fp8)
-    return dataclasses.replace(case, k_pool=store(case.k_pool, k_scale), v_pool=store(case.v_pool, v_scale),
-                               a_k=store(case.a_k, k_scale), a_v=store(case.a_v, v_scale))
+    """The case's pool and compact buffers stored as SGLang stores an fp8 cache."""
+    return case.stored_as(fp8, k_scale, v_scale)
 
 
 def _check_fp8(case, k_scale, v_scale, **kw):
