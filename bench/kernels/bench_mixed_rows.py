@@ -78,8 +78,10 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
         def step():
             # As the backend: the splits once per step, for every layer.
             kw = dict(balance=False)
-            row_splits = step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
-            if balance and row_splits is not None:
+            row_splits = None  # the unbalanced step computes no shares (as before: not in its timed graph)
+            if balance:
+                row_splits = step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+            if row_splits is not None:
                 kw = dict(balance=True, row_splits=row_splits)
             for _ in range(LAYERS):
                 two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
