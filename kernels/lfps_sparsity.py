@@ -108,8 +108,8 @@ def _head_sparsity(Q, K_POOL, REQ_TO_TOKEN, REQ_POOL_IDX, N, SINK, LOCAL, KBAR, 
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
                    HAS_Q_ROWS: tl.constexpr):
     """ρ of row cur_b's query heads in KV head cur_h's group (the module docstring's
-    formula): the body of _lfps_head_sparsity_kernel's programs, and of the first
-    chunk's programs of lfps_tables' stats launch (``lfps_priority(rho_from=...)``)."""
+    formula): the body of _lfps_head_sparsity_kernel's programs, and of the program
+    past the chunks of each row in lfps_tables' stats launch (``lfps_priority(rho_from=...)``)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP

@@ -132,7 +132,7 @@ def test_a_run_past_a_query_aware_store_is_refused_before_any_server_starts(tmp_
     cfg = tmp_path / "c.yaml"
     cfg.write_text("query_aware:\n  lfps: {slots: 4, max_context: 130304}\n")
     args = argparse.Namespace(backends=f"flashinfer,sgl_sparse@{cfg}+SGLANG_SPARSE_X=1",
-                                             sparse_extra="", policies="lfps", cases="130000x4", out_len=512)
+                              sparse_extra="", policies="lfps", cases="130000x4", out_len=512)
     with pytest.raises(SystemExit, match=r"c\.yaml: query_aware\.lfps\.max_context 130304 < 130512"):
         server_compare.check_stores(args)
     args.out_len = 128

@@ -543,8 +543,8 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 
 
 def test_stats_with_rho_compiles_for_sm90():
-    """The tables' first launch as lfps_device makes it (ρ in a program of each row past its chunks,
-    over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks, its tile
+    """The tables' first launch as lfps_device makes it (ρ in a program of each row past
+    its chunks, over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks, its tile
     of STATS_BLOCK_M lanes' moments) compiles for the H100/H200 (sm_90) without
     spilling in no more than 128 registers a thread, so the chunks' programs keep
     their occupancy."""
