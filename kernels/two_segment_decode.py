@@ -120,6 +120,16 @@ FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 BALANCE_FACTOR = 4
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
+# A balanced launch's registers a thread, at most (ptxas's maxnreg; 0: Triton's choice).
+# Reading each request's splits costs the balanced variant registers the plain one does
+# not need, and the cut matters where the launch fills the GPU: H200, 131072 x 4 over
+# e4m3, the SFI slow step's launch (every row dense, fp8's doubled programs: 16 a
+# request, 512 in all) compiled to 142 registers, 3 programs resident an SM (Nsight
+# Compute: 1.29 waves, achieved occupancy 15%) and took 628 us where the plain launch
+# of the same partition, at 128 registers and 4 an SM (0.97 waves), took 400
+# (bench/results/slow_step_balance_ncu_h200_s38.txt). 128 at 4 warps leaves the 4
+# programs an SM that fp8 tiles' shared memory (55 KB a program) allows.
+BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -754,7 +764,7 @@ def _balance_fits(batch_size: int, num_kv_heads: int, splits: int, num_sms: int,
 def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
                     row_mask: Optional[torch.Tensor], programs_per_head: int, max_splits: int,
                     kv_fp8: bool = False) -> torch.Tensor:
-    """Splits per request for ``balance``: round(keys x P / batch keys), clamped to
+    """Splits per request for ``balance``: floor(keys x P / batch keys), clamped to
     ``[1, max_splits]``, with P = ``programs_per_head`` (the heuristic's program
     target over the KV heads) and the keys those of KV head 0 (segment A's count
     and segment B's range, as the descriptors give them: an estimate for balance,
@@ -777,7 +787,12 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     if kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0:
         programs = torch.where(total >= programs_per_head * FP8_DENSE_SPLIT_KEYS, 2 * programs_per_head,
                                programs_per_head)
-    share = (keys * (2 * programs) + total) // (2 * total)
+    # Floored, so the shares sum to at most P (but for the one program every row gets):
+    # rounded, four dense rows of a slow step at 131072 x 4 over fp8 took 17 each of
+    # P = 66, 68 programs a KV head where 66 fill one wave at 4 resident an SM, and
+    # the launch ran 548 us against 378 at 16 each (H200, session 38's
+    # bench_decode.py --slow-step, without the slow step's side effects).
+    share = keys * programs // total
     return share.clamp(1, max_splits).int()
 
 
@@ -1163,6 +1178,7 @@ def two_segment_decode(
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
+        maxnreg=BALANCE_MAX_REGISTERS if balance and BALANCE_MAX_REGISTERS > 0 else None,
     )
 
     if not direct and not fused:

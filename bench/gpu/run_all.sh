@@ -9,6 +9,8 @@
 #                                       # 32768 x 8 reading fp8 against bf16 (needs only this project's wheel: a bare machine)
 #   bash bench/gpu/run_all.sh splits    # our decode kernel at forced split counts over the grid's shapes (bare machine)
 #   bash bench/gpu/run_all.sh lfps      # lfps's selection kernels: tests compiled, the priorities and the table update by chunks, its Top-K shapes (bare machine)
+#   bash bench/gpu/run_all.sh slowstep  # SFI's slow-step launch at 131072 x 4 over e4m3, plain and balanced round-robin, then the pair
+#                                       # under Nsight Compute (bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -43,7 +45,7 @@ if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashi
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
-[ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+[ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || [ "$what" = slowstep ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
 kernels)
@@ -83,6 +85,23 @@ lfps)
     python3 bench/kernels/bench_lfps_priority.py --out "$OUT/lfps_priority.json" 2>&1 | tee "$OUT/lfps_priority.log"
     python3 bench/kernels/bench_lfps_finish.py --out "$OUT/lfps_finish.json" 2>&1 | tee "$OUT/lfps_finish.log"
     python3 bench/kernels/bench_topk.py --cases lfps --out "$OUT/topk_lfps.json" 2>&1 | tee "$OUT/topk_lfps.log" | tail -12
+    ;;
+slowstep)
+    # session 37's open question: the balanced launch in a grid of 16 with 16 splits a
+    # request (the plain launch's exact partition) at 625 us against the plain one's 399,
+    # every balanced row timed after the plain ones. Here round-robin (--slow-step-rounds),
+    # then the pair once each under Nsight Compute, then the pair timed alternately.
+    python3 bench/kernels/bench_decode.py --contexts 131072 --batches 4 --fractions 1 --no-indexed --no-fused --slow-step \
+        --kv-dtype fp8_e4m3 --split-counts 16 --copy-gib 1 --rep 50 --out "$OUT/slow_step_rounds.json" 2>&1 \
+        | tee "$OUT/slow_step_rounds.log" | grep -E "slow step|HBM|FAIL"
+    python3 bench/kernels/probe_balanced_launch.py --out "$OUT/probe_timed.json" 2>&1 | tail -2
+    if command -v ncu >/dev/null; then
+        ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 4 --launch-count 2 -f \
+            -o "$OUT/balance" python3 bench/kernels/probe_balanced_launch.py --rounds 1 --out "$OUT/probe_ncu.json" 2>&1 | tail -3
+        ncu --import "$OUT/balance.ncu-rep" --page details > "$OUT/balance_ncu_details.txt" 2>&1
+        grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Limit" \
+            "$OUT/balance_ncu_details.txt" | head -40
+    fi
     ;;
 splits)
     # our kernel at forced split counts over the grid's shapes (bf16; what the split

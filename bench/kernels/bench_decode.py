@@ -562,17 +562,15 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
     """The slow step's launch as the backend makes it where the batch balances its
     splits (``kernels.step_row_splits``, once a step): the grid at BALANCE_FACTOR x the
     heuristic's splits, each request's share from ``balanced_splits`` (over fp8, doubled
-    for long dense rows: FP8_DENSE_SPLIT_KEYS), the merge in one launch. Served at
-    131072 x 4 over e4m3 it took 595 us a layer where the plain launch at 16 splits
-    took 397 (session 36), and without the slow step's side effects (bench_mixed_rows)
-    377: the rows beside it take one difference away each (the merge kernel instead of
-    the one-launch merge; no side effects; the logits alone; the query and key norm
-    alone; shares floored to the plain launch's 16). Session 37 found the balanced
-    launch in a grid of 16 with 16 a request -- the plain launch's partition, its PTX
-    the same but one load -- at 625 us against the plain launch's 399, timed after
-    it: the plain launches are variants here too, and every variant is timed in
-    ``--slow-step-rounds`` round-robin rounds (their median and spread kept).
-    [] where the shape does not balance (batch 1, too many programs)."""
+    for long dense rows: FP8_DENSE_SPLIT_KEYS), the merge in one launch. The rows
+    beside it take one difference away each: the plain launches (timed among the
+    balanced ones: session 37 timed them first and blamed order), the merge kernel
+    instead of the one-launch merge, no side effects, the logits alone, the query and
+    key norms alone, the plain launch's grid, and the registers as Triton chooses them
+    (BALANCE_MAX_REGISTERS 0: session 38 found the balanced variant at 142 registers, 3
+    programs an SM, 628 us against the plain launch's 400 with the same partition).
+    Every variant is timed in ``--slow-step-rounds`` round-robin rounds (their median
+    and spread kept). [] where the shape does not balance (batch 1, too many programs)."""
     import importlib
 
     td = importlib.import_module(K.two_segment_decode.__module__)
@@ -585,26 +583,28 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
     logits_only = {k: sfi[k] for k in ("q_save", "q_save_slot", "logits_out")}
     norms_query = {k: sfi[k] for k in ("key_norms", "q_save", "q_save_slot")}
     plain = base * (2 if int(row_splits.max()) > base else 1)  # the fp8 doubling's plain launch
-    variants = [
+    capped = td.BALANCE_MAX_REGISTERS
+    variants = [  # (name, launch arguments, row splits, BALANCE_MAX_REGISTERS)
         (f"plain {plain} splits, merge in one launch", dict(num_splits=plain, fused_merge=True, balance=False, **sfi),
-         row_splits),
+         row_splits, capped),
         (f"plain {plain} splits, merge kernel", dict(num_splits=plain, fused_merge=False, balance=False, **sfi),
-         row_splits),
-        ("balanced as served", dict(**sfi), row_splits),  # the heuristic sizes the grid
-        ("balanced, merge kernel", dict(num_splits=grid, fused_merge=False, **sfi), row_splits),
-        ("balanced, no side effects", dict(), row_splits),
-        ("balanced, logits only", logits_only, row_splits),
-        ("balanced, key norms + query only", norms_query, row_splits),
-        (f"balanced, shares floored to {plain}", dict(**sfi), row_splits.clamp(max=plain)),
-        (f"balanced, no side effects, shares floored to {plain}", dict(), row_splits.clamp(max=plain)),
-        (f"balanced in a grid of {plain}", dict(num_splits=plain, fused_merge=True, **sfi), row_splits.clamp(max=plain)),
+         row_splits, capped),
+        ("balanced as served", dict(**sfi), row_splits, capped),  # the heuristic sizes the grid
+        ("balanced, merge kernel", dict(num_splits=grid, fused_merge=False, **sfi), row_splits, capped),
+        ("balanced, no side effects", dict(), row_splits, capped),
+        ("balanced, logits only", logits_only, row_splits, capped),
+        ("balanced, key norms + query only", norms_query, row_splits, capped),
+        (f"balanced in a grid of {plain}", dict(num_splits=plain, fused_merge=True, **sfi),
+         row_splits.clamp(max=plain), capped),
+        ("balanced as served, registers as Triton chooses", dict(**sfi), row_splits, 0),
     ]
     out = case.q.new_empty(case.q.shape)
     runs, errs = [], []
-    for name, extra, splits in variants:
+    for name, extra, splits, regs in variants:
         kw = dict(max_kv_len=max_kv_len, out=out, split_counters=counters, balance=True, row_splits=splits)
         kw.update(extra)
-        runs.append(lambda kw=kw: K.two_segment_decode(*case.args(), **kw))
+        runs.append(lambda kw=kw, regs=regs: _with_register_cap(td, regs, lambda: K.two_segment_decode(*case.args(),
+                                                                                                      **kw)))
         out.fill_(float("nan"))
         runs[-1]()
         errs.append(T.rel_error(out.float(), ref))
@@ -613,11 +613,21 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
         for i, run in enumerate(runs):
             times[i].append(timer.graph_us(run) or timer.eager_us(run))
     rows = []
-    for (name, extra, splits), ts, err in zip(variants, times, errs):
+    for (name, extra, splits, _), ts, err in zip(variants, times, errs):
         ts = sorted(ts)
         rows.append((name, extra.get("num_splits", grid), splits.tolist() if extra.get("balance", True) else None,
                      ts[len(ts) // 2], err, ts))
     return rows
+
+
+def _with_register_cap(td, regs: int, launch):
+    """``launch()`` with the balanced launch's register cap at ``regs`` (the module's
+    constant, read at each launch; restored after)."""
+    saved, td.BALANCE_MAX_REGISTERS = td.BALANCE_MAX_REGISTERS, regs
+    try:
+        return launch()
+    finally:
+        td.BALANCE_MAX_REGISTERS = saved
 
 
 def compiled_variants(K) -> list[dict]:
