@@ -120,15 +120,18 @@ FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 BALANCE_FACTOR = 4
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
-# A balanced launch's registers a thread, at most (ptxas's maxnreg; 0: Triton's choice).
-# Reading each request's splits costs the balanced variant registers the plain one does
-# not need, and the cut matters where the launch fills the GPU: H200, 131072 x 4 over
-# e4m3, the SFI slow step's launch (every row dense, fp8's doubled programs: 16 a
-# request, 512 in all) compiled to 142 registers, 3 programs resident an SM (Nsight
-# Compute: 1.29 waves, achieved occupancy 15%) and took 628 us where the plain launch
-# of the same partition, at 128 registers and 4 an SM (0.97 waves), took 400
-# (bench/results/slow_step_balance_ncu_h200_s38.txt). 128 at 4 warps leaves the 4
-# programs an SM that fp8 tiles' shared memory (55 KB a program) allows.
+# A balanced launch's registers a thread over an fp8 cache, at most (ptxas's maxnreg; 0:
+# Triton's choice). Reading each request's splits costs the balanced variant registers
+# the plain one does not need, and the cut matters where the launch fills the GPU: H200,
+# 131072 x 4 over e4m3, the SFI slow step's launch (every row dense, fp8's doubled
+# programs: 16 a request, 512 in all) compiled to 142 registers, 3 programs resident an
+# SM (Nsight Compute: 1.29 waves, achieved occupancy 15%) and took 628 us where the plain
+# launch of the same partition, at 128 registers and 4 an SM (0.97 waves), took 400; at
+# 128 as served: 402 us against 620 uncapped (bench/results/slow_step_*_h200_s38.*).
+# 128 at 4 warps leaves the 4 programs an SM that fp8 tiles' shared memory (55 KB a
+# program) allows; a bf16 tile's (110 KB) leaves 2 whatever the registers, and there
+# the cap measured 1-3% slower (28 layers of bench_mixed_rows.py: all dense and all
+# sparse rows, 131072 x 4 to 8192 x 32; over e4m3 the cap was 3-5% faster all dense).
 BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
@@ -1178,7 +1181,7 @@ def two_segment_decode(
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         num_warps=num_warps,
         num_stages=num_stages,
-        maxnreg=BALANCE_MAX_REGISTERS if balance and BALANCE_MAX_REGISTERS > 0 else None,
+        maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,
     )
 
     if not direct and not fused:

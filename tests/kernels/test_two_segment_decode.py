@@ -1041,6 +1041,70 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
+def _sm90_launch(fn, args, kw):
+    """A captured launch of ``fn`` as compile_sm90 takes it: (signature, constexprs,
+    16-divisible arguments, compile options), the options out of ``kw``."""
+    kw = dict(kw)
+    options = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if kw.get(k) is not None}
+    kw.pop("maxnreg", None)
+    sig, const, divisible = {}, {}, []
+    for name, value in zip(fn.arg_names, list(args) + [kw[k] for k in fn.arg_names[len(args):]]):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TRITON_TYPES[value.dtype]
+            divisible.append(name)
+        elif name in kw:
+            sig[name], const[name] = "constexpr", value
+        else:
+            sig[name] = "fp32" if isinstance(value, float) else "i32"
+            if isinstance(value, int) and value % 16 == 0 and value:
+                divisible.append(name)  # as Triton's launcher specializes 16-divisible ints
+    const["FP32_DOT"] = False  # the interpreter's workaround (needs_fp32_dot); compiled code takes the native dot
+    return sig, const, divisible, options
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
+def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatch):
+    """The SFI slow step's balanced launch over e4m3 (dense rows, key norms, the query
+    saved, logits kept, fused merge) carries maxnreg = BALANCE_MAX_REGISTERS, and
+    compiled for sm_90 with it fits 128 registers without spilling: 4 programs an SM,
+    what its shared memory allows (Triton 3.6 on the H200 gave it 142 uncapped, 3 an
+    SM, 1.5x slower: session 38; Triton 3.7 here gives 128 either way). Over bf16 and
+    unbalanced, Triton chooses."""
+    import importlib
+
+    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
+    fn, launches = mod._two_segment_decode_stage1, []
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args, kw))
+                return fn[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    n, bs, hkv, group = 160, 2, 2, 2
+    case = T.make_decode_case([n] * bs, [0] * bs, [(0, n)] * bs, num_kv_heads=hkv, group=group, head_dim=128,
+                              cap=16, dtype=torch.bfloat16, device=DEVICE, seed=38, empty_slot_value=None)
+    for kv_dtype in (FP8[0], torch.bfloat16):
+        c = case.stored_as(kv_dtype) if kv_dtype != torch.bfloat16 else case
+        sfi = dict(key_norms=torch.zeros(c.k_pool.shape[0], hkv), q_save=torch.empty(bs, hkv * group, 128,
+                   dtype=c.q.dtype), q_save_slot=torch.arange(bs, dtype=torch.int32),
+                   logits_out=torch.empty(bs, hkv, group, n))
+        for balance in (True, False):
+            K.two_segment_decode(*c.args(), num_splits=3, fused_merge=True, balance=balance,
+                                 split_counters=K.make_split_counters(bs, hkv, DEVICE), max_kv_len=n, **sfi)
+    caps = [kw.get("maxnreg") for _, kw in launches]
+    assert caps == [mod.BALANCE_MAX_REGISTERS, None, None, None] and mod.BALANCE_MAX_REGISTERS == 128, caps
+    sig, const, divisible, options = _sm90_launch(fn, *launches[0])
+    assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
+    const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
+    got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
+                         divisible, options=options, resources=True)
+    assert got["registers"] <= 128 and got["stack_bytes"] == 0, got
+    assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
 @pytest.mark.parametrize("kv_dtype,f16_dots", [(FP8[0], True), (FP8[0], False), (FP8[1], True),
                                                (torch.bfloat16, True)])
@@ -1078,20 +1142,8 @@ def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype, f16_dot
     K.two_segment_decode(*case.args(), num_splits=2, split_counters=K.make_split_counters(3, 2, DEVICE),
                          k_scale=0.5, v_scale=2.0, **case.kwargs())
     (args, kw), = launches
-    options = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-    sig, const, divisible = {}, {}, []
-    for name, value in zip(fn.arg_names, list(args) + [kw[k] for k in fn.arg_names[len(args):]]):
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _TRITON_TYPES[value.dtype]
-            divisible.append(name)
-        elif name in kw:
-            sig[name], const[name] = "constexpr", value
-        else:
-            sig[name] = "fp32" if isinstance(value, float) else "i32"
-            if isinstance(value, int) and value % 16 == 0 and value:
-                divisible.append(name)  # as Triton's launcher specializes 16-divisible ints
+    sig, const, divisible, options = _sm90_launch(fn, args, kw)
     assert sig["K_POOL"] == sig["A_K"] == "*" + _TRITON_TYPES[kv_dtype] and const["FUSED_MERGE"] and const["HAS_A_POS"]
-    const["FP32_DOT"] = False  # the interpreter's workaround (needs_fp32_dot); compiled code takes the native dot
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     widen = r"cvt\.rn\.f16x2\.e4m3x2"
     byte_reads = r"ld\.shared\.[bu]8"
