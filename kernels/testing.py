@@ -161,6 +161,17 @@ class DecodeCase:
         return replace(self, k_pool=store(self.k_pool, k_scale), v_pool=store(self.v_pool, v_scale),
                        a_k=store(self.a_k, k_scale), a_v=store(self.a_v, v_scale))
 
+    def slow_step_outputs(self, logits_len: int) -> dict:
+        """The SFI slow step's side-effect buffers for ``two_segment_decode`` (every row
+        its own slot): the key norms by pool slot, the saved queries and the kept
+        logits ``[bs, Hkv, G, logits_len]`` fp32, as the backend passes them."""
+        bs, hq, d = self.q.shape
+        hkv, dev = self.k_pool.shape[1], self.q.device
+        return dict(key_norms=torch.zeros(self.k_pool.shape[0], hkv, dtype=torch.float32, device=dev),
+                    q_save=torch.empty(bs, hq, d, dtype=self.q.dtype, device=dev),
+                    q_save_slot=torch.arange(bs, dtype=torch.int32, device=dev),
+                    logits_out=torch.empty(bs, hkv, hq // hkv, logits_len, dtype=torch.float32, device=dev))
+
     def kwargs(self) -> dict:
         """Keyword arguments describing the problem (beyond the positional ones)."""
         return {} if self.a_pos is None else {"a_pos": self.a_pos}

@@ -522,18 +522,13 @@ def time_slow_step(args, K, T, torch, timer, case, ref, max_kv_len, results, n, 
     norm, saving its query and keeping its logits for the Selector (``logits_out``
     ``[rows, Hkv, G, L]`` fp32, L = the context), at the heuristic's splits and at each
     of ``--split-counts``, CUDA-graph replay. The logits' writes are added to the bytes."""
-    hq, d = case.q.shape[1], case.q.shape[2]
     hkv = case.k_pool.shape[1]
     dev = case.q.device
-    key_norms = torch.zeros(case.k_pool.shape[0], hkv, dtype=torch.float32, device=dev)
-    q_save = torch.empty(bs, hq, d, dtype=case.q.dtype, device=dev)
-    q_save_slot = torch.arange(bs, dtype=torch.int32, device=dev)
-    logits = torch.empty(bs, hkv, hq // hkv, n, dtype=torch.float32, device=dev)
-    total = nbytes + logits.numel() * 4
+    sfi = case.slow_step_outputs(n)
+    total = nbytes + sfi["logits_out"].numel() * 4
     heuristic = K.choose_num_splits(bs, hkv, max_kv_len, torch.cuda.get_device_properties(0).multi_processor_count
                                     if dev.type == "cuda" else 4, kv_fp8=kv_fp8)
     counts = [heuristic] + [c for c in (args.split_counts or []) if c != heuristic]
-    sfi = dict(key_norms=key_norms, q_save=q_save, q_save_slot=q_save_slot, logits_out=logits)
     timed = _time_at_splits(args, K, T, timer, case, ref, counts, max_kv_len=max_kv_len, split_counters=counters,
                             **sfi)
     for ns, t, err in timed:

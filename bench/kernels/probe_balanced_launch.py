@@ -53,12 +53,7 @@ def main(argv=None) -> int:
                               cap=16, dtype=torch.bfloat16, device=dev, seed=37, empty_slot_value=None)
     if a.kv_dtype == "fp8_e4m3":  # the pool as an fp8 cache holds it (unit scales)
         case = case.stored_as(torch.float8_e4m3fn)
-    sfi = {}
-    if not a.no_side_effects:
-        sfi = dict(key_norms=torch.zeros(case.k_pool.shape[0], hkv, device=dev),
-                   q_save=torch.empty(bs, hkv * group, d, dtype=case.q.dtype, device=dev),
-                   q_save_slot=torch.arange(bs, dtype=torch.int32, device=dev),
-                   logits_out=torch.empty(bs, hkv, group, n, device=dev))
+    sfi = {} if a.no_side_effects else case.slow_step_outputs(n)
     splits = a.splits if cuda else 3
     common = dict(num_splits=splits, fused_merge=True, split_counters=K.make_split_counters(bs, hkv, dev),
                   max_kv_len=n, **sfi)

@@ -1088,12 +1088,10 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
                               cap=16, dtype=torch.bfloat16, device=DEVICE, seed=38, empty_slot_value=None)
     for kv_dtype in (FP8[0], torch.bfloat16):
         c = case.stored_as(kv_dtype) if kv_dtype != torch.bfloat16 else case
-        sfi = dict(key_norms=torch.zeros(c.k_pool.shape[0], hkv), q_save=torch.empty(bs, hkv * group, 128,
-                   dtype=c.q.dtype), q_save_slot=torch.arange(bs, dtype=torch.int32),
-                   logits_out=torch.empty(bs, hkv, group, n))
         for balance in (True, False):
             K.two_segment_decode(*c.args(), num_splits=3, fused_merge=True, balance=balance,
-                                 split_counters=K.make_split_counters(bs, hkv, DEVICE), max_kv_len=n, **sfi)
+                                 split_counters=K.make_split_counters(bs, hkv, DEVICE), max_kv_len=n,
+                                 **c.slow_step_outputs(n))
     caps = [kw.get("maxnreg") for _, kw in launches]
     assert caps == [mod.BALANCE_MAX_REGISTERS, None, None, None] and mod.BALANCE_MAX_REGISTERS == 128, caps
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
