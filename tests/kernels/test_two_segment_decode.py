@@ -1041,6 +1041,25 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
+def _capture_stage1(monkeypatch):
+    """(the module, its stage-1 kernel, the list every launch of it appends (args, kw)
+    to): the launches still run."""
+    import importlib
+
+    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")  # the module, not its function
+    fn, launches = mod._two_segment_decode_stage1, []
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((args, kw))
+                return fn[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    return mod, fn, launches
+
+
 def _sm90_launch(fn, args, kw):
     """A captured launch of ``fn`` as compile_sm90 takes it: (signature, constexprs,
     16-divisible arguments, compile options), the options out of ``kw``."""
@@ -1070,19 +1089,7 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     what its shared memory allows (Triton 3.6 on the H200 gave it 142 uncapped, 3 an
     SM, 1.5x slower: session 38; Triton 3.7 here gives 128 either way). Over bf16 and
     unbalanced, Triton chooses."""
-    import importlib
-
-    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
-    fn, launches = mod._two_segment_decode_stage1, []
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches.append((args, kw))
-                return fn[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    mod, fn, launches = _capture_stage1(monkeypatch)
     n, bs, hkv, group = 160, 2, 2, 2
     case = T.make_decode_case([n] * bs, [0] * bs, [(0, n)] * bs, num_kv_heads=hkv, group=group, head_dim=128,
                               cap=16, dtype=torch.bfloat16, device=DEVICE, seed=38, empty_slot_value=None)
@@ -1115,19 +1122,7 @@ def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype, f16_dot
     default) the values widen before P.V's operand is read (``_widen_v``): that
     read is ldmatrix.trans as over bf16, where bf16 dots read the operand one
     value per byte load (the session-30 profile's bound: 40% of copy bandwidth)."""
-    import importlib
-
-    mod = importlib.import_module("sgl_sparse.kernels.two_segment_decode")  # the module, not its function
-    fn, launches = mod._two_segment_decode_stage1, []
-
-    class Capture:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches.append((args, kw))
-                return fn[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(mod, "_two_segment_decode_stage1", Capture())
+    mod, fn, launches = _capture_stage1(monkeypatch)
     monkeypatch.setattr(mod, "FP8_F16_DOTS", f16_dots)
     n = [97, 70, 83]
     case = T.make_decode_case(n, [0, [9, 24], 0], [(97 - 17, 97), (70 - 9, 70), (0, 83)], num_kv_heads=2,
