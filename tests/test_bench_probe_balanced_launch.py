@@ -1,7 +1,9 @@
 """bench/kernels/probe_balanced_launch.py --smoke: the plain and the balanced launch of
 the slow step's partition give the same output bit for bit on the CPU interpreter
-(with and without the slow step's stores), so the next GPU lease's Nsight Compute call
-profiles two launches that do the same work."""
+(with and without the slow step's stores), and so do a fast step's launches as served
+(``--rows sparse``: the heuristic's splits, and the balanced grid with the step's
+shares), so the next GPU lease's Nsight Compute call profiles two launches that do the
+same work."""
 
 from __future__ import annotations
 
@@ -23,3 +25,12 @@ def test_smoke_the_two_launches_agree(tmp_path, monkeypatch, side_effects):
     assert mod.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["side_effects"] == side_effects and doc["splits"] == 3
+
+
+def test_smoke_a_fast_step_s_two_launches_agree(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod = load_bench_script("kernels/probe_balanced_launch.py")
+    out = tmp_path / "p.json"
+    assert mod.main(["--smoke", "--rows", "sparse", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]

@@ -11,6 +11,8 @@
 #   bash bench/gpu/run_all.sh lfps      # lfps's selection kernels: tests compiled, the priorities and the table update by chunks, its Top-K shapes (bare machine)
 #   bash bench/gpu/run_all.sh slowstep  # SFI's slow-step launch at 131072 x 4 over e4m3, plain and balanced round-robin, then the pair
 #                                       # under Nsight Compute (bare machine)
+#   bash bench/gpu/run_all.sh fastbalance  # a fast step's balanced launch against the unbalanced one (bench_mixed_rows by
+#                                       # BALANCE_FACTOR, the pair under Nsight Compute at 8192 x 32 and 32768 x 8; bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
@@ -45,7 +47,7 @@ if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashi
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
     echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
 fi
-[ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || [ "$what" = slowstep ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
+[ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || [ "$what" = slowstep ] || [ "$what" = fastbalance ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
 case "$what" in
 kernels)
@@ -101,6 +103,27 @@ slowstep)
         ncu --import "$OUT/balance.ncu-rep" --page details > "$OUT/balance_ncu_details.txt" 2>&1
         grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per SM|Grid Size|Block Limit" \
             "$OUT/balance_ncu_details.txt" | head -40
+    fi
+    ;;
+fastbalance)
+    # session 38: with every row alike the balanced launch took 24-31% longer than the
+    # unbalanced one at 32768 x 8 and 8192 x 32 (28 layers, bench_mixed_rows), the same
+    # partition a request; natural sfi balances every step. The grid's factor first (1:
+    # no empty programs), then the pair profiled.
+    for f in 1 2 4; do
+        python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1 --kv-dtype fp8_e4m3 \
+            --factor $f --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" | grep -E "^\| [0-9]"
+    done
+    if command -v ncu >/dev/null; then
+        for cb in 8192:32 32768:8; do
+            ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 4 --launch-count 2 -f \
+                -o "$OUT/fast_${cb%:*}x${cb#*:}" python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} \
+                --batch ${cb#*:} --rounds 1 --out "$OUT/probe_fast_${cb%:*}x${cb#*:}.json" 2>&1 | tail -2
+            ncu --import "$OUT/fast_${cb%:*}x${cb#*:}.ncu-rep" --page details > "$OUT/fast_${cb%:*}x${cb#*:}_ncu.txt" 2>&1
+            grep -E "^  _two|Duration|Registers Per|Waves Per SM|Grid Size|Achieved Occupancy|DRAM Throughput" \
+                "$OUT/fast_${cb%:*}x${cb#*:}_ncu.txt" | head -20
+            rm -f "$OUT/fast_${cb%:*}x${cb#*:}.ncu-rep"
+        done
     fi
     ;;
 splits)

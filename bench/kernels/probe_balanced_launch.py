@@ -17,6 +17,14 @@ CUDA events (``--rounds`` each, medians), to hold the numbers against a profile'
 achieved occupancy, DRAM throughput and warp stalls. ``--no-side-effects``: the same
 without the slow step's stores.
 
+``--rows sparse``: a fast step's rows instead (2052 compact keys + the last 256 read in
+place, every row alike), each launch as served: the heuristic's splits unbalanced
+against the balanced grid (BALANCE_FACTOR x them, each request's share from
+``step_row_splits``). Session 38's bench_mixed_rows timed that balanced launch 24-31%
+slower than the unbalanced one at 32768 x 8 and 8192 x 32 (6 and 19 us a layer) with
+the same per-request partition, where the slow step's cause (registers) was ruled
+out; the pair under Nsight Compute says where it goes.
+
 ``--smoke``: a small shape on the CPU interpreter (the two outputs checked equal).
 """
 
@@ -37,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, default=16, help="the grid's splits, and every request's")
     ap.add_argument("--kv-dtype", choices=("fp8_e4m3", "bf16"), default="fp8_e4m3")
     ap.add_argument("--no-side-effects", action="store_true")
+    ap.add_argument("--rows", choices=("dense", "sparse"), default="dense",
+                    help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -49,21 +59,40 @@ def main(argv=None) -> int:
     T = import_kernels("testing")
     dev = "cuda" if cuda else "cpu"
     n, bs, hkv, group, d = (a.ctx, a.batch, 8, 2, 128) if cuda else (160, 2, 2, 2, 128)
-    case = T.make_decode_case([n] * bs, [0] * bs, [(0, n)] * bs, num_kv_heads=hkv, group=group, head_dim=d,
-                              cap=16, dtype=torch.bfloat16, device=dev, seed=37, empty_slot_value=None)
+    sparse = a.rows == "sparse"
+    cap, recent = (2052, 256) if cuda else (24, 16)
+    case = T.make_decode_case([n] * bs, [cap if sparse else 0] * bs, [(n - recent if sparse else 0, n)] * bs,
+                              num_kv_heads=hkv, group=group, head_dim=d, cap=cap if sparse else 16,
+                              dtype=torch.bfloat16, device=dev, seed=37, empty_slot_value=None)
     if a.kv_dtype == "fp8_e4m3":  # the pool as an fp8 cache holds it (unit scales)
         case = case.stored_as(torch.float8_e4m3fn)
-    sfi = {} if a.no_side_effects else case.slow_step_outputs(n)
-    splits = a.splits if cuda else 3
-    common = dict(num_splits=splits, fused_merge=True, split_counters=K.make_split_counters(bs, hkv, dev),
-                  max_kv_len=n, **sfi)
-    rows = torch.full((bs,), splits, dtype=torch.int32, device=dev)
+    sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
+    counters = K.make_split_counters(bs, hkv, dev)
     outs = {name: torch.empty_like(case.q) for name in ("plain", "balanced")}
-    launches = {
-        "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
-        "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True, row_splits=rows,
-                                                 **common),
-    }
+    if sparse:  # as served: the heuristic's splits over serving's req_to_token width
+        max_kv_len, sms = (140000, None) if cuda else (n, 4)
+        row_splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, max_kv_len,
+                                       sms or torch.cuda.get_device_properties(0).multi_processor_count,
+                                       kv_fp8=a.kv_dtype != "bf16")
+        if row_splits is None:
+            print("this shape does not balance (kernels.balances)")
+            return 2
+        common = dict(split_counters=counters, max_kv_len=max_kv_len, num_sms=sms)
+        splits = None
+        launches = {
+            "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
+            "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
+                                                     row_splits=row_splits, **common),
+        }
+    else:
+        splits = a.splits if cuda else 3
+        common = dict(num_splits=splits, fused_merge=True, split_counters=counters, max_kv_len=n, **sfi)
+        rows = torch.full((bs,), splits, dtype=torch.int32, device=dev)
+        launches = {
+            "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
+            "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
+                                                     row_splits=rows, **common),
+        }
     for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4)
         launches[name]()
         launches[name]()
@@ -80,7 +109,7 @@ def main(argv=None) -> int:
                 stop.record()
                 stop.synchronize()
                 times[name].append(start.elapsed_time(stop) * 1e3)
-    doc = {"ctx": n, "batch": bs, "splits": splits, "kv_dtype": a.kv_dtype, "side_effects": not a.no_side_effects,
+    doc = {"ctx": n, "batch": bs, "rows": a.rows, "splits": splits, "kv_dtype": a.kv_dtype, "side_effects": bool(sfi),
            "outputs_equal": same, "us": times,
            "median_us": {k: statistics.median(v) if v else None for k, v in times.items()}}
     print(json.dumps(doc["median_us"]), "outputs equal:", same)
