@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench_scripts import load_bench_script
+
+# Kernels only, no SGLang: the background leg (157 s on the interpreter, which ran in
+# both SGLang versions' legs, on CI's critical path, until session 38).
+pytestmark = pytest.mark.sglang_independent
 
 
 def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
