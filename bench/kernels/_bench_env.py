@@ -138,3 +138,32 @@ def start(args, title: str):
            "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
     print(f"# {title}\n" + json.dumps(env))
     return use_cuda, dev, num_sms, env, Timer(use_cuda, args.warmup, args.rep, graphs=True)
+
+
+def decode_stage1_variants(K) -> list:
+    """Registers, spills and shared memory of each compiled variant of the decode's
+    stage-1 kernel (by its constexpr flags): a variant that needs more registers
+    keeps fewer programs per SM resident (session 38: the balanced variant's 142
+    against 128 cost 1.5x). Empty on the interpreter or where this Triton keeps its
+    cache elsewhere. (Until session 38 it looked under the JITFunction's ``fn``, the
+    plain Python function, and found nothing.)"""
+    import importlib
+
+    fn = importlib.import_module(K.two_segment_decode.__module__)._two_segment_decode_stage1
+    flags = ("DIRECT", "FUSED_MERGE", "BALANCE", "SAVE_LOGITS", "SAVE_Q", "STORE_KNORM", "HAS_ROW_MASK")
+    rows = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        for kernel in caches[0].values():
+            consts = {}
+            try:
+                names = fn.arg_names
+                for key, val in kernel.src.constants.items():
+                    name = names[key[0]] if isinstance(key, tuple) else key
+                    consts[name if isinstance(name, str) else str(name)] = val
+            except Exception:  # the layout of a compiled kernel's source differs across Triton versions
+                pass
+            meta = getattr(kernel, "metadata", None)
+            rows.append({"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                         "shared": getattr(meta, "shared", None), "maxnreg": getattr(meta, "maxnreg", None),
+                         **{f: consts.get(f) for f in flags}})
+    return rows

@@ -45,7 +45,7 @@ import os
 import platform
 import sys
 import time
-from _bench_env import Timer, import_kernels, use_cuda_or_exit
+from _bench_env import Timer, decode_stage1_variants, import_kernels, use_cuda_or_exit
 from typing import Callable, Dict, List, Optional
 
 
@@ -311,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as fh:
                 json.dump({"env": env, "args": vars(args), "copy_gbps": copy_gbps, "results": results,
-                           "failures": failures, "stage1_variants": compiled_variants(K)}, fh, indent=1)
+                           "failures": failures, "stage1_variants": decode_stage1_variants(K)}, fh, indent=1)
 
     sparse_ctxs = set(args.sparse_contexts or args.contexts)
     for n in args.contexts:
@@ -376,7 +376,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.slow_step:
                 time_slow_step(args, K, T, torch, timer, base, ref, max_kv_len, results, n, bs, dense_bytes,
                                counters, kv_dtype != dtype)
-                for v in compiled_variants(K):  # each once: the cache keeps the earlier cases' too
+                for v in decode_stage1_variants(K):  # each once: the cache keeps the earlier cases' too
                     line = "  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items())
                     if line not in printed_variants:
                         printed_variants.add(line)
@@ -623,35 +623,6 @@ def _with_register_cap(td, regs: int, launch):
         return launch()
     finally:
         td.BALANCE_MAX_REGISTERS = saved
-
-
-def compiled_variants(K) -> list[dict]:
-    """Registers, spills and shared memory of each compiled variant of the decode's
-    stage-1 kernel (by its constexpr flags): a variant that needs more registers
-    keeps fewer programs per SM resident (session 38: the balanced variant's 142
-    against 128 cost 1.5x). Empty on the interpreter or where this Triton keeps its
-    cache elsewhere. (Until session 38 it looked under the JITFunction's ``fn``, the
-    plain Python function, and found nothing.)"""
-    import importlib
-
-    fn = importlib.import_module(K.two_segment_decode.__module__)._two_segment_decode_stage1
-    flags = ("DIRECT", "FUSED_MERGE", "BALANCE", "SAVE_LOGITS", "SAVE_Q", "STORE_KNORM", "HAS_ROW_MASK")
-    rows = []
-    for caches in getattr(fn, "device_caches", {}).values():
-        for kernel in caches[0].values():
-            consts = {}
-            try:
-                names = fn.arg_names
-                for key, val in kernel.src.constants.items():
-                    name = names[key[0]] if isinstance(key, tuple) else key
-                    consts[name if isinstance(name, str) else str(name)] = val
-            except Exception:  # the layout of a compiled kernel's source differs across Triton versions
-                pass
-            meta = getattr(kernel, "metadata", None)
-            rows.append({"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
-                         "shared": getattr(meta, "shared", None), "maxnreg": getattr(meta, "maxnreg", None),
-                         **{f: consts.get(f) for f in flags}})
-    return rows
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):

@@ -35,7 +35,7 @@ import argparse
 import json
 
 import torch
-from _bench_env import graph_replay_ms
+from _bench_env import decode_stage1_variants, graph_replay_ms
 
 from sgl_sparse.kernels import balanced_grid_splits, make_split_counters, step_row_splits, two_segment_decode
 from sgl_sparse.kernels._utils import device_num_sms
@@ -128,8 +128,13 @@ def main():
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |")
+    import sgl_sparse.kernels as kernels
+
+    variants = decode_stage1_variants(kernels)  # registers a variant: programs resident an SM
+    for v in variants:
+        print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_mixed_rows.py "
-           + " ".join(f"--{k} {v}" for k, v in vars(a).items()), "rows": rows}
+           + " ".join(f"--{k} {v}" for k, v in vars(a).items()), "rows": rows, "stage1_variants": variants}
     json.dump(doc, open(a.out, "w"), indent=1)
 
 
