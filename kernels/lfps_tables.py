@@ -280,7 +280,9 @@ def _lfps_priority_kernel(
         ok = pos < c1
         v = tl.load(ver + pos, mask=ok, other=0.0)
         s = _sla_at(sla, pos, ok, n, M)
-        grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | _c0(ver, sla, pos, lo, n, M, tv, ts)
+        # C0 at j itself from the entries just read (the chunk lies in [lo, n)): eight
+        # table reads a position instead of ten
+        grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | (v > tv) | (s > ts)
         grow = grow | _c0(ver, sla, pos - 1, lo, n, M, tv, ts) | _c0(ver, sla, pos - 2, lo, n, M, tv, ts)
         c1_ = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
         members += c1_.to(tl.int32)
