@@ -130,7 +130,7 @@ BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # 128 as served: 402 us against 620 uncapped (bench/results/slow_step_*_h200_s38.*).
 # 128 at 4 warps leaves the 4 programs an SM that fp8 tiles' shared memory (55 KB a
 # program) allows; a bf16 tile's (110 KB) leaves 2 whatever the registers, and there
-# the cap measured 1-3% slower (28 layers of bench_mixed_rows.py: all dense and all
+# the cap measured 1-3.5% slower (28 layers of bench_mixed_rows.py: all dense and all
 # sparse rows, 131072 x 4 to 8192 x 32; over e4m3 the cap was 3-5% faster all dense).
 BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
