@@ -814,6 +814,36 @@ def test_balanced_splits_are_shares_of_the_programs_by_keys():
     assert K.balanced_splits(torch.zeros(2, 8, **i32), empty, empty, None, 33, 4).tolist() == [1, 1]
 
 
+def test_balanced_shares_never_pass_their_programs():
+    """Floored shares: on random batches (dense, sparse and empty rows, a row mask, fp8's
+    doubling) the shares sum to at most the programs a KV head plus one for each row
+    whose share was raised to its one program, so a step sized to one wave stays in
+    it; each share is proportional to its keys within one program."""
+    from sgl_sparse.kernels.two_segment_decode import FP8_DENSE_SPLIT_KEYS
+
+    g = torch.Generator().manual_seed(38)
+    for trial in range(200):
+        bs = int(torch.randint(2, 40, (1,), generator=g))
+        n = torch.randint(0, 140000, (bs,), generator=g)
+        dense = torch.rand(bs, generator=g) < 0.3
+        a = torch.where(dense, 0, torch.randint(0, 2053, (bs,), generator=g))[:, None].repeat(1, 8).to(torch.int32)
+        b1 = n.to(torch.int32)
+        b0 = torch.where(dense, 0, (n - 256).clamp(min=0)).to(torch.int32)
+        mask = (torch.rand(bs, generator=g) < 0.8).to(torch.int32) if trial % 2 else None
+        per_head, grid = 33, int(torch.randint(1, 65, (1,), generator=g))
+        fp8 = bool(trial % 3)
+        got = K.balanced_splits(a, b0, b1, mask, per_head, grid, kv_fp8=fp8)
+        keys = (a[:, 0].long() + (b1 - b0).long()) * (1 if mask is None else mask.long())
+        total = int(keys.sum().clamp(min=1))
+        programs = 2 * per_head if fp8 and total >= per_head * FP8_DENSE_SPLIT_KEYS else per_head
+        raised = int(((keys * programs) // total == 0).sum())
+        assert got.dtype == torch.int32 and int(got.min()) >= 1 and int(got.max()) <= grid
+        assert int(got.sum()) <= programs + raised, (trial, got.tolist(), programs)
+        ideal = keys.double() * programs / total
+        assert bool(((got.double() <= ideal.clamp(min=1)) | (got == 1)).all())
+        assert bool(((got.double() > ideal - 1) | (got == grid)).all())
+
+
 def test_step_row_splits_and_the_balanced_grid_as_the_wrapper_sizes_them():
     """step_row_splits: None where the batch does not balance (batch 1), else the
     shares of the heuristic's program target (what the backend passes every layer);
