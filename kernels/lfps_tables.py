@@ -244,6 +244,7 @@ def _lfps_priority_kernel(
     BLOCK_G: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    C0_FROM_READ: tl.constexpr = True,
 ):
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -281,8 +282,12 @@ def _lfps_priority_kernel(
         v = tl.load(ver + pos, mask=ok, other=0.0)
         s = _sla_at(sla, pos, ok, n, M)
         # C0 at j itself from the entries just read (the chunk lies in [lo, n)): eight
-        # table reads a position instead of ten
-        grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | (v > tv) | (s > ts)
+        # table reads a position instead of ten (PRIORITY_C0_FROM_READ)
+        if C0_FROM_READ:
+            c0_here = (v > tv) | (s > ts)
+        else:
+            c0_here = _c0(ver, sla, pos, lo, n, M, tv, ts)
+        grow = _c0(ver, sla, pos + 1, lo, n, M, tv, ts) | c0_here
         grow = grow | _c0(ver, sla, pos - 1, lo, n, M, tv, ts) | _c0(ver, sla, pos - 2, lo, n, M, tv, ts)
         c1_ = ok & grow & ((v > mv) | (s > ms)) & (bypass == 0)
         members += c1_.to(tl.int32)
@@ -375,6 +380,10 @@ def _lfps_c1_list_kernel(
 #: 32768 x 8, took 110 us a layer on an H200 for ~60 MB, session 32's profile).
 PRIORITY_PROGRAMS_PER_SM = 4
 PRIORITY_MAX_CHUNKS = 32
+#: The priorities' C1 pass takes C0 at a position from the two entries it has just
+#: read there (8 table reads a position); False: reads them again (10, as until session
+#: 38), for bench_lfps_priority's A/B in one run. The same C1 either way.
+PRIORITY_C0_FROM_READ = True
 #: The table statistics' tile (its lanes' moments: ten fp32 accumulators an entry a
 #: thread): 512 compiles for sm_90 in 96 registers without spilling, 1024 in 168-175
 #: with a stack (tests/kernels/test_lfps_tables.py).
@@ -468,7 +477,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     _lfps_priority_kernel[grid](
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
-        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m, num_warps=num_warps,
+        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m,
+        C0_FROM_READ=PRIORITY_C0_FROM_READ, num_warps=num_warps,
     )
     if c1_list is not None:
         budget, out, out_len, skip = c1_list

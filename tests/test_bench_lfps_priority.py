@@ -24,5 +24,7 @@ def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
     rows = [r for r in results if "chunks" in r]
     assert {r["chunks"] for r in rows} == {1, 3, 4} and all(r["ok"] for r in rows)
     assert sum(r["default"] for r in rows) == 1 and all(0 < r["finite_share"] < 1 for r in rows)
+    c0 = [r for r in results if "c0" in r]  # the C1 pass's reads, A/B (the same priorities)
+    assert len(c0) == 2 * len({r["case"] for r in rows}) and all(r["ok"] for r in c0)
     stages = [r for r in results if "stage" in r]  # the C1 stage before / now (the same C1: main's check)
     assert [r["stage"] for r in stages] == ["c1-stage before", "c1-stage now"] and stages[1]["listed_share"] == 1.0

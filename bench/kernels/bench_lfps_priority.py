@@ -108,6 +108,27 @@ def main(argv=None) -> int:
             print(f"  {name:12s} chunks {chunks:2d}{'*' if chunks == default else ' '}: {t:8.1f} us "
                   f"(graph {'-' if g is None else f'{g:7.1f}'})  {row['gbps']:7.1f} GB/s  "
                   f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        # C0 at a position from the entries just read (8 table reads a position, since
+        # session 38) against reading them again (10), at the default chunks, one run
+        for reread in (True, False):
+            def run_c0(reread=reread):
+                saved, lt.PRIORITY_C0_FROM_READ = lt.PRIORITY_C0_FROM_READ, not reread
+                try:
+                    lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=default)
+                finally:
+                    lt.PRIORITY_C0_FROM_READ = saved
+
+            prio.fill_(float("nan"))
+            run_c0()
+            ok = torch.equal(prio[live], want[live])
+            if not ok:
+                failures.append((name, "c0 reread" if reread else "c0 from read"))
+            t, g = timer.eager_us(run_c0), timer.graph_us(run_c0)
+            label = "C0 read again (10 reads)" if reread else "C0 from the read (8)"
+            results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, c0=label, c0_chunks=default,
+                                eager_us=round(t, 1), graph_us=None if g is None else round(g, 1), ok=ok))
+            print(f"  {name:12s} {label:24s}: {t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})  "
+                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
         # the whole C1 stage as lfps_device ran it before (one program a row, then
         # topk_range over every row) and as it runs now (chunks, C1 listed where it fits
         # the candidates budget, topk_range skipping those rows)
