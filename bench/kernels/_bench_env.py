@@ -7,6 +7,7 @@ interpreter has to be switched on before the kernels are imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -135,6 +136,18 @@ def start(args, title: str):
            "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)", "num_sms": num_sms}
     print(f"# {title}\n" + json.dumps(env))
     return use_cuda, dev, num_sms, env, Timer(use_cuda, args.warmup, args.rep, graphs=True)
+
+
+@contextlib.contextmanager
+def module_constant(module: ModuleType, name: str, value):
+    """``module.name`` set to ``value`` inside the block (a knob the launcher reads at
+    each launch, for an A/B in one run), restored after."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def decode_stage1_variants(K) -> list:

@@ -45,7 +45,7 @@ import os
 import platform
 import sys
 import time
-from _bench_env import Timer, decode_stage1_variants, import_kernels, use_cuda_or_exit
+from _bench_env import Timer, decode_stage1_variants, import_kernels, module_constant, use_cuda_or_exit
 from typing import Callable, Dict, List, Optional
 
 
@@ -598,8 +598,11 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
     for name, extra, splits, regs in variants:
         kw = dict(max_kv_len=max_kv_len, out=out, split_counters=counters, balance=True, row_splits=splits)
         kw.update(extra)
-        runs.append(lambda kw=kw, regs=regs: _with_register_cap(td, regs, lambda: K.two_segment_decode(*case.args(),
-                                                                                                      **kw)))
+        def run(kw=kw, regs=regs):
+            with module_constant(td, "BALANCE_MAX_REGISTERS", regs):
+                K.two_segment_decode(*case.args(), **kw)
+
+        runs.append(run)
         out.fill_(float("nan"))
         runs[-1]()
         errs.append(T.rel_error(out.float(), ref))
@@ -613,16 +616,6 @@ def time_balanced_slow_step(args, K, T, timer, case, ref, max_kv_len, counters, 
         rows.append((name, extra.get("num_splits", grid), splits.tolist() if extra.get("balance", True) else None,
                      ts[len(ts) // 2], err, ts))
     return rows
-
-
-def _with_register_cap(td, regs: int, launch):
-    """``launch()`` with the balanced launch's register cap at ``regs`` (the module's
-    constant, read at each launch; restored after)."""
-    saved, td.BALANCE_MAX_REGISTERS = td.BALANCE_MAX_REGISTERS, regs
-    try:
-        return launch()
-    finally:
-        td.BALANCE_MAX_REGISTERS = saved
 
 
 def sweep(args, K, T, torch, timer, case, ref, max_kv_len, results, n, bs, kernel, frac, nbytes):

@@ -31,7 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_env import add_common_args, import_kernels, start  # noqa: E402
+from _bench_env import add_common_args, import_kernels, module_constant, start  # noqa: E402
 
 
 def _cases(smoke: bool):
@@ -112,11 +112,8 @@ def main(argv=None) -> int:
         # session 38) against reading them again (10), at the default chunks, one run
         for reread in (True, False):
             def run_c0(reread=reread):
-                saved, lt.PRIORITY_C0_FROM_READ = lt.PRIORITY_C0_FROM_READ, not reread
-                try:
+                with module_constant(lt, "PRIORITY_C0_FROM_READ", not reread):
                     lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=default)
-                finally:
-                    lt.PRIORITY_C0_FROM_READ = saved
 
             prio.fill_(float("nan"))
             run_c0()
