@@ -79,20 +79,15 @@ def main(argv=None) -> int:
             return 2
         common = dict(split_counters=counters, max_kv_len=max_kv_len, num_sms=sms)
         splits = None
-        launches = {
-            "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
-            "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
-                                                     row_splits=row_splits, **common),
-        }
     else:
         splits = a.splits if cuda else 3
         common = dict(num_splits=splits, fused_merge=True, split_counters=counters, max_kv_len=n, **sfi)
-        rows = torch.full((bs,), splits, dtype=torch.int32, device=dev)
-        launches = {
-            "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
-            "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
-                                                     row_splits=rows, **common),
-        }
+        row_splits = torch.full((bs,), splits, dtype=torch.int32, device=dev)
+    launches = {
+        "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
+        "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
+                                                 row_splits=row_splits, **common),
+    }
     for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4)
         launches[name]()
         launches[name]()
