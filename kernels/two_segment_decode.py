@@ -78,7 +78,7 @@ from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switc
                      needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
-           "balanced_splits", "balanced_grid_splits", "step_row_splits"]
+           "balanced_splits", "balanced_grid_splits", "step_row_splits", "dense_step_balances"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -133,6 +133,18 @@ BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # the cap measured 1-3.5% slower (28 layers of bench_mixed_rows.py: all dense and all
 # sparse rows, 131072 x 4 to 8192 x 32; over e4m3 the cap was 3-5% faster all dense).
 BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
+# A balanced launch's grid order: (splits, Hkv, bs) instead of (bs, Hkv, splits), so
+# that each (request, KV head)'s splits are neighbours in launch order and the programs
+# past a request's share (which exit at once) are spread through the grid instead of
+# trailing it. H200, e4m3, every row alike (2052 compact + 256 recent keys; Nsight
+# Compute, bench/results/fast_balance_ncu_*_h200_s39.txt): the balanced launch of the
+# plain one's partition ran the same instructions with the same average SM-active
+# cycles but 1.75x the elapsed ones at 8192 x 32 (60.6 -> 101.7 us; 256 working of
+# 1024 programs, all first in launch order) and 1.55x at 32768 x 8 (22.6 -> 33.8 us):
+# the SMs sat idle ~45% of the launch, i.e. the working programs were not spread over
+# the SMs. Whether this order spreads them is an A/B not yet run on a GPU
+# (run_all.sh fastbalance), so it is off by default.
+BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -329,11 +341,17 @@ def _two_segment_decode_stage1(
     BALANCE: tl.constexpr,
     F16_DOTS: tl.constexpr,  # an fp8 cache: the dots in fp16 (see FP8_F16_DOTS)
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
+    SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
 ):
-    cur_b = tl.program_id(0)
+    if SPLIT_MAJOR:
+        split = tl.program_id(0)
+        num_splits = tl.num_programs(0)
+        cur_b = tl.program_id(2)
+    else:
+        cur_b = tl.program_id(0)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
     cur_kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
     row_mode = 1
     if HAS_ROW_MASK:
         # Rows another kernel serves (e.g. `full` rows through FlashInfer) are
@@ -788,7 +806,7 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     total = keys.sum().clamp(min=1)
     programs = programs_per_head
     if kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0:
-        programs = torch.where(total >= programs_per_head * FP8_DENSE_SPLIT_KEYS, 2 * programs_per_head,
+        programs = torch.where(total >= _dense_double_keys(programs_per_head), 2 * programs_per_head,
                                programs_per_head)
     # Floored, so the shares sum to at most P (but for the one program every row gets):
     # rounded, four dense rows of a slow step at 131072 x 4 over fp8 took 17 each of
@@ -797,6 +815,27 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     # bench_decode.py --slow-step, without the slow step's side effects).
     share = keys * programs // total
     return share.clamp(1, max_splits).int()
+
+
+def _dense_double_keys(programs_per_head: int) -> int:
+    """A step's keys (KV head 0, served rows) from which balanced_splits doubles its
+    programs over fp8 (FP8_DENSE_SPLIT_KEYS a program)."""
+    return programs_per_head * FP8_DENSE_SPLIT_KEYS
+
+
+def dense_step_balances(batch_size: int, step_keys: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+                        kv_fp8: bool) -> bool:
+    """Host side: whether a step whose kernel rows are all dense (every request an SFI
+    slow step), ``step_keys`` keys in all, is faster balanced than plain. All rows alike,
+    balance changes nothing but the program count, and only where balanced_splits
+    doubles it (over fp8, FP8_DENSE_SPLIT_KEYS keys a program): H200, e4m3, 28 layers
+    all dense (bench_mixed_rows.py, session 38, capped): 131072 x 4 14.64 -> 10.31 ms
+    balanced (it doubles), 32768 x 8 7.50 -> 8.30 and 8192 x 32 7.04 -> 8.31 (it does
+    not; nor over bf16, 15.49 -> 16.95 at 131072 x 4)."""
+    if not (kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0 and balances(batch_size, num_kv_heads, max_kv_len, num_sms,
+                                                             kv_fp8=kv_fp8)):
+        return False
+    return step_keys >= _dense_double_keys(num_sms * programs_per_sm(kv_fp8) // num_kv_heads)
 
 
 def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
@@ -1085,7 +1124,10 @@ def two_segment_decode(
         s_ob, s_oh, s_os = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
         s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
 
-    grid = (bs, num_kv_heads, num_splits)
+    # A grid's second and third dimensions stop at 65535: a batch that large keeps
+    # the request-major order.
+    split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
+    grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
@@ -1179,6 +1221,7 @@ def two_segment_decode(
         BALANCE=balance,
         F16_DOTS=f16_dots,
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
+        SPLIT_MAJOR=split_major,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,

@@ -128,7 +128,8 @@ class SparseAttnBackend(AttentionBackend):
                 self.req_to_token_pool.req_to_token.shape[0], self._num_kv_heads, self.device
             )
         # Steps that may hold an SFI slow step among fast ones balance the kernel's
-        # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED).
+        # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED), and so do
+        # all-slow steps where that doubles their programs (_dense_step_balances).
         self.balance_splits = (self.dense is not None and self.state.compact is not None
                                and self.config.compact.balance_splits and _balance_enabled())
         # Decode CUDA graphs per batch size, one per set of attention paths a batch
@@ -347,7 +348,7 @@ class SparseAttnBackend(AttentionBackend):
             qa_policies = self.state.step_query_aware_policies()
             qa = bool(qa_policies)
             route = graph_variants.route_of(mask)
-            balance = self.balance_splits and self.state.step_balance()
+            balance = self.balance_splits and (self.state.step_balance() or self._dense_step_balances(bs))
             if eager:
                 variant = route if graph_variants.ROUTE_ENABLED and not qa else graph_variants.MIXED
                 if variant == graph_variants.KERNEL and balance:
@@ -395,6 +396,18 @@ class SparseAttnBackend(AttentionBackend):
             self._row_splits = self._balanced_row_splits(self.plan)
         else:
             self.plan = None
+
+    def _dense_step_balances(self, bs: int) -> bool:
+        """A step whose kernel rows are all SFI slow steps (dense, alike) balances only
+        where that takes more programs than the plain launch (long rows over fp8)."""
+        keys = self.state.step_dense_keys()
+        if keys <= 0:
+            return False
+        from sgl_sparse.kernels import dense_step_balances
+        from sgl_sparse.kernels._utils import device_num_sms
+
+        return dense_step_balances(bs, keys, self._num_kv_heads, self._max_kv_len, device_num_sms(self.device),
+                                   self._kv_fp8)
 
     def _balanced_row_splits(self, plan: DecodePlan) -> Optional[torch.Tensor]:
         """The decode kernel's splits per request, once per step for every layer, in a

@@ -197,9 +197,12 @@ class CompactBufferConfig(_Strict):
     # one program per KV head reading its whole context while the rest of the GPU
     # waits. Its own decode graph per batch size (graph_variants.KERNEL_BALANCED),
     # replayed only for such steps: the larger grid costs 8-13% where every row is
-    # alike (H100, bench/README "Session 15").
+    # alike (H100, bench/README "Session 15"). Also for a step whose rows are all SFI
+    # slow steps where balancing doubles their programs (long rows over fp8:
+    # kernels.dense_step_balances; 131072 x 4 over e4m3, 28 layers 14.6 -> 10.3 ms).
     balance_splits: bool = Field(True, description="balance the decode kernel's splits on steps that may "
-                                                   "hold an SFI slow step among fast ones (GPU only)")
+                                                   "hold an SFI slow step among fast ones, and on all-slow "
+                                                   "steps of long rows over an fp8 cache (GPU only)")
 
 
 class QueryStoreConfig(_Strict):

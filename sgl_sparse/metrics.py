@@ -152,7 +152,8 @@ class SchedulerMetrics:
             "sglang_sparse_decode_forwards_total",
             "Decode forwards by the attention path they ran: dense (FlashInfer alone), kernel "
             "(sgl_sparse's kernel alone), kernel_balanced (the kernel with balanced splits: a step "
-            "where an SFI slow step may run beside fast ones, compact.balance_splits), mixed (both), "
+            "where an SFI slow step may run beside fast ones, or an all-slow step of long rows over fp8, "
+            "compact.balance_splits), mixed (both), "
             "qa (both with the query-aware blocks), reference (the CPU reference path).",
             ["path", "model_name"])
         self._path_children = {path: self.decode_forwards.labels(path, model_name) for path in DECODE_PATHS}

@@ -119,6 +119,7 @@ class SparseState:
         # decode CUDA-graph variant its forward replays (step_query_aware_policies).
         self._step_query_aware: frozenset[PolicyId] | None = None
         self._step_balance = False  # see step_balance
+        self._step_dense_keys = 0  # see step_dense_keys
         self._step_slow_sfi = [False, True]
         self._step_rows: list[int] | None = None  # rows of the decode batch, in order
         # Per live row: [decode steps, sum of per-step retention] (host-side stats).
@@ -329,7 +330,10 @@ class SparseState:
             # Rows of the kernel that are not SFI's (windows, indexed) are fast here.
             surely = surely and all(m == 0 or self._active.get(int(r)) is None
                                     or self._active[int(r)].policy is _SFI for r, m in zip(rows, mask))
-            self._step_balance = may and not surely and sum(m == 1 for m in mask) > 1
+            kernel_rows = sum(m == 1 for m in mask)
+            self._step_balance = may and not surely and kernel_rows > 1
+            self._step_dense_keys = (sum(int(n) for n, m in zip(seq_lens, mask) if m == 1)
+                                     if may and surely and kernel_rows > 1 else 0)
         if self.metrics is not None:
             self.metrics.on_step(per_policy, fallbacks)
 
@@ -466,6 +470,15 @@ class SparseState:
         step_query_aware, by the variant choice of the same forward."""
         with self._lock:
             return self._step_balance
+
+    def step_dense_keys(self) -> int:
+        """The keys of the decode step about to run when every one of its kernel rows
+        (more than one) is surely an SFI slow step, i.e. attends its whole sequence
+        (slow ratios pinned by ``t_max``: a batch admitted together is slow together);
+        0 otherwise. The backend balances such a step where that is faster
+        (kernels.dense_step_balances): all rows alike, step_balance says no."""
+        with self._lock:
+            return self._step_dense_keys
 
     def step_query_aware(self) -> bool:
         """Whether the decode forward about to run needs the query-aware blocks: its

@@ -2,8 +2,8 @@
 the slow step's partition give the same output bit for bit on the CPU interpreter
 (with and without the slow step's stores), and so do a fast step's launches as served
 (``--rows sparse``: the heuristic's splits, and the balanced grid with the step's
-shares), so the next GPU lease's Nsight Compute call profiles two launches that do the
-same work."""
+shares; ``--split-major``: the balanced one split-major too), so the next GPU lease's
+Nsight Compute call profiles launches that do the same work."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def test_smoke_the_two_launches_agree(tmp_path, monkeypatch, side_effects):
     assert doc["outputs_equal"] and doc["side_effects"] == side_effects and doc["splits"] == 3
 
 
-def test_smoke_a_fast_step_s_two_launches_agree(tmp_path, monkeypatch):
+def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mod = load_bench_script("kernels/probe_balanced_launch.py")
     out = tmp_path / "p.json"
-    assert mod.main(["--smoke", "--rows", "sparse", "--out", str(out)]) == 0
+    assert mod.main(["--smoke", "--rows", "sparse", "--split-major", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]
+    assert set(doc["us"]) == {"plain", "balanced", "split_major"}

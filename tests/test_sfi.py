@@ -158,25 +158,39 @@ def test_step_balance_asks_for_balanced_splits_when_a_slow_step_may_sit_among_fa
         for t in range(steps):
             st.set_step_rows(rows, [9000 + t] * len(rows), toks)
             out.append(st.step_balance())
+            dense_keys.append(st.step_dense_keys())
             toks = [tk + [5] for tk in toks]  # the step's id arrives before the next
         return out
 
+    dense_keys: list[int] = []
+
     pinned = SfiPolicy(t_max=t_max, sentence_triggers=False, budget=8, recent=8, sink=2)
-    # one group: every row slow together (step 0, then every t_max + 1): never mixed
+    # one group: every row slow together (step 0, then every t_max + 1): never mixed;
+    # those steps' keys (step_dense_keys) are the rows' lengths, 0 on the others
     assert run([pinned] * 3, 12) == [False] * 12
+    slow_steps = [t for t, k in enumerate(dense_keys) if k]
+    assert slow_steps and slow_steps[0] == 0 and len(slow_steps) < 12
+    assert all(dense_keys[t] == 3 * (9000 + t) for t in slow_steps)
+    dense_keys.clear()
     # two groups: a group's slow step beside the other group's fast ones
     grouped = pinned.model_copy(update={"refresh_groups": 2})
     got = run([grouped] * 4, 12)
     assert got[0] is False and any(got[1:]) and not all(got[1:])
     # sentence triggers: any step may be slow (until t_max makes every row surely slow)
     natural = SfiPolicy(t_max=31, budget=8, recent=8, sink=2)
+    dense_keys.clear()
     assert run([natural] * 2, 6)[1:] == [True] * 5
+    assert dense_keys[0] == 2 * 9000 and not any(dense_keys[1:])  # the first step surely slow, then may be
+    dense_keys.clear()
     assert run([natural], 6) == [False] * 6  # one kernel row: nothing to balance
+    assert not any(dense_keys)
     from sgl_sparse.policies import streaming
     from sgl_sparse.config import StreamingPolicy
     window = streaming.init_row(StreamingPolicy(window=16, sink=2), [], [], (None, None))
     # every pinned row slow at step 0 but a window row beside them: balanced
+    dense_keys.clear()
     assert run([pinned] * 2, 2, extra=[(5, window)])[0] is True
+    assert dense_keys[0] == 0  # not every kernel row dense
 
 
 def test_a_later_extend_chunk_keeps_its_refresh_phase():

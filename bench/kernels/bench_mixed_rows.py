@@ -32,19 +32,21 @@ SGLANG_SPARSE_FP8_DENSE_SPLIT_KEYS=0 for the A/B).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 import torch
-from _bench_env import decode_stage1_variants, graph_replay_ms
+from _bench_env import decode_stage1_variants, graph_replay_ms, import_kernels, module_constant
 
-from sgl_sparse.kernels import balanced_grid_splits, make_split_counters, step_row_splits, two_segment_decode
-from sgl_sparse.kernels._utils import device_num_sms
+# The installed package's kernels, else this checkout's (a bare GPU machine).
+K = import_kernels()
+TSD = importlib.import_module(K.two_segment_decode.__module__)
 
 LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
 
 
-def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, split_major: bool = False) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -64,10 +66,10 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
     b_start = torch.where(is_dense, 0, ctx - RECENT).int()
     b_end = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     idx = torch.arange(bs, dtype=torch.int32, device=dev)
-    counters = make_split_counters(bs, HKV, dev)
+    counters = K.make_split_counters(bs, HKV, dev)
     scale = D ** -0.5
-    sms = device_num_sms(dev)
-    base_splits, grid_splits = balanced_grid_splits(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+    sms = TSD.device_num_sms(dev)
+    base_splits, grid_splits = K.balanced_grid_splits(bs, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
@@ -80,26 +82,32 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16) 
             kw = dict(balance=False)
             row_splits = None  # the unbalanced step computes no shares (as before: not in its timed graph)
             if balance:
-                row_splits = step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+                row_splits = K.step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
             if row_splits is not None:
                 kw = dict(balance=True, row_splits=row_splits)
             for _ in range(LAYERS):
-                two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
+                K.two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
                                    max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
         return step
 
     t_default = graph_replay_ms(launch("default", False))
     t_bal = graph_replay_ms(launch("balanced", True))
-    err = ((outs["default"].float() - outs["balanced"].float()).abs().max()
-           / outs["default"].float().abs().max().clamp(min=1e-6)).item()
+    t_major = None
+    if split_major:  # the same balanced launch with its grid split-major (BALANCE_SPLIT_MAJOR)
+        with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
+            t_major = graph_replay_ms(launch("split_major", True))
+    ref = outs["default"].float()
+    err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+              for name, o in outs.items() if name != "default")
     moved = LAYERS * keys * D * 2 * (1 if fp8 else 2)  # K and V bytes read
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "kv_dtype": str(kv_dtype).replace("torch.", ""),
             "splits": base_splits,
             "balanced_grid_splits": grid_splits,
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
+            "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
-            "max_rel_diff": err, "same": err < 2e-2 and not outs["balanced"].isnan().any().item()}
+            "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
 
 
 def main():
@@ -108,29 +116,29 @@ def main():
     ap.add_argument("--dense", default="0,1,2,4,all")
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
+    ap.add_argument("--split-major", action="store_true",
+                    help="also time the balanced launch with its grid split-major (BALANCE_SPLIT_MAJOR), same run")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
     if a.factor is not None:
-        import importlib
-
-        importlib.import_module(two_segment_decode.__module__).BALANCE_FACTOR = a.factor
+        TSD.BALANCE_FACTOR = a.factor
     rows = []
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype)
+            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.split_major)
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    print("\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |"
-          "\n|---|---|---|---|---|---|")
+    major = " balanced split-major ms |" if a.split_major else ""
+    print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
+          "\n|---|---|---|---|---|---|" + ("---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
-              f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |")
-    import sgl_sparse.kernels as kernels
-
-    variants = decode_stage1_variants(kernels)  # registers a variant: programs resident an SM
+              f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
+              + (f" {r['balanced_split_major_ms']} |" if major else ""))
+    variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     doc = {"device": torch.cuda.get_device_name(), "command": "python bench/kernels/bench_mixed_rows.py "

@@ -25,16 +25,23 @@ slower than the unbalanced one at 32768 x 8 and 8192 x 32 (6 and 19 us a layer) 
 the same per-request partition, where the slow step's cause (registers) was ruled
 out; the pair under Nsight Compute says where it goes.
 
-``--smoke``: a small shape on the CPU interpreter (the two outputs checked equal).
+``--split-major``: a third launch, the balanced one with its grid split-major
+(``BALANCE_SPLIT_MAJOR``; then ``--launch-skip 6 --launch-count 3``). Session 39's pair
+under Nsight Compute ran the same instructions with the same average SM-active cycles
+but 1.55-1.75x the elapsed ones balanced: the SMs idle ~45% of it, as if the 256
+working programs, first of the grid's 1024, were not spread over the SMs.
+
+``--smoke``: a small shape on the CPU interpreter (the outputs checked equal).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 
-from _bench_env import import_kernels, use_cuda_or_exit
+from _bench_env import import_kernels, module_constant, use_cuda_or_exit
 
 
 def main(argv=None) -> int:
@@ -47,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-side-effects", action="store_true")
     ap.add_argument("--rows", choices=("dense", "sparse"), default="dense",
                     help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
+    ap.add_argument("--split-major", action="store_true", help="a third launch: balanced, its grid split-major")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -68,7 +76,8 @@ def main(argv=None) -> int:
         case = case.stored_as(torch.float8_e4m3fn)
     sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
     counters = K.make_split_counters(bs, hkv, dev)
-    outs = {name: torch.empty_like(case.q) for name in ("plain", "balanced")}
+    names = ("plain", "balanced") + (("split_major",) if a.split_major else ())
+    outs = {name: torch.empty_like(case.q) for name in names}
     if sparse:  # as served: the heuristic's splits over serving's req_to_token width
         max_kv_len, sms = (140000, None) if cuda else (n, 4)
         row_splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, max_kv_len,
@@ -88,12 +97,20 @@ def main(argv=None) -> int:
         "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
                                                  row_splits=row_splits, **common),
     }
-    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4)
+    if a.split_major:
+        tsd = importlib.import_module(K.two_segment_decode.__module__)
+
+        def split_major():
+            with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True):
+                K.two_segment_decode(*case.args(), out=outs["split_major"], balance=True, row_splits=row_splits,
+                                     **common)
+        launches["split_major"] = split_major
+    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 6)
         launches[name]()
         launches[name]()
     for name in launches:  # the profiled pair, plain first
         launches[name]()
-    same = torch.equal(outs["plain"], outs["balanced"]) and not outs["plain"].isnan().any().item()
+    same = all(torch.equal(outs["plain"], o) for o in outs.values()) and not outs["plain"].isnan().any().item()
     times = {name: [] for name in launches}
     if cuda:
         for _ in range(a.rounds):

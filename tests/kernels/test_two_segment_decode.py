@@ -541,8 +541,9 @@ def test_indexed_a_only_and_clamps(num_splits):
 
 
 @contextlib.contextmanager
-def split_order(perm):
-    """Run the interpreter's grid with program_id(2) remapped through ``perm``.
+def split_order(perm, axis=2):
+    """Run the interpreter's grid with program_id(axis), the split index, remapped
+    through ``perm`` (axis 0 for a split-major balanced launch).
 
     The interpreter runs programs one after another, split index innermost, so
     the last split to arrive would always be the highest one. Remapping the
@@ -553,8 +554,10 @@ def split_order(perm):
     builder = interp.interpreter_builder
     orig = builder.set_grid_idx
 
-    def remapped(x, y, z):
-        orig(x, y, perm[z] if z < len(perm) else z)
+    def remapped(*idx):
+        idx = list(idx)
+        idx[axis] = perm[idx[axis]] if idx[axis] < len(perm) else idx[axis]
+        orig(*idx)
 
     builder.set_grid_idx = remapped
     try:
@@ -649,13 +652,18 @@ def test_fused_merge_default_follows_split_count(monkeypatch):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="drives the interpreter's program order")
+@pytest.mark.parametrize("split_major", [False, True])
 @pytest.mark.parametrize("grid_splits", [2, 6])
-def test_balanced_splits_match_reference(grid_splits):
+def test_balanced_splits_match_reference(grid_splits, split_major, monkeypatch):
     """balance=True: dense rows far longer than the others (an SFI slow step among
     sparse rows) take more of the grid's splits, short rows fewer; the answers are
     the reference's, with row_mask 0 and 2 rows, an indexed row, rows with no key,
     lengths changing between calls on one counter buffer and the splits arriving
-    in a shuffled order. The counters end all zero."""
+    in a shuffled order, in either grid order (BALANCE_SPLIT_MAJOR). The counters
+    end all zero."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(K.two_segment_decode.__module__), "BALANCE_SPLIT_MAJOR", split_major)
     rng = random.Random(5 + grid_splits)
     num_kv_heads, cap = 2, 24
     counters = K.make_split_counters(8, num_kv_heads, DEVICE)
@@ -677,7 +685,7 @@ def test_balanced_splits_match_reference(grid_splits):
         perm = list(range(grid_splits))
         rng.shuffle(perm)
         out = torch.full_like(case.q, float("nan"))
-        with split_order(perm):
+        with split_order(perm, axis=0 if split_major else 2):
             o, lse = K.two_segment_decode(
                 *case.args(), out=out, return_lse=True, row_mask=row_mask, num_splits=grid_splits,
                 balance=True, fused_merge=True, split_counters=counters, num_sms=16, **case.kwargs(), **SMALL,
@@ -724,6 +732,47 @@ def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
     launches.clear()
     check(one, num_sms=2, max_kv_len=400, split_counters=counters, balance=True, **SMALL)
     assert launches[0][1] is False
+    assert int(counters.abs().sum()) == 0
+
+
+def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monkeypatch):
+    """BALANCE_SPLIT_MAJOR: a balanced launch's grid is (splits, Hkv, bs) and its
+    answers are bit for bit the request-major grid's (the same partition, merged in
+    split order whoever arrives last); a plain launch keeps (bs, Hkv, splits)."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    grids = []
+    orig = tsd._two_segment_decode_stage1
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                grids.append((grid, kw["BALANCE"], kw["SPLIT_MAJOR"]))
+                return orig[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(tsd, "_two_segment_decode_stage1", Recording())
+    case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=11)
+    counters = K.make_split_counters(3, 2, DEVICE)
+    outs = {}
+    for major in (False, True):
+        monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", major)
+        grids.clear()
+        o, lse = K.two_segment_decode(*case.args(), return_lse=True, num_sms=2, max_kv_len=400,
+                                      split_counters=counters, balance=True, **case.kwargs(), **SMALL)
+        (grid, bal, got_major), = grids
+        assert bal and got_major == major
+        assert grid == ((grid[0], 2, 3) if major else (3, 2, grid[2]))
+        outs[major] = (o, lse)
+        grids.clear()
+        K.two_segment_decode(*case.args(), num_sms=2, max_kv_len=400, split_counters=counters, **case.kwargs(),
+                             **SMALL)
+        (grid, bal, got_major), = grids
+        assert not bal and not got_major and grid[:2] == (3, 2)
+    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
+    assert not torch.isnan(outs[True][0]).any()
     assert int(counters.abs().sum()) == 0
 
 
@@ -894,6 +943,29 @@ def test_balanced_splits_double_over_fp8_for_dense_steps():
     assert K.balanced_splits(a, b0, b1, None, 33, 32, kv_fp8=True).tolist() == [31, 1, 1, 1]
 
 
+def test_an_all_dense_step_balances_where_balanced_splits_doubles(monkeypatch):
+    """dense_step_balances (host): a step of dense rows only (every request an SFI
+    slow step) balances exactly where balanced_splits would double its programs (over
+    fp8, 131072 x 4: faster balanced), not at 32768 x 8 / 8192 x 32 nor over bf16
+    (slower balanced), nor where the batch does not balance or the knob is 0."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    i32 = dict(dtype=torch.int32)
+    for bs, n, fp8, want in ((4, 130000, True, True), (4, 131072, True, True), (8, 32768, True, False),
+                             (32, 8192, True, False), (4, 130000, False, False), (1, 130000, True, False),
+                             (2, 130000, True, False)):
+        got = K.dense_step_balances(bs, bs * n, 8, 140000, 132, kv_fp8=fp8)
+        assert got == want, (bs, n, fp8)
+        if K.balances(bs, 8, 140000, 132, kv_fp8=fp8):
+            shares = K.step_row_splits(torch.zeros(bs, 8, **i32), torch.zeros(bs, **i32), torch.full((bs,), n, **i32),
+                                       None, 8, 140000, 132, kv_fp8=fp8)
+            doubled = int(shares.sum()) > 132 * tsd.programs_per_sm(fp8) // 8
+            assert doubled == want, (bs, n, fp8, shares.tolist())
+    monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", 0)
+    assert not K.dense_step_balances(4, 4 * 131072, 8, 140000, 132, kv_fp8=True)
+
+
 # -----------------------------------------------------------------------------
 # fp8 KV caches (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2)
 # -----------------------------------------------------------------------------
@@ -1036,11 +1108,16 @@ def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
 
 
 @gpu_test
+@pytest.mark.parametrize("split_major", [False, True])
 @pytest.mark.parametrize("fp8", FP8)
-def test_gpu_fp8_balanced_launch_as_served(fp8, fp8_doubles):
+def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, fp8_doubles, monkeypatch):
     """The launch a batch of 8 takes over fp8 in a step with an SFI slow row among
     fast ones, split factor 2: the heuristic's 8 splits (programs_per_sm), balanced
-    over a 32-split grid, fused merge, one dense row of 32K among compact rows of 2308 keys."""
+    over a 32-split grid, fused merge, one dense row of 32K among compact rows of 2308
+    keys; in either grid order (BALANCE_SPLIT_MAJOR)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(K.two_segment_decode.__module__), "BALANCE_SPLIT_MAJOR", split_major)
     bs, n = 8, 32768
     seq_lens = [n - 37 * i for i in range(bs)]
     a_lens = [0] + [2052] * (bs - 1)
