@@ -145,6 +145,13 @@ BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # the SMs. Whether this order spreads them is an A/B not yet run on a GPU
 # (run_all.sh fastbalance), so it is off by default.
 BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
+# With a fused merge, a request's s working splits of the grid's g sit at positions
+# ceil(c * g / s) (c = 0..s-1) instead of 0..s-1: spread evenly through its positions,
+# so that with BALANCE_SPLIT_MAJOR no run of neighbours in launch order is all working
+# or all empty (at 32768 x 8, 4 of 16: one in every four), whether the block scheduler
+# deals neighbours to one SM or round the SMs. Same chunks, same merge order: the same
+# bits. Off by default until timed (run_all.sh fastbalance).
+BALANCE_SPLIT_STRIDE = env_switch("BALANCE_SPLIT_STRIDE", False)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -342,6 +349,7 @@ def _two_segment_decode_stage1(
     F16_DOTS: tl.constexpr,  # an fp8 cache: the dots in fp16 (see FP8_F16_DOTS)
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
+    SPLIT_STRIDE: tl.constexpr,  # BALANCE and FUSED_MERGE: see BALANCE_SPLIT_STRIDE
 ):
     if SPLIT_MAJOR:
         split = tl.program_id(0)
@@ -364,7 +372,13 @@ def _two_segment_decode_stage1(
         # This request's splits of the grid's (balanced_splits, once per step).
         splits_here = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + cur_b), 1), num_splits)
         if FUSED_MERGE:
-            if split >= splits_here:  # never split 0: the side effects below are its
+            if SPLIT_STRIDE:
+                # Grid position ceil(c * g / s) takes chunk c; the others exit (never
+                # position 0, chunk 0: the side effects below are its).
+                if (split * splits_here) % num_splits >= splits_here:
+                    return
+                split = (split * splits_here) // num_splits
+            elif split >= splits_here:  # never split 0: the side effects below are its
                 return
 
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
@@ -1127,6 +1141,7 @@ def two_segment_decode(
     # A grid's second and third dimensions stop at 65535: a batch that large keeps
     # the request-major order.
     split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
+    split_stride = balance and fused and BALANCE_SPLIT_STRIDE
     grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
@@ -1222,6 +1237,7 @@ def two_segment_decode(
         F16_DOTS=f16_dots,
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         SPLIT_MAJOR=split_major,
+        SPLIT_STRIDE=split_stride,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,

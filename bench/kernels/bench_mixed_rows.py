@@ -92,10 +92,12 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
 
     t_default = graph_replay_ms(launch("default", False))
     t_bal = graph_replay_ms(launch("balanced", True))
-    t_major = None
-    if split_major:  # the same balanced launch with its grid split-major (BALANCE_SPLIT_MAJOR)
+    t_major = t_strided = None
+    if split_major:  # the same balanced launch split-major (BALANCE_SPLIT_MAJOR), then strided too
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
             t_major = graph_replay_ms(launch("split_major", True))
+            with module_constant(TSD, "BALANCE_SPLIT_STRIDE", True):
+                t_strided = graph_replay_ms(launch("split_major_strided", True))
     ref = outs["default"].float()
     err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
               for name, o in outs.items() if name != "default")
@@ -105,6 +107,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_grid_splits": grid_splits,
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
+            "balanced_split_major_strided_ms": None if t_strided is None else round(t_strided, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
             "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
@@ -117,7 +120,8 @@ def main():
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
     ap.add_argument("--split-major", action="store_true",
-                    help="also time the balanced launch with its grid split-major (BALANCE_SPLIT_MAJOR), same run")
+                    help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), and strided too "
+                         "(BALANCE_SPLIT_STRIDE), in the same run")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
@@ -131,13 +135,13 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    major = " balanced split-major ms |" if a.split_major else ""
+    major = " balanced split-major ms | split-major strided ms |" if a.split_major else ""
     print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
-          "\n|---|---|---|---|---|---|" + ("---|" if major else ""))
+          "\n|---|---|---|---|---|---|" + ("---|---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
-              + (f" {r['balanced_split_major_ms']} |" if major else ""))
+              + (f" {r['balanced_split_major_ms']} | {r['balanced_split_major_strided_ms']} |" if major else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))

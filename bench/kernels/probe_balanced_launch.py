@@ -25,8 +25,10 @@ slower than the unbalanced one at 32768 x 8 and 8192 x 32 (6 and 19 us a layer) 
 the same per-request partition, where the slow step's cause (registers) was ruled
 out; the pair under Nsight Compute says where it goes.
 
-``--split-major``: a third launch, the balanced one with its grid split-major
-(``BALANCE_SPLIT_MAJOR``; then ``--launch-skip 6 --launch-count 3``). Session 39's pair
+``--split-major``: two more launches, the balanced one with its grid split-major
+(``BALANCE_SPLIT_MAJOR``) and split-major with each request's working splits strided
+over its grid positions (``BALANCE_SPLIT_STRIDE``); then ``--launch-skip 8
+--launch-count 4``. Session 39's pair
 under Nsight Compute ran the same instructions with the same average SM-active cycles
 but 1.55-1.75x the elapsed ones balanced: the SMs idle ~45% of it, as if the 256
 working programs, first of the grid's 1024, were not spread over the SMs.
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-side-effects", action="store_true")
     ap.add_argument("--rows", choices=("dense", "sparse"), default="dense",
                     help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
-    ap.add_argument("--split-major", action="store_true", help="a third launch: balanced, its grid split-major")
+    ap.add_argument("--split-major", action="store_true",
+                    help="two more launches: balanced split-major, and split-major strided")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
         case = case.stored_as(torch.float8_e4m3fn)
     sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
     counters = K.make_split_counters(bs, hkv, dev)
-    names = ("plain", "balanced") + (("split_major",) if a.split_major else ())
+    names = ("plain", "balanced") + (("split_major", "strided") if a.split_major else ())
     outs = {name: torch.empty_like(case.q) for name in names}
     if sparse:  # as served: the heuristic's splits over serving's req_to_token width
         max_kv_len, sms = (140000, None) if cuda else (n, 4)
@@ -100,12 +103,15 @@ def main(argv=None) -> int:
     if a.split_major:
         tsd = importlib.import_module(K.two_segment_decode.__module__)
 
-        def split_major():
-            with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True):
-                K.two_segment_decode(*case.args(), out=outs["split_major"], balance=True, row_splits=row_splits,
-                                     **common)
-        launches["split_major"] = split_major
-    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 6)
+        def ordered(name: str, stride: bool):
+            def run():
+                with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True), module_constant(tsd, "BALANCE_SPLIT_STRIDE",
+                                                                                        stride):
+                    K.two_segment_decode(*case.args(), out=outs[name], balance=True, row_splits=row_splits, **common)
+            return run
+        launches["split_major"] = ordered("split_major", False)
+        launches["strided"] = ordered("strided", True)
+    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 8)
         launches[name]()
         launches[name]()
     for name in launches:  # the profiled pair, plain first

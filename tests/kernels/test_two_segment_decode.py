@@ -652,18 +652,21 @@ def test_fused_merge_default_follows_split_count(monkeypatch):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="drives the interpreter's program order")
-@pytest.mark.parametrize("split_major", [False, True])
+@pytest.mark.parametrize("split_major,stride", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("grid_splits", [2, 6])
-def test_balanced_splits_match_reference(grid_splits, split_major, monkeypatch):
+def test_balanced_splits_match_reference(grid_splits, split_major, stride, monkeypatch):
     """balance=True: dense rows far longer than the others (an SFI slow step among
     sparse rows) take more of the grid's splits, short rows fewer; the answers are
     the reference's, with row_mask 0 and 2 rows, an indexed row, rows with no key,
     lengths changing between calls on one counter buffer and the splits arriving
-    in a shuffled order, in either grid order (BALANCE_SPLIT_MAJOR). The counters
-    end all zero."""
+    in a shuffled order, in either grid order (BALANCE_SPLIT_MAJOR), the working splits
+    first or strided over the grid's (BALANCE_SPLIT_STRIDE). The counters end all
+    zero."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module(K.two_segment_decode.__module__), "BALANCE_SPLIT_MAJOR", split_major)
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", split_major)
+    monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
     rng = random.Random(5 + grid_splits)
     num_kv_heads, cap = 2, 24
     counters = K.make_split_counters(8, num_kv_heads, DEVICE)
@@ -738,7 +741,8 @@ def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
 def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monkeypatch):
     """BALANCE_SPLIT_MAJOR: a balanced launch's grid is (splits, Hkv, bs) and its
     answers are bit for bit the request-major grid's (the same partition, merged in
-    split order whoever arrives last); a plain launch keeps (bs, Hkv, splits)."""
+    split order whoever arrives last), with BALANCE_SPLIT_STRIDE too (the working
+    splits spread over the grid's); a plain launch keeps (bs, Hkv, splits)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -757,22 +761,25 @@ def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monk
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=11)
     counters = K.make_split_counters(3, 2, DEVICE)
     outs = {}
-    for major in (False, True):
+    for major, stride in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", major)
+        monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
         grids.clear()
         o, lse = K.two_segment_decode(*case.args(), return_lse=True, num_sms=2, max_kv_len=400,
                                       split_counters=counters, balance=True, **case.kwargs(), **SMALL)
         (grid, bal, got_major), = grids
         assert bal and got_major == major
         assert grid == ((grid[0], 2, 3) if major else (3, 2, grid[2]))
-        outs[major] = (o, lse)
+        outs[(major, stride)] = (o, lse)
         grids.clear()
         K.two_segment_decode(*case.args(), num_sms=2, max_kv_len=400, split_counters=counters, **case.kwargs(),
                              **SMALL)
         (grid, bal, got_major), = grids
         assert not bal and not got_major and grid[:2] == (3, 2)
-    assert torch.equal(outs[False][0], outs[True][0]) and torch.equal(outs[False][1], outs[True][1])
-    assert not torch.isnan(outs[True][0]).any()
+    base = outs[(False, False)]
+    for key, (o, lse) in outs.items():
+        assert torch.equal(o, base[0]) and torch.equal(lse, base[1]), key
+    assert not torch.isnan(base[0]).any()
     assert int(counters.abs().sum()) == 0
 
 
@@ -1108,16 +1115,18 @@ def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
 
 
 @gpu_test
-@pytest.mark.parametrize("split_major", [False, True])
+@pytest.mark.parametrize("split_major,stride", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("fp8", FP8)
-def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, fp8_doubles, monkeypatch):
+def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, stride, fp8_doubles, monkeypatch):
     """The launch a batch of 8 takes over fp8 in a step with an SFI slow row among
     fast ones, split factor 2: the heuristic's 8 splits (programs_per_sm), balanced
     over a 32-split grid, fused merge, one dense row of 32K among compact rows of 2308
-    keys; in either grid order (BALANCE_SPLIT_MAJOR)."""
+    keys; in either grid order (BALANCE_SPLIT_MAJOR), strided or not (BALANCE_SPLIT_STRIDE)."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module(K.two_segment_decode.__module__), "BALANCE_SPLIT_MAJOR", split_major)
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", split_major)
+    monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
     bs, n = 8, 32768
     seq_lens = [n - 37 * i for i in range(bs)]
     a_lens = [0] + [2052] * (bs - 1)
