@@ -1220,10 +1220,12 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
-    got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
-                         divisible, options=options, resources=True)
-    assert got["registers"] <= 128 and got["stack_bytes"] == 0, got
-    assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
+    for major_strided in (False, True):  # and the split-major, strided variant (BALANCE_SPLIT_*)
+        const["SPLIT_MAJOR"] = const["SPLIT_STRIDE"] = major_strided
+        got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
+                             divisible, options=options, resources=True)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, got)
+        assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
