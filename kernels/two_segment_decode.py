@@ -73,9 +73,10 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, has_fp8_pair_conversions,
-                     needs_fp32_dot, next_pow2)
+                     is_interpreter, needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
            "balanced_splits", "balanced_grid_splits", "step_row_splits", "dense_step_balances"]
@@ -271,6 +272,7 @@ def _two_segment_decode_stage1(
     B_END,
     ROW_MASK,  # [bs] int32: 1 = attend; 0 = served elsewhere, skip; 2 = side effects only
     ROW_SPLITS,  # [bs] int32 splits of each request (only if BALANCE)
+    REC,  # [programs, 3] int64: SM, start and end (ns) of each program in launch order (only if RECORD)
     KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
     Q_SAVE,  # [slots, Hq, D] saved queries (only if SAVE_Q)
     Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
@@ -350,7 +352,14 @@ def _two_segment_decode_stage1(
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
     SPLIT_STRIDE: tl.constexpr,  # BALANCE and FUSED_MERGE: see BALANCE_SPLIT_STRIDE
+    RECORD: tl.constexpr,  # a probe's record of where and when each program ran (``record``)
 ):
+    # Launch order: program_id(0) fastest. Only a probe asks (RECORD), compiled GPUs only.
+    rec = REC + (tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1)
+                                                          * tl.program_id(2))).to(tl.int64) * 3
+    if RECORD:
+        tl.store(rec, smid().to(tl.int64))
+        tl.store(rec + 1, globaltimer())
     if SPLIT_MAJOR:
         split = tl.program_id(0)
         num_splits = tl.num_programs(0)
@@ -661,6 +670,8 @@ def _two_segment_decode_stage1(
             mask=store_mask,
         )
         tl.store(LSE + cur_b * stride_lb + q_heads * stride_lh + split, lse2, mask=mask_h)
+    if RECORD:
+        tl.store(rec + 2, globaltimer())
 
 
 # -----------------------------------------------------------------------------
@@ -927,6 +938,7 @@ def two_segment_decode(
     split_counters: Optional[torch.Tensor] = None,
     balance: bool = False,
     row_splits: Optional[torch.Tensor] = None,
+    record: Optional[torch.Tensor] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
     k_scale: Optional[float] = None,
@@ -1019,6 +1031,12 @@ def two_segment_decode(
         row_splits: with ``balance``, ``[bs]`` int32 splits per request as
             :func:`balanced_splits` computes them (default: computed here; a
             caller launching once per layer computes them once per step).
+        record: a probe's ``[programs, 3]`` int64, zeroed (programs: the stage-1
+            grid's, at least): each program writes its SM (``%smid``) and start time
+            (``%globaltimer``, ns) at its start and its end time if it runs to the end
+            (programs that exit early leave 0), in launch order (grid dimension 0
+            fastest): how the block scheduler dealt a launch to the SMs. Compiled
+            GPUs only (inline PTX).
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -1138,11 +1156,15 @@ def two_segment_decode(
         s_ob, s_oh, s_os = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
         s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
 
+    if record is not None:
+        assert record.dtype == torch.int64 and record.is_contiguous() and record.device == q.device
+        assert not is_interpreter(), "record: inline PTX (%smid, %globaltimer), compiled GPUs only"
     # A grid's second and third dimensions stop at 65535: a batch that large keeps
     # the request-major order.
     split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
     split_stride = balance and fused and BALANCE_SPLIT_STRIDE
     grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
+    assert record is None or record.numel() >= 3 * bs * num_kv_heads * num_splits, "record: [programs, 3]"
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
@@ -1159,6 +1181,7 @@ def two_segment_decode(
         b_end,
         row_mask if row_mask is not None else b_end,
         row_splits if balance else b_end,
+        record if record is not None else b_end,
         key_norms if key_norms is not None else b_end,
         q_save if q_save is not None else q,
         q_save_slot if q_save is not None else b_end,
@@ -1238,6 +1261,7 @@ def two_segment_decode(
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         SPLIT_MAJOR=split_major,
         SPLIT_STRIDE=split_stride,
+        RECORD=record is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,

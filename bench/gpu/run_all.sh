@@ -119,9 +119,11 @@ fastbalance)
             --factor $f --split-major --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" \
             | grep -E "^\| [0-9]|Error"
     done
-    for cb in 8192:32 32768:8; do  # one layer's four launches alternately, CUDA events (medians of 30)
+    # one layer's four launches alternately, CUDA events (medians of 30), then each once
+    # recording where its programs ran (SM, start, end: the block scheduler's deal)
+    for cb in 8192:32 32768:8; do
         python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} --batch ${cb#*:} --split-major \
-            --rounds 30 --out "$OUT/probe_timed_${cb%:*}x${cb#*:}.json" 2>&1 | tail -1
+            --record --rounds 30 --out "$OUT/probe_timed_${cb%:*}x${cb#*:}.json" 2>&1 | tail -5
     done
     if command -v ncu >/dev/null; then
         for cb in 8192:32 32768:8; do

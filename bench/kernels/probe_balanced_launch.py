@@ -33,6 +33,12 @@ under Nsight Compute ran the same instructions with the same average SM-active c
 but 1.55-1.75x the elapsed ones balanced: the SMs idle ~45% of it, as if the 256
 working programs, first of the grid's 1024, were not spread over the SMs.
 
+``--record`` (compiled GPUs only): one more launch of each, recording every program's
+SM and start / end times (``two_segment_decode(record=...)``, ``%smid`` and
+``%globaltimer``): how the block scheduler dealt each grid to the SMs (the working
+programs an SM, at most and on average; the SMs that got one; the launch's span), into
+``record`` of the output.
+
 ``--smoke``: a small shape on the CPU interpreter (the outputs checked equal).
 """
 
@@ -44,6 +50,30 @@ import json
 import statistics
 
 from _bench_env import import_kernels, module_constant, use_cuda_or_exit
+
+
+def record_launch(run, hkv: int, bs: int) -> dict:
+    """One more launch of ``run`` recording its programs (``record=``): where the
+    working ones (those that ran to the end) went. Its ``programs``: [SM, start ns from
+    the launch's first start, end ns or -1] per program, in launch order."""
+    import torch
+
+    tsd = importlib.import_module(import_kernels().two_segment_decode.__module__)
+    rec = torch.zeros(bs * hkv * tsd.MAX_SPLITS, 3, dtype=torch.int64, device="cuda")
+    run(record=rec)
+    torch.cuda.synchronize()
+    r = rec[rec[:, 1] > 0].cpu()
+    t0 = int(r[:, 1].min())
+    working = r[r[:, 2] > 0]
+    per_sm = torch.bincount(working[:, 0], minlength=int(r[:, 0].max()) + 1)
+    busy = [int(working[working[:, 0] == sm][:, 2].max() - working[working[:, 0] == sm][:, 1].min())
+            for sm in per_sm.nonzero().flatten().tolist()]
+    return {"programs": [[int(x[0]), int(x[1]) - t0, int(x[2]) - t0 if x[2] > 0 else -1] for x in r.tolist()],
+            "launched": len(r), "working": len(working), "sms_with_work": int((per_sm > 0).sum()),
+            "sms_seen": int(r[:, 0].unique().numel()), "max_working_an_sm": int(per_sm.max()),
+            "mean_working_an_sm_with_work": round(len(working) / max(1, int((per_sm > 0).sum())), 2),
+            "span_us": round((int(working[:, 2].max()) - t0) / 1e3, 2),
+            "mean_sm_busy_us": round(sum(busy) / max(1, len(busy)) / 1e3, 2)}
 
 
 def main(argv=None) -> int:
@@ -58,6 +88,7 @@ def main(argv=None) -> int:
                     help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
     ap.add_argument("--split-major", action="store_true",
                     help="two more launches: balanced split-major, and split-major strided")
+    ap.add_argument("--record", action="store_true", help="each launch's programs: SM and times (GPU only)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -95,19 +126,20 @@ def main(argv=None) -> int:
         splits = a.splits if cuda else 3
         common = dict(num_splits=splits, fused_merge=True, split_counters=counters, max_kv_len=n, **sfi)
         row_splits = torch.full((bs,), splits, dtype=torch.int32, device=dev)
-    launches = {
-        "plain": lambda: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common),
-        "balanced": lambda: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
-                                                 row_splits=row_splits, **common),
+    launches = {  # each takes two_segment_decode's extra keywords (record_launch's)
+        "plain": lambda **x: K.two_segment_decode(*case.args(), out=outs["plain"], balance=False, **common, **x),
+        "balanced": lambda **x: K.two_segment_decode(*case.args(), out=outs["balanced"], balance=True,
+                                                     row_splits=row_splits, **common, **x),
     }
     if a.split_major:
         tsd = importlib.import_module(K.two_segment_decode.__module__)
 
         def ordered(name: str, stride: bool):
-            def run():
+            def run(**x):
                 with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True), module_constant(tsd, "BALANCE_SPLIT_STRIDE",
                                                                                         stride):
-                    K.two_segment_decode(*case.args(), out=outs[name], balance=True, row_splits=row_splits, **common)
+                    K.two_segment_decode(*case.args(), out=outs[name], balance=True, row_splits=row_splits, **common,
+                                         **x)
             return run
         launches["split_major"] = ordered("split_major", False)
         launches["strided"] = ordered("strided", True)
@@ -130,6 +162,10 @@ def main(argv=None) -> int:
     doc = {"ctx": n, "batch": bs, "rows": a.rows, "splits": splits, "kv_dtype": a.kv_dtype, "side_effects": bool(sfi),
            "outputs_equal": same, "us": times,
            "median_us": {k: statistics.median(v) if v else None for k, v in times.items()}}
+    if a.record and cuda:
+        doc["record"] = {name: record_launch(run, hkv, bs) for name, run in launches.items()}
+        for name, r in doc["record"].items():
+            print(name, json.dumps({k: v for k, v in r.items() if k != "programs"}))
     print(json.dumps(doc["median_us"]), "outputs equal:", same)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -781,6 +781,9 @@ def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monk
         assert torch.equal(o, base[0]) and torch.equal(lse, base[1]), key
     assert not torch.isnan(base[0]).any()
     assert int(counters.abs().sum()) == 0
+    record = torch.zeros(3 * 2 * 64, 3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(AssertionError, match="compiled GPUs only"):  # %smid has no interpreter
+        K.two_segment_decode(*case.args(), num_sms=2, max_kv_len=400, record=record, **case.kwargs(), **SMALL)
 
 
 # -----------------------------------------------------------------------------
@@ -1139,6 +1142,25 @@ def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, stride, fp8_doubles
                split_counters=K.make_split_counters(bs, 8, "cuda"))
 
 
+@gpu_test
+def test_gpu_record_says_where_each_program_ran():
+    """record=: every program of the grid writes its SM and start time, those that
+    run to the end their end time too (the probe's view of the block scheduler); the
+    answers are the unrecorded launch's."""
+    bs, hkv, splits = 4, 8, 4
+    case = T.make_decode_case([4096] * bs, [0] * bs, [(0, 4096)] * bs, num_kv_heads=hkv, group=2, head_dim=128,
+                              cap=16, dtype=torch.bfloat16, device="cuda", seed=39)
+    counters = K.make_split_counters(bs, hkv, "cuda")
+    want = K.two_segment_decode(*case.args(), num_splits=splits, split_counters=counters, fused_merge=True)
+    rec = torch.zeros(bs * hkv * splits, 3, dtype=torch.int64, device="cuda")
+    got = K.two_segment_decode(*case.args(), num_splits=splits, split_counters=counters, fused_merge=True, record=rec)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert bool((rec[:, 0] >= 0).all() and (rec[:, 0] < sms).all()), rec[:, 0].unique()
+    assert bool((rec[:, 1] > 0).all()) and bool((rec[:, 2] >= rec[:, 1]).all())  # every split holds keys: all ran
+
+
 def test_values_widen_by_inline_ptx_only_where_its_conversions_exist(monkeypatch):
     """_widen_v's PTX (fp8-pair conversions) needs sm_89 or later: an A100 (sm_80)
     serving an e5m2 cache keeps the compiler's widening; never under the interpreter."""
@@ -1220,11 +1242,15 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
-    for major_strided in (False, True):  # and the split-major, strided variant (BALANCE_SPLIT_*)
+    # and the split-major, strided variant (BALANCE_SPLIT_*), and a probe's record of
+    # each program's SM and times (inline PTX: compiled here, never interpreted)
+    for major_strided, record in ((False, False), (True, False), (True, True)):
         const["SPLIT_MAJOR"] = const["SPLIT_STRIDE"] = major_strided
+        const["RECORD"] = record
+        sig["REC"] = "*i64" if record else sig["B_END"]
         got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
                              divisible, options=options, resources=True)
-        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, got)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, record, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
