@@ -699,10 +699,9 @@ def test_balanced_splits_match_reference(grid_splits, split_major, stride, monke
         assert int(counters.abs().sum()) == 0, "a split counter was left non-zero"
 
 
-def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
-    """balance=True with the heuristic's splits: the grid has BALANCE_FACTOR x them
-    and the answers are the reference's; off by default, and where kernels.balances
-    says no (one row) or without split counters (no fused merge)."""
+def _record_grids(monkeypatch, *flags):
+    """(the kernel module, a list every stage-1 launch appends (its grid, the named
+    constexprs' values) to); the launches still run."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -712,11 +711,19 @@ def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
     class Recording:
         def __getitem__(self, grid):
             def run(*args, **kw):
-                launches.append((grid, kw["BALANCE"]))
+                launches.append((grid, *(kw[f] for f in flags)))
                 return orig[grid](*args, **kw)
             return run
 
     monkeypatch.setattr(tsd, "_two_segment_decode_stage1", Recording())
+    return tsd, launches
+
+
+def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
+    """balance=True with the heuristic's splits: the grid has BALANCE_FACTOR x them
+    and the answers are the reference's; off by default, and where kernels.balances
+    says no (one row) or without split counters (no fused merge)."""
+    tsd, launches = _record_grids(monkeypatch, "BALANCE")
     case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=3)
     counters = K.make_split_counters(3, 2, DEVICE)
@@ -743,20 +750,7 @@ def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monk
     answers are bit for bit the request-major grid's (the same partition, merged in
     split order whoever arrives last), with BALANCE_SPLIT_STRIDE too (the working
     splits spread over the grid's); a plain launch keeps (bs, Hkv, splits)."""
-    import importlib
-
-    tsd = importlib.import_module(K.two_segment_decode.__module__)
-    grids = []
-    orig = tsd._two_segment_decode_stage1
-
-    class Recording:
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                grids.append((grid, kw["BALANCE"], kw["SPLIT_MAJOR"]))
-                return orig[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(tsd, "_two_segment_decode_stage1", Recording())
+    tsd, grids = _record_grids(monkeypatch, "BALANCE", "SPLIT_MAJOR")
     case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=11)
     counters = K.make_split_counters(3, 2, DEVICE)
