@@ -71,6 +71,7 @@ from .reference import (
 )
 from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import (
+    balance_gate,
     balanced_grid_splits,
     balanced_splits,
     balances,
@@ -89,6 +90,7 @@ __all__ = [
     "two_segment_decode",
     "balanced_splits",
     "balanced_grid_splits",
+    "balance_gate",
     "balances",
     "dense_step_balances",
     "step_row_splits",

@@ -79,7 +79,7 @@ from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switc
                      is_interpreter, needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
-           "balanced_splits", "balanced_grid_splits", "step_row_splits", "dense_step_balances"]
+           "balanced_splits", "balanced_grid_splits", "step_row_splits", "dense_step_balances", "balance_gate"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -153,6 +153,14 @@ BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
 # deals neighbours to one SM or round the SMs. Same chunks, same merge order: the same
 # bits. Off by default until timed (run_all.sh fastbalance).
 BALANCE_SPLIT_STRIDE = env_switch("BALANCE_SPLIT_STRIDE", False)
+# A caller that balances every step (natural SFI triggers: any step may be slow) can
+# launch the plain partition beside the balanced one, each gated on one device flag a
+# step (``balance_gate``: does any served request's share differ from the heuristic's
+# splits?), so the step whose rows are all alike runs the plain grid (its SMs all busy)
+# and the other one empty launch (its programs return at their first load). The
+# fallback if neither grid order above spreads the balanced launch's programs; off by
+# default until timed (run_all.sh fastbalance).
+BALANCE_GATE = env_switch("BALANCE_GATE", False)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -273,6 +281,7 @@ def _two_segment_decode_stage1(
     ROW_MASK,  # [bs] int32: 1 = attend; 0 = served elsewhere, skip; 2 = side effects only
     ROW_SPLITS,  # [bs] int32 splits of each request (only if BALANCE)
     REC,  # [programs, 3] int64: SM, start and end (ns) of each program in launch order (only if RECORD)
+    GATE,  # [1] int32: the step's balance gate (only if GATE_RUN)
     KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
     Q_SAVE,  # [slots, Hq, D] saved queries (only if SAVE_Q)
     Q_SAVE_SLOT,  # [bs] int32 slot of Q_SAVE taking this row's query, -1: none
@@ -353,7 +362,16 @@ def _two_segment_decode_stage1(
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
     SPLIT_STRIDE: tl.constexpr,  # BALANCE and FUSED_MERGE: see BALANCE_SPLIT_STRIDE
     RECORD: tl.constexpr,  # a probe's record of where and when each program ran (``record``)
+    GATE_RUN: tl.constexpr,  # 0: always; 1: only if GATE != 0; 2: only if GATE == 0 (``gate``)
 ):
+    # A gated launch whose turn it is not this step: nothing read or written (its twin
+    # does the side effects too, and records the step if asked).
+    if GATE_RUN == 1:
+        if tl.load(GATE) == 0:
+            return
+    if GATE_RUN == 2:
+        if tl.load(GATE) != 0:
+            return
     # Launch order: program_id(0) fastest. Only a probe asks (RECORD), compiled GPUs only.
     rec = REC + (tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1)
                                                           * tl.program_id(2))).to(tl.int64) * 3
@@ -863,6 +881,23 @@ def dense_step_balances(batch_size: int, step_keys: int, num_kv_heads: int, max_
     return step_keys >= _dense_double_keys(num_sms * programs_per_sm(kv_fp8) // num_kv_heads)
 
 
+def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int,
+                 num_sms: int, kv_fp8: bool = False) -> Optional[torch.Tensor]:
+    """The step's gate between a balanced launch and its plain twin (BALANCE_GATE; None
+    when off): ``[1]`` int32, 1 where a served request's (``row_mask`` 1) share differs
+    from the heuristic's splits, the only case where the balanced partition differs
+    from the plain one. Rows all alike give every share the heuristic's splits (both
+    are the program target over the batch), and the plain launch is then the same work
+    bit for bit. Device ops, once a step."""
+    if not BALANCE_GATE:
+        return None
+    base = choose_num_splits(row_splits.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
+    differs = row_splits != base
+    if row_mask is not None:
+        differs = differs & (row_mask[:row_splits.shape[0]] == 1)
+    return differs.any().to(torch.int32).reshape(1)
+
+
 def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
                          min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> Tuple[int, int]:
     """(the heuristic's splits, the balanced grid's splits) of a launch whose splits
@@ -939,6 +974,7 @@ def two_segment_decode(
     balance: bool = False,
     row_splits: Optional[torch.Tensor] = None,
     record: Optional[torch.Tensor] = None,
+    gate: Optional[Tuple[torch.Tensor, bool]] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     logits_out: Optional[torch.Tensor] = None,
     k_scale: Optional[float] = None,
@@ -1037,6 +1073,12 @@ def two_segment_decode(
             (programs that exit early leave 0), in launch order (grid dimension 0
             fastest): how the block scheduler dealt a launch to the SMs. Compiled
             GPUs only (inline PTX).
+        gate: ``(flag, when_set)``: the launch runs only where the ``[1]`` int32
+            ``flag`` (on the device) is non-zero (``when_set``) or zero (not
+            ``when_set``); otherwise its programs return at once, side effects
+            included. Two launches with one flag and opposite ``when_set`` are one
+            launch chosen on the device (``balance_gate``). Its launch must need no
+            merge kernel (one split, or the one-launch merge).
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -1156,6 +1198,9 @@ def two_segment_decode(
         s_ob, s_oh, s_os = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
         s_lb, s_lh = mid_lse.stride(0), mid_lse.stride(1)
 
+    if gate is not None:
+        assert gate[0].dtype == torch.int32 and gate[0].device == q.device, "gate: ([1] int32 flag, when_set)"
+        assert direct or fused, "gate: a launch with the merge kernel would merge a skipped stage 1"
     if record is not None:
         assert record.dtype == torch.int64 and record.is_contiguous() and record.device == q.device
         assert not is_interpreter(), "record: inline PTX (%smid, %globaltimer), compiled GPUs only"
@@ -1182,6 +1227,7 @@ def two_segment_decode(
         row_mask if row_mask is not None else b_end,
         row_splits if balance else b_end,
         record if record is not None else b_end,
+        gate[0] if gate is not None else b_end,
         key_norms if key_norms is not None else b_end,
         q_save if q_save is not None else q,
         q_save_slot if q_save is not None else b_end,
@@ -1262,6 +1308,7 @@ def two_segment_decode(
         SPLIT_MAJOR=split_major,
         SPLIT_STRIDE=split_stride,
         RECORD=record is not None,
+        GATE_RUN=0 if gate is None else 1 if gate[1] else 2,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,

@@ -143,6 +143,7 @@ class SparseAttnBackend(AttentionBackend):
         # The paths this decode forward runs (graph_variants.DENSE / KERNEL / MIXED).
         self._route = graph_variants.MIXED
         self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
+        self._balance_gate: Optional[torch.Tensor] = None  # kernels.balance_gate of those splits, per step
         self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
@@ -383,7 +384,7 @@ class SparseAttnBackend(AttentionBackend):
         return routed
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        self._row_splits = None
+        self._row_splits = self._balance_gate = None
         if forward_batch.forward_mode.is_decode():
             self.plan = plan_decode(
                 self.state,
@@ -416,11 +417,15 @@ class SparseAttnBackend(AttentionBackend):
         programs instead of holding the step."""
         if self.dense is None or not self._balance_step:
             return None
-        from sgl_sparse.kernels import step_row_splits
+        from sgl_sparse.kernels import balance_gate, step_row_splits
         from sgl_sparse.kernels._utils import device_num_sms
 
-        return step_row_splits(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask[:plan.b_end.shape[0]],
-                               self._num_kv_heads, self._max_kv_len, device_num_sms(self.device), kv_fp8=self._kv_fp8)
+        mask, sms = self._row_mask[:plan.b_end.shape[0]], device_num_sms(self.device)
+        splits = step_row_splits(plan.a_len_per_head, plan.b_start, plan.b_end, mask, self._num_kv_heads,
+                                 self._max_kv_len, sms, kv_fp8=self._kv_fp8)
+        if splits is not None:
+            self._balance_gate = balance_gate(splits, mask, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8)
+        return splits
 
     # ---- CUDA graphs --------------------------------------------------------------
     # Decode graphs capture plan_decode (in_graph) and the kernel; every tensor
@@ -568,28 +573,34 @@ class SparseAttnBackend(AttentionBackend):
                 # Selector: the keys this step reads anyway are not read again.
                 sfi_args["logits_out"] = store.logits[li]
         k_scale, v_scale = compat.kv_read_scales(layer)  # an fp8 cache's (None: unscaled)
-        two_segment_decode(
-            q3,
-            store.k[li] if store is not None else self._no_compact,
-            store.v[li] if store is not None else self._no_compact,
-            plan.a_slot, plan.a_len_per_head,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            plan.b_start, plan.b_end,
-            layer.scaling,
-            max_kv_len=self._max_kv_len,
-            out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
-            row_mask=self._row_mask[:bs],
-            split_counters=self._split_counters,
-            balance=self._row_splits is not None,
-            row_splits=self._row_splits,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **plan.indexed_lists(),
-            **sfi_args,
-        )
+        launches = [dict(balance=self._row_splits is not None, row_splits=self._row_splits)]
+        if self._balance_gate is not None:
+            # the plain partition too, the device choosing one of the two a step
+            # (kernels.BALANCE_GATE): rows all alike run the plain grid
+            launches = [dict(balance=False, gate=(self._balance_gate, False)),
+                        dict(launches[0], gate=(self._balance_gate, True))]
+        for launch in launches:
+            two_segment_decode(
+                q3,
+                store.k[li] if store is not None else self._no_compact,
+                store.v[li] if store is not None else self._no_compact,
+                plan.a_slot, plan.a_len_per_head,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                plan.b_start, plan.b_end,
+                layer.scaling,
+                max_kv_len=self._max_kv_len,
+                out=o.view(bs, layer.tp_q_head_num, layer.v_head_dim),
+                row_mask=self._row_mask[:bs],
+                split_counters=self._split_counters,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                **launch,
+                **plan.indexed_lists(),
+                **sfi_args,
+            )
         self._finish_query_aware(layer, forward_batch, plan, q3, o.view(bs, layer.tp_q_head_num, layer.v_head_dim))
         return o
 

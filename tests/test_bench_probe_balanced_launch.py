@@ -2,7 +2,8 @@
 the slow step's partition give the same output bit for bit on the CPU interpreter
 (with and without the slow step's stores), and so do a fast step's launches as served
 (``--rows sparse``: the heuristic's splits, and the balanced grid with the step's
-shares; ``--split-major``: the balanced one split-major, and strided too), so the next GPU lease's
+shares; ``--variants``: the balanced one split-major, strided too, and gated with its
+plain twin), so the next GPU lease's
 Nsight Compute call profiles launches that do the same work."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mod = load_bench_script("kernels/probe_balanced_launch.py")
     out = tmp_path / "p.json"
-    assert mod.main(["--smoke", "--rows", "sparse", "--split-major", "--out", str(out)]) == 0
+    assert mod.main(["--smoke", "--rows", "sparse", "--variants", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]
-    assert set(doc["us"]) == {"plain", "balanced", "split_major", "strided"}
+    assert set(doc["us"]) == {"plain", "balanced", "split_major", "strided", "gated"}

@@ -111,25 +111,26 @@ fastbalance)
     # partition a request; natural sfi balances every step. Session 39's pair under
     # Nsight Compute: the same instructions and average SM-active cycles, 1.55-1.75x the
     # elapsed ones (the SMs idle ~45%). The grid's factor (1: no empty programs) and the
-    # split-major grid (BALANCE_SPLIT_MAJOR), strided too (BALANCE_SPLIT_STRIDE), beside
-    # the balanced launch, then the four profiled. (bench_mixed_rows needed the installed package until session 39: on a
+    # split-major grid (BALANCE_SPLIT_MAJOR), strided too (BALANCE_SPLIT_STRIDE), and the
+    # gated pair (BALANCE_GATE: the plain twin runs where rows are all alike) beside the
+    # balanced launch, then the five (six kernels) profiled. (bench_mixed_rows needed the installed package until session 39: on a
     # bare machine its factor rows failed at import.)
     for f in 1 2 4; do
         python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1 --kv-dtype fp8_e4m3 \
-            --factor $f --split-major --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" \
+            --factor $f --variants --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" \
             | grep -E "^\| [0-9]|Error"
     done
-    # one layer's four launches alternately, CUDA events (medians of 30), then each once
+    # one layer's five launches alternately, CUDA events (medians of 30), then each once
     # recording where its programs ran (SM, start, end: the block scheduler's deal)
     for cb in 8192:32 32768:8; do
-        python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} --batch ${cb#*:} --split-major \
+        python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} --batch ${cb#*:} --variants \
             --record --rounds 30 --out "$OUT/probe_timed_${cb%:*}x${cb#*:}.json" 2>&1 | tail -5
     done
     if command -v ncu >/dev/null; then
         for cb in 8192:32 32768:8; do
-            ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 8 --launch-count 4 -f \
+            ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 12 --launch-count 6 -f \
                 -o "$OUT/fast_${cb%:*}x${cb#*:}" python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} \
-                --batch ${cb#*:} --split-major --rounds 1 --out "$OUT/probe_fast_${cb%:*}x${cb#*:}.json" 2>&1 | tail -2
+                --batch ${cb#*:} --variants --rounds 1 --out "$OUT/probe_fast_${cb%:*}x${cb#*:}.json" 2>&1 | tail -2
             ncu --import "$OUT/fast_${cb%:*}x${cb#*:}.ncu-rep" --page details > "$OUT/fast_${cb%:*}x${cb#*:}_ncu.txt" 2>&1
             grep -E "^  _two|Duration|SM Active Cycles|Elapsed Cycles  |Registers Per|Grid Size|Achieved Occupancy|DRAM Throughput" \
                 "$OUT/fast_${cb%:*}x${cb#*:}_ncu.txt" | head -30

@@ -46,7 +46,7 @@ LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
 
 
-def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, split_major: bool = False) -> dict:
+def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, variants: bool = False) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -78,26 +78,32 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
         outs[name] = o
 
         def step():
-            # As the backend: the splits once per step, for every layer.
-            kw = dict(balance=False)
+            # As the backend: the splits (and BALANCE_GATE's gate) once per step, for every layer.
+            launches = [dict(balance=False)]
             row_splits = None  # the unbalanced step computes no shares (as before: not in its timed graph)
             if balance:
                 row_splits = K.step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
             if row_splits is not None:
-                kw = dict(balance=True, row_splits=row_splits)
+                launches = [dict(balance=True, row_splits=row_splits)]
+                gate = K.balance_gate(row_splits, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+                if gate is not None:  # the plain twin beside it, one of the two running
+                    launches = [dict(balance=False, gate=(gate, False)), dict(launches[0], gate=(gate, True))]
             for _ in range(LAYERS):
-                K.two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
-                                   max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
+                for kw in launches:
+                    K.two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
+                                         max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
         return step
 
     t_default = graph_replay_ms(launch("default", False))
     t_bal = graph_replay_ms(launch("balanced", True))
-    t_major = t_strided = None
-    if split_major:  # the same balanced launch split-major (BALANCE_SPLIT_MAJOR), then strided too
+    t_major = t_strided = t_gated = None
+    if variants:  # the same balanced launch split-major (BALANCE_SPLIT_MAJOR), strided too; gated with its twin
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
             t_major = graph_replay_ms(launch("split_major", True))
             with module_constant(TSD, "BALANCE_SPLIT_STRIDE", True):
                 t_strided = graph_replay_ms(launch("split_major_strided", True))
+        with module_constant(TSD, "BALANCE_GATE", True):
+            t_gated = graph_replay_ms(launch("gated", True))
     ref = outs["default"].float()
     err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
               for name, o in outs.items() if name != "default")
@@ -108,6 +114,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_split_major_strided_ms": None if t_strided is None else round(t_strided, 3),
+            "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
             "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
@@ -119,9 +126,9 @@ def main():
     ap.add_argument("--dense", default="0,1,2,4,all")
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
-    ap.add_argument("--split-major", action="store_true",
-                    help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), and strided too "
-                         "(BALANCE_SPLIT_STRIDE), in the same run")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), strided too "
+                         "(BALANCE_SPLIT_STRIDE), and gated with its plain twin (BALANCE_GATE), in the same run")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
@@ -131,17 +138,18 @@ def main():
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.split_major)
+            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants)
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    major = " balanced split-major ms | split-major strided ms |" if a.split_major else ""
+    major = " balanced split-major ms | split-major strided ms | gated ms |" if a.variants else ""
     print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
-          "\n|---|---|---|---|---|---|" + ("---|---|" if major else ""))
+          "\n|---|---|---|---|---|---|" + ("---|---|---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
-              + (f" {r['balanced_split_major_ms']} | {r['balanced_split_major_strided_ms']} |" if major else ""))
+              + (f" {r['balanced_split_major_ms']} | {r['balanced_split_major_strided_ms']} | "
+                 f"{r['balanced_gated_ms']} |" if major else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))

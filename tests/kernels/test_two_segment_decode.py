@@ -719,6 +719,54 @@ def _record_grids(monkeypatch, *flags):
     return tsd, launches
 
 
+def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
+    """gate: the plain launch and the balanced one, gated on one flag with opposite
+    ``when_set``, leave exactly one launch's answers (the reference's, with side
+    effects: the key norms stored once, by whichever runs); the launch whose turn it
+    is not writes nothing (its output stays NaN when launched alone). balance_gate
+    says 1 only where a served row's share differs from the heuristic's splits, and
+    None while BALANCE_GATE is off."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    bs, hkv = 3, 2
+    case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=hkv,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=12)
+    ref_o, _ = K.two_segment_decode_ref(*case.args(), return_lse=True, **case.kwargs())
+    counters = K.make_split_counters(bs, hkv, DEVICE)
+    common = dict(num_sms=2, max_kv_len=400, split_counters=counters, **case.kwargs(), **SMALL)
+    splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, 400, 2)
+    assert splits is not None
+    assert K.balance_gate(splits, None, hkv, 400, 2) is None  # off by default
+    monkeypatch.setattr(tsd, "BALANCE_GATE", True)
+    for flag in (0, 1):
+        gate = torch.tensor([flag], dtype=torch.int32, device=DEVICE)
+        twins = (dict(balance=False, gate=(gate, False)), dict(balance=True, row_splits=splits, gate=(gate, True)))
+        norms = torch.full((case.k_pool.shape[0], hkv), -1.0, device=DEVICE)
+        out = torch.full_like(case.q, float("nan"))
+        for kw in twins:
+            K.two_segment_decode(*case.args(), out=out, key_norms=norms, **kw, **common)
+        assert not torch.isnan(out).any() and T.rel_error(out.float(), ref_o) < TOL[torch.bfloat16], flag
+        assert int((norms >= 0).sum()) == bs * hkv  # each row's new key's norm, stored by one launch
+        alone = torch.full_like(case.q, float("nan"))
+        K.two_segment_decode(*case.args(), out=alone, **twins[1 - flag], **common)  # not its turn
+        assert torch.isnan(alone).all(), flag
+    assert int(counters.abs().sum()) == 0
+    # the heuristic's splits for every row: 0; a long row among short ones: 1
+    base = K.choose_num_splits(bs, hkv, 400, 2)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    assert int(K.balance_gate(torch.full((bs,), base, **i32), None, hkv, 400, 2)) == 0
+    assert int(K.balance_gate(splits, None, hkv, 400, 2)) == int((splits != base).any())
+    uneven = torch.tensor([base + 2, 1, 1], **i32)
+    assert int(K.balance_gate(uneven, None, hkv, 400, 2)) == 1
+    # rows another kernel serves (row_mask != 1) do not count
+    assert int(K.balance_gate(uneven, torch.tensor([0, 1, 1], **i32), hkv, 400, 2)) == int(base != 1)
+    # a gated launch must not need the merge kernel
+    with pytest.raises(AssertionError, match="merge kernel"):
+        K.two_segment_decode(*case.args(), num_splits=3, fused_merge=False, gate=(gate, True), num_sms=2,
+                             max_kv_len=400, **case.kwargs(), **SMALL)
+
+
 def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
     """balance=True with the heuristic's splits: the grid has BALANCE_FACTOR x them
     and the answers are the reference's; off by default, and where kernels.balances
@@ -1137,6 +1185,51 @@ def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, stride, fp8_doubles
 
 
 @gpu_test
+def test_gpu_gated_twins_in_a_graph_follow_the_step_s_gate(monkeypatch):
+    """The backend's gated pair (BALANCE_GATE) captured once in a CUDA graph: steps whose
+    rows are all alike (gate 0: the plain launch) and steps with a dense row among
+    sparse ones (gate 1: the balanced one), alternating between replays, each bit for
+    bit the ungated balanced launch of the same step; the counters back at 0."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "BALANCE_GATE", True)
+    bs, hkv, n = 8, 8, 32768
+    case = T.make_decode_case([n] * bs, [2052] * bs, [(n - 256, n)] * bs, num_kv_heads=hkv, group=2, head_dim=128,
+                              cap=2052, dtype=torch.bfloat16, device="cuda", seed=13, empty_slot_value=None)
+    counters = K.make_split_counters(bs, hkv, "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row_splits = torch.empty(bs, dtype=torch.int32, device="cuda")
+    gate = torch.empty(1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(case.q)
+    common = dict(max_kv_len=140000, out=out, split_counters=counters)
+
+    def step():
+        row_splits.copy_(K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, 140000, sms))
+        gate.copy_(K.balance_gate(row_splits, None, hkv, 140000, sms))
+        K.two_segment_decode(*case.args(), balance=False, gate=(gate, False), **common)
+        K.two_segment_decode(*case.args(), balance=True, row_splits=row_splits, gate=(gate, True), **common)
+
+    def dense_row(on: bool):  # row 0: the whole sequence, or 2052 compact + 256 recent
+        case.a_len[0].fill_(0 if on else 2052)
+        case.b_start[0] = 0 if on else n - 256
+
+    step()  # compiled outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(6):
+        dense_row(i % 2 == 1)
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(gate) == i % 2 and int(counters.abs().sum()) == 0, i
+        want = K.two_segment_decode(*case.args(), balance=True, max_kv_len=140000,
+                                    split_counters=K.make_split_counters(bs, hkv, "cuda"))
+        assert torch.equal(out, want), i
+
+
+@gpu_test
 def test_gpu_record_says_where_each_program_ran():
     """record=: every program of the grid writes its SM and start time, those that
     run to the end their end time too (the probe's view of the block scheduler); the
@@ -1236,15 +1329,15 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
-    # and the split-major, strided variant (BALANCE_SPLIT_*), and a probe's record of
-    # each program's SM and times (inline PTX: compiled here, never interpreted)
-    for major_strided, record in ((False, False), (True, False), (True, True)):
+    # and the split-major, strided variant (BALANCE_SPLIT_*), a probe's record of each
+    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
+    for major_strided, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
         const["SPLIT_MAJOR"] = const["SPLIT_STRIDE"] = major_strided
-        const["RECORD"] = record
+        const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
         got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
                              divisible, options=options, resources=True)
-        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, record, got)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, record, gate_run, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
