@@ -201,8 +201,8 @@ def overview() -> Json:
                    "short", w=8, h=6),
         timeseries("Decode forwards / s by attention path",
                    "dense: FlashInfer alone; kernel: sgl_sparse's kernel alone; kernel_balanced: the kernel "
-                   "with balanced splits (an SFI slow step may run beside fast ones, or every row is a long "
-                   "slow step over fp8); mixed: both; qa: both "
+                   "with balanced splits (SFI slow rows beside fast ones; all-slow long rows over fp8); "
+                   "mixed: both; qa: both "
                    "with the query-aware blocks; qa_<policy>: both with that policy's blocks alone; "
                    "qa*_kernel: those blocks with the kernel alone (every row indexed); reference: the CPU path.",
                    [(f"sum by (path) (rate(sglang_sparse_decode_forwards_total{{{SEL}}}[{RATE}]))", "{{path}}")],
