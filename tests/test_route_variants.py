@@ -101,7 +101,7 @@ def make_backend(route=True, eager_route=True, balance=True):
     be._graph_variant, be._dense_graph_wrappers, be._route = None, {}, gv.MIXED
     be._step_variant = gv.choose(be.graph_variants, False, gv.MIXED)
     be._prompt_q_plan = None
-    be._row_splits, be._balance_step = None, False
+    be._row_splits, be._balance_gate, be._balance_step = None, None, False
     return be
 
 
@@ -243,7 +243,30 @@ k = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(2)).half()
 v = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(3)).half()
 o_mixed = mixed._forward_decode_cuda(q, k, v, layer, fb, True)
 o_dense, saved_dense, calls_dense, _ = forward(gv.DENSE, [1, 4], 4)
+# A balanced kernel-only forward (KERNEL_BALANCED: the step's shares computed once),
+# and with BALANCE_GATE its plain twin launched beside it, the step's gate choosing:
+# the rows' answers are the kernel-only forward's either way.
+import importlib
+tsd = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
+balanced = {}
+for gate_on in (False, True):
+    tsd.BALANCE_GATE = gate_on
+    bb = make_backend()
+    bb._kv_fp8 = False
+    fb = batch([2, 3], 4)
+    st.set_step_rows([2, 3], [lens[2], lens[3]], [[], []])
+    bb._prepare_forward(fb, eager=True, in_capture=False)
+    bb._balance_step = True  # as the balanced twin's replay
+    bb.init_forward_metadata_in_graph(fb)
+    o_bal = bb._forward_decode_cuda(q, k, v, layer, fb, True)
+    ref = o_kernel[:2].float()
+    balanced[str(gate_on)] = {
+        "splits": None if bb._row_splits is None else bb._row_splits.tolist(),
+        "gate": None if bb._balance_gate is None else bb._balance_gate.tolist(),
+        "rel_err": float((o_bal[:2].float() - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(o_bal).all())}
+tsd.BALANCE_GATE = False
 out["forward"] = {
+    "balanced": balanced,
     "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),
     "kernel_rows_equal_mixed": bool(torch.equal(o_kernel[:2], o_mixed[:2])),
     "kernel_finite": bool(torch.isfinite(o_kernel).all()),
@@ -369,3 +392,9 @@ def test_forward_of_each_path(res):
     assert f["kernel_rows_equal_mixed"] and f["kernel_finite"]
     # dense alone: FlashInfer's output (and its K/V write), no kernel
     assert f["dense_calls"] == ["decode"] and f["dense_saved_kv"] and f["dense_is_flashinfer"]
+    # balanced (its shares once a step), and with its gated plain twin: the same answers
+    plain, gated = f["balanced"]["False"], f["balanced"]["True"]
+    assert plain["splits"] is not None and plain["gate"] is None, plain
+    assert gated["splits"] == plain["splits"] and gated["gate"] in ([0], [1]), gated
+    for r in (plain, gated):
+        assert r["finite"] and r["rel_err"] < 2e-3, r
