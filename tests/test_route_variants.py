@@ -187,6 +187,18 @@ out["choose_balanced"] = [gv.choose(be.graph_variants, False, gv.KERNEL, True),
 with be.capturing_graph_variant(gv.KERNEL_BALANCED):
     be._prepare_forward(batch([2, 3], 4), eager=False, in_capture=True)
     out["capture_balanced"] = [be._route, be._balance_step]
+# a step whose kernel rows are all SFI slow steps (the state's step_dense_keys, set here
+# for rows of another policy): balanced where kernels.dense_step_balances says so (long
+# rows over fp8), the plain kernel graph otherwise
+real_dense_keys = st.step_dense_keys
+ab = make_backend()
+out["all_slow"] = {}
+for name, keys, fp8 in (("long_fp8", 1 << 30, True), ("long_bf16", 1 << 30, False), ("short_fp8", 64, True),
+                        ("none", 0, True)):
+    st.step_dense_keys = lambda keys=keys: keys
+    ab._kv_fp8 = fp8
+    out["all_slow"][name] = step(ab, [2, 3], 4)["variant"]
+st.step_dense_keys = real_dense_keys
 # sglang_sparse_decode_forwards_total: one per decode forward by the path it runs
 # (the real metrics object, this subprocess's registry), none for a capture.
 from prometheus_client import REGISTRY
@@ -365,6 +377,9 @@ def test_captures_and_wrappers_per_variant(res):
     # the kernel route with balanced splits
     assert res["choose_balanced"] == ["kernel_balanced", "mixed", "kernel_balanced"]
     assert res["capture_balanced"] == ["kernel", True]
+    # all-slow steps: the balanced twin only where balancing doubles their programs
+    assert res["all_slow"] == {"long_fp8": "kernel_balanced", "long_bf16": "kernel", "short_fp8": "kernel",
+                               "none": "kernel"}
     assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
     assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 0.0, "mixed": 1.0, "qa": 0.0,
                             "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "qa_kernel": 0.0,
