@@ -860,6 +860,12 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     return share.clamp(1, max_splits).int()
 
 
+def _programs_per_head(num_sms: int, num_kv_heads: int, kv_fp8: bool) -> int:
+    """The split heuristic's program target over the KV heads: the P that balanced
+    launches share out among the requests."""
+    return num_sms * programs_per_sm(kv_fp8) // num_kv_heads
+
+
 def _dense_double_keys(programs_per_head: int) -> int:
     """A step's keys (KV head 0, served rows) from which balanced_splits doubles its
     programs over fp8 (FP8_DENSE_SPLIT_KEYS a program)."""
@@ -878,7 +884,7 @@ def dense_step_balances(batch_size: int, step_keys: int, num_kv_heads: int, max_
     if not (kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0 and balances(batch_size, num_kv_heads, max_kv_len, num_sms,
                                                              kv_fp8=kv_fp8)):
         return False
-    return step_keys >= _dense_double_keys(num_sms * programs_per_sm(kv_fp8) // num_kv_heads)
+    return step_keys >= _dense_double_keys(_programs_per_head(num_sms, num_kv_heads, kv_fp8))
 
 
 def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int,
@@ -918,7 +924,7 @@ def step_row_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     over the KV heads, bounded by the grid inside the kernel."""
     if not balances(b_end.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8):
         return None
-    return balanced_splits(a_len, b_start, b_end, row_mask, num_sms * programs_per_sm(kv_fp8) // num_kv_heads,
+    return balanced_splits(a_len, b_start, b_end, row_mask, _programs_per_head(num_sms, num_kv_heads, kv_fp8),
                            MAX_SPLITS, kv_fp8=kv_fp8)
 
 
@@ -1152,7 +1158,6 @@ def two_segment_decode(
     if num_sms is None:
         num_sms = device_num_sms(q.device)
     kv_fp8 = k_pool.dtype in FP8_KV_DTYPES
-    programs = num_sms * programs_per_sm(kv_fp8)
     if num_splits is None:
         base, grid_splits = balanced_grid_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8)
         num_splits = base
@@ -1164,7 +1169,8 @@ def two_segment_decode(
     num_splits = int(max(1, num_splits))
     balance = bool(balance) and num_splits > 1
     if balance and row_splits is None:
-        row_splits = balanced_splits(a_len, b_start, b_end, row_mask, programs // num_kv_heads, num_splits, kv_fp8)
+        row_splits = balanced_splits(a_len, b_start, b_end, row_mask, _programs_per_head(num_sms, num_kv_heads, kv_fp8),
+                                     num_splits, kv_fp8)
 
     if block_n is None:
         block_n = _default_block_n(head_dim)

@@ -111,13 +111,13 @@ def main(argv=None) -> int:
         case = case.stored_as(torch.float8_e4m3fn)
     sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
     counters = K.make_split_counters(bs, hkv, dev)
+    device_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
     names = ("plain", "balanced") + (("split_major", "strided", "gated") if a.variants else ())
     outs = {name: torch.empty_like(case.q) for name in names}
     if sparse:  # as served: the heuristic's splits over serving's req_to_token width
         max_kv_len, sms = (140000, None) if cuda else (n, 4)
         row_splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, max_kv_len,
-                                       sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                                       kv_fp8=a.kv_dtype != "bf16")
+                                       sms or device_sms, kv_fp8=a.kv_dtype != "bf16")
         if row_splits is None:
             print("this shape does not balance (kernels.balances)")
             return 2
@@ -145,8 +145,7 @@ def main(argv=None) -> int:
         launches["split_major"] = ordered("split_major", False)
         launches["strided"] = ordered("strided", True)
         with module_constant(tsd, "BALANCE_GATE", True):
-            gate = K.balance_gate(row_splits, None, hkv, common["max_kv_len"], common.get("num_sms") or
-                                  torch.cuda.get_device_properties(0).multi_processor_count,
+            gate = K.balance_gate(row_splits, None, hkv, common["max_kv_len"], common.get("num_sms") or device_sms,
                                   kv_fp8=a.kv_dtype != "bf16")
 
         def gated(**x):  # one of the two runs (the gate: the shares against the heuristic's splits)
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
             K.two_segment_decode(*case.args(), out=outs["gated"], balance=True, row_splits=row_splits,
                                  gate=(gate, True), **common, **x)
         launches["gated"] = gated
-    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 8)
+    for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 12)
         launches[name]()
         launches[name]()
     for name in launches:  # the profiled pair, plain first
