@@ -142,25 +142,28 @@ BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # plain one's partition ran the same instructions with the same average SM-active
 # cycles but 1.75x the elapsed ones at 8192 x 32 (60.6 -> 101.7 us; 256 working of
 # 1024 programs, all first in launch order) and 1.55x at 32768 x 8 (22.6 -> 33.8 us):
-# the SMs sat idle ~45% of the launch, i.e. the working programs were not spread over
-# the SMs. Whether this order spreads them is an A/B not yet run on a GPU
-# (run_all.sh fastbalance), so it is off by default.
+# the SMs sat idle ~45% of the launch. Session 40 recorded each program's SM
+# (two_segment_decode(record=...)): every SM got working programs, but up to 3 of them
+# where the plain grid deals at most 2, and the launch lasts as long as its busiest SM
+# (bench/results/probe_timed_*_h200_s40.json.gz). This order made that worse (up to 4 an
+# SM, 113 of 132 SMs working at 8192 x 32; 28 layers of rows all alike 2.16 -> 2.75 ms)
+# but a step with one dense row among sparse ones faster (3.28 -> 3.23 ms at 8192 x 32,
+# 2.76 -> 2.61 at 32768 x 8, 5.60 -> 4.92 at 131072 x 4; bench_mixed_rows, e4m3,
+# results/mixed_rows_factor4_h200_s40.log). Off by default: with BALANCE_GATE the rows
+# all alike run the plain grid, so the two together are the next A/B (run_all.sh
+# fastbalance's gated split-major column).
 BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
-# With a fused merge, a request's s working splits of the grid's g sit at positions
-# ceil(c * g / s) (c = 0..s-1) instead of 0..s-1: spread evenly through its positions,
-# so that with BALANCE_SPLIT_MAJOR no run of neighbours in launch order is all working
-# or all empty (at 32768 x 8, 4 of 16: one in every four), whether the block scheduler
-# deals neighbours to one SM or round the SMs. Same chunks, same merge order: the same
-# bits. Off by default until timed (run_all.sh fastbalance).
-BALANCE_SPLIT_STRIDE = env_switch("BALANCE_SPLIT_STRIDE", False)
 # A caller that balances every step (natural SFI triggers: any step may be slow) can
 # launch the plain partition beside the balanced one, each gated on one device flag a
 # step (``balance_gate``: does any served request's share differ from the heuristic's
 # splits?), so the step whose rows are all alike runs the plain grid (its SMs all busy)
-# and the other one empty launch (its programs return at their first load). The
-# fallback if neither grid order above spreads the balanced launch's programs; off by
-# default until timed (run_all.sh fastbalance).
-BALANCE_GATE = env_switch("BALANCE_GATE", False)
+# and the other one empty launch (its programs return at their first load). H200, e4m3,
+# 28 layers of rows all alike (bench_mixed_rows, session 40): 1.75 against the
+# balanced launch's 2.16 ms at 8192 x 32 (plain 1.67), 0.63 against 0.72 at 32768 x 8
+# (0.54), 0.49 against 0.51 at 131072 x 4 (0.42); one dense row among them 2-3% over
+# the balanced launch alone (the empty launch). Served natural sfi at 32768 x 8: fast
+# steps 2.875 -> 2.742 ms, inter-token time 3.307 -> 3.263 ms (bench/README "Session 40").
+BALANCE_GATE = env_switch("BALANCE_GATE", True)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -360,7 +363,6 @@ def _two_segment_decode_stage1(
     F16_DOTS: tl.constexpr,  # an fp8 cache: the dots in fp16 (see FP8_F16_DOTS)
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
-    SPLIT_STRIDE: tl.constexpr,  # BALANCE and FUSED_MERGE: see BALANCE_SPLIT_STRIDE
     RECORD: tl.constexpr,  # a probe's record of where and when each program ran (``record``)
     GATE_RUN: tl.constexpr,  # 0: always; 1: only if GATE != 0; 2: only if GATE == 0 (``gate``)
 ):
@@ -399,13 +401,7 @@ def _two_segment_decode_stage1(
         # This request's splits of the grid's (balanced_splits, once per step).
         splits_here = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + cur_b), 1), num_splits)
         if FUSED_MERGE:
-            if SPLIT_STRIDE:
-                # Grid position ceil(c * g / s) takes chunk c; the others exit (never
-                # position 0, chunk 0: the side effects below are its).
-                if (split * splits_here) % num_splits >= splits_here:
-                    return
-                split = (split * splits_here) // num_splits
-            elif split >= splits_here:  # never split 0: the side effects below are its
+            if split >= splits_here:  # never split 0: the side effects below are its
                 return
 
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
@@ -1213,7 +1209,6 @@ def two_segment_decode(
     # A grid's second and third dimensions stop at 65535: a batch that large keeps
     # the request-major order.
     split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
-    split_stride = balance and fused and BALANCE_SPLIT_STRIDE
     grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
     assert record is None or record.numel() >= 3 * bs * num_kv_heads * num_splits, "record: [programs, 3]"
     f16_dots = FP8_F16_DOTS and kv_fp8
@@ -1312,7 +1307,6 @@ def two_segment_decode(
         F16_DOTS=f16_dots,
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         SPLIT_MAJOR=split_major,
-        SPLIT_STRIDE=split_stride,
         RECORD=record is not None,
         GATE_RUN=0 if gate is None else 1 if gate[1] else 2,
         num_warps=num_warps,

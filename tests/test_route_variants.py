@@ -261,6 +261,7 @@ o_dense, saved_dense, calls_dense, _ = forward(gv.DENSE, [1, 4], 4)
 import importlib
 tsd = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
 balanced = {}
+gate_default = tsd.BALANCE_GATE
 for gate_on in (False, True):
     tsd.BALANCE_GATE = gate_on
     bb = make_backend()
@@ -276,7 +277,7 @@ for gate_on in (False, True):
         "splits": None if bb._row_splits is None else bb._row_splits.tolist(),
         "gate": None if bb._balance_gate is None else bb._balance_gate.tolist(),
         "rel_err": float((o_bal[:2].float() - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(o_bal).all())}
-tsd.BALANCE_GATE = False
+tsd.BALANCE_GATE = gate_default
 out["forward"] = {
     "balanced": balanced,
     "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),

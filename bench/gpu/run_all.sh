@@ -110,17 +110,19 @@ fastbalance)
     # unbalanced one at 32768 x 8 and 8192 x 32 (28 layers, bench_mixed_rows), the same
     # partition a request; natural sfi balances every step. Session 39's pair under
     # Nsight Compute: the same instructions and average SM-active cycles, 1.55-1.75x the
-    # elapsed ones (the SMs idle ~45%). The grid's factor (1: no empty programs) and the
-    # split-major grid (BALANCE_SPLIT_MAJOR), strided too (BALANCE_SPLIT_STRIDE), and the
-    # gated pair (BALANCE_GATE: the plain twin runs where rows are all alike) beside the
-    # balanced launch, then the five (six kernels) profiled. (bench_mixed_rows needed the installed package until session 39: on a
-    # bare machine its factor rows failed at import.)
+    # elapsed ones. Session 40: the gated pair (BALANCE_GATE, now the default: the plain
+    # twin runs where rows are all alike) brought it to ~the plain launch; split-major
+    # (BALANCE_SPLIT_MAJOR) was slower there but faster with a dense row among sparse
+    # ones. Here: by the grid's factor, the balanced launch alone, split-major, gated,
+    # and gated split-major (the next default's candidate), every row dense too ("all":
+    # an all-slow SFI step, which balances where that doubles its programs); then the
+    # four launches (five kernels) timed, recorded and profiled.
     for f in 1 2 4; do
-        python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1 --kv-dtype fp8_e4m3 \
+        python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1,all --kv-dtype fp8_e4m3 \
             --factor $f --variants --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" \
             | grep -E "^\| [0-9]|Error"
     done
-    # one layer's five launches alternately, CUDA events (medians of 30), then each once
+    # one layer's four launches alternately, CUDA events (medians of 30), then each once
     # recording where its programs ran (SM, start, end: the block scheduler's deal)
     for cb in 8192:32 32768:8; do
         python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} --batch ${cb#*:} --variants \
@@ -128,7 +130,7 @@ fastbalance)
     done
     if command -v ncu >/dev/null; then
         for cb in 8192:32 32768:8; do
-            ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 12 --launch-count 6 -f \
+            ncu --clock-control none --set full -k regex:_two_segment_decode_stage1 --launch-skip 10 --launch-count 5 -f \
                 -o "$OUT/fast_${cb%:*}x${cb#*:}" python3 bench/kernels/probe_balanced_launch.py --rows sparse --ctx ${cb%:*} \
                 --batch ${cb#*:} --variants --rounds 1 --out "$OUT/probe_fast_${cb%:*}x${cb#*:}.json" 2>&1 | tail -2
             ncu --import "$OUT/fast_${cb%:*}x${cb#*:}.ncu-rep" --page details > "$OUT/fast_${cb%:*}x${cb#*:}_ncu.txt" 2>&1

@@ -160,7 +160,7 @@ def decode_stage1_variants(K) -> list:
     import importlib
 
     fn = importlib.import_module(K.two_segment_decode.__module__)._two_segment_decode_stage1
-    flags = ("DIRECT", "FUSED_MERGE", "BALANCE", "SPLIT_MAJOR", "SPLIT_STRIDE", "SAVE_LOGITS", "SAVE_Q", "STORE_KNORM",
+    flags = ("DIRECT", "FUSED_MERGE", "BALANCE", "SPLIT_MAJOR", "SAVE_LOGITS", "SAVE_Q", "STORE_KNORM",
              "HAS_ROW_MASK")
     rows = []
     for caches in getattr(fn, "device_caches", {}).values():

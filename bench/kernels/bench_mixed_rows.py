@@ -17,8 +17,9 @@ of the launch's programs by its keys.
 
 Per (context x batch, dense rows): the 28-layer time of the launch as serving makes
 it (split heuristic, fused merge, CUDA graph of a step's 28 launches, median of
-replays) with `balance=False` and balanced as the backend does it (the requests'
-splits once per step, `balanced_splits`, passed to every layer); the outputs are
+replays) with `balance=False` and balanced (the requests' splits once per step,
+`balanced_splits`, passed to every layer; without the plain twin BALANCE_GATE
+launches beside it as served, which ``--variants`` adds); the outputs are
 checked equal (fp32 tolerance). Rows with no dense row and all-dense rows show what balance costs
 where every row is alike.
 
@@ -95,13 +96,15 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
         return step
 
     t_default = graph_replay_ms(launch("default", False))
-    t_bal = graph_replay_ms(launch("balanced", True))
-    t_major = t_strided = t_gated = None
-    if variants:  # the same balanced launch split-major (BALANCE_SPLIT_MAJOR), strided too; gated with its twin
+    with module_constant(TSD, "BALANCE_GATE", False):  # the balanced launch alone
+        t_bal = graph_replay_ms(launch("balanced", True))
+    t_major = t_gated = t_gated_major = None
+    if variants:  # the balanced launch split-major (BALANCE_SPLIT_MAJOR); gated with its twin (BALANCE_GATE), both
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
-            t_major = graph_replay_ms(launch("split_major", True))
-            with module_constant(TSD, "BALANCE_SPLIT_STRIDE", True):
-                t_strided = graph_replay_ms(launch("split_major_strided", True))
+            with module_constant(TSD, "BALANCE_GATE", False):
+                t_major = graph_replay_ms(launch("split_major", True))
+            with module_constant(TSD, "BALANCE_GATE", True):
+                t_gated_major = graph_replay_ms(launch("gated_split_major", True))
         with module_constant(TSD, "BALANCE_GATE", True):
             t_gated = graph_replay_ms(launch("gated", True))
     ref = outs["default"].float()
@@ -113,8 +116,8 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_grid_splits": grid_splits,
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
-            "balanced_split_major_strided_ms": None if t_strided is None else round(t_strided, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
+            "balanced_gated_split_major_ms": None if t_gated_major is None else round(t_gated_major, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
             "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
@@ -127,8 +130,8 @@ def main():
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
     ap.add_argument("--variants", action="store_true",
-                    help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), strided too "
-                         "(BALANCE_SPLIT_STRIDE), and gated with its plain twin (BALANCE_GATE), in the same run")
+                    help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), gated with its plain "
+                         "twin (BALANCE_GATE, the default), and both, in the same run; 'balanced' is ungated")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
@@ -142,14 +145,14 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    major = " balanced split-major ms | split-major strided ms | gated ms |" if a.variants else ""
+    major = " balanced split-major ms | gated ms | gated split-major ms |" if a.variants else ""
     print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
           "\n|---|---|---|---|---|---|" + ("---|---|---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
-              + (f" {r['balanced_split_major_ms']} | {r['balanced_split_major_strided_ms']} | "
-                 f"{r['balanced_gated_ms']} |" if major else ""))
+              + (f" {r['balanced_split_major_ms']} | {r['balanced_gated_ms']} | "
+                 f"{r['balanced_gated_split_major_ms']} |" if major else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))

@@ -25,11 +25,11 @@ slower than the unbalanced one at 32768 x 8 and 8192 x 32 (6 and 19 us a layer) 
 the same per-request partition, where the slow step's cause (registers) was ruled
 out; the pair under Nsight Compute says where it goes.
 
-``--variants``: three more, the balanced launch with its grid split-major
-(``BALANCE_SPLIT_MAJOR``), split-major with each request's working splits strided over
-its grid positions (``BALANCE_SPLIT_STRIDE``), and the gated pair (``BALANCE_GATE``: the
-plain twin and the balanced launch, one running by the step's gate; two kernels);
-then ``--launch-skip 12 --launch-count 6``. Session 39's pair
+``--variants``: two more, the balanced launch with its grid split-major
+(``BALANCE_SPLIT_MAJOR``) and the gated pair (``BALANCE_GATE``: the plain twin and the
+balanced launch, one running by the step's gate; two kernels); then ``--launch-skip 10
+--launch-count 5``. (Session 40 removed a third, split-major with each request's working
+splits strided over its grid positions: never faster than split-major alone.) Session 39's pair
 under Nsight Compute ran the same instructions with the same average SM-active cycles
 but 1.55-1.75x the elapsed ones balanced: the SMs idle ~45% of it, as if the 256
 working programs, first of the grid's 1024, were not spread over the SMs.
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", choices=("dense", "sparse"), default="dense",
                     help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
     ap.add_argument("--variants", action="store_true",
-                    help="three more: balanced split-major, split-major strided, the gated pair")
+                    help="two more: balanced split-major, the gated pair")
     ap.add_argument("--record", action="store_true", help="each launch's programs: SM and times (GPU only)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
     counters = K.make_split_counters(bs, hkv, dev)
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
-    names = ("plain", "balanced") + (("split_major", "strided", "gated") if a.variants else ())
+    names = ("plain", "balanced") + (("split_major", "gated") if a.variants else ())
     outs = {name: torch.empty_like(case.q) for name in names}
     if sparse:  # as served: the heuristic's splits over serving's req_to_token width
         max_kv_len, sms = (140000, None) if cuda else (n, 4)
@@ -135,15 +135,11 @@ def main(argv=None) -> int:
     if a.variants:
         tsd = importlib.import_module(K.two_segment_decode.__module__)
 
-        def ordered(name: str, stride: bool):
-            def run(**x):
-                with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True), module_constant(tsd, "BALANCE_SPLIT_STRIDE",
-                                                                                        stride):
-                    K.two_segment_decode(*case.args(), out=outs[name], balance=True, row_splits=row_splits, **common,
-                                         **x)
-            return run
-        launches["split_major"] = ordered("split_major", False)
-        launches["strided"] = ordered("strided", True)
+        def split_major(**x):
+            with module_constant(tsd, "BALANCE_SPLIT_MAJOR", True):
+                K.two_segment_decode(*case.args(), out=outs["split_major"], balance=True, row_splits=row_splits,
+                                     **common, **x)
+        launches["split_major"] = split_major
         with module_constant(tsd, "BALANCE_GATE", True):
             gate = K.balance_gate(row_splits, None, hkv, common["max_kv_len"], common.get("num_sms") or device_sms,
                                   kv_fp8=a.kv_dtype != "bf16")

@@ -652,21 +652,19 @@ def test_fused_merge_default_follows_split_count(monkeypatch):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="drives the interpreter's program order")
-@pytest.mark.parametrize("split_major,stride", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("split_major", [False, True])
 @pytest.mark.parametrize("grid_splits", [2, 6])
-def test_balanced_splits_match_reference(grid_splits, split_major, stride, monkeypatch):
+def test_balanced_splits_match_reference(grid_splits, split_major, monkeypatch):
     """balance=True: dense rows far longer than the others (an SFI slow step among
     sparse rows) take more of the grid's splits, short rows fewer; the answers are
     the reference's, with row_mask 0 and 2 rows, an indexed row, rows with no key,
     lengths changing between calls on one counter buffer and the splits arriving
-    in a shuffled order, in either grid order (BALANCE_SPLIT_MAJOR), the working splits
-    first or strided over the grid's (BALANCE_SPLIT_STRIDE). The counters end all
-    zero."""
+    in a shuffled order, in either grid order (BALANCE_SPLIT_MAJOR). The counters end
+    all zero."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
     monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", split_major)
-    monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
     rng = random.Random(5 + grid_splits)
     num_kv_heads, cap = 2, 24
     counters = K.make_split_counters(8, num_kv_heads, DEVICE)
@@ -725,7 +723,7 @@ def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
     effects: the key norms stored once, by whichever runs); the launch whose turn it
     is not writes nothing (its output stays NaN when launched alone). balance_gate
     says 1 only where a served row's share differs from the heuristic's splits, and
-    None while BALANCE_GATE is off."""
+    None while BALANCE_GATE is off (on by default)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -737,7 +735,9 @@ def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
     common = dict(num_sms=2, max_kv_len=400, split_counters=counters, **case.kwargs(), **SMALL)
     splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, 400, 2)
     assert splits is not None
-    assert K.balance_gate(splits, None, hkv, 400, 2) is None  # off by default
+    assert tsd.BALANCE_GATE  # the default
+    monkeypatch.setattr(tsd, "BALANCE_GATE", False)
+    assert K.balance_gate(splits, None, hkv, 400, 2) is None
     monkeypatch.setattr(tsd, "BALANCE_GATE", True)
     for flag in (0, 1):
         gate = torch.tensor([flag], dtype=torch.int32, device=DEVICE)
@@ -796,29 +796,27 @@ def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
 def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monkeypatch):
     """BALANCE_SPLIT_MAJOR: a balanced launch's grid is (splits, Hkv, bs) and its
     answers are bit for bit the request-major grid's (the same partition, merged in
-    split order whoever arrives last), with BALANCE_SPLIT_STRIDE too (the working
-    splits spread over the grid's); a plain launch keeps (bs, Hkv, splits)."""
+    split order whoever arrives last); a plain launch keeps (bs, Hkv, splits)."""
     tsd, grids = _record_grids(monkeypatch, "BALANCE", "SPLIT_MAJOR")
     case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=2,
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=11)
     counters = K.make_split_counters(3, 2, DEVICE)
     outs = {}
-    for major, stride in ((False, False), (True, False), (True, True)):
+    for major in (False, True):
         monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", major)
-        monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
         grids.clear()
         o, lse = K.two_segment_decode(*case.args(), return_lse=True, num_sms=2, max_kv_len=400,
                                       split_counters=counters, balance=True, **case.kwargs(), **SMALL)
         (grid, bal, got_major), = grids
         assert bal and got_major == major
         assert grid == ((grid[0], 2, 3) if major else (3, 2, grid[2]))
-        outs[(major, stride)] = (o, lse)
+        outs[major] = (o, lse)
         grids.clear()
         K.two_segment_decode(*case.args(), num_sms=2, max_kv_len=400, split_counters=counters, **case.kwargs(),
                              **SMALL)
         (grid, bal, got_major), = grids
         assert not bal and not got_major and grid[:2] == (3, 2)
-    base = outs[(False, False)]
+    base = outs[False]
     for key, (o, lse) in outs.items():
         assert torch.equal(o, base[0]) and torch.equal(lse, base[1]), key
     assert not torch.isnan(base[0]).any()
@@ -1160,18 +1158,17 @@ def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
 
 
 @gpu_test
-@pytest.mark.parametrize("split_major,stride", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("split_major", [False, True])
 @pytest.mark.parametrize("fp8", FP8)
-def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, stride, fp8_doubles, monkeypatch):
+def test_gpu_fp8_balanced_launch_as_served(fp8, split_major, fp8_doubles, monkeypatch):
     """The launch a batch of 8 takes over fp8 in a step with an SFI slow row among
     fast ones, split factor 2: the heuristic's 8 splits (programs_per_sm), balanced
     over a 32-split grid, fused merge, one dense row of 32K among compact rows of 2308
-    keys; in either grid order (BALANCE_SPLIT_MAJOR), strided or not (BALANCE_SPLIT_STRIDE)."""
+    keys; in either grid order (BALANCE_SPLIT_MAJOR)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
     monkeypatch.setattr(tsd, "BALANCE_SPLIT_MAJOR", split_major)
-    monkeypatch.setattr(tsd, "BALANCE_SPLIT_STRIDE", stride)
     bs, n = 8, 32768
     seq_lens = [n - 37 * i for i in range(bs)]
     a_lens = [0] + [2052] * (bs - 1)
@@ -1329,15 +1326,15 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
-    # and the split-major, strided variant (BALANCE_SPLIT_*), a probe's record of each
+    # and the split-major variant (BALANCE_SPLIT_MAJOR), a probe's record of each
     # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
-    for major_strided, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
-        const["SPLIT_MAJOR"] = const["SPLIT_STRIDE"] = major_strided
+    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
+        const["SPLIT_MAJOR"] = major
         const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
         got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
                              divisible, options=options, resources=True)
-        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major_strided, record, gate_run, got)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
