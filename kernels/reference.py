@@ -63,6 +63,7 @@ def two_segment_decode_ref(
     compute_dtype: Optional[torch.dtype] = None,
     a_pos: Optional[torch.Tensor] = None,
     a_pos_slots: bool = False,
+    a_lists: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     row_mask: Optional[torch.Tensor] = None,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
@@ -75,7 +76,9 @@ def two_segment_decode_ref(
     when ``a_slot[b] == -2`` and ``a_pos`` is given, pool positions
     ``a_pos[b, h, :min(a_len[b, h], cap_pos, b_start[b])]`` clamped into
     ``[0, b_start[b])``; with ``a_pos_slots`` the entries are pool slots, clamped
-    into the pool) followed by
+    into the pool; with ``a_lists = (rows, pos, length)``, a row with ``rows[b] >= 0``
+    lists ``pos[rows[b], h, :length[rows[b], h]]`` instead, capped at its width)
+    followed by
     ``k_pool[req_to_token[req_pool_idx[b], b_start[b]:b_end[b]], h]``.
     Rows with ``row_mask[b] != 1`` are left at their initial value (zeros in
     ``out``, -inf in ``lse``): the kernel does not write them.
@@ -100,14 +103,18 @@ def two_segment_decode_ref(
         b_tokens = req_to_token[rp, s:e].long() if e > s else req_to_token.new_zeros(0).long()
         slot = int(a_slot[b].item())
         indexed = a_pos is not None and slot == -2
+        # the row's list and lengths: its own, or a_lists' row
+        lists, lens, row = a_pos, a_len, b
+        if a_lists is not None and int(a_lists[0][b].item()) >= 0:
+            lists, lens, row = a_lists[1], a_lists[2], int(a_lists[0][b].item())
         for h in range(num_kv_heads):
-            lim = min(s, a_pos.shape[2]) if indexed else (s if slot < 0 else cap)
-            n_a = min(max(int(a_len[b, h].item()), 0), lim)
+            lim = min(s, lists.shape[2]) if indexed else (s if slot < 0 else cap)
+            n_a = min(max(int(lens[row, h].item()), 0), lim)
             if n_a > 0 and indexed:  # in place: the listed positions
                 if a_pos_slots:
-                    a_tokens = a_pos[b, h, :n_a].long().clamp(0, k_pool.shape[0] - 1)
+                    a_tokens = lists[row, h, :n_a].long().clamp(0, k_pool.shape[0] - 1)
                 else:
-                    a_tokens = req_to_token[rp, a_pos[b, h, :n_a].long().clamp(0, s - 1)].long()
+                    a_tokens = req_to_token[rp, lists[row, h, :n_a].long().clamp(0, s - 1)].long()
                 ka, va = k_pool[a_tokens, h], v_pool[a_tokens, h]
             elif n_a > 0 and slot < 0:  # in place: positions [0, n_a) of the pool
                 a_tokens = req_to_token[rp, :n_a].long()

@@ -275,6 +275,9 @@ def _two_segment_decode_stage1(
     A_SLOT,
     A_LEN,
     A_POS,  # [bs, Hkv, cap_pos] int32 positions of segment A (only if HAS_A_POS)
+    A_ROW,  # [bs] int32: the row of A_POS2 / A_LEN2 a row's list is, < 0: its own (only if HAS_A_ROW)
+    A_POS2,  # [rows, Hkv, cap_pos2] int32: lists kept elsewhere, e.g. a store's by slot (only if HAS_A_ROW)
+    A_LEN2,  # [rows, Hkv] int32: their lengths
     K_POOL,
     V_POOL,
     REQ_TO_TOKEN,
@@ -312,6 +315,9 @@ def _two_segment_decode_stage1(
     stride_alen_b,
     stride_apb,
     stride_aph,
+    stride_ap2b,
+    stride_ap2h,
+    stride_al2b,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -340,6 +346,7 @@ def _two_segment_decode_stage1(
     LG_SLOTS,
     A_CAP,
     A_POS_CAP,
+    A_POS2_CAP,
     MIN_SPLIT_BLOCKS,
     POOL_ROWS,  # k_pool.shape[0]: the clamp of listed pool slots (A_POS_SLOTS)
     HEAD_DIM: tl.constexpr,
@@ -357,6 +364,7 @@ def _two_segment_decode_stage1(
     QB_PAGE: tl.constexpr,
     HAS_A_POS: tl.constexpr,
     A_POS_SLOTS: tl.constexpr,  # a_pos lists pool slots (req_to_token applied), not positions
+    HAS_A_ROW: tl.constexpr,  # rows may read their list from A_POS2 (``a_lists``)
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
     BALANCE: tl.constexpr,
@@ -407,6 +415,16 @@ def _two_segment_decode_stage1(
     # ---- Per-request lengths (read on device: no host sync, graph-safe). ----
     # Clamp defensively so a bad descriptor can never read out of bounds.
     a_len = tl.load(A_LEN + cur_b * stride_alen_b + cur_kvh)
+    pos_cap = A_POS_CAP
+    if HAS_A_ROW:
+        # A row whose list lives elsewhere (a store's row, written by another
+        # stream's selection) reads its length and positions there: no per-layer
+        # copy into this step's a_pos / a_len.
+        a_row = tl.load(A_ROW + cur_b).to(tl.int64)
+        a_alt = a_row >= 0
+        a_row = tl.maximum(a_row, 0)
+        a_len = tl.where(a_alt, tl.load(A_LEN2 + a_row * stride_al2b + cur_kvh), a_len)
+        pos_cap = tl.where(a_alt, A_POS2_CAP, A_POS_CAP)
     b_start = tl.load(B_START + cur_b)
     b_end = tl.load(B_END + cur_b)
     # a_slot < 0: segment A is read in place from the pool and must end before
@@ -419,7 +437,7 @@ def _two_segment_decode_stage1(
     a_lim = tl.where(a_in_pool, b_start, A_CAP)
     if HAS_A_POS:
         a_indexed = slot == -2
-        a_lim = tl.where(a_indexed, tl.minimum(b_start, A_POS_CAP), a_lim)
+        a_lim = tl.where(a_indexed, tl.minimum(b_start, pos_cap), a_lim)
     a_len = tl.minimum(tl.maximum(a_len, 0), a_lim)
     b_len = tl.maximum(b_end - b_start, 0)
     kv_len = a_len + b_len  # combined key index space: [0, a_len) is A, rest is B
@@ -518,6 +536,9 @@ def _two_segment_decode_stage1(
     if a_in_pool:
         r2t_a = REQ_TO_TOKEN + req_row * stride_r2t
         apos_base = A_POS + cur_b * stride_apb + cur_kvh * stride_aph
+        if HAS_A_ROW:
+            if a_alt:
+                apos_base = A_POS2 + a_row * stride_ap2b + cur_kvh * stride_ap2h
         for n0 in range(chunk_start, a_hi, BLOCK_N):
             offs = n0 + offs_n
             mask_n = offs < a_hi
@@ -971,6 +992,7 @@ def two_segment_decode(
     q_save_slot: Optional[torch.Tensor] = None,
     a_pos: Optional[torch.Tensor] = None,
     a_pos_slots: bool = False,
+    a_lists: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     balance: bool = False,
@@ -1040,6 +1062,12 @@ def two_segment_decode(
             instead of two, as segment B's does. Entries are clamped into the
             pool (``[0, k_pool.shape[0])``); the caller guarantees they are
             slots of the request's own positions below ``b_start``.
+        a_lists: optional ``(rows [bs] int32, pos [R, Hkv, cap_pos2] int32, length
+            [R, Hkv] int32)`` (with ``a_pos``): a row with ``rows[b] >= 0`` reads its
+            list and lengths from ``pos[rows[b]]`` and ``length[rows[b]]`` instead of
+            ``a_pos[b]`` and ``a_len[b]`` (clamped as they are, to ``cap_pos2``), the
+            same kind as ``a_pos`` (``a_pos_slots``): a store's selections by slot,
+            read where they are instead of copied into the step's rows each layer.
         fused_merge: with ``num_splits > 1``, merge the split partials inside
             the same launch (the last split program of each (row, KV head) to
             finish merges, see the kernel's epilogue) instead of a second
@@ -1148,6 +1176,15 @@ def two_segment_decode(
     if a_pos is not None:
         assert a_pos.dim() == 3 and a_pos.shape[:2] == (bs, num_kv_heads), "a_pos: [bs, Hkv, cap_pos]"
         assert a_pos.dtype == torch.int32 and a_pos.stride(2) == 1, "a_pos: int32, last dim contiguous"
+    if a_lists is not None:
+        l_rows, l_pos, l_len = a_lists
+        assert a_pos is not None, "a_lists: rows read instead of a_pos's, which must be given"
+        assert l_rows.shape == (bs,) and l_rows.dtype == torch.int32 and l_rows.is_contiguous(), \
+            "a_lists: rows [bs] int32"
+        assert l_pos.dim() == 3 and l_pos.shape[1] == num_kv_heads and l_pos.dtype == torch.int32 \
+            and l_pos.stride(2) == 1, "a_lists: pos [R, Hkv, cap] int32, last dim contiguous"
+        assert l_len.shape == l_pos.shape[:2] and l_len.dtype == torch.int32 and l_len.stride(1) == 1, \
+            "a_lists: length [R, Hkv] int32"
     cap = a_k.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
@@ -1219,6 +1256,9 @@ def two_segment_decode(
         a_slot,
         a_len,
         a_pos if a_pos is not None else a_len,
+        a_lists[0] if a_lists is not None else b_end,
+        a_lists[1] if a_lists is not None else a_len,
+        a_lists[2] if a_lists is not None else a_len,
         k_pool,
         v_pool,
         req_to_token,
@@ -1256,6 +1296,9 @@ def two_segment_decode(
         a_len.stride(0),
         a_pos.stride(0) if a_pos is not None else 0,
         a_pos.stride(1) if a_pos is not None else 0,
+        a_lists[1].stride(0) if a_lists is not None else 0,
+        a_lists[1].stride(1) if a_lists is not None else 0,
+        a_lists[2].stride(0) if a_lists is not None else 0,
         k_pool.stride(0),
         k_pool.stride(1),
         v_pool.stride(0),
@@ -1284,6 +1327,7 @@ def two_segment_decode(
         logits_out.shape[0] if logits_out is not None else 0,
         cap,
         a_pos.shape[2] if a_pos is not None else 0,
+        a_lists[1].shape[2] if a_lists is not None else 0,
         min_split_blocks,
         k_pool.shape[0],
         HEAD_DIM=head_dim,
@@ -1301,6 +1345,7 @@ def two_segment_decode(
         QB_PAGE=QUEST_PAGE_SIZE,
         HAS_A_POS=a_pos is not None,
         A_POS_SLOTS=bool(a_pos_slots) and a_pos is not None,
+        HAS_A_ROW=a_lists is not None,
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,

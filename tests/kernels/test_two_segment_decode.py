@@ -507,6 +507,59 @@ def test_indexed_a_as_pool_slots(idx):
         assert T.rel_error(o_sl[on].float(), ref[on]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("idx,as_slots", [(0, False), (4, True), (2, True)])
+def test_indexed_lists_read_from_a_store_by_row(idx, as_slots):
+    """``a_lists``: indexed rows whose list lives in a store (``rows[b]`` its row, a
+    width of its own) read it there instead of from a_pos / a_len, whose entries for
+    them are garbage here: bit for bit the launch with the store's rows copied into
+    the step's (what gather_selection did each layer), and the reference; beside
+    indexed rows reading their own list, compact, prefix and dense rows, an empty
+    store list, a masked-off row, positions or pool slots, split, fused and balanced."""
+    dtype, group = INDEXED_CONFIGS[idx]
+    n = [97, 81, 70, 66, 90, 58]
+    bs, hkv, width = len(n), 2, 40
+    case = T.make_decode_case(
+        n, [0, [5, 9], 0, 0, 0, 0], [(n[0] - 17, n[0]), (n[1] - 9, n[1]), (n[2] - 30, n[2]), (0, n[3]),
+                                     (n[4] - 11, n[4]), (n[5] - 6, n[5])],
+        num_kv_heads=hkv, group=group, head_dim=64, cap=24, dtype=dtype, device=DEVICE, seed=70 + idx,
+        empty_slot_value=None,
+    )
+    # rows 0, 2, 4, 5 indexed: 0 and 4 from the store (4's lists empty on head 0), 2 and 5 their own
+    T.set_indexed_rows(case, {0: [31, 7], 2: [12, 30], 4: [0, 40], 5: [9, 3]}, cap_pos=48, seed=idx)
+    lists = T.pool_slots_of(case) if as_slots else case.a_pos
+    store_rows = torch.tensor([3, -1, -1, -1, 1, -1], dtype=torch.int32, device=DEVICE)
+    store_pos = torch.randint(0, 1 << 30, (5, hkv, width), dtype=torch.int32, device=DEVICE)  # garbage elsewhere
+    store_len = torch.randint(0, width, (5, hkv), dtype=torch.int32, device=DEVICE)
+    step_pos, step_len = lists.clone(), case.a_len.clone()
+    for b, r in ((0, 3), (4, 1)):
+        store_pos[r, :, :width] = lists[b, :, :width]
+        store_len[r] = case.a_len[b]
+        step_pos[b] = torch.randint(0, 1 << 30, step_pos[b].shape, dtype=torch.int32, device=DEVICE)
+        step_len[b] = torch.tensor([48, 1], dtype=torch.int32)  # what a stale copy would say
+    row_mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
+    on = row_mask.bool()
+    args = list(case.args())
+    copied = dict(a_pos=lists, a_pos_slots=as_slots)
+    stored = dict(a_pos=step_pos, a_pos_slots=as_slots, a_lists=(store_rows, store_pos, store_len))
+    ref = K.two_segment_decode_ref(*args, row_mask=row_mask, **copied)
+    counters = K.make_split_counters(bs, hkv, DEVICE)
+    for launch in (dict(num_splits=1), dict(num_splits=3), dict(num_splits=3, split_counters=counters),
+                   dict(num_sms=2, max_kv_len=400, split_counters=counters, balance=True)):
+        kw = dict(return_lse=True, row_mask=row_mask, **launch, **SMALL)
+        o_copy, lse_copy = K.two_segment_decode(*args, out=torch.full_like(case.q, float("nan")), **copied, **kw)
+        args_st = list(args)
+        args_st[4] = step_len  # a_len
+        o_st, lse_st = K.two_segment_decode(*args_st, out=torch.full_like(case.q, float("nan")), **stored, **kw)
+        assert not torch.isnan(o_st[on]).any() and torch.isnan(o_st[~on]).all(), launch
+        assert torch.equal(o_st[on], o_copy[on]) and torch.equal(lse_st[on], lse_copy[on]), launch
+        assert T.rel_error(o_st[on].float(), ref[on]) < TOL[dtype], launch
+        ref_st = K.two_segment_decode_ref(*args_st, row_mask=row_mask, **stored)
+        assert torch.equal(ref_st, ref)
+    assert int(counters.abs().sum()) == 0
+    with pytest.raises(AssertionError, match="a_lists"):
+        K.two_segment_decode(*args, a_lists=(store_rows, store_pos, store_len), **SMALL)
+
+
 def test_indexed_a_differs_from_prefix():
     """The same a_len read as a prefix gives a different answer: the list is used."""
     case = _standard_case(seed=21, empty_slot_value=None)
@@ -1383,3 +1436,43 @@ def test_kernel_compiles_for_sm90_over_fp8_caches(monkeypatch, kv_dtype, f16_dot
     else:
         assert counts[byte_reads] == 0 and counts[trans] > 0, counts
     assert (counts[widen] > 0) == (kv_dtype == torch.float8_e4m3fn), counts
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
+def test_store_lists_cost_the_served_launch_no_registers(monkeypatch):
+    """``a_lists`` (a store's lists read by row) compiled for sm_90 in the launch
+    asyncspade's rows take over e4m3 (pool slots, fused merge; plain and balanced):
+    within 128 registers (the 4 programs an SM its shared memory allows), no spills,
+    and the same 16-byte list and tile copies."""
+    mod, fn, launches = _capture_stage1(monkeypatch)
+    n = [97, 70, 83]
+    case = T.make_decode_case(n, [0, [9, 24], 0], [(97 - 17, 97), (70 - 9, 70), (83 - 20, 83)], num_kv_heads=2,
+                              group=2, head_dim=128, cap=24, dtype=torch.bfloat16, device=DEVICE, seed=19,
+                              empty_slot_value=None)
+    T.set_indexed_rows(case, {0: [31, 5], 2: [8, 40]}, cap_pos=45, seed=19)
+    case = _as_fp8_cache(case, FP8[0], 0.5, 2.0)
+    slots = T.pool_slots_of(case)
+    rows = torch.tensor([1, -1, 0], dtype=torch.int32, device=DEVICE)
+    store = (rows, slots[:2].clone(), case.a_len[:2].clone())
+    for balance in (False, True):
+        for lists in (None, store):
+            K.two_segment_decode(*case.args(), num_sms=2, max_kv_len=200, balance=balance, fused_merge=True,
+                                 split_counters=K.make_split_counters(3, 2, DEVICE), a_pos=slots, a_pos_slots=True,
+                                 a_lists=lists, k_scale=0.5, v_scale=2.0)
+    copies = r"cp\.async\.c[ag]\.shared\.global [^;]*, 0x10,"
+    got = []
+    for args, kw in launches:
+        sig, const, divisible, options = _sm90_launch(fn, args, kw)
+        const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
+        got.append(T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig,
+                                  const, divisible, options=options, patterns=[copies], resources=True))
+        got[-1]["flags"] = (const["BALANCE"], const["HAS_A_ROW"], options.get("maxnreg"))
+    (plain, plain_rows), (bal, bal_rows) = got[:2], got[2:]
+    assert [g["flags"] for g in got] == [(False, False, None), (False, True, None), (True, False, 128),
+                                         (True, True, 128)], got
+    # 128 registers x 128 threads leave the 4 programs an SM that an fp8 tile's shared
+    # memory allows (55 KB a program): the plain launch's 106 grow to <= 128 here
+    assert plain_rows["registers"] <= 128 and bal_rows["registers"] <= 128, got
+    assert plain_rows["shared_bytes"] == plain["shared_bytes"] and plain["shared_bytes"] * 4 <= 228 * 1024, got
+    assert all(g["stack_bytes"] == 0 for g in got), got
+    assert plain_rows[copies] == plain[copies] > 0 and bal_rows[copies] == bal[copies], got
