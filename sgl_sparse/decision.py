@@ -18,6 +18,20 @@ from sgl_sparse.policies.base import StepInputs
 from sgl_sparse.state import SparseState
 
 
+@dataclass(frozen=True)
+class StoreLists:
+    """INDEXED rows whose lists a store holds by slot (asyncspade's next-step
+    selections, written by its side stream): row b's are ``pos[rows[b]]`` (and the
+    pool slots ``slots[rows[b]]``), ``count[rows[b]]`` long; ``rows[b] < 0``: the
+    plan's own a_pos / a_len_per_head. The decode reads them there
+    (``two_segment_decode(a_lists=...)``) instead of a per-layer copy."""
+
+    rows: torch.Tensor  # [bs] int32
+    pos: torch.Tensor  # [R, Hkv, W] int32
+    count: torch.Tensor  # [R, Hkv] int32
+    slots: Optional[torch.Tensor] = None  # [R, Hkv, W] int32
+
+
 @dataclass
 class DecodePlan:
     """Which keys each request of the batch attends at this step (all [bs] int32).
@@ -50,6 +64,8 @@ class DecodePlan:
     # The same lists as pool slots (req_to_token applied; kernels/indexed_slots.py),
     # where the kernel path made them: what the decode kernel gathers from fastest.
     a_slots: Optional[torch.Tensor] = None
+    # INDEXED rows reading their lists from a store instead (per layer, see StoreLists).
+    a_lists: Optional[StoreLists] = None
 
     def attended(self) -> torch.Tensor:
         """Tokens per row (INDEXED rows: segment B only until a layer fills A)."""
@@ -64,15 +80,40 @@ class DecodePlan:
     def indexed_lists(self) -> dict:
         """two_segment_decode's keyword arguments for the INDEXED rows' lists: the pool
         slots where they were mapped, else the positions."""
+        st = self.a_lists
         if self.a_slots is not None:
-            return {"a_pos": self.a_slots, "a_pos_slots": True}
-        return {"a_pos": self.a_pos}
+            lists = {"a_pos": self.a_slots, "a_pos_slots": True}
+            if st is not None:
+                lists["a_lists"] = (st.rows, st.slots, st.count)
+            return lists
+        return {"a_pos": self.a_pos, **({"a_lists": (st.rows, st.pos, st.count)} if st is not None else {})}
 
     def with_indexed(self, a_pos: torch.Tensor, a_len_per_head: torch.Tensor,
-                     a_slots: Optional[torch.Tensor] = None) -> "DecodePlan":
+                     a_slots: Optional[torch.Tensor] = None, a_lists: Optional[StoreLists] = None) -> "DecodePlan":
         """This layer's plan: INDEXED rows read a_pos / a_len_per_head (other rows'
-        entries of both are ignored), and a_slots where the lists were mapped."""
-        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len_per_head, a_slots=a_slots)
+        entries of both are ignored), and a_slots where the lists were mapped; rows
+        of ``a_lists`` read theirs from a store."""
+        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len_per_head, a_slots=a_slots,
+                                   a_lists=a_lists)
+
+    def materialized(self) -> "DecodePlan":
+        """The same plan with a_lists' rows copied into a_pos / a_slots /
+        a_len_per_head (what gather_selection did each layer): for the reference
+        attention and the tests' position sets. Torch ops."""
+        st = self.a_lists
+        if st is None:
+            return self
+        take = st.rows >= 0
+        src = st.rows.clamp(min=0).long()
+        width = min(st.pos.shape[2], self.a_pos.shape[2])
+        a_len = torch.where(take[:, None], st.count[src].clamp(max=width), self.a_len_per_head)
+        a_pos = self.a_pos.clone()
+        a_pos[take, :, :width] = st.pos[src[take], :, :width]
+        a_slots = None
+        if self.a_slots is not None:
+            a_slots = self.a_slots.clone()
+            a_slots[take, :, :width] = st.slots[src[take], :, :width]
+        return dataclasses.replace(self, a_pos=a_pos, a_len_per_head=a_len, a_slots=a_slots, a_lists=None)
 
 
 def plan_decode(

@@ -54,7 +54,7 @@ import torch
 
 from sgl_sparse.kernels._utils import env_count, env_switch, env_value
 from sgl_sparse.config import QUEST_PAGE
-from sgl_sparse.decision import DecodePlan
+from sgl_sparse.decision import DecodePlan, StoreLists
 from sgl_sparse import graph_gate
 from sgl_sparse.graph_gate import only_if
 from sgl_sparse.lfps_device import LfpsDevice, LfpsForward
@@ -227,6 +227,7 @@ class _AspdGroupRows:
         self.hi = f.hi.repeat(layers)
         self.budget = f.budget.repeat(layers)
         self.next_b = f.next_b.repeat(layers)
+        self.rpi = f.rpi.repeat(layers)
         push = f.push.repeat(layers)
         layer = torch.arange(layers, device=push.device, dtype=push.dtype).repeat_interleave(f.push.shape[0])
         self.push = torch.where(push >= 0, push + layer * store_rows, -1)
@@ -393,7 +394,7 @@ class QueryAwareDevice:
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache: torch.Tensor,
                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                a_pos: torch.Tensor, a_len: torch.Tensor, scale: float, *, slots: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StoreLists | None]:
         """Fill this layer's quest, asyncspade and lfps INDEXED rows of a_pos
         [bs, Hkv, cap] and a_len [bs, Hkv] IN PLACE (other rows' a_len as given;
         their a_pos entries may change: nothing reads a_pos beyond a_len), and
@@ -405,14 +406,26 @@ class QueryAwareDevice:
         is their definition): what the decode gathers from fastest, without a
         launch of its own. Only the entries below a_len of the rows filled here are
         written; nothing else of it is read (other rows are not INDEXED, or their
-        a_len is the plan's 0)."""
+        a_len is the plan's 0).
+
+        Where asyncspade's store keeps pool slots (query_store.ASPD_LISTS_IN_PLACE, which
+        decides at start-up), its rows are not copied: the fourth result
+        (else None) names their store rows, which the decode reads in place (written
+        by the previous step's side stream, joined before this forward; this step's
+        side stream forks after the layer's attention, in finish)."""
         self._forward(plan, req_pool_indices, seq_lens)
         a_slots = torch.empty_like(a_pos) if slots else None
+        lists = None
+        f = self._fwd_aspd
+        if f is not None and self.aspd.sel_slot is not None:
+            # f.src: -1 for every row but asyncspade's selected ones, every forward
+            store = self.aspd
+            lists = StoreLists(f.src, store.sel_pos[li], store.sel_count[li], store.sel_slot[li])
         with only_if(self._any):
             if self._fwd_quest is not None:
                 with self._gate(PolicyId.QUEST):
                     self._quest(li, self._fwd_quest, q3, k_cache, req_to_token, a_pos, a_len, a_slots)
-            if self._fwd_aspd is not None:
+            if self._fwd_aspd is not None and lists is None:
                 with self._gate(PolicyId.ASYNCSPADE):
                     from sgl_sparse.kernels.gather_selection import gather_selection
 
@@ -423,7 +436,7 @@ class QueryAwareDevice:
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
                     self.lfps.select(li, self._fwd_lfps, q3, k_cache, req_to_token, scale, a_pos, a_len, a_slots)
-        return a_pos, a_len, a_slots
+        return a_pos, a_len, a_slots, lists
 
     def _quest(self, li, f: _QuestForward, q3, k_cache, req_to_token, a_pos, a_len, a_slots=None):
         from sgl_sparse.kernels.quest_pages import expand_selection, quest_bounds_decode, quest_page_scores
@@ -562,10 +575,10 @@ class QueryAwareDevice:
             scores = store.scores[:n_layers].flatten(0, 1)
         else:
             return
-        self._aspd_topk(scores, rows, first, n_layers, hist, k_cache.shape[1])
+        self._aspd_topk(scores, rows, first, n_layers, hist, k_cache.shape[1], req_to_token)
 
     def _aspd_topk(self, scores: torch.Tensor, rows, first: int, n_layers: int, hist: bool,
-                   num_kv_heads: int) -> None:
+                   num_kv_heads: int, req_to_token: torch.Tensor) -> None:
         """The Top-K of layers [first, first + n_layers) over their scores' rows, into
         the store. rows: the launch's ranges and store rows (sink, hi, budget, next_b,
         push), in the scores' row order."""
@@ -589,6 +602,9 @@ class QueryAwareDevice:
         # straight into the store (layer first + j's rows from row j * (slots + 1) of
         # these views); slots without a row: their programs return at once
         layers = slice(first, first + n_layers)
+        # with ASPD_LISTS_IN_PLACE their pool slots too, what the decode reads
+        slots = None if store.sel_slot is None else (req_to_token, rows.rpi[:n],
+                                                     store.sel_slot[layers].flatten(0, 1))
         expand_selection(None, idx, k, rows.next_b[:n], store.sel_pos[layers].flatten(0, 1),
                          store.sel_count[layers].flatten(0, 1), page=1, n_sink=sink, count=n_tok,
-                         out_rows=rows.push[:n])
+                         out_rows=rows.push[:n], slots=slots)

@@ -238,11 +238,11 @@ class QueryAwareRuntime:
         # The decode kernel gathers fastest from pool slots (kernels/indexed_slots.py),
         # written by the device path's producers with the positions; the device path
         # only: its forwards hold no host groups.
-        a_slots = None
+        a_slots = lists = None
         if self.device_active:
             slots = not self.groups and indexed_slots.ENABLED and plan.a_slot is not None
-            a_pos, a_len, a_slots = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices,
-                                                       seq_lens, a_pos, a_len, scale, slots=slots)
+            a_pos, a_len, a_slots, lists = self.device.select(li, plan, q3, k_cache, req_to_token, req_pool_indices,
+                                                              seq_lens, a_pos, a_len, scale, slots=slots)
         indexed = plan.indexed() if self.groups else None
         for gi, g in enumerate(self.groups):
             store = self.stores[g.policy]
@@ -268,7 +268,7 @@ class QueryAwareRuntime:
                 cnt = torch.where(res.bypass, 0, cnt)  # replaced by V̄ after the attention
             a_pos[g.batch_idx, :, : pos.shape[-1]] = pos
             a_len[g.batch_idx] = torch.where(indexed[g.batch_idx, None], cnt, a_len[g.batch_idx])
-        return plan.with_indexed(a_pos, a_len, a_slots)
+        return plan.with_indexed(a_pos, a_len, a_slots, lists)
 
     def _quest_current_page(self, li, store, g: Group, k_cache, req_to_token, rpi, n) -> None:
         """Bounds of the page holding the key just written (position n - 1), from

@@ -15,6 +15,10 @@ Layouts (slot = one live request of the policy; layers of this rank):
               sel_count    [layers, slots, Hkv] int32
                            the selection for the next step (sink positions first,
                            then the Top-K, ascending, all < that step's b_start)
+              sel_slot     [layers, slots, Hkv, capacity] int32
+                           the same as pool slots (req_to_token applied), written
+                           beside sel_pos by the device path, which the decode reads
+                           in place (only with ASPD_LISTS_IN_PLACE)
               one extra slot (`scratch_slot`, the last) takes the writes of the
               batch rows that are not asyncspade's: the CUDA-graph path
               (query_device.py) writes every row, masked by where it writes
@@ -62,6 +66,14 @@ from typing import Optional
 import torch
 
 from sgl_sparse.config import QUEST_PAGE, AsyncSpadeStoreConfig, QueryStoreConfig
+from sgl_sparse.kernels._utils import env_switch
+
+#: asyncspade's decode reads each layer's selections in the store (its pool slots,
+#: `sel_slot`) instead of a per-layer copy into the step's rows (gather_selection,
+#: 0.18 ms a step at 32768 x 8 on an H200, session 29): one launch a layer fewer, the
+#: decode reading the lists through a row map (two_segment_decode's `a_lists`). Off
+#: until timed on a GPU (bench/README "Written, waiting" item 4).
+ASPD_LISTS_IN_PLACE = env_switch("ASPD_LISTS_IN_PLACE", False)
 
 
 class QuestStore:
@@ -87,6 +99,7 @@ class AsyncSpadeStore:
         self.total = torch.zeros(num_layers, self.rows, dtype=torch.int64, device=device)
         self.sel_pos = torch.zeros(num_layers, self.rows, num_kv_heads, cfg.capacity, dtype=torch.int32, device=device)
         self.sel_count = torch.zeros(num_layers, self.rows, num_kv_heads, dtype=torch.int32, device=device)
+        self.sel_slot = torch.zeros_like(self.sel_pos) if ASPD_LISTS_IN_PLACE else None
         if cfg.index_keys == "int4" and (head_dim < 64 or head_dim & (head_dim - 1)):
             raise ValueError(f"sgl_sparse: query_aware.asyncspade.index_keys: 'int4' needs a head_dim that is a power of two "
                              f">= 64 (its scoring dots take D/2 channels each), this model's is {head_dim}")
@@ -119,7 +132,8 @@ class AsyncSpadeStore:
         index += (self.ksmooth,) if self.ksmooth is not None else ()
         scores = (self.scores,) if self.scores is not None else ()
         htop = (self.htop,) if self.htop is not None else ()
-        return self.ring, self.total, self.sel_pos, self.sel_count, *index, *scores, *htop
+        lists = (self.sel_slot,) if self.sel_slot is not None else ()
+        return self.ring, self.total, self.sel_pos, self.sel_count, *lists, *index, *scores, *htop
 
 
 class LfpsStore:

@@ -77,7 +77,9 @@ def decode_attention(
 
     A is positions [0, a_len) of the pool, or (plan.a_slot >= 0) the first a_len
     rows of the request's compact buffer, or (plan.a_slot == -2) per KV head h the
-    positions plan.a_pos[i, h, :plan.a_len_per_head[i, h]]."""
+    positions plan.a_pos[i, h, :plan.a_len_per_head[i, h]] (a store's, for the rows
+    of plan.a_lists)."""
+    plan = plan.materialized()
     qh = q.movedim(0, 1)  # [Hq, bs, D]
     a_len, b_start, b_end = (t.tolist() for t in (plan.a_len, plan.b_start, plan.b_end))
     a_slot = plan.a_slot.tolist() if plan.a_slot is not None else [-1] * len(a_len)

@@ -92,6 +92,7 @@ class Twin:
                                                                     dtype=KV, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=hq, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
+        self.store_list_rows = 0  # rows whose lists the decode read from the store (ASPD_LISTS_IN_PLACE)
         self.k = torch.randn(2000, HKV, self.d, generator=gen).to(KV)
         self.v = torch.randn(2000, HKV, self.d, generator=gen).to(KV)
         # unused entries point at real keys: reading them is a wrong answer
@@ -126,6 +127,10 @@ class Twin:
         outs, plans = [], []
         for li, q in enumerate(qs):
             lplan = self.rt.select(li, plan, q, self.k, self.r2t, rows_t, lens_t, SCALE) if self.rt.active() else plan
+            if lplan.a_lists is not None:  # asyncspade's rows read the store in place (ASPD_LISTS_IN_PLACE)
+                _check_store_lists(lplan, self.r2t, rows_t)
+                self.store_list_rows += int((lplan.a_lists.rows >= 0).sum())
+                lplan = lplan.materialized()
             if lplan.a_slots is not None:
                 _check_slots(lplan, self.r2t, rows_t)
             o = torch.zeros(q.shape[0], q.shape[1], self.d, dtype=torch.float32)
@@ -144,6 +149,20 @@ def _check_slots(plan, r2t: torch.Tensor, rows_t: torch.Tensor) -> None:
         for h in range(HKV):
             n = int(plan.a_len_per_head[b, h])
             assert torch.equal(plan.a_slots[b, h, :n], r2t[int(rows_t[b])][plan.a_pos[b, h, :n].long()]), (b, h)
+
+
+def _check_store_lists(plan, r2t: torch.Tensor, rows_t: torch.Tensor) -> None:
+    """ASPD_LISTS_IN_PLACE: the rows naming a store row are asyncspade's INDEXED ones,
+    and the store's pool slots are its positions' (what the decode reads instead)."""
+    st = plan.a_lists
+    rows = st.rows.tolist()
+    assert all(r < 0 or bool(plan.indexed()[b]) for b, r in enumerate(rows)), rows
+    for b, r in enumerate(rows):
+        if r < 0:
+            continue
+        for h in range(HKV):
+            n = int(st.count[r, h])
+            assert torch.equal(st.slots[r, h, :n], r2t[int(rows_t[b])][st.pos[r, h, :n].long()]), (b, h)
 
 
 def _sets(plan, b: int) -> list[list[int]]:
@@ -201,6 +220,39 @@ def test_device_path_matches_the_torch_path(group, index_keys):
     assert {r for _, r, _ in indexed} == {1, 2, 3, 4, 5, 6}
     if index_keys != "kv":
         _copies_are_the_keys(dev, lambda r: dev.lens[r] + 12)
+
+
+@pytest.mark.parametrize("topk_layers", [1, 2])
+def test_asyncspade_lists_read_in_place_select_as_copied(monkeypatch, topk_layers):
+    """ASPD_LISTS_IN_PLACE: asyncspade's store keeps its selections' pool slots too
+    (one Top-K a layer, or a group's), and the device path hands the decode its
+    store rows instead of copying them into the step's (gather_selection): the same
+    position sets, lengths and attention as the torch path; the store's slots are
+    its positions' (_check_store_lists); and the rows read in place were there."""
+    from sgl_sparse import query_store
+
+    monkeypatch.setattr(query_store, "ASPD_LISTS_IN_PLACE", True)
+    gen = torch.Generator().manual_seed(300 + topk_layers)
+    ref = Twin(2, use_kernels=False, num_layers=3, aspd={"topk_layers": topk_layers})
+    dev = Twin(2, use_kernels=True, num_layers=3, aspd={"topk_layers": topk_layers})
+    assert dev.st.query_stores[PolicyId.ASYNCSPADE].sel_slot is not None
+    q_ext = torch.randn(sum(LENS.values()), HKV * 2, dev.d, generator=gen).to(KV)
+    ref.admit(q_ext)
+    dev.admit(q_ext)
+    rows = [5, 1, 4, 0, 6, 7]
+    for t in range(3):
+        lens = [dev.lens[r] + 1 + t if r else 1 for r in rows]
+        qs = [torch.randn(len(rows), HKV * 2, dev.d, generator=gen).to(KV) for _ in range(3)]
+        outs_ref, plans_ref = ref.step_layers(rows, lens, qs)
+        outs_dev, plans_dev = dev.step_layers(rows, lens, qs)
+        for li in range(3):
+            for b, r in enumerate(rows):
+                if int(plans_ref[li].a_slot[b]) == -2:
+                    assert _sets(plans_ref[li], b) == _sets(plans_dev[li], b), (t, li, r)
+                    assert torch.equal(plans_ref[li].a_len_per_head[b], plans_dev[li].a_len_per_head[b])
+            torch.testing.assert_close(outs_dev[li], outs_ref[li], rtol=2e-3, atol=2e-3)
+    # asyncspade's rows 4 and 5 from their second step on (the first is dense), every layer
+    assert dev.store_list_rows == 2 * 2 * 3, dev.store_list_rows
 
 
 @pytest.mark.parametrize("topk_layers,index_keys", [(5, "kv"), (2, "int8")])
