@@ -169,8 +169,16 @@ def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None
     return twin, graph, rows_t, lens_t, out
 
 
-def test_capture_once_replay_mixed_batches():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_capture_once_replay_mixed_batches(in_place, monkeypatch):
+    """in_place: query_store.ASPD_LISTS_IN_PLACE, asyncspade's rows read by the decode
+    from the store (what the side stream wrote the step before) instead of copied:
+    their outputs are checked against the oracle's, their lists not (after the replay
+    the store holds the next step's)."""
+    from sgl_sparse import query_store
     from sgl_sparse.kernels import two_segment_decode
+
+    monkeypatch.setattr(query_store, "ASPD_LISTS_IN_PLACE", in_place)
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -196,6 +204,7 @@ def test_capture_once_replay_mixed_batches():
 
     graph = _capture(step)
     lp = out["plan"]
+    assert (lp.a_lists is not None) == in_place
 
     q_ext = torch.randn(sum(LENS.values()), HKV * G, D, generator=gen, device=dev).to(KV)
     ref.admit(q_ext)
@@ -238,6 +247,9 @@ def test_capture_once_replay_mixed_batches():
                 if int(lp_ref.a_slot[b]) != -2:
                     continue
                 indexed.add(rows[b])
+                if in_place and SPECS[rows[b]].policy == "asyncspade":
+                    assert int(lp.a_lists.rows[b]) == gph.st.row_init(rows[b]).slot
+                    continue
                 assert torch.equal(lp.a_len_per_head[b], lp_ref.a_len_per_head[b])
                 # asyncspade's kernel scores a fp32 q_hat as two bf16 parts (~16 bits),
                 # lfps's candidates are scored by tl.dot (the torch path: an fp32 einsum,
