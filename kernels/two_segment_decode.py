@@ -118,7 +118,18 @@ FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 # Only while the launch is at most BALANCE_MAX_WAVES waves of the heuristic's
 # programs: past that the waves themselves even out a long request.
 # SGLANG_SPARSE_BALANCE_SPLITS=0: never (the grid and chunks as before).
-BALANCE_FACTOR = 4
+# SGLANG_SPARSE_BALANCE_FACTOR and SGLANG_SPARSE_BALANCE_PROGRAMS_PER_SM (the P the
+# shares divide, per SM; 0: the heuristic's programs_per_sm) are for the A/B of a
+# balanced launch that fills the GPU: with BALANCE_GATE on by default the balanced
+# launch runs only where a request's share differs (a dense row among sparse ones),
+# and there one dense row of 32768 among 7 sparse ones over e4m3 took 2.76 ms over 28
+# layers against 0.54 for the sparse rows alone (session 40, bench_mixed_rows). By the
+# shares that launch is 184 programs of ~2K keys (the dense row 16 a KV head, the
+# grid's cap at factor 4; the others 1) on 132 SMs where an fp8 tile lets 4 an SM
+# reside, and the dense row's bytes are ~0.4 ms at the H200's copy bandwidth.
+# Untimed: run_all.sh fastbalance.
+BALANCE_FACTOR = env_count("BALANCE_FACTOR", 4, 1, 64)
+BALANCE_PROGRAMS_PER_SM = env_count("BALANCE_PROGRAMS_PER_SM", 0, 0, 16)
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # A balanced launch's registers a thread over an fp8 cache, at most (ptxas's maxnreg; 0:
@@ -878,9 +889,10 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
 
 
 def _programs_per_head(num_sms: int, num_kv_heads: int, kv_fp8: bool) -> int:
-    """The split heuristic's program target over the KV heads: the P that balanced
-    launches share out among the requests."""
-    return num_sms * programs_per_sm(kv_fp8) // num_kv_heads
+    """The P that balanced launches share out among the requests a KV head: the split
+    heuristic's program target over the KV heads (BALANCE_PROGRAMS_PER_SM an SM where
+    set)."""
+    return num_sms * (BALANCE_PROGRAMS_PER_SM or programs_per_sm(kv_fp8)) // num_kv_heads
 
 
 def _dense_double_keys(programs_per_head: int) -> int:

@@ -117,10 +117,14 @@ fastbalance)
     # and gated split-major (the next default's candidate), every row dense too ("all":
     # an all-slow SFI step, which balances where that doubles its programs); then the
     # four launches (five kernels) timed, recorded and profiled.
-    for f in 1 2 4; do
+    # and the balanced launch filling the GPU (the gate keeps it to mixed steps): the
+    # grid's factor 4 / 16 by the shares' P at the heuristic's 2 an SM (0), 4 (an fp8
+    # tile's resident programs) or 8 (two waves) (BALANCE_FACTOR, BALANCE_PROGRAMS_PER_SM)
+    for fp in 4:0 16:0 16:4 16:8; do
+        f=${fp%:*}; p=${fp#*:}
         python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1,all --kv-dtype fp8_e4m3 \
-            --factor $f --variants --out "$OUT/mixed_rows_factor$f.json" 2>&1 | tee "$OUT/mixed_rows_factor$f.log" \
-            | grep -E "^\| [0-9]|Error"
+            --factor $f --programs-per-sm $p --variants --out "$OUT/mixed_rows_factor${f}_pps$p.json" 2>&1 \
+            | tee "$OUT/mixed_rows_factor${f}_pps$p.log" | grep -E "^\| [0-9]|Error" | sed "s/^/f$f p$p /"
     done
     # one layer's four launches alternately, CUDA events (medians of 30), then each once
     # recording where its programs ran (SM, start, end: the block scheduler's deal)

@@ -114,6 +114,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "kv_dtype": str(kv_dtype).replace("torch.", ""),
             "splits": base_splits,
             "balanced_grid_splits": grid_splits,
+            "balance_factor": TSD.BALANCE_FACTOR, "balance_programs_per_sm": TSD.BALANCE_PROGRAMS_PER_SM,
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
@@ -128,6 +129,8 @@ def main():
     ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
     ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
+    ap.add_argument("--programs-per-sm", type=int, default=None,
+                    help="override BALANCE_PROGRAMS_PER_SM (the balanced shares' P an SM; 0: the heuristic's)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
     ap.add_argument("--variants", action="store_true",
                     help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), gated with its plain "
@@ -137,6 +140,8 @@ def main():
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
     if a.factor is not None:
         TSD.BALANCE_FACTOR = a.factor
+    if a.programs_per_sm is not None:
+        TSD.BALANCE_PROGRAMS_PER_SM = a.programs_per_sm
     rows = []
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))

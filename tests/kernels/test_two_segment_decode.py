@@ -1016,6 +1016,33 @@ def test_step_row_splits_and_the_balanced_grid_as_the_wrapper_sizes_them():
     assert K.balanced_grid_splits(4, 8, 300, 132)[1] == 3  # the keys bound it: one split per 128
 
 
+def test_a_balanced_launch_filling_the_gpu_shares_more_and_answers_the_same(monkeypatch):
+    """BALANCE_PROGRAMS_PER_SM and BALANCE_FACTOR (the A/B knobs of a balanced launch
+    that fills the GPU): the shares divide P = SMs x that / Hkv, so a dense row among
+    sparse ones takes more splits, in a grid of factor x the heuristic's; the answers
+    stay the reference's; the counters end zero."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    n = [320, 40, 36, 44]
+    case = T.make_decode_case(n, [0, [9, 4], 12, 0], [(0, 320), (32, 40), (30, 36), (40, 44)], num_kv_heads=2,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=41)
+    ref_o, _ = K.two_segment_decode_ref(*case.args(), return_lse=True, **case.kwargs())
+    counters = K.make_split_counters(4, 2, DEVICE)
+    shares, outs = {}, {}
+    for pps, factor in ((0, 4), (8, 16)):
+        monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", pps)
+        monkeypatch.setattr(tsd, "BALANCE_FACTOR", factor)
+        splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, 2, 400, 4)
+        shares[pps] = splits.tolist()
+        out = torch.full_like(case.q, float("nan"))
+        outs[pps] = K.two_segment_decode(*case.args(), out=out, num_sms=4, max_kv_len=400, split_counters=counters,
+                                         balance=True, row_splits=splits, **case.kwargs(), **SMALL)
+        assert not torch.isnan(out).any() and T.rel_error(out.float(), ref_o) < TOL[torch.bfloat16], pps
+    assert shares[8][0] > shares[0][0] and sum(shares[8]) > sum(shares[0]), shares
+    assert int(counters.abs().sum()) == 0
+
+
 def test_balanced_splits_double_over_fp8_for_dense_steps():
     """Over fp8 a step whose programs would each read >= FP8_DENSE_SPLIT_KEYS keys
     (an SFI slow step at 131072 x 4: every row dense) takes twice the programs; the
