@@ -207,6 +207,13 @@ def overview() -> Json:
                    "qa*_kernel: those blocks with the kernel alone (every row indexed); reference: the CPU path.",
                    [(f"sum by (path) (rate(sglang_sparse_decode_forwards_total{{{SEL}}}[{RATE}]))", "{{path}}")],
                    "ops", w=8, h=6),
+        timeseries("Balanced launches / s",
+                   "kernel_balanced forwards, and those whose device gate ran the balanced launch (a slow row "
+                   "among fast ones); the others ran the plain launch beside it (SGLANG_SPARSE_BALANCE_GATE).",
+                   [(f"sum (rate(sglang_sparse_decode_forwards_total{{{SEL},path=\"kernel_balanced\"}}[{RATE}]))",
+                     "kernel_balanced forwards"),
+                    (f"sum (rate(sglang_sparse_balanced_launches_total{{{SEL}}}[{RATE}]))", "balanced launch ran")],
+                   "ops", w=8, h=6),
         timeseries("SFI refresh graph captures",
                    "New refresh shapes captured into CUDA graphs; the decode step of each waited for it "
                    "(an eager run plus the capture). A steady rate means shapes churn past the 256 kept.",

@@ -26,6 +26,7 @@ import torch
 from sgl_sparse import compat, compile_watch, graph_variants, reference, store_budget
 from sgl_sparse.config import config_from_env
 from sgl_sparse.decision import DecodePlan, plan_decode
+from sgl_sparse.balanced_launches import BalancedLaunchCount
 from sgl_sparse.lfps_scored import ScoredFractionReads
 from sgl_sparse.policies.base import QUERY_AWARE_IDS, PolicyId
 from sgl_sparse.query_serving import QueryAwareRuntime
@@ -145,6 +146,11 @@ class SparseAttnBackend(AttentionBackend):
         self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
         self._balance_gate: Optional[torch.Tensor] = None  # kernels.balance_gate of those splits, per step
         self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
+        # with metrics: the balanced forwards whose gate ran the balanced launch (balanced_launches.py)
+        self.balanced_launches: Optional[BalancedLaunchCount] = None
+        if self.balance_splits and self.state.metrics is not None and _balance_gate_enabled():
+            self.balanced_launches = BalancedLaunchCount(self.state.metrics, self.device)
+            self.balanced_launches.warm()
         logger.info(
             "sgl_sparse backend: device=%s dense=%s default_policy=%s think_ids=%s",
             self.device, type(self.dense).__name__ if self.dense else "reference",
@@ -359,6 +365,8 @@ class SparseAttnBackend(AttentionBackend):
                                                                      qa_policies)
         if not in_capture and self.state.metrics is not None and forward_batch.forward_mode.is_decode():
             self.state.metrics.on_decode_path(variant)
+        if self.balanced_launches is not None:
+            self.balanced_launches.note_forward(variant == graph_variants.KERNEL_BALANCED, in_capture)
         # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
         self._balance_step = variant == graph_variants.KERNEL_BALANCED
         route = self._route = (graph_variants.KERNEL if graph_variants.is_kernel_only(variant) else
@@ -425,6 +433,8 @@ class SparseAttnBackend(AttentionBackend):
                                  self._max_kv_len, sms, kv_fp8=self._kv_fp8)
         if splits is not None:
             self._balance_gate = balance_gate(splits, mask, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8)
+            if self._balance_gate is not None and self.balanced_launches is not None:
+                self.balanced_launches.add(self._balance_gate)
         return splits
 
     # ---- CUDA graphs --------------------------------------------------------------
@@ -731,6 +741,12 @@ def _balance_enabled() -> bool:
     from sgl_sparse.kernels.two_segment_decode import BALANCE_ENABLED
 
     return BALANCE_ENABLED
+
+
+def _balance_gate_enabled() -> bool:
+    from sgl_sparse.kernels.two_segment_decode import BALANCE_GATE
+
+    return BALANCE_GATE
 
 
 def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:

@@ -157,6 +157,13 @@ class SchedulerMetrics:
             "qa (both with the query-aware blocks), reference (the CPU reference path).",
             ["path", "model_name"])
         self._path_children = {path: self.decode_forwards.labels(path, model_name) for path in DECODE_PATHS}
+        self.balanced_launches = Counter(
+            "sglang_sparse_balanced_launches_total",
+            "Decode forwards on the kernel_balanced path whose device gate ran the balanced launch "
+            "(a request's share of the programs differed from the heuristic's splits: an SFI slow row "
+            "among fast ones, an all-slow step of long rows); the others ran the plain launch beside it "
+            "(SGLANG_SPARSE_BALANCE_GATE). Read from the device every 16 such forwards.", ["model_name"])
+        self._balanced_launches_child = self.balanced_launches.labels(model_name)  # from 0
         self.refresh_graph_captures = Counter(
             "sglang_sparse_refresh_graph_captures_total",
             "SFI refresh shapes captured into CUDA graphs (compact.refresh_graphs); the decode step "
@@ -175,6 +182,11 @@ class SchedulerMetrics:
     def on_decode_path(self, path: str) -> None:
         """The backend, once per decode forward, with the path it runs (DECODE_PATHS)."""
         self._path_children[path].inc()
+
+    def on_balanced_launches(self, count: int) -> None:
+        """balanced_launches.BalancedLaunchCount's reads (its thread): forwards whose gate
+        ran the balanced launch since the previous read."""
+        self._balanced_launches_child.inc(count)
 
     def on_refresh_graph_capture(self) -> None:
         """selector.graphs.RefreshGraphs, after each capture."""

@@ -18,7 +18,7 @@ server_compare = load_bench_script("gpu/server_compare.py")
 
 def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,
           forwards: float, runs: float, rows: float, balanced: float = 0.0, captures: float = 0.0,
-          fallback: float = 3.0, scored: tuple[float, float] = (0.0, 0.0)) -> str:
+          fallback: float = 3.0, scored: tuple[float, float] = (0.0, 0.0), launched: float = 0.0) -> str:
     m = 'model_name="/root/model"'
     return "\n".join([
         "# HELP sglang_sparse_decode_steps_total Request decode steps, by policy.",
@@ -41,6 +41,7 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
         f'sglang_sparse_decode_forwards_total{{{m},path="kernel"}} {forwards - balanced}',
         f'sglang_sparse_decode_forwards_total{{{m},path="dense"}} 0.0',
         f"sglang_sparse_refresh_graph_captures_total{{{m}}} {captures}",
+        f"sglang_sparse_balanced_launches_total{{{m}}} {launched}",
         f'sglang_sparse_lfps_scored_fraction_bucket{{{m},le="0.05"}} {scored[1]}',
         f"sglang_sparse_lfps_scored_fraction_sum{{{m}}} {scored[0]}",
         f"sglang_sparse_lfps_scored_fraction_count{{{m}}} {scored[1]}",
@@ -49,16 +50,17 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
 
 def test_row_figures_are_the_differences_over_the_timed_batches():
     before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100, 2, 40, balanced=10, captures=5,
-                                                scored=(0.03, 1)))
+                                                scored=(0.03, 1), launched=3))
     after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72, balanced=74,
-                                               captures=7, fallback=67, scored=(0.23, 5)))
+                                               captures=7, fallback=67, scored=(0.23, 5), launched=19))
     assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
     assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 74
     assert server_compare.sparse_stats(before, after, "sfi") == {
         "decode_steps": 256, "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
         "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
-        "balanced_forward_share": 0.25, "refresh_graph_captures": 2, "compiles_while_serving": 2,
+        "balanced_forward_share": 0.25, "balanced_launch_share": 0.0625,  # 16 of 256 forwards
+        "refresh_graph_captures": 2, "compiles_while_serving": 2,
         "lfps_scored_fraction": 0.05}  # (0.23 - 0.03) / (5 - 1) requests
     assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures
 

@@ -102,6 +102,7 @@ def make_backend(route=True, eager_route=True, balance=True):
     be._step_variant = gv.choose(be.graph_variants, False, gv.MIXED)
     be._prompt_q_plan = None
     be._row_splits, be._balance_gate, be._balance_step = None, None, False
+    be.balanced_launches = None  # with metrics: tests/test_balanced_launches.py
     return be
 
 

@@ -246,8 +246,11 @@ def sparse_stats(before, after, policy):
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
             "selector_runs_per_step": round(runs / forwards, 4) if forwards else None,
             "selector_rows_per_run": round(rows / runs, 2) if runs else None,
-            # decode forwards on the balanced-splits graph (compact.balance_splits)
+            # decode forwards on the balanced-splits graph (compact.balance_splits), and those
+            # whose gate ran the balanced launch (the others: the plain one beside it)
             "balanced_forward_share": round(balanced / all_paths, 4) if all_paths else None,
+            "balanced_launch_share": (round(d0("sglang_sparse_balanced_launches_total") / all_paths, 4)
+                                      if all_paths else None),
             # SFI refresh shapes captured (each held its step): level off after the first batch
             "refresh_graph_captures": int(d0("sglang_sparse_refresh_graph_captures_total")),
             # Triton compiles during the row's timed batches (each stalled one): should be 0
