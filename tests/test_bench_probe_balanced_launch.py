@@ -2,9 +2,9 @@
 the slow step's partition give the same output bit for bit on the CPU interpreter
 (with and without the slow step's stores), and so do a fast step's launches as served
 (``--rows sparse``: the heuristic's splits, and the balanced grid with the step's
-shares; ``--variants``: the balanced one split-major, strided too, and gated with its
-plain twin), so the next GPU lease's
-Nsight Compute call profiles launches that do the same work."""
+shares; ``--variants``: the balanced one split-major, and gated with its plain
+twin), so the next GPU lease's Nsight Compute call profiles launches that do the same
+work."""
 
 from __future__ import annotations
 
@@ -35,4 +35,4 @@ def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
     assert mod.main(["--smoke", "--rows", "sparse", "--variants", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]
-    assert set(doc["us"]) == {"plain", "balanced", "split_major", "strided", "gated"}
+    assert set(doc["us"]) == {"plain", "balanced", "split_major", "gated"}
