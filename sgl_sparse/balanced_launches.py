@@ -55,14 +55,7 @@ class BalancedLaunchCount:
 
     def read(self) -> None:
         """Copy the counter on the current (forward) stream; observed once copied."""
-        if not self.total.is_cuda:
-            self._reads.put(self.total.clone(), None)
-            return
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        host.copy_(self.total, non_blocking=True)
-        done = DeviceReads.event()
-        done.record()
-        self._reads.put(host, done)
+        self._reads.put(*DeviceReads.to_host(self.total))
 
     def warm(self) -> None:
         """At start-up: one read waited for, so that serving's first one finds its

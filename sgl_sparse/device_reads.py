@@ -41,6 +41,19 @@ class DeviceReads:
         """An event for :meth:`put` (``timing``: for ``elapsed_time``)."""
         return torch.cuda.Event(enable_timing=timing, blocking=True)
 
+    @staticmethod
+    def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+        """``t`` copied to the host, for :meth:`put`: on CUDA a copy into pinned memory
+        enqueued on the current stream without a synchronize, and the event it
+        completes at; elsewhere a copy now and None."""
+        if not t.is_cuda:
+            return t.clone(), None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = DeviceReads.event()
+        done.record()
+        return host, done
+
     def put(self, value: Any, done: Optional[torch.cuda.Event]) -> None:
         if done is None:
             self._observe_safely(value)

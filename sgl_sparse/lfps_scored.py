@@ -92,13 +92,7 @@ class ScoredFractionReads:
             idx = to_device(torch.tensor(slots, dtype=torch.int64), scored.device)
             sums = scored[idx].sum(1)
             scored.index_fill_(0, idx, 0.0)  # the slot's next request starts from 0
-            if not on_cuda:
-                return sums, None
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            done = DeviceReads.event()
-            done.record()
-        return host, done
+            return DeviceReads.to_host(sums)
 
     def _observe(self, sums: torch.Tensor) -> None:
         """scored / eligible per request (none for a request no step selected for:
