@@ -71,7 +71,9 @@ from .reference import (
 )
 from .token_scores import token_scores, token_scores_at, token_select_positions
 from .two_segment_decode import (
+    balance_factor,
     balance_gate,
+    balance_programs_per_sm,
     balanced_grid_splits,
     balanced_splits,
     balances,
@@ -90,7 +92,9 @@ __all__ = [
     "two_segment_decode",
     "balanced_splits",
     "balanced_grid_splits",
+    "balance_factor",
     "balance_gate",
+    "balance_programs_per_sm",
     "balances",
     "dense_step_balances",
     "step_row_splits",

@@ -79,7 +79,8 @@ from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switc
                      is_interpreter, needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
-           "balanced_splits", "balanced_grid_splits", "step_row_splits", "dense_step_balances", "balance_gate"]
+           "balanced_splits", "balanced_grid_splits", "balance_factor", "balance_programs_per_sm", "step_row_splits",
+           "dense_step_balances", "balance_gate"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -118,18 +119,29 @@ FUSED_MERGE_MAX_SPLITS = env_count("FUSED_MERGE_MAX_SPLITS", 8, 1, 64)
 # Only while the launch is at most BALANCE_MAX_WAVES waves of the heuristic's
 # programs: past that the waves themselves even out a long request.
 # SGLANG_SPARSE_BALANCE_SPLITS=0: never (the grid and chunks as before).
-# SGLANG_SPARSE_BALANCE_FACTOR and SGLANG_SPARSE_BALANCE_PROGRAMS_PER_SM (the P the
-# shares divide, per SM; 0: the heuristic's programs_per_sm) are for the A/B of a
-# balanced launch that fills the GPU: with BALANCE_GATE on by default the balanced
-# launch runs only where a request's share differs (a dense row among sparse ones),
-# and there one dense row of 32768 among 7 sparse ones over e4m3 took 2.76 ms over 28
-# layers against 0.54 for the sparse rows alone (session 40, bench_mixed_rows). By the
-# shares that launch is 184 programs of ~2K keys (the dense row 16 a KV head, the
-# grid's cap at factor 4; the others 1) on 132 SMs where an fp8 tile lets 4 an SM
-# reside, and the dense row's bytes are ~0.4 ms at the H200's copy bandwidth.
-# Untimed: run_all.sh fastbalance.
-BALANCE_FACTOR = env_count("BALANCE_FACTOR", 4, 1, 64)
+# A balanced launch that fills the GPU, over fp8 (BALANCE_FACTOR 16, the shares' P 4 an
+# SM: an fp8 tile's resident programs). With BALANCE_GATE on, the balanced launch runs
+# where a request's share differs from the heuristic's splits (a dense row among sparse
+# ones), and at factor 4 and the heuristic's 2 an SM its shares starved the sparse rows:
+# at 32768 x 8 one dense row took 16 splits (the grid's cap) and each sparse row 1,
+# 184 programs of ~2K keys. H200, e4m3, 28 layers (bench_mixed_rows.py, session 41),
+# factor 4 / P 2 -> factor 16 / P 4, gated pair: one dense row among sparse ones
+# 3.366 -> 2.477 ms at 8192 x 32, 2.838 -> 1.582 at 32768 x 8, 5.663 -> 3.453 at
+# 131072 x 4; every row dense 7.098 -> 5.333, 7.622 -> 5.375, 10.395 -> 10.431; rows
+# alike 1.744 -> 1.656, 0.627 -> 0.711, 0.489 -> 0.509 (P 4 shares differ from the
+# heuristic's 2 there too, so the gate runs the balanced launch). Served natural sfi at
+# 32768 x 8 over e4m3: inter-token 3.262 -> 3.088 ms, stock 8.578 in the same run
+# (bench/README "Session 41"). Over bf16 the factor stays 4 and P the heuristic's
+# (untimed there). SGLANG_SPARSE_BALANCE_FACTOR / _PROGRAMS_PER_SM set both dtypes' (0:
+# these defaults).
+BALANCE_FACTOR = env_count("BALANCE_FACTOR", 0, 0, 64)
 BALANCE_PROGRAMS_PER_SM = env_count("BALANCE_PROGRAMS_PER_SM", 0, 0, 16)
+# Rows alike balance only where each balanced program still reads this many keys
+# (dense_step_balances for an all-dense step, balance_gate on the device): with rows
+# alike the balanced launch was faster
+# at ~1.1K keys a program (8192 x 32, sparse rows, 1.678 -> 1.582 ms over 28 layers at
+# P 4 an SM) and slower at ~280 (32768 x 8, 0.544 -> 0.666; session 41).
+BALANCE_MIN_PROGRAM_KEYS = 1024
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # A balanced launch's registers a thread over an fp8 cache, at most (ptxas's maxnreg; 0:
@@ -857,23 +869,21 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
                     row_mask: Optional[torch.Tensor], programs_per_head: int, max_splits: int,
                     kv_fp8: bool = False) -> torch.Tensor:
     """Splits per request for ``balance``: floor(keys x P / batch keys), clamped to
-    ``[1, max_splits]``, with P = ``programs_per_head`` (the heuristic's program
-    target over the KV heads) and the keys those of KV head 0 (segment A's count
+    ``[1, max_splits]``, with P = ``programs_per_head`` (the balanced program target
+    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV head 0 (segment A's count
     and segment B's range, as the descriptors give them: an estimate for balance,
     never for what is read), over the rows the launch serves (``row_mask`` 1).
     ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
     per program of P (dense fp8 rows: see that constant).
 
-    A uniform batch gets the heuristic's split count back (every request's share is
-    P / bs); a request with many more keys than the others -- a dense row (an SFI
+    A uniform batch gets P / bs a request (the heuristic's split count over bf16, twice
+    it over fp8 by default); a request with many more keys than the others -- a dense row (an SFI
     slow step, a policy attending everything) among ~2K-key sparse rows -- gets
     proportionally more programs, instead of one program per KV head doing its
     whole range while the step waits for it. Device ops only, no host sync: CUDA
     graph capturable. Returns ``[bs]`` int32.
     """
-    keys = (a_len[:, 0].clamp(min=0) + (b_end - b_start).clamp(min=0)).long()
-    if row_mask is not None:
-        keys = torch.where(row_mask == 1, keys, 0)
+    keys = _row_keys(a_len, b_start, b_end, row_mask)
     total = keys.sum().clamp(min=1)
     programs = programs_per_head
     if kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0:
@@ -888,11 +898,32 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     return share.clamp(1, max_splits).int()
 
 
+def _row_keys(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
+              row_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each request's keys of KV head 0 as the descriptors give them (0 where
+    ``row_mask`` is not 1), int64 ``[bs]``."""
+    keys = (a_len[:, 0].clamp(min=0) + (b_end - b_start).clamp(min=0)).long()
+    if row_mask is not None:
+        keys = torch.where(row_mask[:keys.shape[0]] == 1, keys, 0)
+    return keys
+
+
 def _programs_per_head(num_sms: int, num_kv_heads: int, kv_fp8: bool) -> int:
     """The P that balanced launches share out among the requests a KV head: the split
-    heuristic's program target over the KV heads (BALANCE_PROGRAMS_PER_SM an SM where
-    set)."""
-    return num_sms * (BALANCE_PROGRAMS_PER_SM or programs_per_sm(kv_fp8)) // num_kv_heads
+    programs an SM of :func:`balance_programs_per_sm` over the KV heads."""
+    return num_sms * balance_programs_per_sm(kv_fp8) // num_kv_heads
+
+
+def balance_factor(kv_fp8: bool = False) -> int:
+    """A balanced launch's grid over the heuristic's splits: BALANCE_FACTOR where set,
+    else 16 over fp8 and 4 over bf16 (the note at BALANCE_FACTOR)."""
+    return BALANCE_FACTOR or (16 if kv_fp8 else 4)
+
+
+def balance_programs_per_sm(kv_fp8: bool = False) -> int:
+    """The programs an SM that balanced shares divide: BALANCE_PROGRAMS_PER_SM where
+    set, else 4 over fp8 (an fp8 tile's resident programs) and the heuristic's over bf16."""
+    return BALANCE_PROGRAMS_PER_SM or (4 if kv_fp8 else programs_per_sm(False))
 
 
 def _dense_double_keys(programs_per_head: int) -> int:
@@ -905,43 +936,61 @@ def dense_step_balances(batch_size: int, step_keys: int, num_kv_heads: int, max_
                         kv_fp8: bool) -> bool:
     """Host side: whether a step whose kernel rows are all dense (every request an SFI
     slow step), ``step_keys`` keys in all, is faster balanced than plain. All rows alike,
-    balance changes nothing but the program count, and only where balanced_splits
-    doubles it (over fp8, FP8_DENSE_SPLIT_KEYS keys a program): H200, e4m3, 28 layers
-    all dense (bench_mixed_rows.py, session 38, capped): 131072 x 4 14.64 -> 10.31 ms
-    balanced (it doubles), 32768 x 8 7.50 -> 8.30 and 8192 x 32 7.04 -> 8.31 (it does
-    not; nor over bf16, 15.49 -> 16.95 at 131072 x 4)."""
-    if not (kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0 and balances(batch_size, num_kv_heads, max_kv_len, num_sms,
-                                                             kv_fp8=kv_fp8)):
+    balance changes nothing but the program count: over fp8 it balances where a
+    request's share (balanced_splits' P over the batch) passes the heuristic's splits
+    and each program still reads BALANCE_MIN_PROGRAM_KEYS keys. H200, e4m3, 28 layers
+    all dense (bench_mixed_rows.py): at P 2 an SM (session 38) 131072 x 4 14.64 ->
+    10.31 ms (P doubled past FP8_DENSE_SPLIT_KEYS), 32768 x 8 7.50 -> 8.30 and 8192 x 32
+    7.04 -> 8.31 (the shares were the heuristic's, in a larger grid); at P 4 an SM
+    (session 41) 32768 x 8 7.58 -> 5.34 and 8192 x 32 7.05 -> 5.28 (twice the
+    heuristic's splits), 131072 x 4 14.60 -> 10.40; over bf16 slower (15.49 -> 16.95 at
+    131072 x 4)."""
+    if not (kv_fp8 and balances(batch_size, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)):
         return False
-    return step_keys >= _dense_double_keys(_programs_per_head(num_sms, num_kv_heads, kv_fp8))
+    programs = _programs_per_head(num_sms, num_kv_heads, kv_fp8)
+    if FP8_DENSE_SPLIT_KEYS > 0 and step_keys >= _dense_double_keys(programs):
+        programs *= 2  # as balanced_splits does on the device
+    base = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
+    return programs // batch_size > base and step_keys >= programs * BALANCE_MIN_PROGRAM_KEYS
 
 
 def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int,
-                 num_sms: int, kv_fp8: bool = False) -> Optional[torch.Tensor]:
+                 num_sms: int, kv_fp8: bool = False,
+                 segments: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """The step's gate between a balanced launch and its plain twin (BALANCE_GATE; None
     when off): ``[1]`` int32, 1 where a served request's (``row_mask`` 1) share differs
-    from the heuristic's splits, the only case where the balanced partition differs
-    from the plain one. Rows all alike give every share the heuristic's splits (both
-    are the program target over the batch), and the plain launch is then the same work
-    bit for bit. Device ops, once a step."""
+    from the heuristic's splits (else both launches are the same work) and, given the
+    step's ``segments`` (``a_len, b_start, b_end``), the shares are unequal (a long row
+    among short ones) or the balanced programs each read at least
+    BALANCE_MIN_PROGRAM_KEYS keys. Rows alike at P 4 an SM (fp8) take twice the
+    heuristic's splits, which pays only on long rows: 28 layers over e4m3, sparse rows
+    alike, 8192 x 32 (~1.1K keys a balanced program) 1.677 ms plain, 1.656 balanced;
+    32768 x 8 (~290) 0.539 plain, 0.711 balanced, 0.678 with the gate closed
+    (bench/README "Session 41"). Device ops, once a step."""
     if not BALANCE_GATE:
         return None
     base = choose_num_splits(row_splits.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
-    differs = row_splits != base
-    if row_mask is not None:
-        differs = differs & (row_mask[:row_splits.shape[0]] == 1)
-    return differs.any().to(torch.int32).reshape(1)
+    served = (torch.ones_like(row_splits, dtype=torch.bool) if row_mask is None
+              else row_mask[:row_splits.shape[0]] == 1)
+    gate = ((row_splits != base) & served).any()
+    if segments is not None:
+        shares = row_splits.long()
+        unequal = (torch.where(served, shares, 0).amax() != torch.where(served, shares, 1 << 30).amin())
+        programs = torch.where(served, shares, 0).sum()
+        long_rows = _row_keys(*segments, row_mask).sum() >= programs * BALANCE_MIN_PROGRAM_KEYS
+        gate = gate & (unequal | long_rows)
+    return gate.to(torch.int32).reshape(1)
 
 
 def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
                          min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> Tuple[int, int]:
     """(the heuristic's splits, the balanced grid's splits) of a launch whose splits
-    the heuristic picks: the grid allows BALANCE_FACTOR x the heuristic's, bounded by
+    the heuristic picks: the grid allows balance_factor() x the heuristic's, bounded by
     MAX_SPLITS and by the keys (one split per ``min_split_len``)."""
     base = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
                              kv_fp8=kv_fp8)
     by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
-    return base, min(MAX_SPLITS, by_len, base * BALANCE_FACTOR)
+    return base, min(MAX_SPLITS, by_len, base * balance_factor(kv_fp8))
 
 
 def step_row_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
@@ -1099,7 +1148,7 @@ def two_segment_decode(
             keys against the batch's: a dense request among sparse ones is spread
             over more programs instead of one program per KV head doing its whole
             range (:func:`balanced_splits`). When the heuristic picks the splits,
-            the grid allows ``BALANCE_FACTOR`` x them, and only where
+            the grid allows :func:`balance_factor` x them, and only where
             :func:`balances` says so (with ``split_counters``: the merge is
             fused); with an explicit ``num_splits`` that is the grid's bound. Off
             by default: where every request is alike the larger grid costs 7-13%

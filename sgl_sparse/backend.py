@@ -130,7 +130,7 @@ class SparseAttnBackend(AttentionBackend):
             )
         # Steps that may hold an SFI slow step among fast ones balance the kernel's
         # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED), and so do
-        # all-slow steps where that doubles their programs (_dense_step_balances).
+        # all-slow steps where that gives their rows more programs (_dense_step_balances).
         self.balance_splits = (self.dense is not None and self.state.compact is not None
                                and self.config.compact.balance_splits and _balance_enabled())
         # Decode CUDA graphs per batch size, one per set of attention paths a batch
@@ -432,7 +432,8 @@ class SparseAttnBackend(AttentionBackend):
         splits = step_row_splits(plan.a_len_per_head, plan.b_start, plan.b_end, mask, self._num_kv_heads,
                                  self._max_kv_len, sms, kv_fp8=self._kv_fp8)
         if splits is not None:
-            self._balance_gate = balance_gate(splits, mask, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8)
+            self._balance_gate = balance_gate(splits, mask, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8,
+                                              segments=(plan.a_len_per_head, plan.b_start, plan.b_end))
             if self._balance_gate is not None and self.balanced_launches is not None:
                 self.balanced_launches.add(self._balance_gate)
         return splits

@@ -198,8 +198,9 @@ class CompactBufferConfig(_Strict):
     # waits. Its own decode graph per batch size (graph_variants.KERNEL_BALANCED),
     # replayed only for such steps: the larger grid costs 8-13% where every row is
     # alike (H100, bench/README "Session 15"). Also for a step whose rows are all SFI
-    # slow steps where balancing doubles their programs (long rows over fp8:
-    # kernels.dense_step_balances; 131072 x 4 over e4m3, 28 layers 14.6 -> 10.3 ms).
+    # slow steps where balancing gives them more programs (long rows over fp8:
+    # kernels.dense_step_balances; e4m3, 28 layers: 131072 x 4 14.6 -> 10.3 ms,
+    # 32768 x 8 7.6 -> 5.3).
     balance_splits: bool = Field(True, description="balance the decode kernel's splits on steps that may "
                                                    "hold an SFI slow step among fast ones, and on all-slow "
                                                    "steps of long rows over an fp8 cache (GPU only)")

@@ -86,7 +86,8 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
                 row_splits = K.step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
             if row_splits is not None:
                 launches = [dict(balance=True, row_splits=row_splits)]
-                gate = K.balance_gate(row_splits, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+                gate = K.balance_gate(row_splits, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8,
+                                      segments=(a_len, b_start, b_end))
                 if gate is not None:  # the plain twin beside it, one of the two running
                     launches = [dict(balance=False, gate=(gate, False)), dict(launches[0], gate=(gate, True))]
             for _ in range(LAYERS):
@@ -114,7 +115,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     return {"ctx": ctx, "batch": bs, "dense_rows": dense, "kv_dtype": str(kv_dtype).replace("torch.", ""),
             "splits": base_splits,
             "balanced_grid_splits": grid_splits,
-            "balance_factor": TSD.BALANCE_FACTOR, "balance_programs_per_sm": TSD.BALANCE_PROGRAMS_PER_SM,
+            "balance_factor": TSD.balance_factor(fp8), "balance_programs_per_sm": TSD.balance_programs_per_sm(fp8),
             "default_ms": round(t_default, 3), "balanced_ms": round(t_bal, 3),
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
@@ -128,9 +129,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
-    ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split)")
+    ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split; 0: by the cache dtype, "
+                    "16 over fp8, 4 over bf16)")
     ap.add_argument("--programs-per-sm", type=int, default=None,
-                    help="override BALANCE_PROGRAMS_PER_SM (the balanced shares' P an SM; 0: the heuristic's)")
+                    help="override BALANCE_PROGRAMS_PER_SM (the balanced shares' P an SM; 0: by the cache dtype, "
+                         "4 over fp8, the heuristic's over bf16)")
     ap.add_argument("--kv-dtype", choices=("model", "fp8_e4m3", "fp8_e5m2"), default="model")
     ap.add_argument("--variants", action="store_true",
                     help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), gated with its plain "

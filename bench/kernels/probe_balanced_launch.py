@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         launches["split_major"] = split_major
         with module_constant(tsd, "BALANCE_GATE", True):
             gate = K.balance_gate(row_splits, None, hkv, common["max_kv_len"], common.get("num_sms") or device_sms,
-                                  kv_fp8=a.kv_dtype != "bf16")
+                                  kv_fp8=a.kv_dtype != "bf16", segments=(case.a_len, case.b_start, case.b_end))
 
         def gated(**x):  # one of the two runs (the gate: the shares against the heuristic's splits)
             K.two_segment_decode(*case.args(), out=outs["gated"], balance=False, gate=(gate, False), **common, **x)

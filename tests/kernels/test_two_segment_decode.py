@@ -820,8 +820,40 @@ def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
                              max_kv_len=400, **case.kwargs(), **SMALL)
 
 
+def test_balance_gate_keeps_short_rows_alike_on_the_plain_launch():
+    """balance_gate given the step's segments: rows alike whose shares pass the
+    heuristic's splits (fp8's 4 programs an SM) open the gate only where each balanced
+    program reads BALANCE_MIN_PROGRAM_KEYS keys (8192 x 32's sparse rows: yes; 32768 x
+    8's and 131072 x 4's: no; every row dense: yes); unequal shares (a dense row among
+    sparse ones) always; shares equal to the heuristic's never; masked rows (another
+    kernel's) count neither keys nor shares."""
+    i32 = dict(dtype=torch.int32)
+
+    def gate(bs, n, dense, mask=None, fp8=True):
+        a = torch.full((bs, 8), 2052, **i32)
+        b0, b1 = torch.full((bs,), n - 256, **i32), torch.full((bs,), n, **i32)
+        for r in dense:
+            a[r], b0[r] = 0, 0
+        m = None if mask is None else torch.tensor(mask, **i32)
+        splits = K.step_row_splits(a, b0, b1, m, 8, 140000, 132, kv_fp8=fp8)
+        base = K.choose_num_splits(bs, 8, 140000, 132, kv_fp8=fp8)
+        plain = K.balance_gate(splits, m, 8, 140000, 132, kv_fp8=fp8)  # shares against the heuristic's only
+        got = K.balance_gate(splits, m, 8, 140000, 132, kv_fp8=fp8, segments=(a, b0, b1))
+        assert int(plain) == int(((splits != base) & (torch.ones(bs, dtype=torch.bool) if m is None else m == 1)).any())
+        assert int(got) <= int(plain)
+        return int(got)
+
+    assert gate(32, 8192, []) == 1  # 73856 keys over 64 programs: 1154 a program
+    assert gate(8, 32768, []) == 0 and gate(4, 131072, []) == 0  # 288 and 144 a program
+    assert gate(8, 32768, [0]) == 1 and gate(4, 131072, [2]) == 1 and gate(32, 8192, [5]) == 1
+    assert gate(8, 32768, range(8)) == 1 and gate(32, 8192, range(32)) == 1
+    assert gate(8, 32768, [], fp8=False) == 0 and gate(8, 32768, [0], fp8=False) == 1  # bf16: the heuristic's P
+    # the dense row served by another kernel: the served rows are alike and short
+    assert gate(8, 32768, [0], mask=[0] + [1] * 7) == 0
+
+
 def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
-    """balance=True with the heuristic's splits: the grid has BALANCE_FACTOR x them
+    """balance=True with the heuristic's splits: the grid has balance_factor() x them
     and the answers are the reference's; off by default, and where kernels.balances
     says no (one row) or without split counters (no fused merge)."""
     tsd, launches = _record_grids(monkeypatch, "BALANCE")
@@ -836,7 +868,7 @@ def test_balance_is_asked_for_and_widens_the_heuristic_s_grid(monkeypatch):
         launches.clear()
         check(case, num_sms=2, max_kv_len=400, **kw, **SMALL)
         (grid, bal), = launches
-        assert bal == balanced and grid[2] == (base * tsd.BALANCE_FACTOR if balanced else base), kw.keys()
+        assert bal == balanced and grid[2] == (base * tsd.balance_factor() if balanced else base), kw.keys()
     one = T.make_decode_case([300], [0], [(0, 300)], num_kv_heads=2, group=2, head_dim=64, cap=20,
                              dtype=torch.bfloat16, device=DEVICE, seed=4)
     assert not K.balances(1, 2, 400, 2, min_split_len=16)
@@ -998,9 +1030,10 @@ def test_balanced_shares_never_pass_their_programs():
 
 def test_step_row_splits_and_the_balanced_grid_as_the_wrapper_sizes_them():
     """step_row_splits: None where the batch does not balance (batch 1), else the
-    shares of the heuristic's program target (what the backend passes every layer);
-    balanced_grid_splits: the heuristic's splits and BALANCE_FACTOR x them, bounded by
-    MAX_SPLITS and by the keys."""
+    shares of the balanced program target (what the backend passes every layer): the
+    heuristic's over bf16, 4 an SM over fp8; balanced_grid_splits: the heuristic's splits
+    and balance_factor() x them (4 over bf16, 16 over fp8), bounded by MAX_SPLITS and by
+    the keys."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -1012,7 +1045,11 @@ def test_step_row_splits_and_the_balanced_grid_as_the_wrapper_sizes_them():
     assert torch.equal(got, want) and int(got[0]) > int(got[1])
     assert K.step_row_splits(a[:1], b0[:1], b1[:1], None, 8, 140000, 132) is None  # batch 1
     base = K.choose_num_splits(4, 8, 140000, 132)
-    assert K.balanced_grid_splits(4, 8, 140000, 132) == (base, min(tsd.MAX_SPLITS, base * tsd.BALANCE_FACTOR))
+    assert K.balanced_grid_splits(4, 8, 140000, 132) == (base, min(tsd.MAX_SPLITS, base * 4))
+    fp8 = K.step_row_splits(a, b0, b1, None, 8, 140000, 132, kv_fp8=True)
+    assert torch.equal(fp8, K.balanced_splits(a, b0, b1, None, 132 * 4 // 8, tsd.MAX_SPLITS, kv_fp8=True))
+    base8 = K.choose_num_splits(4, 8, 140000, 132, kv_fp8=True)
+    assert K.balanced_grid_splits(4, 8, 140000, 132, kv_fp8=True) == (base8, min(tsd.MAX_SPLITS, base8 * 16))
     assert K.balanced_grid_splits(4, 8, 300, 132)[1] == 3  # the keys bound it: one split per 128
 
 
@@ -1073,25 +1110,36 @@ def test_balanced_splits_double_over_fp8_for_dense_steps():
     assert K.balanced_splits(a, b0, b1, None, 33, 32, kv_fp8=True).tolist() == [31, 1, 1, 1]
 
 
-def test_an_all_dense_step_balances_where_balanced_splits_doubles(monkeypatch):
+def test_an_all_dense_step_balances_where_its_shares_pass_the_heuristic(monkeypatch):
     """dense_step_balances (host): a step of dense rows only (every request an SFI
-    slow step) balances exactly where balanced_splits would double its programs (over
-    fp8, 131072 x 4: faster balanced), not at 32768 x 8 / 8192 x 32 nor over bf16
-    (slower balanced), nor where the batch does not balance or the knob is 0."""
+    slow step) balances exactly where the device's shares would give a request more
+    programs than the heuristic's splits and each program still reads
+    BALANCE_MIN_PROGRAM_KEYS keys: over fp8 at 4 programs an SM 131072 x 4, 32768 x 8 and
+    8192 x 32 (all faster balanced, session 41), not over bf16 (slower), nor short rows,
+    nor where the batch does not balance; at the heuristic's 2 an SM only where
+    balanced_splits doubles its programs (131072 x 4), and never without that doubling."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
     i32 = dict(dtype=torch.int32)
-    for bs, n, fp8, want in ((4, 130000, True, True), (4, 131072, True, True), (8, 32768, True, False),
-                             (32, 8192, True, False), (4, 130000, False, False), (1, 130000, True, False),
-                             (2, 130000, True, False)):
-        got = K.dense_step_balances(bs, bs * n, 8, 140000, 132, kv_fp8=fp8)
-        assert got == want, (bs, n, fp8)
-        if K.balances(bs, 8, 140000, 132, kv_fp8=fp8):
-            shares = K.step_row_splits(torch.zeros(bs, 8, **i32), torch.zeros(bs, **i32), torch.full((bs,), n, **i32),
-                                       None, 8, 140000, 132, kv_fp8=fp8)
-            doubled = int(shares.sum()) > 132 * tsd.programs_per_sm(fp8) // 8
-            assert doubled == want, (bs, n, fp8, shares.tolist())
+
+    def more_programs(bs, n, fp8):  # what the device's shares of such a step give
+        if not K.balances(bs, 8, 140000, 132, kv_fp8=fp8):
+            return False
+        shares = K.step_row_splits(torch.zeros(bs, 8, **i32), torch.zeros(bs, **i32), torch.full((bs,), n, **i32),
+                                   None, 8, 140000, 132, kv_fp8=fp8)
+        return bool((shares > K.choose_num_splits(bs, 8, 140000, 132, kv_fp8=fp8)).all())
+
+    cases = ((4, 130000, True, True), (4, 131072, True, True), (8, 32768, True, True), (32, 8192, True, True),
+             (8, 256, True, False), (4, 130000, False, False), (1, 130000, True, False), (2, 130000, True, False))
+    for bs, n, fp8, want in cases:
+        assert K.dense_step_balances(bs, bs * n, 8, 140000, 132, kv_fp8=fp8) == want, (bs, n, fp8)
+        if n >= 8192:
+            assert more_programs(bs, n, fp8) == want, (bs, n, fp8)
+    monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", 2)
+    for bs, n, want in ((4, 131072, True), (8, 32768, False), (32, 8192, False)):
+        assert K.dense_step_balances(bs, bs * n, 8, 140000, 132, kv_fp8=True) == want, (bs, n)
+        assert more_programs(bs, n, True) == want, (bs, n)
     monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", 0)
     assert not K.dense_step_balances(4, 4 * 131072, 8, 140000, 132, kv_fp8=True)
 
@@ -1184,8 +1232,8 @@ def test_gpu_fp8_long_context(fp8):
 
 
 def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch, fp8_doubles):
-    """Over fp8 the balanced launch's grid is BALANCE_FACTOR x the fp8 heuristic's
-    splits (twice bf16's here), and its answers are the reference's."""
+    """Over fp8 the balanced launch's grid is balance_factor(True) x the fp8 heuristic's
+    splits (twice bf16's here), bounded by the keys, and its answers are the reference's."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
@@ -1204,18 +1252,20 @@ def test_fp8_balanced_launch_takes_fp8_s_programs(monkeypatch, fp8_doubles):
     assert K.balances(3, 2, 400, 4, min_split_len=16, kv_fp8=True)
     _check_fp8(_as_fp8_cache(case, FP8[0], 0.5, 2.0), 0.5, 2.0, num_sms=4, max_kv_len=400, balance=True,
                split_counters=K.make_split_counters(3, 2, DEVICE), min_split_len=16, block_n=16)
-    assert grids == [(3, 2, base * tsd.BALANCE_FACTOR)]
+    assert grids == [(3, 2, min(tsd.MAX_SPLITS, 400 // 16, base * tsd.balance_factor(True)))]
 
 
 def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
     """FP8_DENSE_SPLIT_KEYS lowered to this test's sizes: a balanced launch over fp8
     whose rows are all dense gives each row about twice its share of programs
     (within the grid), and its answers are still the reference's; the row splits it
-    used are recorded from the launch."""
+    used are recorded from the launch. At 2 programs an SM (fp8's default 4 would
+    leave the doubled shares past this test's grid)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
     monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", 16)
+    monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", 2)
     seen, orig = [], tsd.balanced_splits
 
     def recording(*args, **kw):
@@ -1228,7 +1278,7 @@ def test_fp8_dense_step_doubles_its_balanced_programs(monkeypatch):
                               dtype=torch.bfloat16, device=DEVICE, seed=4)
     zeros = torch.zeros(3, 2, dtype=torch.int32)
     b0, b1 = torch.zeros(3, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-    per_head = 4 * tsd.programs_per_sm(True) // 2  # 4 pretend SMs over 2 KV heads
+    per_head = 4 * tsd.balance_programs_per_sm(True) // 2  # 4 pretend SMs over 2 KV heads
     plain = orig(zeros, b0, b1, None, per_head, 4)
     doubled = orig(zeros, b0, b1, None, per_head, 4, kv_fp8=True)
     assert plain.tolist() == [1, 1, 1] and doubled.tolist() == [2, 2, 2]  # floor(300 * 8 / 870), the grid 4
@@ -1266,11 +1316,14 @@ def test_gpu_gated_twins_in_a_graph_follow_the_step_s_gate(monkeypatch):
     """The backend's gated pair (BALANCE_GATE) captured once in a CUDA graph: steps whose
     rows are all alike (gate 0: the plain launch) and steps with a dense row among
     sparse ones (gate 1: the balanced one), alternating between replays, each bit for
-    bit the ungated balanced launch of the same step; the counters back at 0."""
+    bit the ungated balanced launch of the same step; the counters back at 0. bf16 at
+    the heuristic's P (an environment's SGLANG_SPARSE_BALANCE_PROGRAMS_PER_SM=4 gives
+    rows alike shares past the heuristic's: the gate would never close)."""
     import importlib
 
     tsd = importlib.import_module(K.two_segment_decode.__module__)
     monkeypatch.setattr(tsd, "BALANCE_GATE", True)
+    monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", 0)
     bs, hkv, n = 8, 8, 32768
     case = T.make_decode_case([n] * bs, [2052] * bs, [(n - 256, n)] * bs, num_kv_heads=hkv, group=2, head_dim=128,
                               cap=2052, dtype=torch.bfloat16, device="cuda", seed=13, empty_slot_value=None)
