@@ -11,14 +11,16 @@ graphs on or off, and the errors that name the flag.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from sgl_sparse.config import SparseServerConfig
+from sgl_sparse.config import SparseServerConfig, load_server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_LOG = ROOT / "bench/results/e2e_h200_32768x8_qa32_oom_s28_server_tail.log"
@@ -35,13 +37,13 @@ def model(tmp_path_factory):
     return d
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sgl_sparse.memory_plan", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=None if env is None else {**os.environ, **env})
 
 
-def _plan(*args: str) -> dict:
-    proc = _run(*args, "--json")
+def _plan(*args: str, env: Optional[dict] = None) -> dict:
+    proc = _run(*args, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -51,11 +53,20 @@ def test_plan_prints_what_the_h200_server_allocated(model):
     logged = {name: float(gib) for name, gib in found}
     assert set(logged) == {"quest", "asyncspade", "lfps"}
     args = ("--model-path", str(model), "--sparse-config", "bench/gpu/sparse_config_qa_32slots_int4_b4.yaml")
-    p = _plan(*args)
+    # that server (session 28) copied asyncspade's lists each layer: no pool slots in its store
+    copied = {"SGLANG_SPARSE_ASPD_LISTS_IN_PLACE": "0"}
+    p = _plan(*args, env=copied)
     assert {k: round(v / 2**30, 3) for k, v in p["stores_bytes"].items()} == logged
     assert p["kv_bytes_per_token"] == 28 * 8 * 2 * 128 * 2 and p["kv_tokens"] == p["total_bytes"] // (28 * 8 * 512)
-    text = _run(*args).stdout
+    text = _run(*args, env=copied).stdout
     assert "quest          7.219 GiB" in text and "total         24.900 GiB" in text, text
+    # the default reads them in place: + the selections' pool slots, int32, a row each
+    # of the 32 slots and the scratch row (L x (slots + 1) x Hkv x capacity x 4 bytes)
+    in_place = _plan(*args)["stores_bytes"]
+    capacity = load_server_config(args[-1]).query_aware.asyncspade.capacity
+    assert in_place["asyncspade"] - p["stores_bytes"]["asyncspade"] == 28 * 33 * 8 * capacity * 4
+    assert {k: v for k, v in in_place.items() if k != "asyncspade"} == {
+        k: v for k, v in p["stores_bytes"].items() if k != "asyncspade"}
 
 
 def test_tensor_parallel_shares(model):
