@@ -120,7 +120,9 @@ fastbalance)
     # and the balanced launch filling the GPU (the gate keeps it to mixed steps): the
     # grid's factor 4 / 16 by the shares' P at the heuristic's 2 an SM (0), 4 (an fp8
     # tile's resident programs) or 8 (two waves) (BALANCE_FACTOR, BALANCE_PROGRAMS_PER_SM)
-    for fp in 4:0 16:0 16:4 16:8; do
+    # session 41: factor 16 / P 4 became fp8's defaults (0:0); 4:2 is the old default. The
+    # variants now include the compact grid (BALANCE_COMPACT: row_map), alone and gated.
+    for fp in 0:0 4:2; do
         f=${fp%:*}; p=${fp#*:}
         python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1,all --kv-dtype fp8_e4m3 \
             --factor $f --programs-per-sm $p --variants --out "$OUT/mixed_rows_factor${f}_pps$p.json" 2>&1 \
