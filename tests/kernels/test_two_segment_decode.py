@@ -1516,14 +1516,17 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     # and the split-major variant (BALANCE_SPLIT_MAJOR), a probe's record of each
-    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
-    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
-        const["SPLIT_MAJOR"] = major
+    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one,
+    # the compact grid (BALANCE_COMPACT) alone and gated
+    for major, record, gate_run, compact in ((False, False, 0, False), (True, False, 0, False),
+                                             (True, True, 0, False), (False, False, 1, False),
+                                             (False, False, 0, True), (False, False, 1, True)):
+        const["SPLIT_MAJOR"], const["COMPACT"] = major, compact
         const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
         got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
                              divisible, options=options, resources=True)
-        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, got)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, compact, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
