@@ -138,9 +138,9 @@ BALANCE_FACTOR = env_count("BALANCE_FACTOR", 0, 0, 64)
 BALANCE_PROGRAMS_PER_SM = env_count("BALANCE_PROGRAMS_PER_SM", 0, 0, 16)
 # Rows alike balance only where each balanced program still reads this many keys
 # (dense_step_balances for an all-dense step, balance_gate on the device): with rows
-# alike the balanced launch was faster
-# at ~1.1K keys a program (8192 x 32, sparse rows, 1.678 -> 1.582 ms over 28 layers at
-# P 4 an SM) and slower at ~280 (32768 x 8, 0.544 -> 0.666; session 41).
+# alike the balanced launch was faster at ~1.1K keys a program (8192 x 32, sparse rows,
+# 1.678 -> 1.582 ms over 28 layers at P 4 an SM) and slower at ~280 (32768 x 8, 0.544
+# -> 0.666; session 41).
 BALANCE_MIN_PROGRAM_KEYS = 1024
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
@@ -891,15 +891,16 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
                     kv_fp8: bool = False) -> torch.Tensor:
     """Splits per request for ``balance``: floor(keys x P / batch keys), clamped to
     ``[1, max_splits]``, with P = ``programs_per_head`` (the balanced program target
-    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV head 0 (segment A's count
-    and segment B's range, as the descriptors give them: an estimate for balance,
-    never for what is read), over the rows the launch serves (``row_mask`` 1).
+    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV
+    head 0 (segment A's count and segment B's range, as the descriptors give them: an
+    estimate for balance, never for what is read), over the rows the launch serves
+    (``row_mask`` 1).
     ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
     per program of P (dense fp8 rows: see that constant).
 
     A uniform batch gets P / bs a request (the heuristic's split count over bf16, twice
-    it over fp8 by default); a request with many more keys than the others -- a dense row (an SFI
-    slow step, a policy attending everything) among ~2K-key sparse rows -- gets
+    it over fp8 by default); a request with many more keys than the others -- a dense
+    row (an SFI slow step, a policy attending everything) among ~2K-key sparse rows -- gets
     proportionally more programs, instead of one program per KV head doing its
     whole range while the step waits for it. Device ops only, no host sync: CUDA
     graph capturable. Returns ``[bs]`` int32.
@@ -1464,7 +1465,7 @@ def two_segment_decode(
         min_split_blocks,
         k_pool.shape[0],
         map_programs,
-        num_splits,
+        num_splits if compact else 0,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_H=block_h,
