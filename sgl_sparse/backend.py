@@ -132,7 +132,7 @@ class SparseAttnBackend(AttentionBackend):
         # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED), and so do
         # all-slow steps where that gives their rows more programs (_dense_step_balances).
         self.balance_splits = (self.dense is not None and self.state.compact is not None
-                               and self.config.compact.balance_splits and _balance_enabled())
+                               and self.config.compact.balance_splits and _decode_switch("BALANCE_ENABLED"))
         # Decode CUDA graphs per batch size, one per set of attention paths a batch
         # needs (graph_variants.py): FlashInfer alone, our kernel alone, both, both
         # with the query-aware blocks.
@@ -149,7 +149,7 @@ class SparseAttnBackend(AttentionBackend):
         self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
         # with metrics: the balanced forwards whose gate ran the balanced launch (balanced_launches.py)
         self.balanced_launches: Optional[BalancedLaunchCount] = None
-        if self.balance_splits and self.state.metrics is not None and _balance_gate_enabled():
+        if self.balance_splits and self.state.metrics is not None and _decode_switch("BALANCE_GATE"):
             self.balanced_launches = BalancedLaunchCount(self.state.metrics, self.device)
             self.balanced_launches.warm()
         logger.info(
@@ -437,7 +437,7 @@ class SparseAttnBackend(AttentionBackend):
                                               segments=(plan.a_len_per_head, plan.b_start, plan.b_end))
             if self._balance_gate is not None and self.balanced_launches is not None:
                 self.balanced_launches.add(self._balance_gate)
-            if _balance_compact_enabled():
+            if _decode_switch("BALANCE_COMPACT"):
                 self._row_map = step_row_map(splits, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8)
         return splits
 
@@ -741,22 +741,12 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
         logger.warning(msg)
 
 
-def _balance_enabled() -> bool:
-    from sgl_sparse.kernels.two_segment_decode import BALANCE_ENABLED
+def _decode_switch(name: str) -> bool:
+    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE,
+    BALANCE_COMPACT), read when asked: imported late (Triton), set by tests."""
+    import importlib
 
-    return BALANCE_ENABLED
-
-
-def _balance_gate_enabled() -> bool:
-    from sgl_sparse.kernels.two_segment_decode import BALANCE_GATE
-
-    return BALANCE_GATE
-
-
-def _balance_compact_enabled() -> bool:
-    from sgl_sparse.kernels.two_segment_decode import BALANCE_COMPACT
-
-    return BALANCE_COMPACT
+    return bool(getattr(importlib.import_module("sgl_sparse.kernels.two_segment_decode"), name))
 
 
 def _host_list(cpu: Optional[torch.Tensor], dev: torch.Tensor) -> list[int]:

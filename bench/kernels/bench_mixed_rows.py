@@ -139,8 +139,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="8192x32,32768x8,131072x4,2048x64")
     ap.add_argument("--dense", default="0,1,2,4,all")
-    ap.add_argument("--factor", type=int, default=None, help="override BALANCE_FACTOR (the grid's splits per heuristic split; 0: by the cache dtype, "
-                    "16 over fp8, 4 over bf16)")
+    ap.add_argument("--factor", type=int, default=None,
+                    help="override BALANCE_FACTOR (the grid's splits per heuristic split; 0: by the cache dtype, "
+                         "16 over fp8, 4 over bf16)")
     ap.add_argument("--programs-per-sm", type=int, default=None,
                     help="override BALANCE_PROGRAMS_PER_SM (the balanced shares' P an SM; 0: by the cache dtype, "
                          "4 over fp8, the heuristic's over bf16)")
