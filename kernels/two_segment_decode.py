@@ -80,7 +80,7 @@ from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switc
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
            "balanced_splits", "balanced_grid_splits", "balance_factor", "balance_programs_per_sm", "step_row_splits",
-           "dense_step_balances", "balance_gate", "balanced_row_map", "step_row_map"]
+           "dense_step_balances", "balance_gate"]
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2(e))
 #: The fp8 KV caches the kernel reads (SGLang's --kv-cache-dtype fp8_e4m3 / fp8_e5m2).
@@ -138,9 +138,9 @@ BALANCE_FACTOR = env_count("BALANCE_FACTOR", 0, 0, 64)
 BALANCE_PROGRAMS_PER_SM = env_count("BALANCE_PROGRAMS_PER_SM", 0, 0, 16)
 # Rows alike balance only where each balanced program still reads this many keys
 # (dense_step_balances for an all-dense step, balance_gate on the device): with rows
-# alike the balanced launch was faster at ~1.1K keys a program (8192 x 32, sparse rows,
-# 1.678 -> 1.582 ms over 28 layers at P 4 an SM) and slower at ~280 (32768 x 8, 0.544
-# -> 0.666; session 41).
+# alike the balanced launch was faster
+# at ~1.1K keys a program (8192 x 32, sparse rows, 1.678 -> 1.582 ms over 28 layers at
+# P 4 an SM) and slower at ~280 (32768 x 8, 0.544 -> 0.666; session 41).
 BALANCE_MIN_PROGRAM_KEYS = 1024
 BALANCE_MAX_WAVES = 4
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
@@ -176,15 +176,6 @@ BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # all alike run the plain grid, so the two together are the next A/B (run_all.sh
 # fastbalance's gated split-major column).
 BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
-# A compact balanced grid (``row_map``): one program a request's split, request after
-# request (at most the shares' programs plus one a request, a KV head), instead of
-# bs x the grid's splits of which those past a request's share return at once.
-# Recorded on an H200 (session 40, 32768 x 8, rows alike): the balanced grid launched
-# 1024 programs for 256 working ones, and the scheduler dealt up to 3 working programs
-# to an SM where the plain grid deals 2 (its span 26.0 against 19.7 us). Off until
-# timed (bench_mixed_rows.py --variants: `compact`); the backend then builds the map
-# once a step (step_row_map).
-BALANCE_COMPACT = env_switch("BALANCE_COMPACT", False)
 # A caller that balances every step (natural SFI triggers: any step may be slow) can
 # launch the plain partition beside the balanced one, each gated on one device flag a
 # step (``balance_gate``: does any served request's share differ from the heuristic's
@@ -318,7 +309,6 @@ def _two_segment_decode_stage1(
     B_END,
     ROW_MASK,  # [bs] int32: 1 = attend; 0 = served elsewhere, skip; 2 = side effects only
     ROW_SPLITS,  # [bs] int32 splits of each request (only if BALANCE)
-    ROW_MAP,  # [MAP_PROGRAMS + bs] int32: each program's request (-1: none), then each request's first (if COMPACT)
     REC,  # [programs, 3] int64: SM, start and end (ns) of each program in launch order (only if RECORD)
     GATE,  # [1] int32: the step's balance gate (only if GATE_RUN)
     KNORM,  # [pool, Hkv] fp32 key norms (only if STORE_KNORM)
@@ -382,8 +372,6 @@ def _two_segment_decode_stage1(
     A_POS2_CAP,
     MIN_SPLIT_BLOCKS,
     POOL_ROWS,  # k_pool.shape[0]: the clamp of listed pool slots (A_POS_SLOTS)
-    MAP_PROGRAMS,  # ROW_MAP's programs a KV head (only if COMPACT)
-    GRID_SPLITS,  # the splits a request may take: OUT's split width (only if COMPACT)
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -406,7 +394,6 @@ def _two_segment_decode_stage1(
     F16_DOTS: tl.constexpr,  # an fp8 cache: the dots in fp16 (see FP8_F16_DOTS)
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
-    COMPACT: tl.constexpr,  # grid (MAP_PROGRAMS, Hkv, 1): one program a request's split (``row_map``)
     RECORD: tl.constexpr,  # a probe's record of where and when each program ran (``record``)
     GATE_RUN: tl.constexpr,  # 0: always; 1: only if GATE != 0; 2: only if GATE == 0 (``gate``)
 ):
@@ -424,15 +411,7 @@ def _two_segment_decode_stage1(
     if RECORD:
         tl.store(rec, smid().to(tl.int64))
         tl.store(rec + 1, globaltimer())
-    if COMPACT:
-        # Only the splits the shares give, request after request (balanced_row_map):
-        # the scheduler deals working programs, not the grid's idle ones.
-        cur_b = tl.load(ROW_MAP + tl.program_id(0))
-        if cur_b < 0:
-            return
-        split = tl.program_id(0) - tl.load(ROW_MAP + MAP_PROGRAMS + cur_b)
-        num_splits = GRID_SPLITS
-    elif SPLIT_MAJOR:
+    if SPLIT_MAJOR:
         split = tl.program_id(0)
         num_splits = tl.num_programs(0)
         cur_b = tl.program_id(2)
@@ -891,16 +870,15 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
                     kv_fp8: bool = False) -> torch.Tensor:
     """Splits per request for ``balance``: floor(keys x P / batch keys), clamped to
     ``[1, max_splits]``, with P = ``programs_per_head`` (the balanced program target
-    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV
-    head 0 (segment A's count and segment B's range, as the descriptors give them: an
-    estimate for balance, never for what is read), over the rows the launch serves
-    (``row_mask`` 1).
+    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV head 0 (segment A's count
+    and segment B's range, as the descriptors give them: an estimate for balance,
+    never for what is read), over the rows the launch serves (``row_mask`` 1).
     ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
     per program of P (dense fp8 rows: see that constant).
 
     A uniform batch gets P / bs a request (the heuristic's split count over bf16, twice
-    it over fp8 by default); a request with many more keys than the others -- a dense
-    row (an SFI slow step, a policy attending everything) among ~2K-key sparse rows -- gets
+    it over fp8 by default); a request with many more keys than the others -- a dense row (an SFI
+    slow step, a policy attending everything) among ~2K-key sparse rows -- gets
     proportionally more programs, instead of one program per KV head doing its
     whole range while the step waits for it. Device ops only, no host sync: CUDA
     graph capturable. Returns ``[bs]`` int32.
@@ -1028,42 +1006,6 @@ def step_row_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
                            MAX_SPLITS, kv_fp8=kv_fp8)
 
 
-def _map_programs(batch_size: int, grid_splits: int, num_sms: int, num_kv_heads: int, kv_fp8: bool) -> int:
-    """A compact balanced grid's programs a KV head: every request's split count, at
-    most the shares' programs (twice them where balanced_splits may double them) plus
-    one a request (the shares are floored, then at least 1), at most the full grid."""
-    programs = _programs_per_head(num_sms, num_kv_heads, kv_fp8)
-    if kv_fp8 and FP8_DENSE_SPLIT_KEYS > 0:
-        programs *= 2
-    return min(batch_size * grid_splits, programs + batch_size)
-
-
-def balanced_row_map(row_splits: torch.Tensor, grid_splits: int, map_programs: int) -> torch.Tensor:
-    """The compact balanced grid's map (``row_map``): ``[map_programs + bs]`` int32, the
-    request of each program (its splits request after request, -1 past the last) and
-    then each request's first program. The splits as the kernel clamps them, to
-    ``[1, grid_splits]``. Device ops (cumsum, searchsorted), no host sync."""
-    bs = row_splits.shape[0]
-    splits = row_splits.clamp(1, grid_splits).long()
-    end = torch.cumsum(splits, 0)
-    programs = torch.arange(map_programs, device=row_splits.device)
-    row = torch.searchsorted(end, programs, right=True)
-    row = torch.where(row < bs, row, -1)
-    return torch.cat([row, end - splits]).to(torch.int32)
-
-
-def step_row_map(row_splits: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int, num_sms: int,
-                 kv_fp8: bool = False, min_split_len: int = DEFAULT_MIN_SPLIT_LEN) -> Optional[torch.Tensor]:
-    """A step's ``row_map`` for every layer's balanced launch (BALANCE_COMPACT; once a
-    step beside ``row_splits``), for the grid the heuristic's splits give; None where
-    there are no shares."""
-    if row_splits is None:
-        return None
-    bs = row_splits.shape[0]
-    grid_splits = balanced_grid_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8)[1]
-    return balanced_row_map(row_splits, grid_splits, _map_programs(bs, grid_splits, num_sms, num_kv_heads, kv_fp8))
-
-
 def make_split_counters(max_batch_size: int, num_kv_heads: int, device) -> torch.Tensor:
     """Zeroed arrival counters for ``two_segment_decode(..., fused_merge=True)``.
 
@@ -1116,7 +1058,6 @@ def two_segment_decode(
     split_counters: Optional[torch.Tensor] = None,
     balance: bool = False,
     row_splits: Optional[torch.Tensor] = None,
-    row_map: Optional[torch.Tensor] = None,
     record: Optional[torch.Tensor] = None,
     gate: Optional[Tuple[torch.Tensor, bool]] = None,
     quest_bounds: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
@@ -1217,11 +1158,6 @@ def two_segment_decode(
         row_splits: with ``balance``, ``[bs]`` int32 splits per request as
             :func:`balanced_splits` computes them (default: computed here; a
             caller launching once per layer computes them once per step).
-        row_map: with ``balance`` and ``row_splits``, :func:`balanced_row_map` of
-            those shares (:func:`step_row_map`, once a step): the grid is then one
-            program a request's split (BALANCE_COMPACT), not ``bs`` x the grid's
-            splits. The shares must be :func:`balanced_splits`' (the map's programs
-            bound their sum).
         record: a probe's ``[programs, 3]`` int64, zeroed (programs: the stage-1
             grid's, at least): each program writes its SM (``%smid``) and start time
             (``%globaltimer``, ns) at its start and its end time if it runs to the end
@@ -1370,17 +1306,9 @@ def two_segment_decode(
         assert not is_interpreter(), "record: inline PTX (%smid, %globaltimer), compiled GPUs only"
     # A grid's second and third dimensions stop at 65535: a batch that large keeps
     # the request-major order.
-    compact = balance and row_map is not None
-    map_programs = 0
-    if compact:
-        map_programs = row_map.numel() - bs
-        assert row_map.dtype == torch.int32 and row_map.device == q.device, "row_map: int32 on q's device"
-        assert map_programs == _map_programs(bs, num_splits, num_sms, num_kv_heads, kv_fp8), \
-            "row_map: balanced_row_map of this launch's splits (step_row_map)"
-    split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535 and not compact
-    grid = ((map_programs, num_kv_heads, 1) if compact else
-            (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits))
-    assert record is None or record.numel() >= 3 * grid[0] * grid[1] * grid[2], "record: [programs, 3]"
+    split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
+    grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
+    assert record is None or record.numel() >= 3 * bs * num_kv_heads * num_splits, "record: [programs, 3]"
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
@@ -1400,7 +1328,6 @@ def two_segment_decode(
         b_end,
         row_mask if row_mask is not None else b_end,
         row_splits if balance else b_end,
-        row_map if compact else b_end,
         record if record is not None else b_end,
         gate[0] if gate is not None else b_end,
         key_norms if key_norms is not None else b_end,
@@ -1464,8 +1391,6 @@ def two_segment_decode(
         a_lists[1].shape[2] if a_lists is not None else 0,
         min_split_blocks,
         k_pool.shape[0],
-        map_programs,
-        num_splits if compact else 0,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_H=block_h,
@@ -1488,7 +1413,6 @@ def two_segment_decode(
         F16_DOTS=f16_dots,
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         SPLIT_MAJOR=split_major,
-        COMPACT=compact,
         RECORD=record is not None,
         GATE_RUN=0 if gate is None else 1 if gate[1] else 2,
         num_warps=num_warps,

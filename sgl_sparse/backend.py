@@ -145,7 +145,6 @@ class SparseAttnBackend(AttentionBackend):
         self._route = graph_variants.MIXED
         self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
         self._balance_gate: Optional[torch.Tensor] = None  # kernels.balance_gate of those splits, per step
-        self._row_map: Optional[torch.Tensor] = None  # kernels.step_row_map of them (BALANCE_COMPACT), per step
         self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
         # with metrics: the balanced forwards whose gate ran the balanced launch (balanced_launches.py)
         self.balanced_launches: Optional[BalancedLaunchCount] = None
@@ -393,7 +392,7 @@ class SparseAttnBackend(AttentionBackend):
         return routed
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        self._row_splits = self._balance_gate = self._row_map = None
+        self._row_splits = self._balance_gate = None
         if forward_batch.forward_mode.is_decode():
             self.plan = plan_decode(
                 self.state,
@@ -426,7 +425,7 @@ class SparseAttnBackend(AttentionBackend):
         programs instead of holding the step."""
         if self.dense is None or not self._balance_step:
             return None
-        from sgl_sparse.kernels import balance_gate, step_row_map, step_row_splits
+        from sgl_sparse.kernels import balance_gate, step_row_splits
         from sgl_sparse.kernels._utils import device_num_sms
 
         mask, sms = self._row_mask[:plan.b_end.shape[0]], device_num_sms(self.device)
@@ -437,8 +436,6 @@ class SparseAttnBackend(AttentionBackend):
                                               segments=(plan.a_len_per_head, plan.b_start, plan.b_end))
             if self._balance_gate is not None and self.balanced_launches is not None:
                 self.balanced_launches.add(self._balance_gate)
-            if _decode_switch("BALANCE_COMPACT"):
-                self._row_map = step_row_map(splits, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8)
         return splits
 
     # ---- CUDA graphs --------------------------------------------------------------
@@ -587,7 +584,7 @@ class SparseAttnBackend(AttentionBackend):
                 # Selector: the keys this step reads anyway are not read again.
                 sfi_args["logits_out"] = store.logits[li]
         k_scale, v_scale = compat.kv_read_scales(layer)  # an fp8 cache's (None: unscaled)
-        launches = [dict(balance=self._row_splits is not None, row_splits=self._row_splits, row_map=self._row_map)]
+        launches = [dict(balance=self._row_splits is not None, row_splits=self._row_splits)]
         if self._balance_gate is not None:
             # the plain partition too, the device choosing one of the two a step
             # (kernels.BALANCE_GATE): rows all alike run the plain grid
@@ -742,8 +739,8 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
 
 
 def _decode_switch(name: str) -> bool:
-    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE,
-    BALANCE_COMPACT), read when asked: imported late (Triton), set by tests."""
+    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE), read
+    when asked: imported late (Triton), set by tests."""
     import importlib
 
     return bool(getattr(importlib.import_module("sgl_sparse.kernels.two_segment_decode"), name))

@@ -35,4 +35,4 @@ def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
     assert mod.main(["--smoke", "--rows", "sparse", "--variants", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]
-    assert set(doc["us"]) == {"plain", "balanced", "split_major", "gated", "compact"}
+    assert set(doc["us"]) == {"plain", "balanced", "split_major", "gated"}

@@ -101,7 +101,7 @@ def make_backend(route=True, eager_route=True, balance=True):
     be._graph_variant, be._dense_graph_wrappers, be._route = None, {}, gv.MIXED
     be._step_variant = gv.choose(be.graph_variants, False, gv.MIXED)
     be._prompt_q_plan = None
-    be._row_splits, be._balance_gate, be._row_map, be._balance_step = None, None, None, False
+    be._row_splits, be._balance_gate, be._balance_step = None, None, False
     be.balanced_launches = None  # with metrics: tests/test_balanced_launches.py
     return be
 
@@ -262,9 +262,9 @@ o_dense, saved_dense, calls_dense, _ = forward(gv.DENSE, [1, 4], 4)
 import importlib
 tsd = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
 balanced = {}
-gate_default, compact_default = tsd.BALANCE_GATE, tsd.BALANCE_COMPACT
-for gate_on, compact in ((False, False), (True, False), (True, True), (False, True)):
-    tsd.BALANCE_GATE, tsd.BALANCE_COMPACT = gate_on, compact
+gate_default = tsd.BALANCE_GATE
+for gate_on in (False, True):
+    tsd.BALANCE_GATE = gate_on
     bb = make_backend()
     bb._kv_fp8 = False
     fb = batch([2, 3], 4)
@@ -274,12 +274,11 @@ for gate_on, compact in ((False, False), (True, False), (True, True), (False, Tr
     bb.init_forward_metadata_in_graph(fb)
     o_bal = bb._forward_decode_cuda(q, k, v, layer, fb, True)
     ref = o_kernel[:2].float()
-    balanced[f"gate={gate_on},compact={compact}"] = {
+    balanced[str(gate_on)] = {
         "splits": None if bb._row_splits is None else bb._row_splits.tolist(),
-        "row_map": None if bb._row_map is None else bb._row_map.tolist(),
         "gate": None if bb._balance_gate is None else bb._balance_gate.tolist(),
         "rel_err": float((o_bal[:2].float() - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(o_bal).all())}
-tsd.BALANCE_GATE, tsd.BALANCE_COMPACT = gate_default, compact_default
+tsd.BALANCE_GATE = gate_default
 out["forward"] = {
     "balanced": balanced,
     "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),
@@ -410,16 +409,9 @@ def test_forward_of_each_path(res):
     assert f["kernel_rows_equal_mixed"] and f["kernel_finite"]
     # dense alone: FlashInfer's output (and its K/V write), no kernel
     assert f["dense_calls"] == ["decode"] and f["dense_saved_kv"] and f["dense_is_flashinfer"]
-    # balanced (its shares once a step), with its gated plain twin, and over the compact
-    # grid (BALANCE_COMPACT: the step's row map once a step too): the same answers
-    b = f["balanced"]
-    plain, gated, compact = b["gate=False,compact=False"], b["gate=True,compact=False"], b["gate=True,compact=True"]
-    assert plain["splits"] is not None and plain["gate"] is None and plain["row_map"] is None, plain
-    assert gated["splits"] == plain["splits"] and gated["gate"] in ([0], [1]) and gated["row_map"] is None, gated
-    assert compact["splits"] == plain["splits"] and compact["gate"] == gated["gate"], compact
-    bs = len(plain["splits"])
-    assert compact["row_map"] is not None and compact["row_map"][-bs:][0] == 0, compact
-    alone = b["gate=False,compact=True"]  # the compact balanced launch alone, its gate never closed
-    assert alone["row_map"] == compact["row_map"] and alone["gate"] is None, alone
-    for r in (plain, gated, compact, alone):
+    # balanced (its shares once a step), and with its gated plain twin: the same answers
+    plain, gated = f["balanced"]["False"], f["balanced"]["True"]
+    assert plain["splits"] is not None and plain["gate"] is None, plain
+    assert gated["splits"] == plain["splits"] and gated["gate"] in ([0], [1]), gated
+    for r in (plain, gated):
         assert r["finite"] and r["rel_err"] < 2e-3, r

@@ -120,8 +120,8 @@ fastbalance)
     # and the balanced launch filling the GPU (the gate keeps it to mixed steps): the
     # grid's factor 4 / 16 by the shares' P at the heuristic's 2 an SM (0), 4 (an fp8
     # tile's resident programs) or 8 (two waves) (BALANCE_FACTOR, BALANCE_PROGRAMS_PER_SM)
-    # session 41: factor 16 / P 4 became fp8's defaults (0:0); 4:2 is the old default. The
-    # variants now include the compact grid (BALANCE_COMPACT: row_map), alone and gated.
+    # session 41: factor 16 / P 4 became fp8's defaults (0:0); 4:2 is the old default.
+    # (Session 42 timed a compact grid here, one program a request's split: no faster; gone.)
     for fp in 0:0 4:2; do
         f=${fp%:*}; p=${fp#*:}
         python3 bench/kernels/bench_mixed_rows.py --cases 8192x32,32768x8,131072x4 --dense 0,1,all --kv-dtype fp8_e4m3 \

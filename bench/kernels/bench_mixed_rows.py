@@ -85,10 +85,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             if balance:
                 row_splits = K.step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
             if row_splits is not None:
-                row_map = None
-                if TSD.BALANCE_COMPACT:  # one program a request's split (the backend: once a step too)
-                    row_map = K.step_row_map(row_splits, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
-                launches = [dict(balance=True, row_splits=row_splits, row_map=row_map)]
+                launches = [dict(balance=True, row_splits=row_splits)]
                 gate = K.balance_gate(row_splits, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8,
                                       segments=(a_len, b_start, b_end))
                 if gate is not None:  # the plain twin beside it, one of the two running
@@ -102,7 +99,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     t_default = graph_replay_ms(launch("default", False))
     with module_constant(TSD, "BALANCE_GATE", False):  # the balanced launch alone
         t_bal = graph_replay_ms(launch("balanced", True))
-    t_major = t_gated = t_gated_major = t_compact = t_gated_compact = None
+    t_major = t_gated = t_gated_major = None
     if variants:  # the balanced launch split-major (BALANCE_SPLIT_MAJOR); gated with its twin (BALANCE_GATE), both
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
             with module_constant(TSD, "BALANCE_GATE", False):
@@ -111,11 +108,6 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
                 t_gated_major = graph_replay_ms(launch("gated_split_major", True))
         with module_constant(TSD, "BALANCE_GATE", True):
             t_gated = graph_replay_ms(launch("gated", True))
-        with module_constant(TSD, "BALANCE_COMPACT", True):  # the compact grid (row_map), alone and gated
-            with module_constant(TSD, "BALANCE_GATE", False):
-                t_compact = graph_replay_ms(launch("compact", True))
-            with module_constant(TSD, "BALANCE_GATE", True):
-                t_gated_compact = graph_replay_ms(launch("gated_compact", True))
     ref = outs["default"].float()
     err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
               for name, o in outs.items() if name != "default")
@@ -128,8 +120,6 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
             "balanced_gated_split_major_ms": None if t_gated_major is None else round(t_gated_major, 3),
-            "balanced_compact_ms": None if t_compact is None else round(t_compact, 3),
-            "balanced_gated_compact_ms": None if t_gated_compact is None else round(t_gated_compact, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
             "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
@@ -164,16 +154,14 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    major = (" balanced split-major ms | gated ms | gated split-major ms | compact ms | gated compact ms |"
-             if a.variants else "")
+    major = " balanced split-major ms | gated ms | gated split-major ms |" if a.variants else ""
     print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
-          "\n|---|---|---|---|---|---|" + ("---|---|---|---|---|" if major else ""))
+          "\n|---|---|---|---|---|---|" + ("---|---|---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
               + (f" {r['balanced_split_major_ms']} | {r['balanced_gated_ms']} | "
-                 f"{r['balanced_gated_split_major_ms']} | {r['balanced_compact_ms']} | "
-                 f"{r['balanced_gated_compact_ms']} |" if major else ""))
+                 f"{r['balanced_gated_split_major_ms']} |" if major else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))

@@ -29,9 +29,7 @@ out; the pair under Nsight Compute says where it goes.
 (``BALANCE_SPLIT_MAJOR``) and the gated pair (``BALANCE_GATE``: the plain twin and the
 balanced launch, one running by the step's gate; two kernels); then ``--launch-skip 10
 --launch-count 5``. (Session 40 removed a third, split-major with each request's working
-splits strided over its grid positions: never faster than split-major alone.) With
-``--rows sparse`` also the compact grid (``row_map``, BALANCE_COMPACT: one program a
-request's split, no idle programs). Session 39's pair
+splits strided over its grid positions: never faster than split-major alone.) Session 39's pair
 under Nsight Compute ran the same instructions with the same average SM-active cycles
 but 1.55-1.75x the elapsed ones balanced: the SMs idle ~45% of it, as if the 256
 working programs, first of the grid's 1024, were not spread over the SMs.
@@ -90,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", choices=("dense", "sparse"), default="dense",
                     help="dense: the slow step's rows; sparse: a fast step's (2052 compact + 256 recent)")
     ap.add_argument("--variants", action="store_true",
-                    help="more: balanced split-major, the gated pair, and (--rows sparse) the compact grid")
+                    help="two more: balanced split-major, the gated pair")
     ap.add_argument("--record", action="store_true", help="each launch's programs: SM and times (GPU only)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -114,8 +112,7 @@ def main(argv=None) -> int:
     sfi = {} if a.no_side_effects or sparse else case.slow_step_outputs(n)
     counters = K.make_split_counters(bs, hkv, dev)
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
-    names = ("plain", "balanced") + (("split_major", "gated") if a.variants else ()) + (
-        ("compact",) if a.variants and sparse else ())
+    names = ("plain", "balanced") + (("split_major", "gated") if a.variants else ())
     outs = {name: torch.empty_like(case.q) for name in names}
     if sparse:  # as served: the heuristic's splits over serving's req_to_token width
         max_kv_len, sms = (140000, None) if cuda else (n, 4)
@@ -152,12 +149,6 @@ def main(argv=None) -> int:
             K.two_segment_decode(*case.args(), out=outs["gated"], balance=True, row_splits=row_splits,
                                  gate=(gate, True), **common, **x)
         launches["gated"] = gated
-        if sparse:  # the compact grid (row_map: one program a request's split; shares from the heuristic's grid)
-            row_map = K.step_row_map(row_splits, hkv, common["max_kv_len"], common.get("num_sms") or device_sms,
-                                     kv_fp8=a.kv_dtype != "bf16")
-            launches["compact"] = lambda **x: K.two_segment_decode(*case.args(), out=outs["compact"], balance=True,
-                                                                   row_splits=row_splits, row_map=row_map,
-                                                                   **common, **x)
     for name in launches:  # two warm launches each: compiled, caches filled (ncu's --launch-skip 4, or 12)
         launches[name]()
         launches[name]()

@@ -820,62 +820,6 @@ def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
                              max_kv_len=400, **case.kwargs(), **SMALL)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
-def test_compact_balanced_grid_answers_as_the_full_one(kv, monkeypatch):
-    """row_map (BALANCE_COMPACT): the balanced launch over one program a request's
-    split, request after request, gives the full balanced grid's answers bit for bit,
-    and the reference's: a dense row among sparse and indexed ones, rows another kernel
-    serves (row_mask 0) or that only write their side effects (2), a row with no key,
-    shares of 1 and of the grid's cap; over fp8 with balanced_splits' doubled programs
-    too. The map lists each request's clamped splits in order, -1 past them; its
-    programs bound every step's shares; the counters end zero."""
-    hkv, cap, sms = 2, 24, 16
-    n = [300, 45, 38, 260, 52, 0, 40]
-    case = T.make_decode_case(n, [0, [cap, 7], 12, 0, [5, 2], 0, cap], [(0, 300), (37, 45), (30, 38), (0, 260),
-                              (40, 52), (0, 0), (33, 40)], num_kv_heads=hkv, group=2, head_dim=64, cap=cap,
-                              dtype=torch.bfloat16, device=DEVICE, seed=8, empty_slot_value=None)
-    T.set_indexed_rows(case, {4: [5, 2]}, cap_pos=16, seed=3)
-    k_scale = v_scale = None
-    if kv == "e4m3":
-        case, k_scale, v_scale = _as_fp8_cache(case, FP8[0], 0.5, 2.0), 0.5, 2.0
-    fp8 = kv == "e4m3"
-    row_mask = torch.tensor([1, 1, 2, 1, 1, 1, 0], dtype=torch.int32, device=DEVICE)
-    counters = K.make_split_counters(len(n), hkv, DEVICE)
-    common = dict(num_sms=sms, max_kv_len=400, row_mask=row_mask, split_counters=counters, return_lse=True,
-                  k_scale=k_scale, v_scale=v_scale, **case.kwargs(), **SMALL)
-    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, row_mask=row_mask, k_scale=k_scale,
-                                              v_scale=v_scale, **case.kwargs())
-    on = row_mask == 1
-    import importlib
-
-    tsd = importlib.import_module(K.two_segment_decode.__module__)
-    for dense_keys in (tsd.FP8_DENSE_SPLIT_KEYS, 16):  # fp8: balanced_splits doubles its programs past 16 a program
-        monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", dense_keys)
-        splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, row_mask, hkv, 400, sms, kv_fp8=fp8)
-        row_map = K.step_row_map(splits, hkv, 400, sms, kv_fp8=fp8, min_split_len=16)
-        base, grid = K.balanced_grid_splits(len(n), hkv, 400, sms, min_split_len=16, kv_fp8=fp8)
-        clamped = splits.clamp(1, grid).tolist()
-        want = [b for b, c in enumerate(clamped) for _ in range(c)]
-        programs = row_map.numel() - len(n)
-        assert sum(clamped) <= programs and max(clamped) > 1, (clamped, programs)
-        assert row_map[:programs].tolist() == want + [-1] * (programs - len(want))
-        assert row_map[programs:].tolist() == [sum(clamped[:b]) for b in range(len(n))]
-        outs = []
-        for rmap in (None, row_map):
-            out = torch.full_like(case.q, float("nan"))
-            o, lse = K.two_segment_decode(*case.args(), out=out, balance=True, row_splits=splits, row_map=rmap,
-                                          **common)
-            outs.append((o, lse))
-            assert torch.isnan(o[row_mask != 1]).all()
-            _check_served_rows(o, lse, ref_o, ref_lse, on, torch.bfloat16)
-            assert int(counters.abs().sum()) == 0
-        assert torch.equal(outs[0][0][on], outs[1][0][on]) and torch.equal(outs[0][1][on], outs[1][1][on])
-    # a map built for another grid is refused
-    with pytest.raises(AssertionError, match="row_map"):
-        K.two_segment_decode(*case.args(), out=torch.empty_like(case.q), balance=True, row_splits=splits,
-                             row_map=K.balanced_row_map(splits, grid, programs + 1), **common)
-
-
 def test_balance_gate_keeps_short_rows_alike_on_the_plain_launch():
     """balance_gate given the step's segments: rows alike whose shares pass the
     heuristic's splits (fp8's 4 programs an SM) open the gate only where each balanced
@@ -1516,17 +1460,14 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     # and the split-major variant (BALANCE_SPLIT_MAJOR), a probe's record of each
-    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one,
-    # the compact grid (BALANCE_COMPACT) alone and gated
-    for major, record, gate_run, compact in ((False, False, 0, False), (True, False, 0, False),
-                                             (True, True, 0, False), (False, False, 1, False),
-                                             (False, False, 0, True), (False, False, 1, True)):
-        const["SPLIT_MAJOR"], const["COMPACT"] = major, compact
+    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
+    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
+        const["SPLIT_MAJOR"] = major
         const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
         got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
                              divisible, options=options, resources=True)
-        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, compact, got)
+        assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
 
 
