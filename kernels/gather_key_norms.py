@@ -23,7 +23,11 @@ from ._utils import next_pow2
 __all__ = ["gather_key_norms", "gather_key_norms_ref"]
 
 
-@triton.jit
+# R (the refresh's rows) only divides the program id: not specialized, so a refresh of
+# 16 or 32 rows launches the binary the warm-up's 1- and 2-row launches compiled
+# (session 42: sfi-pinned's first 32-row refresh at 8192 x 32 compiled it mid-decode,
+# 135 ms).
+@triton.jit(do_not_specialize=["R"])
 def _gather_key_norms_kernel(KNORM, TOK, OUT, N, R, HKV, stride_kl, stride_ks, stride_tr, stride_om, stride_oh,
                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     cur_m = tl.program_id(0)  # (layer, row), layer-major: the refresh's row order

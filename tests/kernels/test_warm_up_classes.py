@@ -164,6 +164,27 @@ def test_refreshes_launch_only_binaries_the_warm_up_compiled(monkeypatch, logit_
         for name, classes, _ in sorted(missed, key=str))
 
 
+@pytest.mark.parametrize("rows", [16, 32])
+def test_key_norms_of_a_refresh_with_rows_divisible_by_16_are_warm(monkeypatch, rows):
+    """A refresh of every row of a batch admitted together (sfi-pinned at 8192 x 32:
+    32 rows) gathers its key norms with R = 32, an integer class the warm-up's 1- and
+    2-row launches do not have; served on the H200 that compiled mid-decode (135 ms,
+    session 42). R is not specialized: the same binary."""
+    from sgl_sparse.kernels import gather_key_norms
+    from sgl_sparse.selector import refresh as R
+
+    case = T.make_sfi_refresh_case(4, logit_len=96, prompt_queries={1: 2, 2: 2, 3: 1}, slow_step=False)
+    store, r2t = case.state.compact, case.req_to_token
+    with _binaries(monkeypatch, execute=False) as warm:
+        R.warm_up_kernels(store, case.k[0], case.v[0], r2t, [case.state.config.policies.sfi])
+    n = 64
+    tok = r2t[torch.arange(rows) % r2t.shape[0], :n].long()
+    with _binaries(monkeypatch, execute=False) as served:
+        for first in range(2):  # a first chunk's slice and a later one's, as the refresh takes them
+            gather_key_norms(store.knorm[first: first + 1], tok)
+    assert served and served <= warm, served - warm
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_a_refresh_after_the_warm_up_compiles_nothing(monkeypatch, fresh_compile_watch):
