@@ -26,6 +26,8 @@ def test_smoke_the_two_launches_agree(tmp_path, monkeypatch, side_effects):
     assert mod.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["side_effects"] == side_effects and doc["splits"] == 3
+    # dense rows at the same split count: the same partition, bit for bit
+    assert doc["outputs_bitwise_equal"] and max(doc["max_rel_diff"].values()) == 0.0, doc["max_rel_diff"]
 
 
 def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
@@ -35,4 +37,5 @@ def test_smoke_a_fast_step_s_launches_agree(tmp_path, monkeypatch):
     assert mod.main(["--smoke", "--rows", "sparse", "--variants", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["outputs_equal"] and doc["rows"] == "sparse" and not doc["side_effects"]
-    assert set(doc["us"]) == {"plain", "balanced", "split_major", "gated"}
+    assert set(doc["us"]) == {"plain", "balanced", "split_major", "gated"} == set(doc["max_rel_diff"])
+    assert max(doc["max_rel_diff"].values()) < 2e-2

@@ -154,7 +154,14 @@ def main(argv=None) -> int:
         launches[name]()
     for name in launches:  # the profiled pair, plain first
         launches[name]()
-    same = all(torch.equal(outs["plain"], o) for o in outs.values()) and not outs["plain"].isnan().any().item()
+    # a balanced partition other than the plain one (fp8's shares at P 4 an SM) rounds
+    # differently: equal within bench_mixed_rows' tolerance, bit for bit only where the
+    # partitions agree (session 42's H200 probes: False where P 4 split rows alike anew)
+    ref = outs["plain"].float()
+    rel = {name: ((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item() for name, o in outs.items()}
+    finite = not any(o.isnan().any().item() for o in outs.values())
+    same = finite and max(rel.values()) < 2e-2
+    bitwise = finite and all(torch.equal(outs["plain"], o) for o in outs.values())
     times = {name: [] for name in launches}
     if cuda:
         for _ in range(a.rounds):
@@ -166,13 +173,13 @@ def main(argv=None) -> int:
                 stop.synchronize()
                 times[name].append(start.elapsed_time(stop) * 1e3)
     doc = {"ctx": n, "batch": bs, "rows": a.rows, "splits": splits, "kv_dtype": a.kv_dtype, "side_effects": bool(sfi),
-           "outputs_equal": same, "us": times,
+           "outputs_equal": same, "outputs_bitwise_equal": bitwise, "max_rel_diff": rel, "us": times,
            "median_us": {k: statistics.median(v) if v else None for k, v in times.items()}}
     if a.record and cuda:
         doc["record"] = {name: record_launch(run, hkv, bs) for name, run in launches.items()}
         for name, r in doc["record"].items():
             print(name, json.dumps({k: v for k, v in r.items() if k != "programs"}))
-    print(json.dumps(doc["median_us"]), "outputs equal:", same)
+    print(json.dumps(doc["median_us"]), "outputs equal:", same, "bit for bit:", bitwise)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     return 0 if same else 1
