@@ -42,10 +42,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # extensionless headers (nv/target, cuda/std/...). So every file but Python sources and
 # bytecode (whose .pyc records the source's mtime) is dated back; ninja -d explain on a
 # CPU: "output older than most recent input nv/target" before, "no work to do" after.
-if ls .gpu/jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashinfer ]; then
-    cat .gpu/jit/jit_cache.tgz.part* | tar -xz -C /root
+# With the wheelhouse's last part and this project's wheel the tree passes the device
+# tool's 64 MiB a call (session 42): the cache may come in a call of its own, copied to
+# /root/jitc (`mkdir -p /root/jitc && cp .gpu/jit/* /root/jitc/`), and is read there.
+jit=.gpu/jit; ls $jit/jit_cache.tgz.part* >/dev/null 2>&1 || jit=/root/jitc
+if ls $jit/jit_cache.tgz.part* >/dev/null 2>&1 && [ ! -d /root/.cache/flashinfer ]; then
+    cat $jit/jit_cache.tgz.part* | tar -xz -C /root
     find /tmp/site -type f ! -name '*.py' ! -name '*.pyc' -exec touch -d 2000-01-01 {} +
-    echo "JIT cache restored from .gpu/jit" | tee -a "$OUT/device.txt"
+    echo "JIT cache restored from $jit" | tee -a "$OUT/device.txt"
 fi
 [ "$what" = fp8 ] || [ "$what" = splits ] || [ "$what" = lfps ] || [ "$what" = slowstep ] || [ "$what" = fastbalance ] || python3 -c "import torch, triton, sglang, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/device.txt"
 
