@@ -12,6 +12,7 @@ Public API:
 * :func:`selector_scores` / :func:`selector_stats` -- the Selector's steps 1-5
   (normalizers, prior medians, fusion, Soft-NMS, exclusivity).
 * :func:`plan_step` -- the per-step decode plan and state updates in one launch.
+* :func:`step_balance` -- a balanced step's splits and gate in one launch.
 * :func:`choose_num_splits` -- the static split heuristic used by the above;
   :func:`make_split_counters` -- the counters of its one-launch merge.
 * Quest (:mod:`.quest_pages`): :func:`quest_bounds_update` (extend),
@@ -59,6 +60,7 @@ from .quest_pages import (
     quest_select_positions,
 )
 from .plan_step import plan_step
+from .balance_step import step_balance
 from .reference import (
     dense_decode_ref,
     pack_compact_layers_ref,
@@ -102,6 +104,7 @@ __all__ = [
     "pack_compact_layers",
     "LayerPools",
     "plan_step",
+    "step_balance",
     "window_evidence",
     "stored_evidence",
     "selector_scores",

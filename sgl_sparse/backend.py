@@ -425,17 +425,16 @@ class SparseAttnBackend(AttentionBackend):
         programs instead of holding the step."""
         if self.dense is None or not self._balance_step:
             return None
-        from sgl_sparse.kernels import balance_gate, step_row_splits
         from sgl_sparse.kernels._utils import device_num_sms
+        from sgl_sparse.kernels.balance_step import step_balance
 
-        mask, sms = self._row_mask[:plan.b_end.shape[0]], device_num_sms(self.device)
-        splits = step_row_splits(plan.a_len_per_head, plan.b_start, plan.b_end, mask, self._num_kv_heads,
-                                 self._max_kv_len, sms, kv_fp8=self._kv_fp8)
-        if splits is not None:
-            self._balance_gate = balance_gate(splits, mask, self._num_kv_heads, self._max_kv_len, sms, self._kv_fp8,
-                                              segments=(plan.a_len_per_head, plan.b_start, plan.b_end))
-            if self._balance_gate is not None and self.balanced_launches is not None:
-                self.balanced_launches.add(self._balance_gate)
+        # the shares and the gate in one launch (kernels.step_row_splits and balance_gate
+        # as torch ops were ~45 graph nodes a step, every step of natural sfi)
+        splits, self._balance_gate = step_balance(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask,
+                                                  self._num_kv_heads, self._max_kv_len,
+                                                  device_num_sms(self.device), self._kv_fp8)
+        if self._balance_gate is not None and self.balanced_launches is not None:
+            self.balanced_launches.add(self._balance_gate)
         return splits
 
     # ---- CUDA graphs --------------------------------------------------------------
