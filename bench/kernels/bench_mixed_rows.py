@@ -79,15 +79,15 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
         outs[name] = o
 
         def step():
-            # As the backend: the splits (and BALANCE_GATE's gate) once per step, for every layer.
+            # As the backend: the splits (and BALANCE_GATE's gate) once per step, for every
+            # layer, in one launch (kernels.step_balance; until session 42 the torch pair
+            # step_row_splits + balance_gate, ~45 tiny kernels in this timed graph)
             launches = [dict(balance=False)]
-            row_splits = None  # the unbalanced step computes no shares (as before: not in its timed graph)
+            row_splits = gate = None  # the unbalanced step computes no shares (not in its timed graph)
             if balance:
-                row_splits = K.step_row_splits(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8)
+                row_splits, gate = K.step_balance(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, fp8)
             if row_splits is not None:
                 launches = [dict(balance=True, row_splits=row_splits)]
-                gate = K.balance_gate(row_splits, None, HKV, MAX_KV_LEN, sms, kv_fp8=fp8,
-                                      segments=(a_len, b_start, b_end))
                 if gate is not None:  # the plain twin beside it, one of the two running
                     launches = [dict(balance=False, gate=(gate, False)), dict(launches[0], gate=(gate, True))]
             for _ in range(LAYERS):
