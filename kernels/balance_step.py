@@ -25,16 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
-
 # the module, not the package's function of that name; its switches read at each call
 tsd = importlib.import_module(".two_segment_decode", __package__)
 
 __all__ = ["step_balance"]
 
+#: requests a tile (the kernel walks the batch in tiles: one binary for every size)
+_BLOCK = 128
 
-# The integers are not specialized: one binary for every batch size of a BLOCK, and
-# no constexpr 1 (a single split, a share of one program) where a value is 1.
+
+# The integers are not specialized: one binary for every batch size, and no
+# constexpr 1 (a single split, a share of one program) where a value is 1.
 @triton.jit(do_not_specialize=["bs", "stride_a", "programs", "double_keys", "base_splits", "min_program_keys"])
 def _step_balance_kernel(
     A_LEN,  # [bs, Hkv] int: segment A's count a KV head (column 0 read)
@@ -56,34 +57,54 @@ def _step_balance_kernel(
     MAX_S: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK)
-    ok = offs < bs
-    a = tl.load(A_LEN + offs.to(tl.int64) * stride_a, mask=ok, other=0).to(tl.int64)
-    b0 = tl.load(B_START + offs, mask=ok, other=0).to(tl.int64)
-    b1 = tl.load(B_END + offs, mask=ok, other=0).to(tl.int64)
-    keys = tl.maximum(a, 0) + tl.maximum(b1 - b0, 0)
-    served = ok
-    if HAS_MASK:
-        served = ok & (tl.load(ROW_MASK + offs, mask=ok, other=0) == 1)
-    keys = tl.where(served, keys, 0)
+    # two passes over the batch in BLOCK-wide tiles (one binary for every batch size):
+    # the batch's keys, then each request's share and the gate's terms
+    summed = tl.zeros([], dtype=tl.int64)
+    for start in range(0, bs, BLOCK):
+        summed += tl.sum(_served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK, BLOCK)[0], 0)
     # balanced_splits: floor(keys x P / batch keys), P doubled over fp8 from double_keys
-    summed = tl.sum(keys, 0)
     total = tl.maximum(summed, 1)
     p = programs.to(tl.int64)
     if FP8_DOUBLE:
         p = tl.where(total >= double_keys, 2 * p, p)
-    share = tl.minimum(tl.maximum(keys * p // total, 1), MAX_S)
-    tl.store(SPLITS + offs, share.to(tl.int32), mask=ok)
+    off_base = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int64)
+    lo = tl.full([], 1 << 30, dtype=tl.int64)
+    launched = tl.zeros([], dtype=tl.int64)
+    for start in range(0, bs, BLOCK):
+        keys, served = _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK, BLOCK)
+        share = tl.minimum(tl.maximum(keys * p // total, 1), MAX_S)
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(SPLITS + offs, share.to(tl.int32), mask=offs < bs)
+        # balance_gate's terms: a served share off the heuristic's splits; the served
+        # shares' largest, smallest and sum
+        off_base += tl.sum((served & (share != base_splits)).to(tl.int32), 0)
+        hi = tl.maximum(hi, tl.max(tl.where(served, share, 0), 0))
+        lo = tl.minimum(lo, tl.min(tl.where(served, share, 1 << 30), 0))
+        launched += tl.sum(tl.where(served, share, 0), 0)
     if GATE_ON:
-        # balance_gate: a served share off the heuristic's splits, and (segments) shares
-        # unequal or every balanced program reading min_program_keys keys
-        gate = tl.sum((served & (share != base_splits)).to(tl.int32), 0) > 0
+        # open where a share differs from the plain twin's splits and (segments) the shares
+        # are unequal or every balanced program reads min_program_keys keys
+        gate = off_base > 0
         if SEGMENT_GATE:
-            hi = tl.max(tl.where(served, share, 0), 0)
-            lo = tl.min(tl.where(served, share, 1 << 30), 0)
-            launched = tl.sum(tl.where(served, share, 0), 0)
             gate = gate & ((hi != lo) | (summed >= launched * min_program_keys))
         tl.store(GATE, gate.to(tl.int32))
+
+
+@triton.jit
+def _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Requests [start, start + BLOCK)'s keys of KV head 0 (0 where not served), and
+    whether each is served: _row_keys' arithmetic, int64."""
+    offs = start + tl.arange(0, BLOCK)
+    ok = offs < bs
+    a = tl.load(A_LEN + offs.to(tl.int64) * stride_a, mask=ok, other=0).to(tl.int64)
+    b0 = tl.load(B_START + offs, mask=ok, other=0).to(tl.int64)
+    b1 = tl.load(B_END + offs, mask=ok, other=0).to(tl.int64)
+    served = ok
+    if HAS_MASK:
+        served = ok & (tl.load(ROW_MASK + offs, mask=ok, other=0) == 1)
+    return tl.where(served, tl.maximum(a, 0) + tl.maximum(b1 - b0, 0), 0), served
 
 
 def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
@@ -111,6 +132,6 @@ def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor
         tsd._dense_double_keys(programs) if fp8_double else 0,
         tsd.choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8), tsd.BALANCE_MIN_PROGRAM_KEYS,
         HAS_MASK=row_mask is not None, FP8_DOUBLE=fp8_double, GATE_ON=gate is not None, SEGMENT_GATE=segments,
-        MAX_S=tsd.MAX_SPLITS, BLOCK=max(16, next_pow2(bs)), num_warps=4,
+        MAX_S=tsd.MAX_SPLITS, BLOCK=_BLOCK, num_warps=4,
     )
     return splits, gate

@@ -42,9 +42,15 @@ def _reference(a_len, b_start, b_end, mask, hkv, max_kv_len, sms, fp8, segments)
     return splits, gate
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("sms, hkv, ctx", [(132, 8, 32768), (132, 8, 131072), (4, 2, 600), (16, 4, 8192)])
-def test_splits_and_gate_equal_the_torch_ops(fp8, sms, hkv, ctx):
+@pytest.mark.parametrize("block, fp8, sms, hkv, ctx", [
+    (128, False, 132, 8, 32768), (128, True, 132, 8, 32768), (128, True, 132, 8, 131072),
+    (128, False, 4, 2, 600), (128, True, 16, 4, 8192), (16, True, 132, 8, 32768), (16, False, 16, 4, 8192)])
+def test_splits_and_gate_equal_the_torch_ops(monkeypatch, block, fp8, sms, hkv, ctx):
+    """Batch sizes 1..64, in one tile and in tiles of 16 (the kernel walks the batch in
+    _BLOCK-wide tiles: several where the batch is longer than one)."""
+    import sgl_sparse.kernels.balance_step as bstep
+
+    monkeypatch.setattr(bstep, "_BLOCK", block)
     g = torch.Generator().manual_seed(sms * 7 + hkv + ctx + fp8)
     max_kv_len = ctx + 512
     checked, gates = 0, set()
@@ -102,7 +108,7 @@ def test_compiles_for_sm90(fp8, segments):
            "base_splits": "i32", "min_program_keys": "i32", "HAS_MASK": "constexpr", "FP8_DOUBLE": "constexpr",
            "GATE_ON": "constexpr", "SEGMENT_GATE": "constexpr", "MAX_S": "constexpr", "BLOCK": "constexpr"}
     const = {"HAS_MASK": True, "FP8_DOUBLE": fp8, "GATE_ON": True, "SEGMENT_GATE": segments, "MAX_S": 64,
-             "BLOCK": 64}
+             "BLOCK": 128}
     counts = T.compile_sm90("sgl_sparse.kernels.balance_step", "_step_balance_kernel", sig, const,
                             ["A_LEN", "B_START", "B_END", "ROW_MASK", "SPLITS", "GATE"], {"num_warps": 4},
                             resources=True)
