@@ -380,6 +380,14 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     def replay_ms(graph):
         return _replay_ms(graph, n=20, warmup=3)
 
+    def selects_as_main(twin, main):
+        """The twin's store holds the selections the main-stream path made (`main`:
+        counts, totals, each (layer, slot, head)'s sorted positions)."""
+        a = twin.st.query_stores[PolicyId.ASYNCSPADE]
+        assert torch.equal(a.sel_count, main[0]) and torch.equal(a.total, main[1])
+        assert [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
+                for li in range(layers) for s in range(4) for h in range(HKV)] == main[2]
+
     # each graph replays over its twin's tensors: keep the twin alive while it does
     tw_main, g_main = build(0, with_aspd=False)
     t_main = replay_ms(g_main)
@@ -411,10 +419,7 @@ def test_asyncspade_selection_overlaps_the_main_stream():
         if keys == "int8":
             tw, g = build(1, keys, topk_layers=4, join_end=True)
             t_end = replay_ms(g)
-            a = tw.st.query_stores[PolicyId.ASYNCSPADE]
-            assert torch.equal(a.sel_count, sel[keys, 0, 1][0]) and torch.equal(a.total, sel[keys, 0, 1][1])
-            assert [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
-                    for li in range(layers) for s in range(4) for h in range(HKV)] == sel[keys, 0, 1][2]
+            selects_as_main(tw, sel[keys, 0, 1])
             print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, 1 side stream joined after the main "
                   f"work: {t_end:.3f} ms (joined in the last layer: {t[keys, 1, 4]:.3f} ms)")
             del tw, g
@@ -423,10 +428,7 @@ def test_asyncspade_selection_overlaps_the_main_stream():
             for sides in (1, 2):
                 tw, g = build(sides, keys, topk_layers=4, predict_on_side=True)
                 t_side = replay_ms(g)
-                a = tw.st.query_stores[PolicyId.ASYNCSPADE]
-                assert torch.equal(a.sel_count, sel[keys, 0, 1][0]) and torch.equal(a.total, sel[keys, 0, 1][1])
-                assert [sorted(a.sel_pos[li, s, h, :int(a.sel_count[li, s, h])].tolist())
-                        for li in range(layers) for s in range(4) for h in range(HKV)] == sel[keys, 0, 1][2]
+                selects_as_main(tw, sel[keys, 0, 1])
                 print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, {sides} side stream(s), the "
                       f"predictions on them: {t_side:.3f} ms (on the main stream: {t[keys, sides, 4]:.3f} ms)")
                 del tw, g
