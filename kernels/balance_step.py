@@ -13,7 +13,8 @@ sfi: every step), each a graph node of its own. Here it is one program: the same
 integer arithmetic over the batch, the same splits and gate bit for bit
 (``tests/kernels/test_balance_step.py`` compares both on random batches).
 
-The torch functions stay the reference, and what the benchmarks call.
+The torch functions stay its reference (and what ``probe_balanced_launch.py``
+computes, outside its timed launches).
 """
 
 from __future__ import annotations

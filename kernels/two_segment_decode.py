@@ -870,15 +870,16 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
                     kv_fp8: bool = False) -> torch.Tensor:
     """Splits per request for ``balance``: floor(keys x P / batch keys), clamped to
     ``[1, max_splits]``, with P = ``programs_per_head`` (the balanced program target
-    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV head 0 (segment A's count
-    and segment B's range, as the descriptors give them: an estimate for balance,
-    never for what is read), over the rows the launch serves (``row_mask`` 1).
+    over the KV heads, :func:`balance_programs_per_sm` an SM) and the keys those of KV
+    head 0 (segment A's count and segment B's range, as the descriptors give them: an
+    estimate for balance, never for what is read), over the rows the launch serves
+    (``row_mask`` 1).
     ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
     per program of P (dense fp8 rows: see that constant).
 
     A uniform batch gets P / bs a request (the heuristic's split count over bf16, twice
-    it over fp8 by default); a request with many more keys than the others -- a dense row (an SFI
-    slow step, a policy attending everything) among ~2K-key sparse rows -- gets
+    it over fp8 by default); a request with many more keys than the others -- a dense
+    row (an SFI slow step, a policy attending everything) among ~2K-key sparse rows -- gets
     proportionally more programs, instead of one program per KV head doing its
     whole range while the step waits for it. Device ops only, no host sync: CUDA
     graph capturable. Returns ``[bs]`` int32.

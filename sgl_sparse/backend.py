@@ -144,7 +144,7 @@ class SparseAttnBackend(AttentionBackend):
         # The paths this decode forward runs (graph_variants.DENSE / KERNEL / MIXED).
         self._route = graph_variants.MIXED
         self._row_splits: Optional[torch.Tensor] = None  # the decode kernel's balanced splits, per step
-        self._balance_gate: Optional[torch.Tensor] = None  # kernels.balance_gate of those splits, per step
+        self._balance_gate: Optional[torch.Tensor] = None  # the gate of those splits (kernels.step_balance), per step
         self._balance_step = False  # this decode forward balances the kernel's splits (KERNEL_BALANCED)
         # with metrics: the balanced forwards whose gate ran the balanced launch (balanced_launches.py)
         self.balanced_launches: Optional[BalancedLaunchCount] = None
