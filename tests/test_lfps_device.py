@@ -59,18 +59,3 @@ def test_lfps_device_path_matches_the_torch_path(group, candidates):
     assert torch.equal(got, want), (got, want)
     live = want[..., 1].sum(-1) > 0
     assert int(live.sum()) == 4 and (want[..., 0] <= want[..., 1]).all()  # rows 1-4: lfps indexed steps
-
-
-def test_table_passes_are_cut_for_the_rows_that_can_be_live():
-    """The priorities' and the update's grids span every slot of the store, but only a
-    slot holding one of the batch's rows works: their chunks are cut for at most the
-    batch's rows (130000 x 1 on a 4-slot store, 132 SMs: 32 chunks, not 16), and for the
-    slots where the batch is larger."""
-    from sgl_sparse.kernels.lfps_tables import finish_chunks, priority_chunks
-    from sgl_sparse.lfps_device import _live_rows
-
-    one, eight = torch.empty(1, 16, D), torch.empty(8, 16, D)
-    assert _live_rows(4, one) == 1 and _live_rows(4, eight) == 4 and _live_rows(0, one) == 1
-    assert priority_chunks(_live_rows(4, one), 8, 130560, 132) == 32 > priority_chunks(4, 8, 130560, 132) == 16
-    assert priority_chunks(_live_rows(8, eight), 8, 33792, 132) == 8  # 32768 x 8: as before
-    assert finish_chunks(_live_rows(32, one), 8, 2048, 132) == 32 > finish_chunks(32, 8, 2048, 132) == 4
