@@ -8,6 +8,7 @@ between the SGLang venvs."""
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
@@ -103,6 +104,23 @@ def test_slow_bursts_find_the_slow_step_and_its_refresh():
     assert server_compare.slow_bursts([fast]) == {"fast_ms_p50": 2.35, "bursts_per_100_steps": 0.0,
                                                   "burst_steps_mean": 0, "burst_ms_by_position": []}
     assert server_compare.slow_bursts([]) == {}
+
+
+def test_fast_steps_leave_out_the_steps_just_above_them():
+    """Natural sfi's trace: fast steps with a slow row's steps (1.4x, 55% of them) among them, under
+    slow_bursts' 2x cut. fast_steps takes each step's median over the requests (one
+    request's late chunk out), then the steps near the fastest: the fast steps' own
+    median, not the mixture's."""
+    rng = random.Random(3)
+    steps = [2.6 + rng.uniform(-0.05, 0.05) if i % 20 < 9 else 3.6 + rng.uniform(-0.1, 0.1) for i in range(300)]
+    trace = [[t + rng.uniform(-0.02, 0.02) for t in steps] for _ in range(8)]
+    trace[0][10] = 9.0  # one request's late chunk: the step's median keeps it out
+    for ts in trace:  # and the clients' flushes at the end (several tokens in one chunk)
+        ts[-5:] = [0.1] * 5
+    got = server_compare.fast_steps(trace)
+    assert 2.58 <= got["fast_step_ms_p50"] <= 2.62 and got["fast_step_share"] == 0.45
+    assert server_compare.slow_bursts(trace)["fast_ms_p50"] > 2.9  # the mixture's median
+    assert server_compare.fast_steps([]) == {} and server_compare.fast_steps([[]]) == {}
 
 
 def test_parse_policy_windows_named_runs_and_knob_overrides():
