@@ -103,16 +103,6 @@ ASPD_HIGH_PRIORITY_MAIN = env_switch("ASPD_HIGH_PRIORITY_MAIN", True)
 #: right after may reassign a slot the side stream is still scoring. Off until
 #: measured end to end (SGLANG_SPARSE_ASPD_JOIN_AFTER_FORWARD=1).
 ASPD_JOIN_AFTER_FORWARD = env_switch("ASPD_JOIN_AFTER_FORWARD", False)
-#: With asyncspade's side streams, each layer's next-query prediction (the ring push
-#: and the ridge fit, one launch) runs on the side stream at the head of its scoring
-#: instead of on the main stream: it reads this layer's query, written before the
-#: fork, and writes only the ring and q_hat, which nothing but the side stream reads
-#: before the join. Session 42's profile at 32768 x 8 put it at 0.169 ms a step of the
-#: main stream's 4.34 (28 launches), the side stream busy 3.0 of the step's 4.59 ms;
-#: TPOT was 0.505x stock, the issue asks 0.5x. The query's memory is kept for the side
-#: stream (record_stream: under graph capture its block is not reused until the capture
-#: ends). Off until measured end to end (SGLANG_SPARSE_ASPD_PREDICT_ON_SIDE=1).
-ASPD_PREDICT_ON_SIDE = env_switch("ASPD_PREDICT_ON_SIDE", False)
 
 #: The policies this module serves: every query-aware one (the plugin offers them
 #: with decode CUDA graphs on where the config opts in).
@@ -270,8 +260,6 @@ class QueryAwareDevice:
         self._inner = len(self.policies) > 1
         self._aspd_arrivals = None
         self._sides: list[torch.cuda.Stream] = []  # none: the selection runs on the main stream
-        self._predict_on_side = False
-        self._side_arrivals: list[torch.Tensor] = []
         self._aspd_topk_side: torch.cuda.Stream | None = None  # the stream of the last group Top-K (topk_layers)
         self._side_pending = False
         # the backend's capture tail hook joins captured forwards (ASPD_JOIN_AFTER_FORWARD)
@@ -290,11 +278,6 @@ class QueryAwareDevice:
             self._last_layer = ring.shape[0] - 1
             if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
-            # the predictions on the side streams (ASPD_PREDICT_ON_SIDE): layers on two
-            # streams may predict at once, so each stream has its own counters
-            self._predict_on_side = bool(self._sides) and ASPD_PREDICT_ON_SIDE
-            self._side_arrivals = ([make_arrivals(self.aspd.rows, ring.device) for _ in self._sides]
-                                   if self._predict_on_side else [])
 
     @property
     def wants_high_priority_main(self) -> bool:
@@ -486,36 +469,31 @@ class QueryAwareDevice:
             if self._fwd_lfps is not None:
                 with self._gate(PolicyId.LFPS):
                     self.lfps.finish(li, self._fwd_lfps, q3, o3, k_cache, req_to_token, scale)
-            if self._fwd_aspd is not None and not self._predict_on_side:
+            if self._fwd_aspd is not None:
                 with self._gate(PolicyId.ASYNCSPADE):
-                    self._aspd_predict(li, q3, self._aspd_arrivals)
+                    self._aspd_predict(li, q3)
         if self._fwd_aspd is not None:
-            self._aspd_next(li, k_cache, req_to_token, scale, q3)
+            self._aspd_next(li, k_cache, req_to_token, scale)
 
-    def _aspd_predict(self, li: int, q3: torch.Tensor, arrivals: torch.Tensor) -> None:
+    def _aspd_predict(self, li: int, q3: torch.Tensor) -> None:
         """Push this query into the slot's ring and predict the next one: one launch
-        (ring_push_window + predict_next_query of the torch path), on the main stream,
-        where q3 lives, or at the head of the side stream's selection
-        (ASPD_PREDICT_ON_SIDE)."""
+        (ring_push_window + predict_next_query of the torch path), on the main
+        stream, where q3 lives."""
         from sgl_sparse.kernels.asyncspade_predict import asyncspade_predict
 
         store, f = self.aspd, self._fwd_aspd
         asyncspade_predict(store.ring[li], store.total[li], q3, f.push, f.ridge, q_rows=f.sr.b_any,
-                           count_cap=f.count_cap, arrivals=arrivals, out=self._qhat[li])
+                           count_cap=f.count_cap, arrivals=self._aspd_arrivals, out=self._qhat[li])
 
-    def _aspd_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float,
-                   q3: torch.Tensor) -> None:
+    def _aspd_next(self, li: int, k_cache: torch.Tensor, req_to_token: torch.Tensor, scale: float) -> None:
         """The next step's selection from q_hat. On CUDA it runs on a side stream,
         off the critical path (ALGORITHMS.md §4): forked here, after the layer's
-        prediction (or before it, the prediction at the selection's head:
-        ASPD_PREDICT_ON_SIDE), it overlaps the main stream's later layers, and joins
-        it once, after the last layer (a captured graph must join every fork before
-        it ends; the next step's select of this layer reads what it writes). It reads
+        prediction, it overlaps the main stream's later layers, and joins it once,
+        after the last layer (a captured graph must join every fork before it
+        ends; the next step's select of this layer reads what it writes). It reads
         only what outlives the forward (q_hat of this layer, the KV pool,
         req_to_token, this forward's slot tensors) and writes only the store's
-        selection of this layer, which nothing reads before the join; with the
-        prediction at its head, also this layer's query (kept for it by
-        record_stream) and, written, the ring and q_hat of this layer."""
+        selection of this layer, which nothing reads before the join."""
         if not self._sides:
             with only_if(self._on[PolicyId.ASYNCSPADE]):
                 self._aspd_select_next(li, k_cache, req_to_token, scale)
@@ -535,11 +513,7 @@ class QueryAwareDevice:
             elif li >= group and self._aspd_topk_side is not side:
                 # this layer's row of the scores is free once the previous group's Top-K has read it
                 side.wait_stream(self._aspd_topk_side)
-        if self._predict_on_side:
-            q3.record_stream(side)  # the layer may drop its query before the side stream reads it
         with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
-            if self._predict_on_side:
-                self._aspd_predict(li, q3, self._side_arrivals[li % len(self._sides)])
             self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer and not (self.join_after_forward and torch.cuda.is_current_stream_capturing()):

@@ -329,17 +329,14 @@ def test_asyncspade_selection_overlaps_the_main_stream():
     w = torch.randn(2048, 12288, device=dev).to(KV)
 
     def build(sides: int, index_keys: str = "kv", with_main: bool = True, with_aspd: bool = True,
-              topk_layers: int = 1, join_end: bool = False, predict_on_side: bool = False):
-        saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS, query_device.ASPD_PREDICT_ON_SIDE
+              topk_layers: int = 1, join_end: bool = False):
+        saved = query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS
         query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = sides > 0, max(sides, 1)
-        query_device.ASPD_PREDICT_ON_SIDE = predict_on_side
         try:
             twin = Twin(use_kernels=True, specs=specs, lens=lens, max_ctx=n + 256, num_layers=layers,
                         index_keys=index_keys, topk_layers=topk_layers)
         finally:
-            (query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS,
-             query_device.ASPD_PREDICT_ON_SIDE) = saved
-        assert twin.rt.device._predict_on_side == (predict_on_side and sides > 0)
+            query_device.ASPD_SIDE_STREAM, query_device.ASPD_SIDE_STREAMS = saved
         gen = torch.Generator(device=dev).manual_seed(3)
         twin.admit(torch.randn(sum(lens.values()), HKV * G, D, generator=gen, device=dev).to(KV))
         rows = [1, 2, 3, 4, 5, 0, 0, 0]
@@ -423,15 +420,6 @@ def test_asyncspade_selection_overlaps_the_main_stream():
             print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, 1 side stream joined after the main "
                   f"work: {t_end:.3f} ms (joined in the last layer: {t[keys, 1, 4]:.3f} ms)")
             del tw, g
-            # the predictions at the head of the side streams' selections
-            # (ASPD_PREDICT_ON_SIDE): one stream, and two (each with its own counters)
-            for sides in (1, 2):
-                tw, g = build(sides, keys, topk_layers=4, predict_on_side=True)
-                t_side = replay_ms(g)
-                selects_as_main(tw, sel[keys, 0, 1])
-                print(f"{layers} layers, int8 keys, Top-K of 4 layers a launch, {sides} side stream(s), the "
-                      f"predictions on them: {t_side:.3f} ms (on the main stream: {t[keys, sides, 4]:.3f} ms)")
-                del tw, g
         assert t[keys, 1, 1] <= 1.02 * serial, (keys, t[keys, 1, 1], serial)
         for sides, tl in variants:
             count, total, sets = sel[keys, sides, tl]
