@@ -45,6 +45,7 @@ def _step_balance_kernel(
     ROW_MASK,  # [>= bs] int32: 1 = the launch serves the row (HAS_MASK)
     SPLITS,  # [bs] int32 out
     GATE,  # [1] int32 out (GATE_ON)
+    COUNT,  # [1] int64: the gate added (COUNT_ON; balanced_launches' counter)
     bs,
     stride_a,
     programs,  # the balanced program target a KV head (P)
@@ -54,6 +55,7 @@ def _step_balance_kernel(
     HAS_MASK: tl.constexpr,
     FP8_DOUBLE: tl.constexpr,
     GATE_ON: tl.constexpr,
+    COUNT_ON: tl.constexpr,
     SEGMENT_GATE: tl.constexpr,
     MAX_S: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -90,6 +92,8 @@ def _step_balance_kernel(
         if SEGMENT_GATE:
             gate = gate & ((hi != lo) | (summed >= launched * min_program_keys))
         tl.store(GATE, gate.to(tl.int32))
+        if COUNT_ON:  # one program: a plain add, no atomic
+            tl.store(COUNT, tl.load(COUNT) + gate.to(tl.int64))
 
 
 @triton.jit
@@ -110,14 +114,16 @@ def _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK:
 
 def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
                  row_mask: Optional[torch.Tensor], num_kv_heads: int, max_kv_len: int, num_sms: int,
-                 kv_fp8: bool = False, *, segments: bool = True
+                 kv_fp8: bool = False, *, segments: bool = True, count: Optional[torch.Tensor] = None
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(step_row_splits(...), balance_gate(splits, ..., segments=(a_len, b_start,
     b_end) if segments else None))`` in one launch: ``([bs] int32, [1] int32)``, the
     splits None where the batch's shape does not balance (``balances``) and the gate
     None where BALANCE_GATE is off. ``a_len`` ``[bs, Hkv]`` (column 0 read), ``b_start``
     / ``b_end`` ``[bs]``, ``row_mask`` ``[>= bs]`` int32 or None (every row served).
-    No host sync: capturable."""
+    ``count`` ``[1]`` int64 or None: the gate is added to it in the same launch (the
+    backend's count of balanced launches, ``balanced_launches.py``: one graph node a
+    step fewer than a torch add). No host sync: capturable."""
     bs = b_end.shape[0]
     if not tsd.balances(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8):
         return None, None
@@ -127,12 +133,15 @@ def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor
     splits = torch.empty(bs, dtype=torch.int32, device=b_end.device)
     gate = torch.empty(1, dtype=torch.int32, device=b_end.device) if tsd.BALANCE_GATE else None
     assert a_len.dim() == 2 and a_len.shape[0] >= bs and b_start.shape == b_end.shape
+    count_on = count is not None and gate is not None
+    assert count is None or (count.dtype == torch.int64 and count.numel() == 1), "count: [1] int64"
     _step_balance_kernel[(1,)](
         a_len, b_start, b_end, row_mask if row_mask is not None else splits, splits,
-        gate if gate is not None else splits, bs, a_len.stride(0), programs,
+        gate if gate is not None else splits, count if count_on else splits, bs, a_len.stride(0), programs,
         tsd._dense_double_keys(programs) if fp8_double else 0,
         tsd.choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8), tsd.BALANCE_MIN_PROGRAM_KEYS,
-        HAS_MASK=row_mask is not None, FP8_DOUBLE=fp8_double, GATE_ON=gate is not None, SEGMENT_GATE=segments,
+        HAS_MASK=row_mask is not None, FP8_DOUBLE=fp8_double, GATE_ON=gate is not None, COUNT_ON=count_on,
+        SEGMENT_GATE=segments,
         MAX_S=tsd.MAX_SPLITS, BLOCK=_BLOCK, num_warps=4,
     )
     return splits, gate

@@ -430,11 +430,10 @@ class SparseAttnBackend(AttentionBackend):
 
         # the shares and the gate in one launch (kernels.step_row_splits and balance_gate
         # as torch ops were ~45 graph nodes a step, every step of natural sfi)
+        count = self.balanced_launches.counter() if self.balanced_launches is not None else None
         splits, self._balance_gate = step_balance(plan.a_len_per_head, plan.b_start, plan.b_end, self._row_mask,
                                                   self._num_kv_heads, self._max_kv_len,
-                                                  device_num_sms(self.device), self._kv_fp8)
-        if self._balance_gate is not None and self.balanced_launches is not None:
-            self.balanced_launches.add(self._balance_gate)
+                                                  device_num_sms(self.device), self._kv_fp8, count=count)
         return splits
 
     # ---- CUDA graphs --------------------------------------------------------------

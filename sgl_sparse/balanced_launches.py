@@ -5,13 +5,13 @@ With ``SGLANG_SPARSE_BALANCE_GATE`` (the default) a forward on the balanced grap
 replay it every step) launches the plain partition beside the balanced one, and a
 device flag a step (``kernels.balance_gate``: does a request's share differ from the
 heuristic's splits?) lets one of them run. Which one is known on the device only: the
-captured step adds its flag to a counter here, and every ``READ_EVERY`` balanced
+captured step's gate launch adds its flag to a counter here, and every ``READ_EVERY`` balanced
 forwards the counter is copied to the host on the forward stream and observed once
 the copy completes (``device_reads.py``), into
 ``sglang_sparse_balanced_launches_total``. The forwards whose flag was 0 ran the plain
 launch. The last (< READ_EVERY) forwards of an idle server are observed with the next
-read. A graph capture's eager warm-up runs add nothing (the capture records the add
-its replays run).
+read. A graph capture's eager warm-up runs add to a scratch counter (the capture records
+the add its replays run).
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ class BalancedLaunchCount:
         self._metrics = metrics
         # fixed address: the captured steps add to it at every replay
         self.total = torch.zeros(1, dtype=torch.int64, device=device)
+        self._scratch = torch.zeros(1, dtype=torch.int64, device=device)  # a capture's warm-up's adds
         self._forwards = 0  # balanced forwards seen on the host since the last read
         self._capturing = False  # forwards are being captured (their warm-ups run eagerly)
         self._seen = 0  # the count observed so far (the reads' thread only)
         self._reads = DeviceReads(self._observe, "sgl_sparse-balanced-launches")
 
-    def add(self, gate: torch.Tensor) -> None:
-        """Inside the step (captured with it): the step's gate ``[1]`` int32, 1 where the
-        balanced launch runs."""
+    def counter(self) -> torch.Tensor:
+        """Inside the step (captured with it): the counter the step's gate launch
+        (``kernels.step_balance``) adds its gate to, 1 where the balanced launch runs.
+        A capture's eager warm-up (not a served forward) gets a scratch counter instead:
+        the same binary as the capture's launch, compiled before the capture."""
         if self._capturing and not (self.total.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return  # a capture's warm-up: not a served forward
-        self.total.add_(gate)
+            return self._scratch
+        return self.total
 
     def note_forward(self, balanced: bool, in_capture: bool) -> None:
         """The host, once a decode forward (not while capturing: that forward is not run)."""

@@ -18,24 +18,33 @@ import torch
 pytestmark = pytest.mark.sglang_independent
 
 SNIPPET = r"""
-import json, random, sys
+import json, os, random, sys
+if sys.argv[1] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from prometheus_client import REGISTRY
 from sgl_sparse import balanced_launches
+from sgl_sparse.kernels.balance_step import step_balance
 from sgl_sparse.metrics import SchedulerMetrics
 
 dev = torch.device(sys.argv[1])
 count = balanced_launches.BalancedLaunchCount(SchedulerMetrics("m"), dev)
 count.warm()
 rng = random.Random(3)
+# 32768 x 8 over fp8: compact rows alike (the gate closed), or one dense row among them (open)
+n = torch.full((8,), 32768, dtype=torch.int32, device=dev)
+alike = (torch.full((8, 8), 2052, dtype=torch.int32, device=dev), n - 256, n)
+dense = (alike[0].clone(), alike[1].clone(), n)
+dense[0][0], dense[1][0] = 0, 0
 ran = 0
 for i in range(3 * balanced_launches.READ_EVERY + 5):
     balanced, capture = rng.random() < 0.8, i in (7, 8)
     count.note_forward(balanced, capture)  # the host, before the step is enqueued
-    if balanced or capture:  # the step adds its gate (a capture's warm-up runs too)
-        gate = int(rng.random() < 0.3) if not capture else 1
-        ran += gate if not capture else 0  # a capture's: not a served forward's
-        count.add(torch.tensor([gate], dtype=torch.int32, device=dev))
+    if balanced or capture:  # the step's gate launch adds its gate (a capture's warm-up runs too)
+        want = int(rng.random() < 0.3) if not capture else 1
+        ran += want if not capture else 0  # a capture's: not a served forward's
+        _, gate = step_balance(*(dense if want else alike), None, 8, 33280, 132, True, count=count.counter())
+        assert int(gate[0]) == want, (i, want)
 assert count.wait_idle(10.0)
 before_flush = REGISTRY.get_sample_value("sglang_sparse_balanced_launches_total", {"model_name": "m"})
 count.read()  # what the next READ_EVERY-th balanced forward would do

@@ -104,12 +104,33 @@ def test_compiles_for_sm90(fp8, segments):
     from sgl_sparse.kernels import testing as T
 
     sig = {"A_LEN": "*i32", "B_START": "*i32", "B_END": "*i32", "ROW_MASK": "*i32", "SPLITS": "*i32",
-           "GATE": "*i32", "bs": "i32", "stride_a": "i32", "programs": "i32", "double_keys": "i32",
+           "GATE": "*i32", "COUNT": "*i64", "bs": "i32", "stride_a": "i32", "programs": "i32", "double_keys": "i32",
            "base_splits": "i32", "min_program_keys": "i32", "HAS_MASK": "constexpr", "FP8_DOUBLE": "constexpr",
-           "GATE_ON": "constexpr", "SEGMENT_GATE": "constexpr", "MAX_S": "constexpr", "BLOCK": "constexpr"}
-    const = {"HAS_MASK": True, "FP8_DOUBLE": fp8, "GATE_ON": True, "SEGMENT_GATE": segments, "MAX_S": 64,
-             "BLOCK": 128}
+           "GATE_ON": "constexpr", "COUNT_ON": "constexpr", "SEGMENT_GATE": "constexpr", "MAX_S": "constexpr",
+           "BLOCK": "constexpr"}
+    const = {"HAS_MASK": True, "FP8_DOUBLE": fp8, "GATE_ON": True, "COUNT_ON": True, "SEGMENT_GATE": segments,
+             "MAX_S": 64, "BLOCK": 128}
     counts = T.compile_sm90("sgl_sparse.kernels.balance_step", "_step_balance_kernel", sig, const,
-                            ["A_LEN", "B_START", "B_END", "ROW_MASK", "SPLITS", "GATE"], {"num_warps": 4},
+                            ["A_LEN", "B_START", "B_END", "ROW_MASK", "SPLITS", "GATE", "COUNT"], {"num_warps": 4},
                             resources=True)
     assert counts["stack_bytes"] == 0 and counts["registers"] <= 64, counts
+
+
+def test_the_gate_is_added_to_the_count_in_the_same_launch(monkeypatch):
+    """``count`` (balanced_launches' counter): every call adds its gate, in the launch
+    that computes it; with the gate off (BALANCE_GATE) or no count nothing is added."""
+    g = torch.Generator().manual_seed(13)
+    n = torch.full((8,), 32768, dtype=torch.int32)
+    alike = (torch.full((8, 8), 2052, dtype=torch.int32), n - 256, n, None)  # the gate closed
+    count = torch.full((1,), 5, dtype=torch.int64)
+    gates = []
+    for dense in (0.0, 0.15, 1.0, 0.3, 0.0, 0.5):
+        a_len, b_start, b_end, mask = _batch(g, 8, 8, 32768, dense, 1.0) if dense else alike
+        _, gate = step_balance(a_len, b_start, b_end, mask, 8, 33280, 132, True, count=count)
+        gates.append(int(gate))
+        _, again = step_balance(a_len, b_start, b_end, mask, 8, 33280, 132, True)  # no count: untouched
+        assert torch.equal(again, gate)
+    assert set(gates) == {0, 1} and int(count) == 5 + sum(gates), (gates, count)
+    monkeypatch.setattr(tsd, "BALANCE_GATE", False)
+    _, gate = step_balance(a_len, b_start, b_end, mask, 8, 33280, 132, True, count=count)
+    assert gate is None and int(count) == 5 + sum(gates)
