@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, device_num_sms, needs_bf16_rtne, next_pow2
+from ._utils import cdiv, device_num_sms, env_switch, needs_bf16_rtne, next_pow2
 from .indexed_slots import unpack_slots
 from .lfps_sparsity import RhoFrom, _head_sparsity, rho_launch_args
 from .asyncspade_predict import _round_bf16_rtne
@@ -207,16 +207,30 @@ def _lfps_table_stats_kernel(
 
 
 @triton.jit
-def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr):
+def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr, TREE: tl.constexpr, BLOCK_P: tl.constexpr):
     """A row's (mean, Σd², Σd⁴) of one table (columns col..col+3) from its chunks'
-    partials, merged in chunk order (every program of the row alike: the same
-    thresholds in each); a chunk's count from its bounds, as the stats launch cut them."""
-    cnt, mean, m2, m3, m4 = 0.0, 0.0, 0.0, 0.0, 0.0
-    for p in range(0, CHUNKS):
-        start, stop = _share(lo, n, p, CHUNKS)
-        w = ROW + p * 16 + col
-        cnt, mean, m2, m3, m4 = _merge_moments(cnt, mean, m2, m3, m4, (stop - start).to(tl.float32),
-                                               tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
+    partials (every program of the row alike: the same thresholds in each); a chunk's
+    count from its bounds, as the stats launch cut them. In chunk order, one merge
+    after another (each waits on the last: 4 x CHUNKS dependent loads and merges a
+    program), or TREE: the chunks' partials loaded as one vector each column and
+    merged by one tree reduction (log2 CHUNKS merges deep; the same pairwise formulas,
+    another order: fp32 rounding apart)."""
+    if TREE:
+        offs_p = tl.arange(0, BLOCK_P)
+        ok = offs_p < CHUNKS
+        start, stop = _share(lo, n, offs_p, CHUNKS)
+        cnt = tl.where(ok, (stop - start).to(tl.float32), 0.0)  # a padding lane: a part of count 0
+        w = ROW + offs_p * 16 + col
+        parts = (cnt, tl.load(w, mask=ok, other=0.0), tl.load(w + 1, mask=ok, other=0.0),
+                 tl.load(w + 2, mask=ok, other=0.0), tl.load(w + 3, mask=ok, other=0.0))
+        cnt, mean, m2, m3, m4 = tl.reduce(parts, 0, _merge_moments)
+    else:
+        cnt, mean, m2, m3, m4 = 0.0, 0.0, 0.0, 0.0, 0.0
+        for p in range(0, CHUNKS):
+            start, stop = _share(lo, n, p, CHUNKS)
+            w = ROW + p * 16 + col
+            cnt, mean, m2, m3, m4 = _merge_moments(cnt, mean, m2, m3, m4, (stop - start).to(tl.float32),
+                                                   tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
     return mean, m2, m4
 
 
@@ -244,6 +258,8 @@ def _lfps_priority_kernel(
     BLOCK_G: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TREE_MERGE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     C0_FROM_READ: tl.constexpr = True,
 ):
     cur_s = tl.program_id(0)
@@ -263,8 +279,8 @@ def _lfps_priority_kernel(
     a = tl.load(A + cur_s)
     # Eq. (8)'s thresholds from every chunk's moments (each program of the row alike)
     row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
-    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS)
-    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS)
+    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
+    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
     kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
     ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
     tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
@@ -388,6 +404,13 @@ PRIORITY_MAX_CHUNKS = 32
 #: read there (8 table reads a position); False: reads them again (10, as until session
 #: 38), for bench_lfps_priority's A/B in one run. The same C1 either way.
 PRIORITY_C0_FROM_READ = True
+#: The priorities' programs merge the row's chunk moments by one tree reduction
+#: (_row_moments' TREE) instead of in chunk order, whose dependent loads and merges grow
+#: with the chunks: the candidate for session 43's 0.38 ms a step that 32 chunks cost
+#: over 16 at 130000 x 1. The same merges in another order: C1 may differ at its
+#: thresholds by fp32 rounding. Off until timed (SGLANG_SPARSE_LFPS_TREE_MERGE=1; and
+#: bench_lfps_priority's A/B).
+PRIORITY_TREE_MERGE = env_switch("LFPS_TREE_MERGE", False)
 #: The table statistics' tile (its lanes' moments: ten fp32 accumulators an entry a
 #: thread): 512 compiles for sm_90 in 96 registers without spilling, 1024 in 168-175
 #: with a stack (tests/kernels/test_lfps_tables.py).
@@ -482,7 +505,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
         rho, eps, a, ver, sla, n, sink, work, prio, bypass,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
         GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m,
-        C0_FROM_READ=PRIORITY_C0_FROM_READ, num_warps=num_warps,
+        C0_FROM_READ=PRIORITY_C0_FROM_READ, TREE_MERGE=PRIORITY_TREE_MERGE, BLOCK_P=max(2, next_pow2(chunks)),
+        num_warps=num_warps,
     )
     if c1_list is not None:
         budget, out, out_len, skip = c1_list

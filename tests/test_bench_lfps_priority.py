@@ -23,6 +23,7 @@ def test_smoke_checks_every_chunk_count(tmp_path, monkeypatch):
     results = json.loads(out.read_text())["results"]
     rows = [r for r in results if "chunks" in r]
     assert {r["chunks"] for r in rows} == {1, 2, 3} and all(r["ok"] for r in rows)
+    assert [r["chunks"] for r in rows if r["tree_merge"]] == [3]  # the tree merge's check
     assert sum(r["default"] for r in rows) == 1 and all(0 < r["finite_share"] < 1 for r in rows)
     c0 = [r for r in results if "c0" in r]  # the C1 pass's reads, A/B (the same priorities)
     assert len(c0) == 2 * len({r["case"] for r in rows}) and all(r["ok"] for r in c0)

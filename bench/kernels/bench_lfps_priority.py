@@ -14,7 +14,9 @@ head) row walking its row three times (session 32's profile: 110 µs a layer at
 32768 x 8 on an H200, 38% of lfps's step); the default (``priority_chunks``) and
 every power of two up to 32 cut each row's passes into that many programs. Each
 variant is checked against ``chunks=1`` first (the same priorities: finite
-entries equal, -inf alike), then timed eagerly and under CUDA-graph replay.
+entries equal, -inf alike), then timed eagerly and under CUDA-graph replay, with the
+chunks' moments merged in chunk order and by one tree reduction
+(``PRIORITY_TREE_MERGE``).
 Bytes: both tables read twice and once more with neighbours (~3 x 2 x 4 B a
 position), the priorities written once (4 B) over the live range.
 Then the whole C1 stage, before (one program a row, ``topk_range`` over every row)
@@ -90,24 +92,29 @@ def main(argv=None) -> int:
         pos = torch.arange(m, device=dev)
         live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
         for chunks in sorted({1, 2, 4, 8, 16, 32, default} if not args.smoke else {1, 3, default}):
-            def run(chunks=chunks):
-                lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=chunks)
+            # the chunk moments merged in chunk order, and by one tree reduction
+            # (PRIORITY_TREE_MERGE; the smoke checks it at 3 chunks only)
+            for tree in (False, True) if not args.smoke or chunks == 3 else (False,):
+                def run(chunks=chunks, tree=tree):
+                    with module_constant(lt, "PRIORITY_TREE_MERGE", tree):
+                        lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=chunks)
 
-            prio.fill_(float("nan"))
-            run()
-            ok = torch.equal(prio[live], want[live])
-            if not ok:
-                failures.append((name, chunks))
-            t, g = timer.eager_us(run), timer.graph_us(run)
-            best = g if g is not None else t
-            row = dict(case=name, slots=s, kv_heads=hkv, max_context=m, chunks=chunks, default=chunks == default,
-                       eager_us=round(t, 1), graph_us=None if g is None else round(g, 1), bytes=nbytes,
-                       gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok,
-                       finite_share=round(float(torch.isfinite(want[live]).float().mean()), 4))
-            results.append(row)
-            print(f"  {name:12s} chunks {chunks:2d}{'*' if chunks == default else ' '}: {t:8.1f} us "
-                  f"(graph {'-' if g is None else f'{g:7.1f}'})  {row['gbps']:7.1f} GB/s  "
-                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
+                prio.fill_(float("nan"))
+                run()
+                ok = torch.equal(prio[live], want[live])
+                if not ok:
+                    failures.append((name, chunks, "tree" if tree else "in order"))
+                t, g = timer.eager_us(run), timer.graph_us(run)
+                best = g if g is not None else t
+                row = dict(case=name, slots=s, kv_heads=hkv, max_context=m, chunks=chunks, tree_merge=tree,
+                           default=chunks == default and not tree,
+                           eager_us=round(t, 1), graph_us=None if g is None else round(g, 1), bytes=nbytes,
+                           gbps=round(nbytes / (best * 1e-6) / 1e9, 1), ok=ok,
+                           finite_share=round(float(torch.isfinite(want[live]).float().mean()), 4))
+                results.append(row)
+                print(f"  {name:12s} chunks {chunks:2d}{'*' if chunks == default else ' '}"
+                      f"{' tree' if tree else '     '}: {t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})  "
+                      f"{row['gbps']:7.1f} GB/s  {'ok' if ok else 'MISMATCH'}", flush=True)
         # C0 at a position from the entries just read (8 table reads a position, since
         # session 38) against reading them again (10), at the default chunks, one run
         for reread in (True, False):

@@ -124,15 +124,16 @@ def test_priority(group, chunks, block_m):
 
 
 @triton.jit
-def _row_moments_probe(WORK, N, SINK, OUT, M, CHUNKS: tl.constexpr):
-    """The priorities' merge of a row's chunk partials, as their launch runs it."""
+def _row_moments_probe(WORK, N, SINK, OUT, M, CHUNKS: tl.constexpr, TREE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The priorities' merge of a row's chunk partials, as their launch runs it (TREE:
+    PRIORITY_TREE_MERGE's)."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     n = tl.minimum(tl.load(N + cur_s), M)
     lo = tl.maximum(tl.load(SINK + cur_s), 0)
     row = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS)
-    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS)
-    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS)
+    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS, TREE, BLOCK_P)
+    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS, TREE, BLOCK_P)
     out = OUT + (cur_s * tl.num_programs(1) + cur_h) * 6
     tl.store(out + 0, mv)
     tl.store(out + 1, m2v)
@@ -142,13 +143,15 @@ def _row_moments_probe(WORK, N, SINK, OUT, M, CHUNKS: tl.constexpr):
     tl.store(out + 5, m4s)
 
 
-@pytest.mark.parametrize("chunks, block_m", [(1, 8), (3, 8), (7, 16), (32, 8)])
-def test_table_moments_in_one_pass_match_float64(chunks, block_m):
+@pytest.mark.parametrize("chunks, block_m, tree", [(1, 8, False), (3, 8, False), (7, 16, False), (32, 8, False),
+                                                  (7, 16, True), (32, 8, True)])
+def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree):
     """Eq. 8's statistics in one pass over the tables: each block's mean and central
     sums about its own mean merged into the chunk's (Pébay), the chunks' merged in
-    order by the priorities' launch, give each row's mean, Σd² and Σd⁴ of Φ_ver and
-    Φ_sla over [sink, n) (Φ_sla read backwards from n - 2): against float64, at chunks
-    of several blocks, of part of one, and empty (more chunks than a row has entries).
+    order (or by one tree reduction: tree) by the priorities' launch, give each row's
+    mean, Σd² and Σd⁴ of Φ_ver and Φ_sla over [sink, n) (Φ_sla read backwards from
+    n - 2): against float64, at chunks of several blocks, of part of one, and empty
+    (more chunks than a row has entries).
     Non-negative tables of unequal blocks, as lfps's are (the rows' C1 comparisons
     alone pass wrong merge coefficients: the thresholds move little on these rows)."""
     gen = torch.Generator().manual_seed(chunks)
@@ -163,7 +166,8 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m):
         _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, ver.stride(0), ver.stride(1),
                                                    sla.stride(0), sla.stride(1), M, **no_rho_args(n), CHUNKS=chunks,
                                                    BLOCK_M=block_m)
-        _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks)
+        _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks, TREE=tree,
+                                     BLOCK_P=max(2, triton.next_power_of_2(chunks)))
 
     run_on_device(stats_then_merge, ver, sla, n, sink, work, got)  # compiled on a GPU, interpreted in CI
     for i in range(s):
@@ -513,10 +517,40 @@ def test_gpu_priority_at_32k_slots_as_served():
         assert torch.equal(idx[i, j, : int(want_count[i, j])], want_idx[i, j, : int(want_count[i, j])]), (i, j)
 
 
+@pytest.mark.parametrize("group, chunks, block_m", [(1, 7, 8), (3, 12, 32)])
+def test_priority_tree_merge(monkeypatch, group, chunks, block_m):
+    """PRIORITY_TREE_MERGE: each program merges its row's chunk moments by one tree
+    reduction (padding lanes of count 0 past 7 / 12 chunks, rows whose chunks are all
+    empty): the reference's C1 and priorities, as the merge in chunk order gives them."""
+    import importlib
+
+    lt = importlib.import_module("sgl_sparse.kernels.lfps_tables")
+    gen = torch.Generator().manual_seed(40 + group)
+    s = len(N)
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    ver, sla = _tables(gen, s)
+    rho = torch.rand(s, HKV * group, generator=gen) * 0.1
+    eps, a = torch.full((s,), 0.2), torch.tensor([0.02, 0.05, 0.2, 0.05, 0.02])
+    pos = torch.arange(M)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, HKV, M)
+    got = {}
+    for tree in (True, False):
+        monkeypatch.setattr(lt, "PRIORITY_TREE_MERGE", tree)
+        prio = torch.full((s, HKV, M), float("nan"))
+        prio, _ = run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, chunks=chunks,
+                                block_m=block_m)
+        assert torch.isnan(prio[~live]).all()
+        got[tree] = prio[live]
+    ref, _ = _prio_ref(rho, eps, a, ver, sla, n, sink)
+    assert torch.equal(got[True], ref[live]) and torch.equal(got[True], got[False])
+    assert torch.isfinite(got[True]).sum() > 10
+
+
 @pytest.mark.parametrize("kernel, const", [
     ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
                                       BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=False)),
-    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024)),
+    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024, TREE_MERGE=False, BLOCK_P=8)),
+    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=32, BLOCK_M=1024, TREE_MERGE=True, BLOCK_P=32)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=False)),
     ("_lfps_c1_list_kernel", dict(CHUNKS=8, BLOCK_P=8, BLOCK_M=1024, HAS_C2=True)),
     ("_lfps_select_out_kernel", dict(BLOCK_K=2048, BLOCK_S=16, HAS_SLOTS=True, HAS_SCORED=True)),
