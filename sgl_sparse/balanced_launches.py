@@ -3,9 +3,9 @@
 With ``SGLANG_SPARSE_BALANCE_GATE`` (the default) a forward on the balanced graph
 (``sglang_sparse_decode_forwards_total{path="kernel_balanced"}``: natural SFI triggers
 replay it every step) launches the plain partition beside the balanced one, and a
-device flag a step (``kernels.balance_gate``: does a request's share differ from the
+device flag a step (``kernels.step_balance``: does a request's share differ from the
 heuristic's splits?) lets one of them run. Which one is known on the device only: the
-captured step's gate launch adds its flag to a counter here, and every ``READ_EVERY`` balanced
+launch computing the flag adds it to a counter here, and every ``READ_EVERY`` balanced
 forwards the counter is copied to the host on the forward stream and observed once
 the copy completes (``device_reads.py``), into
 ``sglang_sparse_balanced_launches_total``. The forwards whose flag was 0 ran the plain

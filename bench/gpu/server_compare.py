@@ -124,11 +124,11 @@ def fast_steps(trace: list[list[float]], factor: float = 1.2) -> dict:
     median over the requests that decode together (one client's arrival jitter out),
     then the median of the steps within ``factor`` x their 10th percentile (steps under
     half the median left out first: a client's flush of several tokens at once, seen at
-    8192 x 32 as steps of ~0.1 ms). Where fast
-    steps mix with steps just above them (natural sfi: a slow row among fast ones, or a
-    one-row refresh, ~1.3-1.8x a fast step, under slow_bursts' 2x cut), slow_bursts'
-    ``fast_ms_p50`` is the mixture's median: session 43's natural sfi at 32768 x 8
-    gave 2.91 ms there, 2.63 here (pinned 2.49 / 2.47)."""
+    8192 x 32 as steps of ~0.1 ms). Where fast steps mix with steps just above them
+    (natural sfi: a slow row among fast ones, or a one-row refresh, ~1.3-1.8x a fast
+    step, under slow_bursts' 2x cut), slow_bursts' ``fast_ms_p50`` is the mixture's
+    median: session 43's natural sfi at 32768 x 8 gave 2.91 ms there, 2.63 here
+    (pinned 2.49 / 2.47)."""
     n = min((len(ts) for ts in trace), default=0)
     if n == 0:
         return {}
@@ -157,6 +157,7 @@ def itl_stats(url, prompts, n, sparse=None):
         return {}
     mean = statistics.fmean(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    trace_ms = [[1e3 * t for t in ts] for ts, _ in per_req]
     return {"itl_ms_mean": round(1e3 * mean, 3), "itl_ms_p50": round(1e3 * q(0.5), 3),
             "itl_ms_p90": round(1e3 * q(0.9), 3), "itl_ms_p95": round(1e3 * q(0.95), 3),
             "itl_ms_p99": round(1e3 * q(0.99), 3), "itl_ms_max": round(1e3 * times[-1], 3),
@@ -164,9 +165,8 @@ def itl_stats(url, prompts, n, sparse=None):
             "decode_tok_s_itl": round(len(prompts) / mean, 1),
             # Each request's step times in order: where the slow tail falls (SFI's
             # refresh steps recur every T_max + 1 steps per request).
-            "itl_ms_trace": [[round(1e3 * t, 2) for t in ts] for ts, _ in per_req],
-            "itl_bursts": slow_bursts([[1e3 * t for t in ts] for ts, _ in per_req]),
-            "itl_fast_steps": fast_steps([[1e3 * t for t in ts] for ts, _ in per_req])}
+            "itl_ms_trace": [[round(t, 2) for t in ts] for ts in trace_ms],
+            "itl_bursts": slow_bursts(trace_ms), "itl_fast_steps": fast_steps(trace_ms)}
 
 
 def batch_wall(url, prompts, n, sparse=None):
