@@ -6,7 +6,8 @@ Public API:
   compact segment (A) plus an in-place paged position range (B).
 * :func:`pack_compact` -- gather selected positions from the paged pool into
   the compact buffer; :func:`pack_compact_layers` -- the same for several
-  layers in one launch (their pools as a :class:`LayerPools` address table).
+  layers in one launch (their pools as a :class:`LayerPools` address table);
+  :func:`list_compact_layers` -- their pool slots instead of a copy.
 * :func:`window_evidence` -- the Selector's evidence (softmax over the candidates,
   GQA mean, power mean over the window) fused, keys read in place.
 * :func:`selector_scores` / :func:`selector_stats` -- the Selector's steps 1-5
@@ -51,7 +52,7 @@ from .gather_key_norms import gather_key_norms, gather_key_norms_ref
 from .index_keys import index_token_scores, index_token_scores_ref, quantize_keys
 from .layer_pools import LayerPools
 from .lfps_sparsity import lfps_head_sparsity
-from .pack_compact import pack_compact, pack_compact_layers
+from .pack_compact import list_compact_layers, pack_compact, pack_compact_layers
 from .quest_pages import (
     QUEST_PAGE_SIZE,
     quest_bounds_decode,
@@ -100,6 +101,7 @@ __all__ = [
     "balances",
     "dense_step_balances",
     "step_row_splits",
+    "list_compact_layers",
     "pack_compact",
     "pack_compact_layers",
     "LayerPools",

@@ -26,6 +26,11 @@ as a sink prefix ``[0, sink)`` plus the selected ones (a Top-K's output as it is
 
 This is a pure copy (no arithmetic), so the packed rows are bit-identical to
 the pool rows.
+
+``list_compact_layers`` is the same launch writing each row's pool slot instead of
+its K and V (SFI's ``selections: slot_lists``): ``lists[layer, slot, h, i]`` is the
+pool slot ``pack_compact_layers`` would copy to ``a_k[layer, slot, h, i]``, and the
+decode kernel's ``a_slot_lists`` reads the rows there.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import triton.language as tl
 from ._utils import cdiv, next_pow2
 from .layer_pools import LayerPools, load_layer_pool
 
-__all__ = ["pack_compact", "pack_compact_layers"]
+__all__ = ["list_compact_layers", "pack_compact", "pack_compact_layers"]
 
 
 # The address tables (K_PTRS / V_PTRS) are views at any layer (LayerPools.layers: a
@@ -88,6 +93,7 @@ def _pack_compact_kernel(
     BLOCK_D: tl.constexpr,
     LAYERED: tl.constexpr,
     SINK_PREFIX: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr,  # A_K: [layers, slots, Hkv, cap] int32 pool slots; no K/V read
 ):
     # Axis 0: (layer, request) pairs, layer-major; one layer unless LAYERED.
     cur_lb = tl.program_id(0)
@@ -130,11 +136,14 @@ def _pack_compact_kernel(
             else:
                 pos = tl.load(sel_base + offs, mask=mask_n, other=0)
             tok = tl.load(REQ_TO_TOKEN + req_row * stride_r2t + pos, mask=mask_n, other=0).to(tl.int64)
-            mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_pool + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :], mask=mask)
-            v = tl.load(v_pool + tok[:, None] * stride_vt + cur_h * stride_vh + offs_d[None, :], mask=mask)
-            tl.store(ak_base + offs[:, None] * stride_akn + offs_d[None, :], k, mask=mask)
-            tl.store(av_base + offs[:, None] * stride_avn + offs_d[None, :], v, mask=mask)
+            if WRITE_SLOTS:
+                tl.store(ak_base + offs * stride_akn, tok.to(tl.int32), mask=mask_n)
+            else:
+                mask = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(k_pool + tok[:, None] * stride_kt + cur_h * stride_kh + offs_d[None, :], mask=mask)
+                v = tl.load(v_pool + tok[:, None] * stride_vt + cur_h * stride_vh + offs_d[None, :], mask=mask)
+                tl.store(ak_base + offs[:, None] * stride_akn + offs_d[None, :], k, mask=mask)
+                tl.store(av_base + offs[:, None] * stride_avn + offs_d[None, :], v, mask=mask)
 
 
 def pack_compact(
@@ -228,15 +237,54 @@ def pack_compact_layers(
             layered=True, block_n=block_n, max_chunks=max_chunks, num_warps=num_warps)
 
 
+def list_compact_layers(
+    k_pools: LayerPools,
+    req_to_token: torch.Tensor,
+    req_pool_idx: torch.Tensor,
+    sel_pos: torch.Tensor,
+    sel_len: torch.Tensor,
+    sink: torch.Tensor,
+    do_pack: torch.Tensor,
+    lists: torch.Tensor,
+    a_slot: torch.Tensor,
+    a_len: torch.Tensor,
+    *,
+    block_n: int = 64,
+    max_chunks: Optional[int] = None,
+    num_warps: int = 4,
+) -> None:
+    """``pack_compact_layers`` writing the rows' pool slots instead of copying them.
+
+    ``lists``: ``[layers, num_slots, Hkv, cap]`` int32 (e.g. ``CompactStore.lists[l0:l1]``),
+    last dim contiguous: ``lists[l, a_slot[b], h, i] = req_to_token[req_pool_idx[b], p]``
+    for the same rows ``p`` (the sink prefix, then ``sel_pos``) that ``pack_compact_layers``
+    copies. ``k_pools`` only sizes the launch (its layer count); no K or V is read.
+    Others as in ``pack_compact_layers``.
+    """
+    layers = len(k_pools)
+    bs, num_kv_heads = sel_len.shape
+    assert lists.dim() == 4 and lists.shape[0] == layers and lists.shape[2] == num_kv_heads, \
+        "lists: [layers, slots, Hkv, cap]"
+    assert lists.dtype == torch.int32 and lists.stride(3) == 1, "lists: int32, last dim contiguous"
+    assert sel_pos.shape[:2] == (layers * bs, num_kv_heads) and sink.shape == (bs,)
+    _launch(k_pools, k_pools, req_to_token, req_pool_idx, sel_pos, sel_len, sink, do_pack, lists[..., None],
+            lists[..., None], a_slot, a_len, layered=True, block_n=block_n, max_chunks=max_chunks,
+            num_warps=num_warps, write_slots=True)
+
+
 def _launch(k_pools: LayerPools, v_pools: LayerPools, req_to_token, req_pool_idx, sel_pos, sel_len,
             sink: Optional[torch.Tensor], do_pack, a_k, a_v, a_slot, a_len, *, layered: bool, block_n: int,
-            max_chunks: Optional[int], num_warps: int) -> None:
-    """One launch over (layer, request) x head x chunks; ``a_k``/``a_v`` ``[layers, slots, Hkv, cap, D]``."""
+            max_chunks: Optional[int], num_warps: int, write_slots: bool = False) -> None:
+    """One launch over (layer, request) x head x chunks; ``a_k``/``a_v`` ``[layers, slots, Hkv, cap, D]``
+    (``write_slots``: both the lists ``[layers, slots, Hkv, cap, 1]``)."""
     k_pool, v_pool = k_pools.pool, v_pools.pool
     layers, _, num_kv_heads, cap, head_dim = a_k.shape
     bs = sel_len.shape[0]
+    if write_slots:
+        head_dim = k_pool.shape[2]
+    else:
+        assert a_v.shape == a_k.shape and a_k.dtype == k_pool.dtype and a_v.dtype == v_pool.dtype
     assert k_pool.shape[1:] == (num_kv_heads, head_dim) and v_pool.shape == k_pool.shape
-    assert a_v.shape == a_k.shape and a_k.dtype == k_pool.dtype and a_v.dtype == v_pool.dtype
     assert sel_len.shape == (bs, num_kv_heads) and a_len.shape == (bs, num_kv_heads)
     assert sel_pos.shape[:2] == (layers * bs, num_kv_heads)
     assert do_pack.shape[0] == bs and a_slot.shape[0] == bs and req_pool_idx.shape[0] == bs
@@ -292,5 +340,6 @@ def _launch(k_pools: LayerPools, v_pools: LayerPools, req_to_token, req_pool_idx
         BLOCK_D=next_pow2(head_dim),
         LAYERED=layered,
         SINK_PREFIX=sink is not None,
+        WRITE_SLOTS=write_slots,
         num_warps=num_warps,
     )

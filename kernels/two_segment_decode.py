@@ -293,8 +293,8 @@ def _softmax_update(qk, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
 @triton.jit
 def _two_segment_decode_stage1(
     Q,
-    A_K,
-    A_V,
+    A_K,  # [slots, Hkv, cap, D] compact K, or [slots, Hkv, cap] int32 pool slots (A_SLOT_LISTS)
+    A_V,  # compact V (A_SLOT_LISTS: unread)
     A_SLOT,
     A_LEN,
     A_POS,  # [bs, Hkv, cap_pos] int32 positions of segment A (only if HAS_A_POS)
@@ -388,6 +388,7 @@ def _two_segment_decode_stage1(
     HAS_A_POS: tl.constexpr,
     A_POS_SLOTS: tl.constexpr,  # a_pos lists pool slots (req_to_token applied), not positions
     HAS_A_ROW: tl.constexpr,  # rows may read their list from A_POS2 (``a_lists``)
+    A_SLOT_LISTS: tl.constexpr,  # A_K (= A_V) holds each slot's pool-slot lists (``a_slot_lists``)
     FUSED_MERGE: tl.constexpr,
     SAVE_LOGITS: tl.constexpr,
     BALANCE: tl.constexpr,
@@ -592,8 +593,19 @@ def _two_segment_decode_stage1(
             offs = n0 + offs_n
             mask_n = offs < a_hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(ak_base + offs[:, None] * stride_akn + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(av_base + offs[:, None] * stride_avn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if A_SLOT_LISTS:
+                # The slot's rows are pool slots (A_K is the lists): gathered from
+                # the pool like an indexed row, one load ahead of the K/V tiles.
+                # The clamp only guards memory against a bad list.
+                listed = tl.load(ak_base + offs * stride_akn, mask=mask_n, other=0)
+                tok = tl.minimum(tl.maximum(listed, 0), POOL_ROWS - 1).to(tl.int64)
+                k = tl.load(K_POOL + tok[:, None] * stride_kt + cur_kvh * stride_kh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+                v = tl.load(V_POOL + tok[:, None] * stride_vt + cur_kvh * stride_vh + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+            else:
+                k = tl.load(ak_base + offs[:, None] * stride_akn + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(av_base + offs[:, None] * stride_avn + offs_d[None, :], mask=kv_mask, other=0.0)
             m_i, l_i, acc = _online_softmax_step(qd, k, v, mask_n, m_i, l_i, acc, s_scale, FP32_DOT, V_ASM)
 
     # ---- Segment B: position range gathered from the paged pool. ----
@@ -1055,6 +1067,7 @@ def two_segment_decode(
     a_pos: Optional[torch.Tensor] = None,
     a_pos_slots: bool = False,
     a_lists: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    a_slot_lists: Optional[torch.Tensor] = None,
     fused_merge: Optional[bool] = None,
     split_counters: Optional[torch.Tensor] = None,
     balance: bool = False,
@@ -1130,6 +1143,14 @@ def two_segment_decode(
             ``a_pos[b]`` and ``a_len[b]`` (clamped as they are, to ``cap_pos2``), the
             same kind as ``a_pos`` (``a_pos_slots``): a store's selections by slot,
             read where they are instead of copied into the step's rows each layer.
+        a_slot_lists: optional ``[num_slots, Hkv, cap]`` int32 (last dim contiguous):
+            rows with ``a_slot >= 0`` read segment A as the pool slots
+            ``a_slot_lists[a_slot, h, :a_len]`` in place (SFI's ``selections:
+            slot_lists``) instead of the compact buffers, which are then unread
+            (any 4-D tensor of the pool's dtype, e.g. ``[1, Hkv, 1, D]`` zeros). The
+            same keys in the same order as packed ones give the same output. Entries
+            are clamped into the pool; the caller guarantees they are slots of the
+            request's own positions below ``b_start``.
         fused_merge: with ``num_splits > 1``, merge the split partials inside
             the same launch (the last split program of each (row, KV head) to
             finish merges, see the kernel's epilogue) instead of a second
@@ -1247,7 +1268,13 @@ def two_segment_decode(
             and l_pos.stride(2) == 1, "a_lists: pos [R, Hkv, cap] int32, last dim contiguous"
         assert l_len.shape == l_pos.shape[:2] and l_len.dtype == torch.int32 and l_len.stride(1) == 1, \
             "a_lists: length [R, Hkv] int32"
-    cap = a_k.shape[2]
+    if a_slot_lists is not None:
+        assert a_slot_lists.dim() == 3 and a_slot_lists.shape[1] == num_kv_heads, \
+            "a_slot_lists: [num_slots, Hkv, cap]"
+        assert a_slot_lists.dtype == torch.int32 and a_slot_lists.stride(2) == 1, \
+            "a_slot_lists: int32, last dim contiguous"
+    seg_a = a_slot_lists if a_slot_lists is not None else a_k  # what A_K points at
+    cap = seg_a.shape[2]
     if max_kv_len is None:
         max_kv_len = cap + req_to_token.shape[1]
     if num_sms is None:
@@ -1313,7 +1340,7 @@ def two_segment_decode(
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
-        a_k,
+        seg_a,
         a_v,
         a_slot,
         a_len,
@@ -1349,9 +1376,9 @@ def two_segment_decode(
         1.0 if k_scale is None else float(k_scale),
         q.stride(0),
         q.stride(1),
-        a_k.stride(0),
-        a_k.stride(1),
-        a_k.stride(2),
+        seg_a.stride(0),
+        seg_a.stride(1),
+        seg_a.stride(2),
         a_v.stride(0),
         a_v.stride(1),
         a_v.stride(2),
@@ -1408,6 +1435,7 @@ def two_segment_decode(
         HAS_A_POS=a_pos is not None,
         A_POS_SLOTS=bool(a_pos_slots) and a_pos is not None,
         HAS_A_ROW=a_lists is not None,
+        A_SLOT_LISTS=a_slot_lists is not None,
         FUSED_MERGE=fused,
         SAVE_LOGITS=logits_out is not None,
         BALANCE=balance,

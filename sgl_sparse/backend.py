@@ -524,8 +524,9 @@ class SparseAttnBackend(AttentionBackend):
             plan,
             scaling=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            compact_k=store.k[li] if store is not None else None,
-            compact_v=store.v[li] if store is not None else None,
+            compact_k=store.k[li] if store is not None and not store.slot_lists else None,
+            compact_v=store.v[li] if store is not None and not store.slot_lists else None,
+            compact_lists=store.lists[li] if store is not None and store.slot_lists else None,
         )
         self._finish_query_aware(layer, forward_batch, plan, q3, o3)
         return o
@@ -577,6 +578,8 @@ class SparseAttnBackend(AttentionBackend):
         sfi_args = {}
         if store is not None:
             sfi_args = dict(key_norms=store.knorm[li], q_save=store.q[li], q_save_slot=plan.q_save_slot)
+            if store.slot_lists:
+                sfi_args["a_slot_lists"] = store.lists[li]
             if store.logits is not None:
                 # Slow rows (dense, q_save_slot >= 0) keep their logits for the
                 # Selector: the keys this step reads anyway are not read again.
@@ -591,8 +594,8 @@ class SparseAttnBackend(AttentionBackend):
         for launch in launches:
             two_segment_decode(
                 q3,
-                store.k[li] if store is not None else self._no_compact,
-                store.v[li] if store is not None else self._no_compact,
+                store.k[li] if store is not None and not store.slot_lists else self._no_compact,
+                store.v[li] if store is not None and not store.slot_lists else self._no_compact,
                 plan.a_slot, plan.a_len_per_head,
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),

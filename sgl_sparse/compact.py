@@ -1,8 +1,12 @@
 """SFI's device storage, reserved once when the backend is built.
 
 Per compact slot (one per concurrently sparse `sfi` request), per layer:
-  * K/V of the sink + selected tokens, per KV head, packed contiguously: segment A
-    of the two-segment fast step (`[layers, slots, Hkv, capacity, D]`);
+  * the sink + selected tokens per KV head, segment A of the two-segment fast step:
+    their K/V packed contiguously (`k`, `v`: `[layers, slots, Hkv, capacity, D]`,
+    `selections: packed`), or their KV-pool slots (`lists`: `[layers, slots, Hkv,
+    capacity]` int32, `selections: slot_lists`), which the fast step reads in place
+    as asyncspade's lists are: 4 bytes a token and head instead of 2 x head_dim
+    elements, and the refresh writes no copy;
   * the query of the last slow step (`q`) and the prompt's last queries
     (`q_prompt`): the Selector's evidence window.
 Optionally (`logit_len` > 0), per compact slot and layer: the base-2 logits of the
@@ -27,16 +31,26 @@ from __future__ import annotations
 
 import torch
 
+#: How a slot keeps segment A (CompactBufferConfig.selections).
+SELECTIONS = ("packed", "slot_lists")
+
 
 class CompactStore:
     def __init__(self, *, slots: int, capacity: int, num_layers: int, num_kv_heads: int,
                  num_q_heads: int, head_dim: int, dtype: torch.dtype, pool_size: int,
                  prompt_queries: int, device: torch.device, logit_len: int = 0,
-                 query_dtype: torch.dtype | None = None):
+                 query_dtype: torch.dtype | None = None, selections: str = "packed"):
+        assert selections in SELECTIONS, f"selections: one of {SELECTIONS}"
         self.slots, self.capacity, self.num_layers = slots, capacity, num_layers
+        self.num_kv_heads, self.device = num_kv_heads, torch.device(device)
         query_dtype = query_dtype or dtype  # dtype: the KV pool's
-        self.k = torch.zeros(num_layers, slots, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        # Exactly one of (k, v) and lists: the other is None.
+        self.k = self.v = self.lists = None
+        if selections == "packed":
+            self.k = torch.zeros(num_layers, slots, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+        else:
+            self.lists = torch.zeros(num_layers, slots, num_kv_heads, capacity, dtype=torch.int32, device=device)
         self.q = torch.zeros(num_layers, slots + 1, num_q_heads, head_dim, dtype=query_dtype, device=device)
         self.q_prompt = torch.zeros(num_layers, slots + 1, max(prompt_queries, 1), num_q_heads, head_dim,
                                     dtype=query_dtype, device=device)
@@ -57,11 +71,21 @@ class CompactStore:
         """Positions covered by the stored slow-step logits (0: none kept)."""
         return 0 if self.logits is None else self.logits.shape[-1]
 
+    @property
+    def slot_lists(self) -> bool:
+        """Segment A as pool-slot lists (`selections: slot_lists`), not packed K/V."""
+        return self.lists is not None
+
+    def selection_bytes(self) -> int:
+        """Segment A's bytes over every slot and layer (packed K/V, or the lists)."""
+        parts = [self.lists] if self.slot_lists else [self.k, self.v]
+        return sum(t.numel() * t.element_size() for t in parts)
+
     def nbytes(self) -> int:
-        parts = [self.k, self.v, self.q, self.q_prompt, self.knorm]
+        parts = [self.q, self.q_prompt, self.knorm]
         if self.logits is not None:
             parts.append(self.logits)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return self.selection_bytes() + sum(t.numel() * t.element_size() for t in parts)
 
     def save_key_norms(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
         """k [tokens, Hkv, D] just written at pool slots `loc`."""

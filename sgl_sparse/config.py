@@ -172,7 +172,9 @@ class CompactBufferConfig(_Strict):
     budget (the pool holds fewer tokens; sgl_sparse/store_budget.py).
 
     Bytes = slots x layers x KV heads x capacity x head_dim x 2 (K and V) x dtype
-    size; e.g. Qwen3-1.7B, 16 slots, capacity 2052: 3.8 GB. An `sfi` request that
+    size; e.g. Qwen3-1.7B, 16 slots, capacity 2052: 3.8 GB over bf16 (with
+    `selections: slot_lists`, x 4 bytes instead of x head_dim x 2 x dtype size: 29 MB).
+    An `sfi` request that
     finds no free slot is served dense (metric reason `no_compact_slot`).
 
     `slow_logits_context` > 0 also reserves, per slot and layer, the fp32 logits of
@@ -186,6 +188,14 @@ class CompactBufferConfig(_Strict):
 
     slots: int = Field(16, ge=0, le=4096, description="concurrent sfi requests served sparse")
     capacity: int = Field(2052, ge=1, le=1 << 20, description="max sink + budget per request")
+    # What a slot holds of its sink + selected tokens (sgl_sparse/compact.py): their K/V
+    # copied ("packed", contiguous loads on fast steps), or their KV-pool slots
+    # ("slot_lists": 4 bytes a token and KV head instead of 2 x head_dim elements --
+    # Qwen3-1.7B, 16 slots, capacity 2052: 29 MB instead of 3.8 GB over bf16 -- the
+    # refresh writes no copy, and fast steps gather the rows from the pool as
+    # asyncspade's lists do). The attention is the same keys in the same order.
+    selections: Literal["packed", "slot_lists"] = Field(
+        "packed", description="segment A per slot: packed K/V copies, or KV-pool slot lists read in place")
     slow_logits_context: int = Field(
         0, ge=0, le=1 << 22, description="longest slow step whose logits are kept for the Selector (0: off)")
     # A Selector run's host work (~2.6 ms on the H100 whatever its rows) replayed from

@@ -255,8 +255,8 @@ class SchedulerMetrics:
     # ---- SFI compact buffers and Selector --------------------------------------
     def set_compact_store(self, store) -> None:
         """Capacity of the compact store (sgl_sparse.compact.CompactStore), once."""
-        # k, v: [layers, slots, ...]; q, q_prompt: [layers, slots + 1, ...] (a scratch slot).
-        slot = (store.k.nbytes + store.v.nbytes) // store.slots
+        # k, v (or lists): [layers, slots, ...]; q, q_prompt: [layers, slots + 1, ...] (a scratch slot).
+        slot = store.selection_bytes() // store.slots
         slot += (store.q.nbytes + store.q_prompt.nbytes) // (store.slots + 1)
         self._slot_bytes = slot * self.tp_ranks
         self.compact_capacity.labels(self.model_name).set(self._slot_bytes * store.slots)

@@ -26,6 +26,13 @@ def _gather_kv(k_cache, v_cache, slots, dtype):
     return k, v
 
 
+def _listed_kv(k_cache, v_cache, lists):
+    """lists [H, n] pool slots per KV head -> their K and V rows [H, n, D], in the cache's dtype."""
+    head = torch.arange(lists.shape[0], device=lists.device)[:, None]
+    slots = lists.long()
+    return k_cache[slots, head], v_cache[slots, head]
+
+
 def extend_attention(
     q: torch.Tensor,  # [tokens, Hq, D]
     o: torch.Tensor,  # [tokens, Hq, Dv]
@@ -72,11 +79,13 @@ def decode_attention(
     enable_gqa: bool,
     compact_k: Optional[torch.Tensor] = None,  # [slots, Hkv, cap, D] this layer's
     compact_v: Optional[torch.Tensor] = None,
+    compact_lists: Optional[torch.Tensor] = None,  # [slots, Hkv, cap] int32 pool slots, this layer's
 ) -> torch.Tensor:
     """One query per request over segment A and segment B [b_start, b_end).
 
     A is positions [0, a_len) of the pool, or (plan.a_slot >= 0) the first a_len
-    rows of the request's compact buffer, or (plan.a_slot == -2) per KV head h the
+    rows of the request's compact buffer (with `compact_lists`: per KV head h the
+    pool rows compact_lists[a_slot, h, :a_len]), or (plan.a_slot == -2) per KV head h the
     positions plan.a_pos[i, h, :plan.a_len_per_head[i, h]] (a store's, for the rows
     of plan.a_lists)."""
     plan = plan.materialized()
@@ -92,8 +101,12 @@ def decode_attention(
             continue
         if a_slot[i] >= 0 and a_len[i] > 0:
             kb, vb = _gather_kv(k_cache, v_cache, row[b_start[i]: b_end[i]], q.dtype)
-            k = torch.cat([compact_k[a_slot[i], :, : a_len[i]].to(q.dtype), kb], dim=1)
-            v = torch.cat([compact_v[a_slot[i], :, : a_len[i]].to(q.dtype), vb], dim=1)
+            if compact_lists is not None:
+                ka, va = _listed_kv(k_cache, v_cache, compact_lists[a_slot[i], :, : a_len[i]])
+            else:
+                ka, va = compact_k[a_slot[i], :, : a_len[i]], compact_v[a_slot[i], :, : a_len[i]]
+            k = torch.cat([ka.to(q.dtype), kb], dim=1)
+            v = torch.cat([va.to(q.dtype), vb], dim=1)
             _attend_one(qh, o, i, k, v, scaling, enable_gqa)
             continue
         if a_len[i] == 0:

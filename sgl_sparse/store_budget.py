@@ -85,6 +85,7 @@ def build_compact(cfg: SparseServerConfig, shape: StoreShape, *, pool_size: int,
             num_kv_heads=shape.num_kv_heads, num_q_heads=shape.num_q_heads, head_dim=shape.head_dim,
             dtype=shape.dtype, pool_size=pool_size, prompt_queries=cfg.policies.sfi.w_prefill - 1, device=device,
             logit_len=min(cfg.compact.slow_logits_context, shape.context_len), query_dtype=shape.query_dtype,
+            selections=cfg.compact.selections,
         )
     except torch.OutOfMemoryError:
         raise ValueError(

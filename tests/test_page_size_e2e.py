@@ -12,6 +12,11 @@ test makes on purpose):
 - a radix-cache hit is page-aligned (the cached prefix is a whole number of pages) and
   decodes the same tokens; no request state is left.
 
+The page-16 server also keeps SFI's selections as KV-pool slot lists (`compact.selections:
+slot_lists`) where the shared server packs their K/V: the same rows in the same order, so
+that must be invisible too (its own server would cost another ~1 min of CI start-up; the
+kernels' equality is tests/kernels/test_slot_lists.py).
+
 SGLang allocates pages with a Triton kernel (`alloc_extend_kernel`) that needs a GPU
 driver: on CPU the page-16 server runs it in Triton's interpreter (`TRITON_INTERPRET=1`,
 the stock server's requirement too, not the plugin's: its CPU path is plain PyTorch).
@@ -57,8 +62,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def page16(tiny_qwen3):
-    with running_server(tiny_qwen3, "sgl_sparse", extra_args=[*SHARED_ARGS, "--page-size", str(PAGE)],
+def page16(tiny_qwen3, tmp_path_factory):
+    config = tmp_path_factory.mktemp("page16") / "sparse.yaml"
+    config.write_text("compact:\n  selections: slot_lists\n")
+    with running_server(tiny_qwen3, "sgl_sparse",
+                        extra_args=[*SHARED_ARGS, "--page-size", str(PAGE), "--sparse-config", str(config)],
                         env_extra={"TRITON_INTERPRET": "1"}) as h:
         yield h
 

@@ -240,10 +240,11 @@ def _pool(rows_lens, hkv, d, gen):
     return k, v, r2t
 
 
-@pytest.mark.parametrize("group", [1, 4])
-def test_slow_step_refresh_then_fast_step_attention(group):
+@pytest.mark.parametrize("group,selections", [(1, "packed"), (4, "packed"), (4, "slot_lists")])
+def test_slow_step_refresh_then_fast_step_attention(group, selections):
     """Slow step (dense) -> Selector + pack -> the fast step attends exactly
-    sink + Top-K of the refined scores + recent, per KV head."""
+    sink + Top-K of the refined scores + recent, per KV head; segment A packed, or
+    as the rows' pool slots read in place (`compact.selections`)."""
     gen = torch.Generator().manual_seed(group)
     hkv, d, layers = 2, 16, 2
     rows_lens = [(1, 120), (3, 77), (5, 40)]
@@ -254,7 +255,8 @@ def test_slow_step_refresh_then_fast_step_attention(group):
     k, v, r2t = _pool(rows_lens, hkv, d, gen)
     st.compact = CompactStore(slots=4, capacity=70, num_layers=layers, num_kv_heads=hkv,
                               num_q_heads=hkv * group, head_dim=d, dtype=torch.float32,
-                              pool_size=k.shape[0], prompt_queries=3, device=torch.device("cpu"))
+                              pool_size=k.shape[0], prompt_queries=3, device=torch.device("cpu"),
+                              selections=selections)
     for layer in range(layers):
         st.compact.knorm[layer] = k.norm(dim=-1) * (1 + layer)
     store = st.compact
@@ -284,8 +286,9 @@ def test_slow_step_refresh_then_fast_step_attention(group):
     for layer in range(layers):
         qf = torch.randn(3, hkv * group, d, generator=gen)
         out = torch.full_like(qf, float("nan"))
-        reference.decode_attention(qf, out, k, v, r2t, rows, plan2, 1 / math.sqrt(d), group > 1,
-                                   compact_k=store.k[layer], compact_v=store.v[layer])
+        segment_a = (dict(compact_lists=store.lists[layer]) if store.slot_lists
+                     else dict(compact_k=store.k[layer], compact_v=store.v[layer]))
+        reference.decode_attention(qf, out, k, v, r2t, rows, plan2, 1 / math.sqrt(d), group > 1, **segment_a)
         for b, ((r, n), spec) in enumerate(zip(rows_lens, specs)):
             n2 = n + 1
             if b == 2:  # budget covers the sequence: dense

@@ -28,6 +28,14 @@ pool and compact buffers as an fp8 cache holds them (unit scales), the splits as
 backend picks them over fp8 (``kv_fp8``: balanced_splits doubles the programs of a
 step whose keys a program pass FP8_DENSE_SPLIT_KEYS; run it again with
 SGLANG_SPARSE_FP8_DENSE_SPLIT_KEYS=0 for the A/B).
+
+``--slot-lists``: SFI's segment A as pool-slot lists (``compact.selections:
+slot_lists``, ``two_segment_decode``'s ``a_slot_lists``) beside the packed rows: each
+sparse row's 2052 listed rows are the pool slots of random ascending positions below
+its recent window (``req_to_token`` is a random permutation here: a worst case for the
+gather, where serving's prompt slots are mostly in order), the packed buffers hold
+those rows, and ``lists_ms`` / ``lists_balanced_ms`` time the same launches reading
+the lists (outputs checked equal).
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ LAYERS, HKV, HQ, D, CAP, RECENT = 28, 8, 16, 128, 2052, 256
 MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
 
 
-def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, variants: bool = False) -> dict:
+def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, variants: bool = False,
+         slot_lists: bool = False) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -58,6 +67,14 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     a_k = torch.randn(bs, HKV, CAP, D, device=dev, dtype=torch.bfloat16, generator=gen)
     a_v = torch.randn_like(a_k)
     q = torch.randn(bs, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    lists = None
+    if slot_lists and ctx - RECENT >= CAP:  # ascending random positions below the recent window, as a Top-K
+        below = ctx - RECENT
+        pos = torch.rand(bs, HKV, below, device=dev, generator=gen).argsort(-1)[..., :CAP - 4].sort(-1).values
+        pos = torch.cat([torch.arange(4, device=dev).expand(bs, HKV, 4), pos.clamp(min=4)], -1)  # the sink
+        lists = torch.gather(r2t[:, None, :below].expand(bs, HKV, below), 2, pos).int().contiguous()
+        head = torch.arange(HKV, device=dev)[None, :, None]
+        a_k, a_v = k[lists.long(), head], v[lists.long(), head]
     fp8 = kv_dtype != torch.bfloat16
     if fp8:
         k, v, a_k, a_v = (t.to(kv_dtype) for t in (k, v, a_k, a_v))
@@ -74,9 +91,10 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
-    def launch(name, balance: bool):
+    def launch(name, balance: bool, listed: bool = False):
         o = torch.empty(bs, HQ, D, device=dev, dtype=torch.bfloat16)
         outs[name] = o
+        seg_a = dict(a_slot_lists=lists) if listed else {}
 
         def step():
             # As the backend: the splits (and BALANCE_GATE's gate) once per step, for every
@@ -93,7 +111,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             for _ in range(LAYERS):
                 for kw in launches:
                     K.two_segment_decode(q, a_k, a_v, a_slot, a_len, k, v, r2t, idx, b_start, b_end, scale,
-                                         max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **kw)
+                                         max_kv_len=MAX_KV_LEN, out=o, split_counters=counters, **seg_a, **kw)
         return step
 
     t_default = graph_replay_ms(launch("default", False))
@@ -108,6 +126,10 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
                 t_gated_major = graph_replay_ms(launch("gated_split_major", True))
         with module_constant(TSD, "BALANCE_GATE", True):
             t_gated = graph_replay_ms(launch("gated", True))
+    t_lists = t_lists_bal = None
+    if lists is not None:
+        t_lists = graph_replay_ms(launch("lists", False, True))
+        t_lists_bal = graph_replay_ms(launch("lists_balanced", True, True))
     ref = outs["default"].float()
     err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
               for name, o in outs.items() if name != "default")
@@ -120,6 +142,8 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
             "balanced_gated_split_major_ms": None if t_gated_major is None else round(t_gated_major, 3),
+            "lists_ms": None if t_lists is None else round(t_lists, 3),
+            "lists_balanced_ms": None if t_lists_bal is None else round(t_lists_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
             "default_TBps": round(moved / t_default / 1e9, 2), "balanced_TBps": round(moved / t_bal / 1e9, 2),
             "max_rel_diff": err, "same": err < 2e-2 and not any(o.isnan().any().item() for o in outs.values())}
@@ -139,6 +163,8 @@ def main():
     ap.add_argument("--variants", action="store_true",
                     help="also time the balanced launch split-major (BALANCE_SPLIT_MAJOR), gated with its plain "
                          "twin (BALANCE_GATE, the default), and both, in the same run; 'balanced' is ungated")
+    ap.add_argument("--slot-lists", action="store_true",
+                    help="also time segment A read from pool-slot lists (a_slot_lists) instead of packed rows")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
@@ -150,7 +176,7 @@ def main():
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants)
+            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants, a.slot_lists)
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
@@ -161,7 +187,8 @@ def main():
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
               + (f" {r['balanced_split_major_ms']} | {r['balanced_gated_ms']} | "
-                 f"{r['balanced_gated_split_major_ms']} |" if major else ""))
+                 f"{r['balanced_gated_split_major_ms']} |" if major else "")
+              + (f" lists {r['lists_ms']} / balanced {r['lists_balanced_ms']}" if a.slot_lists else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))

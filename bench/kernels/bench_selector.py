@@ -27,6 +27,9 @@ The ratio refresh/dense is the slow step's extra attention-side cost per layer;
 with the logits kept. `--profile CTXxBATCH` prints the per-kernel breakdown of
 both refreshes (w = 1): `_evidence_pass1` disappears from the stored one,
 `_stored_partials` / `_stored_pass2` read G fp32 logits per key instead.
+`--selections slot_lists`: the store keeps the selections as pool-slot lists
+(`compact.selections`): the refresh's packing writes 4 bytes a row instead of copying
+its K and V.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ def time_ms(fn, reps: int) -> float:
 
 
 LAYERS = 28
+SELECTIONS = "packed"  # --selections: CompactStore's segment A
+
+
+def _segment_a(store) -> list[torch.Tensor]:
+    """What the refresh writes for segment A: the lists, or the packed K and V."""
+    return [store.lists] if store.slot_lists else [store.k, store.v]
 
 
 def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: int = 0, norms: str = "pool"):
@@ -84,7 +93,7 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: in
     stored = w == 1
     st.compact = CompactStore(slots=bs, capacity=cap, num_layers=LAYERS, num_kv_heads=hkv, num_q_heads=hq,
                               head_dim=d, dtype=torch.bfloat16, pool_size=pool, prompt_queries=max(w - 1, 0),
-                              device=dev, logit_len=room if stored else 0)
+                              device=dev, logit_len=room if stored else 0, selections=SELECTIONS)
     # "pool": the random keys' own norms (a chi spread: few survivors in the medians);
     # "qknorm": norms as a Qwen3 pool holds them (stats_ab's qk_normed_key_norms)
     shape = tuple(st.compact.knorm.shape)
@@ -113,8 +122,10 @@ def case(ctx: int, bs: int, w: int, reps: int, fns: dict | None = None, room: in
     a_len = torch.zeros(bs, hkv, dtype=torch.int32, device=dev)
     slots = st.slot[idx].int()
 
+    no_compact = k.new_zeros(1, hkv, 1, d)  # a_len 0: segment A unread
+
     def dense(layer: int = 0, **kw):
-        return two_segment_decode(q, st.compact.k[layer], st.compact.v[layer], zero - 1, a_len, k, v, r2t, idx,
+        return two_segment_decode(q, no_compact, no_compact, zero - 1, a_len, k, v, r2t, idx,
                                   zero, n, scale, max_kv_len=ctx, **kw)
 
     t_dense = time_ms(dense, reps)
@@ -206,7 +217,7 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
 
     def snapshot() -> list[torch.Tensor]:
         torch.cuda.synchronize()
-        return [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
+        return [t.clone() for t in (*_segment_a(st.compact), st.sel_count, st.sel_ready)]
 
     for name, fn in _runs(fns):
         st.compact.refresh_graphs = None
@@ -222,7 +233,7 @@ def host_profile(ctx: int, bs: int, calls: int = 20) -> dict:
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
         print(f"--- host profile: {name} ({ctx} x {bs}, w = 1, {calls} calls)\n{buf.getvalue()}", flush=True)
         eager = snapshot()
-        for t in (st.compact.k, st.compact.v, st.sel_count):
+        for t in (*_segment_a(st.compact), st.sel_count):
             t.zero_()
         st.sel_ready.zero_()
         graphs = st.compact.refresh_graphs = RefreshGraphs(torch.device("cuda"))
@@ -251,7 +262,7 @@ def length_pad(ctx: int, bs: int, factors: tuple[int, ...] = (1, 2, 4), calls: i
     out = {"ctx": ctx, "batch": bs, "device_ms": {}, "same": {}}
     for f in factors:
         st.compact.refresh_graphs = RefreshGraphs(torch.device("cuda"))
-        for t in (st.compact.k, st.compact.v, st.sel_count):
+        for t in (*_segment_a(st.compact), st.sel_count):
             t.zero_()
         st.sel_ready.zero_()
 
@@ -261,7 +272,7 @@ def length_pad(ctx: int, bs: int, factors: tuple[int, ...] = (1, 2, 4), calls: i
 
         out["device_ms"][f] = round(time_ms(fn, calls), 3)
         torch.cuda.synchronize()
-        got = [t.clone() for t in (st.compact.k, st.compact.v, st.sel_count, st.sel_ready)]
+        got = [t.clone() for t in (*_segment_a(st.compact), st.sel_count, st.sel_ready)]
         ref = ref if ref is not None else got
         out["same"][f] = all(torch.equal(a, b) for a, b in zip(ref, got))
         out.setdefault("graphs", {})[f] = {"captures": st.compact.refresh_graphs.captures,
@@ -385,7 +396,11 @@ def main():
     ap.add_argument("--windows", default="1,32", help="the refresh's evidence windows w timed per case")
     ap.add_argument("--stats-ab", action="store_true", help="time the stats kernel's two histograms per case")
     ap.add_argument("--pack-ab", action="store_true", help="time pack_compact's tilings per case")
+    ap.add_argument("--selections", choices=("packed", "slot_lists"), default="packed",
+                    help="the compact store's segment A (compact.selections)")
     a = ap.parse_args()
+    global SELECTIONS
+    SELECTIONS = a.selections
     for c in filter(None, a.profile.split(",")):
         ctx, bs = map(int, c.split("x"))
         profile(ctx, bs, 1, a.norms)

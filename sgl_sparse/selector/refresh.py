@@ -79,11 +79,30 @@ def window_logits_torch(q: torch.Tensor, k_pool: torch.Tensor, tok: torch.Tensor
     return out.masked_fill(future[:, None, None], float("-inf"))
 
 
-def _pack_torch(k_pool, v_pool, tok_sel, a_k, a_v, slots) -> None:
-    """tok_sel [r, Hkv, cap] pool slots -> a_k/a_v[slots] (rows past the length are junk)."""
+def _pack_torch(store, layer: int, k_pool, v_pool, tok_sel, slots) -> None:
+    """tok_sel [r, Hkv, cap] pool slots -> the store's slots of `layer`: the slots
+    themselves (slot lists) or their K/V rows (rows past the length are junk)."""
+    if store.slot_lists:
+        store.lists[layer][slots] = tok_sel.to(torch.int32)
+        return
     head = torch.arange(k_pool.shape[1], device=k_pool.device)[None, :, None]
-    a_k[slots] = k_pool[tok_sel, head]
-    a_v[slots] = v_pool[tok_sel, head]
+    store.k[layer][slots] = k_pool[tok_sel, head]
+    store.v[layer][slots] = v_pool[tok_sel, head]
+
+
+def _pack_kernels(store, k_pools, v_pools, first: int, req_to_token, ridx, pos, sel_len, sink, do_pack,
+                  slot, a_len) -> None:
+    """The Top-K's positions into the store's slots of layers [first, first + len(k_pools)),
+    one launch (k_pools, v_pools: those layers' kernels.LayerPools)."""
+    from sgl_sparse.kernels import list_compact_layers, pack_compact_layers
+
+    last = first + len(k_pools)
+    if store.slot_lists:
+        list_compact_layers(k_pools, req_to_token, ridx, pos, sel_len, sink, do_pack, store.lists[first:last],
+                            slot, a_len)
+    else:
+        pack_compact_layers(k_pools, v_pools, req_to_token, ridx, pos, sel_len, sink, do_pack,
+                            store.k[first:last], store.v[first:last], slot, a_len)
 
 
 def refresh(
@@ -130,7 +149,7 @@ def _refresh_part(state, rows, n_bound, k_buffer, v_buffer, req_to_token, scalin
 
     graphs = store.refresh_graphs
     if pools is None or graphs is None or not graphs.enabled:
-        launch(to_device(torch.tensor(rows, dtype=torch.int32), store.k.device), specs, n_bound)
+        launch(to_device(torch.tensor(rows, dtype=torch.int32), store.device), specs, n_bound)
         return
     # What a launch bakes in besides the shape: the loop bounds from the specs and
     # the pools' address table.
@@ -217,7 +236,7 @@ def _refresh_rows(state, ridx: torch.Tensor, specs, n_bound, k_buffer, v_buffer,
                   pools: "_Pools | None", w: int, stored: bool) -> None:
     """Rows `ridx` (int32 device indices) in groups whose fp32 logits fit _MAX_LOGIT_ELEMS."""
     store = state.compact
-    hkv, hq = store.k.shape[2], store.q.shape[2]
+    hkv, hq = store.num_kv_heads, store.q.shape[2]
     per_row = hkv * (hq // hkv) * w * max(n_bound, 1)
     # Stored logits: none materialized, the Selector's [r, H, N] tensors bound the group.
     step = max(1, (_MAX_SELECT_ELEMS_KERNELS // (hkv * max(n_bound, 1))) if stored else (_MAX_LOGIT_ELEMS // per_row))
@@ -232,7 +251,7 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
     use_kernels = pools is not None
     r, dev = ridx_r.shape[0], ridx_r.device
     n = min(n_bound, req_to_token.shape[1])
-    hkv = store.k.shape[2]
+    hkv = store.num_kv_heads
     # The Selector after the evidence runs on several layers at once (a batch of
     # layers x requests): few, large launches instead of ~40 small ones per layer.
     per_layer = r * hkv * max(n, 1)
@@ -247,8 +266,7 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
     # min(budget, |A_t|) of them in every layer and head.
     sel_len = lo + torch.minimum(g.budget[:r], (hi - lo).clamp(min=0))
     if use_kernels:
-        from sgl_sparse.kernels import (gather_key_norms, pack_compact_layers, selector_scores, stored_evidence,
-                                        window_evidence)
+        from sgl_sparse.kernels import gather_key_norms, selector_scores, stored_evidence, window_evidence
         from sgl_sparse.kernels.topk_range import topk_range
 
         do_pack = torch.ones(r, dtype=torch.bool, device=dev)
@@ -295,9 +313,9 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
             # (one per bucket) would each compile a register-row variant mid-decode.
             pos, _ = topk_range(s, lo_l, hi_l, g.budget[:m], max(1, k_max), one_block=False)
             del s
-            pack_compact_layers(pools.k.layers(first, first + nl), pools.v.layers(first, first + nl), req_to_token,
-                                g.ridx[:r], pos, sel_len[:, None].expand(-1, hkv), lo, do_pack,
-                                store.k[first: first + nl], store.v[first: first + nl], g.slot[:r], a_len)
+            _pack_kernels(store, pools.k.layers(first, first + nl), pools.v.layers(first, first + nl), first,
+                          req_to_token, g.ridx[:r], pos, sel_len[:, None].expand(-1, hkv), lo, do_pack, g.slot[:r],
+                          a_len)
             continue
         norms = store.knorm[first: first + nl][:, tok].permute(0, 1, 3, 2).reshape(m, hkv, n)
         s = refined_scores_from_evidence(u, norms, lo_l, hi_l, knobs_l)
@@ -307,7 +325,7 @@ def _refresh_group(state, ridx_r, specs, n_bound, w, k_buffer, v_buffer, req_to_
         slots_l = g.slot[:r].long()
         for li, layer in enumerate(layers):
             tok_sel = torch.gather(tok[:, None, :].expand(-1, hkv, -1), 2, sel_pos[li])
-            _pack_torch(k_buffer(layer), v_buffer(layer), tok_sel, store.k[layer], store.v[layer], slots_l)
+            _pack_torch(store, layer, k_buffer(layer), v_buffer(layer), tok_sel, slots_l)
     state.sel_count[g.ridx[:r]] = sel_len
     # index_fill_, not `[...] = True`: on CUDA a Python scalar written through an index
     # is a pageable host->device copy, which waits for the stream (the H100 profile of
@@ -355,15 +373,14 @@ def warm_up_kernels(store, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_to
     """
     for rows, n in _WARM_SHAPES:
         _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling, rows, min(n, req_to_token.shape[1]))
-    if store.k.device.type == "cuda":
-        torch.cuda.synchronize(store.k.device)
+    if store.device.type == "cuda":
+        torch.cuda.synchronize(store.device)
 
 
 def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: int, n: int) -> None:
     from sgl_sparse.kernels import (
         LayerPools,
         gather_key_norms,
-        pack_compact_layers,
         selector_scores,
         selector_stats,
         stored_evidence,
@@ -372,8 +389,8 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
     from sgl_sparse.kernels._split import AUTO_SPLIT
     from sgl_sparse.kernels.topk_range import LAUNCH_SHAPES, topk_range
 
-    dev = store.k.device
-    hkv, hq, d = store.k.shape[2], store.q.shape[2], store.k.shape[4]
+    dev = store.device
+    hkv, hq, d = store.num_kv_heads, store.q.shape[2], store.q.shape[3]
     full = lambda v: torch.full((rows,), v, dtype=torch.int32, device=dev)  # noqa: E731
     ridx, lo, hi, zero = full(0), full(0), full(n), full(0)
     # The evidence and the packing as the refresh launches them: through the layers' address table.
@@ -408,6 +425,6 @@ def _warm_up(store, k_pool, v_pool, req_to_token, specs, scaling: float, rows: i
             topk_range(torch.zeros(rows, hkv, n, dtype=torch.float32, device=dev), lo, hi, full(1), 1,
                        block_n=block_n, num_warps=num_warps, splits=splits)
     sel = torch.zeros(rows, hkv, 1, dtype=torch.int32, device=dev)
-    pack_compact_layers(k_pools, v_pools, req_to_token, ridx, sel, zero[:, None].expand(rows, hkv), zero,
-                        torch.zeros(rows, dtype=torch.bool, device=dev), store.k[:1], store.v[:1], zero,
-                        torch.empty(rows, hkv, dtype=torch.int32, device=dev))
+    _pack_kernels(store, k_pools, v_pools, 0, req_to_token, ridx, sel,
+                  zero[:, None].expand(rows, hkv), zero, torch.zeros(rows, dtype=torch.bool, device=dev), zero,
+                  torch.empty(rows, hkv, dtype=torch.int32, device=dev))
