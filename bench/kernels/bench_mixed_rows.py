@@ -36,6 +36,10 @@ its recent window (``req_to_token`` is a random permutation here: a worst case f
 gather, where serving's prompt slots are mostly in order), the packed buffers hold
 those rows, and ``lists_ms`` / ``lists_balanced_ms`` time the same launches reading
 the lists (outputs checked equal).
+
+``--tilings 64:4:3,32:2:2,...``: the plain launch (no balance) again at each
+``block_n:num_warps:num_stages`` (``tilings_ms``; the default is 64:4:3, chosen over
+bf16 on an H100 in session 12, never swept over fp8 on sparse rows).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ MAX_KV_LEN = 140000  # serving's bound: the req_to_token row
 
 
 def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, variants: bool = False,
-         slot_lists: bool = False) -> dict:
+         slot_lists: bool = False, tilings: tuple = ()) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(ctx + bs + dense)
     pool = bs * ctx + 16
@@ -91,10 +95,11 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     keys = HKV * (dense * ctx + (bs - dense) * (CAP + RECENT))
     outs = {}
 
-    def launch(name, balance: bool, listed: bool = False):
+    def launch(name, balance: bool, listed: bool = False, tiling: dict | None = None):
         o = torch.empty(bs, HQ, D, device=dev, dtype=torch.bfloat16)
         outs[name] = o
         seg_a = dict(a_slot_lists=lists) if listed else {}
+        seg_a.update(tiling or {})
 
         def step():
             # As the backend: the splits (and BALANCE_GATE's gate) once per step, for every
@@ -130,6 +135,15 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     if lists is not None:
         t_lists = graph_replay_ms(launch("lists", False, True))
         t_lists_bal = graph_replay_ms(launch("lists_balanced", True, True))
+    t_tilings = {}
+    for bn, nw, ns in tilings:
+        name = f"{bn}:{nw}:{ns}"
+        try:
+            t_tilings[name] = round(graph_replay_ms(launch(name, False, tiling=dict(block_n=bn, num_warps=nw,
+                                                                                     num_stages=ns))), 3)
+        except Exception as e:  # e.g. out of shared memory: a tiling this GPU cannot run
+            outs.pop(name, None)
+            t_tilings[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
     ref = outs["default"].float()
     err = max(((o.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
               for name, o in outs.items() if name != "default")
@@ -142,6 +156,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
             "balanced_gated_split_major_ms": None if t_gated_major is None else round(t_gated_major, 3),
+            "tilings_ms": t_tilings or None,
             "lists_ms": None if t_lists is None else round(t_lists, 3),
             "lists_balanced_ms": None if t_lists_bal is None else round(t_lists_bal, 3),
             "speedup": round(t_default / t_bal, 3), "kv_bytes_28_layers": moved,
@@ -165,6 +180,8 @@ def main():
                          "twin (BALANCE_GATE, the default), and both, in the same run; 'balanced' is ungated")
     ap.add_argument("--slot-lists", action="store_true",
                     help="also time segment A read from pool-slot lists (a_slot_lists) instead of packed rows")
+    ap.add_argument("--tilings", default="",
+                    help="block_n:num_warps:num_stages,...: the plain launch timed at each tiling too")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     kv_dtype = {"model": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[a.kv_dtype]
@@ -176,7 +193,8 @@ def main():
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants, a.slot_lists)
+            tilings = tuple(tuple(map(int, t.split(":"))) for t in filter(None, a.tilings.split(",")))
+            r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants, a.slot_lists, tilings)
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
@@ -188,7 +206,8 @@ def main():
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
               + (f" {r['balanced_split_major_ms']} | {r['balanced_gated_ms']} | "
                  f"{r['balanced_gated_split_major_ms']} |" if major else "")
-              + (f" lists {r['lists_ms']} / balanced {r['lists_balanced_ms']}" if a.slot_lists else ""))
+              + (f" lists {r['lists_ms']} / balanced {r['lists_balanced_ms']}" if a.slot_lists else "")
+              + (f" tilings {r['tilings_ms']}" if r["tilings_ms"] else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM
     for v in variants:
         print("  stage-1 variant: " + ", ".join(f"{k} {x}" for k, x in v.items()))
