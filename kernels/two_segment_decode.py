@@ -205,6 +205,12 @@ FP8_DENSE_SPLIT_KEYS = env_count("FP8_DENSE_SPLIT_KEYS", 12288, 0, 1 << 30)
 # SGLANG_SPARSE_FP8_F16_DOTS=0 / SGLANG_SPARSE_FP8_V_ASM=0: the query's dtype / the
 # compiler's own widening, as before (A/B timing; every variant is tested).
 FP8_F16_DOTS = env_switch("FP8_F16_DOTS", True)
+# Warps a program over an fp8 cache (bf16's 4 otherwise). H200, e4m3, 28 layers, rows of
+# 2052 compact + 256 recent keys, the plain launch (bench_mixed_rows.py --tilings,
+# session 44): 64 keys in 3 stages at 2 warps 1.590 / 0.522 / 0.419 ms against 4 warps'
+# 1.669 / 0.547 / 0.425 at 8192 x 32 / 32768 x 8 / 131072 x 4. The balanced and dense
+# launches at 2 warps are not yet timed: 4 stays the default until they are.
+FP8_NUM_WARPS = env_count("FP8_NUM_WARPS", 4, 1, 8)
 FP8_V_ASM = env_switch("FP8_V_ASM", True)
 
 
@@ -1079,7 +1085,7 @@ def two_segment_decode(
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
     num_stages: int = 3,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Sparse decode attention over segment A (compact) + segment B (paged range).
@@ -1213,7 +1219,8 @@ def two_segment_decode(
             ``k / k_scale`` and ``v / v_scale``. ``k_scale`` is folded into the
             softmax scale (``logits_out`` and the LSE are the dequantized keys'),
             ``v_scale`` multiplies the output.
-        block_n, num_warps, num_stages: Triton tuning knobs.
+        block_n, num_warps, num_stages: Triton tuning knobs (``num_warps`` None: 4, or
+            ``FP8_NUM_WARPS`` over an fp8 cache).
 
     Returns:
         ``o`` ``[bs, Hq, D]`` (dtype of q), or ``(o, lse)`` if ``return_lse``.
@@ -1296,6 +1303,8 @@ def two_segment_decode(
 
     if block_n is None:
         block_n = _default_block_n(head_dim)
+    if num_warps is None:
+        num_warps = FP8_NUM_WARPS if kv_fp8 else 4
     block_d = next_pow2(head_dim)
     block_h = max(16, next_pow2(group))  # tl.dot needs M >= 16
     min_split_blocks = max(1, cdiv(min_split_len, block_n))
