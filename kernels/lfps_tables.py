@@ -408,9 +408,12 @@ PRIORITY_C0_FROM_READ = True
 #: (_row_moments' TREE) instead of in chunk order, whose dependent loads and merges grow
 #: with the chunks: the candidate for session 43's 0.38 ms a step that 32 chunks cost
 #: over 16 at 130000 x 1. The same merges in another order: C1 may differ at its
-#: thresholds by fp32 rounding. Off until timed (SGLANG_SPARSE_LFPS_TREE_MERGE=1; and
-#: bench_lfps_priority's A/B).
-PRIORITY_TREE_MERGE = env_switch("LFPS_TREE_MERGE", False)
+#: thresholds by fp32 rounding. H200, one layer under CUDA-graph replay
+#: (bench_lfps_priority.py, session 44, results/lfps_priority_tree_h200_s44.log), in
+#: order -> tree: 130000 x 4 at 16 chunks (the default there) 57.4 -> 52.7 us, 32 chunks
+#: 74.7 -> 56.4; 8192 x 32 at 2 chunks (its default) 26.4 -> 26.1, 16 chunks 87.1 ->
+#: 58.3; never slower. Served A/B not yet run. SGLANG_SPARSE_LFPS_TREE_MERGE=0: in order.
+PRIORITY_TREE_MERGE = env_switch("LFPS_TREE_MERGE", True)
 #: The table statistics' tile (its lanes' moments: ten fp32 accumulators an entry a
 #: thread): 512 compiles for sm_90 in 96 registers without spilling, 1024 in 168-175
 #: with a stack (tests/kernels/test_lfps_tables.py).
