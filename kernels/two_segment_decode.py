@@ -187,6 +187,16 @@ BALANCE_SPLIT_MAJOR = env_switch("BALANCE_SPLIT_MAJOR", False)
 # the balanced launch alone (the empty launch). Served natural sfi at 32768 x 8: fast
 # steps 2.875 -> 2.742 ms, inter-token time 3.307 -> 3.263 ms (bench/README "Session 40").
 BALANCE_GATE = env_switch("BALANCE_GATE", True)
+# The gated pair as one launch (gate=(flag, None)): the plain partition's programs first
+# in the grid, the balanced partition's after them, the flag read by every program. A
+# step replays one kernel node a layer instead of two: natural sfi, which replays the
+# pair at every step (its host cannot know a slow step in time), paid ~0.10 ms a step at
+# 32768 x 8 over e4m3 for the closed twins (bench/README "Session 43"). The closed
+# partition's programs still start and return, now beside the working ones, and over
+# fp8 the plain partition runs under the balanced launch's register cap (128, compiled
+# for sm_90 without spilling; the plain launch alone takes ~143). Untimed: off until
+# bench_mixed_rows --variants and a served A/B (SGLANG_SPARSE_BALANCE_ONE_GRID=1).
+BALANCE_ONE_GRID = env_switch("BALANCE_ONE_GRID", False)
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -377,6 +387,7 @@ def _two_segment_decode_stage1(
     A_POS_CAP,
     A_POS2_CAP,
     MIN_SPLIT_BLOCKS,
+    PLAIN_SPLITS,  # GATE_RUN 3: the plain partition's splits, the grid's first ones
     POOL_ROWS,  # k_pool.shape[0]: the clamp of listed pool slots (A_POS_SLOTS)
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
@@ -402,7 +413,7 @@ def _two_segment_decode_stage1(
     V_ASM: tl.constexpr,  # with F16_DOTS, compiled: the values widened by _widen_v's PTX
     SPLIT_MAJOR: tl.constexpr,  # grid (splits, Hkv, bs): see BALANCE_SPLIT_MAJOR
     RECORD: tl.constexpr,  # a probe's record of where and when each program ran (``record``)
-    GATE_RUN: tl.constexpr,  # 0: always; 1: only if GATE != 0; 2: only if GATE == 0 (``gate``)
+    GATE_RUN: tl.constexpr,  # 0: always; 1: only if GATE != 0; 2: only if GATE == 0; 3: both (``gate``)
 ):
     # A gated launch whose turn it is not this step: nothing read or written (its twin
     # does the side effects too, and records the step if asked).
@@ -427,6 +438,16 @@ def _two_segment_decode_stage1(
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)
     cur_kvh = tl.program_id(1)
+    if GATE_RUN == 3:
+        # One grid, both partitions (request-major): splits [0, PLAIN_SPLITS) are the
+        # plain launch's, first in launch order so that they are dealt to the SMs as
+        # its grid is; the rest the balanced launch's. The flag picks one; the other's
+        # programs return here, as a closed twin's would, without a launch of their own.
+        balanced_now = tl.load(GATE) != 0
+        split = tl.where(balanced_now, split - PLAIN_SPLITS, split)
+        num_splits = tl.where(balanced_now, num_splits - PLAIN_SPLITS, PLAIN_SPLITS)
+        if (split < 0) | (split >= num_splits):
+            return
     row_mode = 1
     if HAS_ROW_MASK:
         # Rows another kernel serves (e.g. `full` rows through FlashInfer) are
@@ -438,6 +459,8 @@ def _two_segment_decode_stage1(
     if BALANCE:
         # This request's splits of the grid's (balanced_splits, once per step).
         splits_here = tl.minimum(tl.maximum(tl.load(ROW_SPLITS + cur_b), 1), num_splits)
+        if GATE_RUN == 3:
+            splits_here = tl.where(balanced_now, splits_here, num_splits)
         if FUSED_MERGE:
             if split >= splits_here:  # never split 0: the side effects below are its
                 return
@@ -1197,7 +1220,10 @@ def two_segment_decode(
             ``when_set``); otherwise its programs return at once, side effects
             included. Two launches with one flag and opposite ``when_set`` are one
             launch chosen on the device (``balance_gate``). Its launch must need no
-            merge kernel (one split, or the one-launch merge).
+            merge kernel (one split, or the one-launch merge). ``(flag, None)``
+            (with ``balance``): both in one launch, its grid the plain launch's
+            splits followed by the balanced launch's, the flag picking which
+            programs work (``BALANCE_ONE_GRID``): no closed twin to launch.
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -1287,9 +1313,10 @@ def two_segment_decode(
     if num_sms is None:
         num_sms = device_num_sms(q.device)
     kv_fp8 = k_pool.dtype in FP8_KV_DTYPES
+    plain_splits = num_splits  # what the same call's plain launch splits a row into
     if num_splits is None:
         base, grid_splits = balanced_grid_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8)
-        num_splits = base
+        num_splits = plain_splits = base
         balance = balance and split_counters is not None and _balance_fits(bs, num_kv_heads, base, num_sms, kv_fp8)
         if balance:
             num_splits = grid_splits
@@ -1338,14 +1365,19 @@ def two_segment_decode(
     if gate is not None:
         assert gate[0].dtype == torch.int32 and gate[0].device == q.device, "gate: ([1] int32 flag, when_set)"
         assert direct or fused, "gate: a launch with the merge kernel would merge a skipped stage 1"
+    one_grid = gate is not None and gate[1] is None
+    if one_grid:
+        assert balance, "gate (flag, None): one grid for the plain and the balanced partitions needs a balanced launch"
+        plain_splits = int(max(1, plain_splits))
     if record is not None:
         assert record.dtype == torch.int64 and record.is_contiguous() and record.device == q.device
         assert not is_interpreter(), "record: inline PTX (%smid, %globaltimer), compiled GPUs only"
     # A grid's second and third dimensions stop at 65535: a batch that large keeps
     # the request-major order.
-    split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535
-    grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, num_splits)
-    assert record is None or record.numel() >= 3 * bs * num_kv_heads * num_splits, "record: [programs, 3]"
+    split_major = balance and BALANCE_SPLIT_MAJOR and bs <= 65535 and not one_grid
+    grid_splits_axis = plain_splits + num_splits if one_grid else num_splits
+    grid = (num_splits, num_kv_heads, bs) if split_major else (bs, num_kv_heads, grid_splits_axis)
+    assert record is None or record.numel() >= 3 * bs * num_kv_heads * grid_splits_axis, "record: [programs, 3]"
     f16_dots = FP8_F16_DOTS and kv_fp8
     _two_segment_decode_stage1[grid](
         q,
@@ -1427,6 +1459,7 @@ def two_segment_decode(
         a_pos.shape[2] if a_pos is not None else 0,
         a_lists[1].shape[2] if a_lists is not None else 0,
         min_split_blocks,
+        plain_splits if one_grid else 0,
         k_pool.shape[0],
         HEAD_DIM=head_dim,
         GROUP=group,
@@ -1452,7 +1485,7 @@ def two_segment_decode(
         V_ASM=f16_dots and FP8_V_ASM and has_fp8_pair_conversions(q.device),
         SPLIT_MAJOR=split_major,
         RECORD=record is not None,
-        GATE_RUN=0 if gate is None else 1 if gate[1] else 2,
+        GATE_RUN=0 if gate is None else 3 if gate[1] is None else 1 if gate[1] else 2,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,

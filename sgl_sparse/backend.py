@@ -588,9 +588,13 @@ class SparseAttnBackend(AttentionBackend):
         launches = [dict(balance=self._row_splits is not None, row_splits=self._row_splits)]
         if self._balance_gate is not None:
             # the plain partition too, the device choosing one of the two a step
-            # (kernels.BALANCE_GATE): rows all alike run the plain grid
-            launches = [dict(balance=False, gate=(self._balance_gate, False)),
-                        dict(launches[0], gate=(self._balance_gate, True))]
+            # (kernels.BALANCE_GATE): rows all alike run the plain grid; in one launch
+            # with the balanced one where kernels.BALANCE_ONE_GRID says so
+            if _decode_switch("BALANCE_ONE_GRID"):
+                launches = [dict(launches[0], gate=(self._balance_gate, None))]
+            else:
+                launches = [dict(balance=False, gate=(self._balance_gate, False)),
+                            dict(launches[0], gate=(self._balance_gate, True))]
         for launch in launches:
             two_segment_decode(
                 q3,
@@ -740,7 +744,7 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
 
 
 def _decode_switch(name: str) -> bool:
-    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE), read
+    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE, BALANCE_ONE_GRID), read
     when asked: imported late (Triton), set by tests."""
     import importlib
 

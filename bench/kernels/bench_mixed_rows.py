@@ -37,6 +37,9 @@ gather, where serving's prompt slots are mostly in order), the packed buffers ho
 those rows, and ``lists_ms`` / ``lists_balanced_ms`` time the same launches reading
 the lists (outputs checked equal).
 
+``--variants`` also times the gated pair as one launch (``BALANCE_ONE_GRID``:
+``balanced_gated_one_grid_ms``).
+
 ``--tilings 64:4:3,32:2:2,...``: the plain launch (no balance) again at each
 ``block_n:num_warps:num_stages`` (``tilings_ms``; the default is 64:4:3, chosen over
 bf16 on an H100 in session 12, never swept over fp8 on sparse rows).
@@ -111,7 +114,9 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
                 row_splits, gate = K.step_balance(a_len, b_start, b_end, None, HKV, MAX_KV_LEN, sms, fp8)
             if row_splits is not None:
                 launches = [dict(balance=True, row_splits=row_splits)]
-                if gate is not None:  # the plain twin beside it, one of the two running
+                if gate is not None and TSD.BALANCE_ONE_GRID:  # both partitions in one launch
+                    launches = [dict(launches[0], gate=(gate, None))]
+                elif gate is not None:  # the plain twin beside it, one of the two running
                     launches = [dict(balance=False, gate=(gate, False)), dict(launches[0], gate=(gate, True))]
             for _ in range(LAYERS):
                 for kw in launches:
@@ -122,7 +127,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
     t_default = graph_replay_ms(launch("default", False))
     with module_constant(TSD, "BALANCE_GATE", False):  # the balanced launch alone
         t_bal = graph_replay_ms(launch("balanced", True))
-    t_major = t_gated = t_gated_major = None
+    t_major = t_gated = t_gated_major = t_one_grid = None
     if variants:  # the balanced launch split-major (BALANCE_SPLIT_MAJOR); gated with its twin (BALANCE_GATE), both
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
             with module_constant(TSD, "BALANCE_GATE", False):
@@ -131,6 +136,8 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
                 t_gated_major = graph_replay_ms(launch("gated_split_major", True))
         with module_constant(TSD, "BALANCE_GATE", True):
             t_gated = graph_replay_ms(launch("gated", True))
+            with module_constant(TSD, "BALANCE_ONE_GRID", True):
+                t_one_grid = graph_replay_ms(launch("gated_one_grid", True))
     t_lists = t_lists_bal = None
     if lists is not None:
         t_lists = graph_replay_ms(launch("lists", False, True))
@@ -156,6 +163,7 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
             "balanced_split_major_ms": None if t_major is None else round(t_major, 3),
             "balanced_gated_ms": None if t_gated is None else round(t_gated, 3),
             "balanced_gated_split_major_ms": None if t_gated_major is None else round(t_gated_major, 3),
+            "balanced_gated_one_grid_ms": None if t_one_grid is None else round(t_one_grid, 3),
             "tilings_ms": t_tilings or None,
             "lists_ms": None if t_lists is None else round(t_lists, 3),
             "lists_balanced_ms": None if t_lists_bal is None else round(t_lists_bal, 3),
@@ -198,14 +206,14 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    major = " balanced split-major ms | gated ms | gated split-major ms |" if a.variants else ""
+    major = " balanced split-major ms | gated ms | gated split-major ms | gated one grid ms |" if a.variants else ""
     print(f"\n| context x batch | dense rows | splits | unbalanced ms (28 layers) | balanced ms | speedup |{major}"
-          "\n|---|---|---|---|---|---|" + ("---|---|---|" if major else ""))
+          "\n|---|---|---|---|---|---|" + ("---|---|---|---|" if major else ""))
     for r in rows:
         print(f"| {r['ctx']} x {r['batch']} | {r['dense_rows']} | {r['splits']} -> {r['balanced_grid_splits']} "
               f"| {r['default_ms']} | {r['balanced_ms']} | {r['speedup']} |"
               + (f" {r['balanced_split_major_ms']} | {r['balanced_gated_ms']} | "
-                 f"{r['balanced_gated_split_major_ms']} |" if major else "")
+                 f"{r['balanced_gated_split_major_ms']} | {r['balanced_gated_one_grid_ms']} |" if major else "")
               + (f" lists {r['lists_ms']} / balanced {r['lists_balanced_ms']}" if a.slot_lists else "")
               + (f" tilings {r['tilings_ms']}" if r["tilings_ms"] else ""))
     variants = decode_stage1_variants(K)  # registers a variant: programs resident an SM

@@ -820,6 +820,42 @@ def test_gated_twins_run_one_launch_chosen_on_the_device(monkeypatch):
                              max_kv_len=400, **case.kwargs(), **SMALL)
 
 
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_one_grid_holds_both_twins_and_answers_as_the_one_the_flag_picks(monkeypatch, with_lse):
+    """gate=(flag, None): the plain partition's programs and the balanced one's in one
+    launch. With the flag 0 it answers as the plain launch, with 1 as the balanced one,
+    bit for bit (the same chunks, the same merges), the side effects stored once; the
+    split counters are left at 0; a launch that is not balanced is refused."""
+    bs, hkv = 3, 2
+    case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=hkv,
+                              group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=13)
+    ref_o, ref_lse = K.two_segment_decode_ref(*case.args(), return_lse=True, **case.kwargs())
+    counters = K.make_split_counters(bs, hkv, DEVICE)
+    common = dict(num_sms=2, max_kv_len=400, split_counters=counters, return_lse=with_lse, **case.kwargs(), **SMALL)
+    splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, hkv, 400, 2)
+    for flag in (0, 1):
+        gate = torch.tensor([flag], dtype=torch.int32, device=DEVICE)
+        twin = dict(balance=True, row_splits=splits) if flag else dict(balance=False)
+        want = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")), **twin, **common)
+        norms = torch.full((case.k_pool.shape[0], hkv), -1.0, device=DEVICE)
+        tsd, launches = _record_grids(monkeypatch, "GATE_RUN", "BALANCE")
+        got = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")), key_norms=norms,
+                                   balance=True, row_splits=splits, gate=(gate, None), **common)
+        monkeypatch.undo()
+        base, grid_splits = K.balanced_grid_splits(bs, hkv, 400, 2, 16)
+        assert launches == [((bs, hkv, base + grid_splits), 3, True)]  # the plain splits, then the balanced
+        got, want = (got, want) if with_lse else ((got,), (want,))
+        for g, w in zip(got, want):
+            assert not torch.isnan(g).any() and torch.equal(g, w), flag
+        assert T.rel_error(got[0].float(), ref_o) < TOL[torch.bfloat16]
+        if with_lse:
+            torch.testing.assert_close(got[1], ref_lse.to(got[1].device), atol=2e-2, rtol=0)
+        assert int((norms >= 0).sum()) == bs * hkv  # each row's new key's norm, stored once
+        assert int(counters.abs().sum()) == 0
+    with pytest.raises(AssertionError, match="needs a balanced launch"):
+        K.two_segment_decode(*case.args(), balance=False, gate=(gate, None), **common)
+
+
 def test_balance_gate_keeps_short_rows_alike_on_the_plain_launch():
     """balance_gate given the step's segments: rows alike whose shares pass the
     heuristic's splits (fp8's 4 programs an SM) open the gate only where each balanced
@@ -1460,8 +1496,10 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     # and the split-major variant (BALANCE_SPLIT_MAJOR), a probe's record of each
-    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
-    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
+    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one,
+    # and the gated pair as one grid (BALANCE_ONE_GRID)
+    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1),
+                                    (False, False, 3)):
         const["SPLIT_MAJOR"] = major
         const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
