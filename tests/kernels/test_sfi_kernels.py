@@ -46,6 +46,44 @@ def test_decode_side_effects_key_norms_and_saved_queries(splits):
     assert int((knorm[:, 0] >= 0).sum()) == 3
 
 
+def refreshed_two_rows(use_kernels: bool, budgets=(20, 9), kv_dtype=torch.bfloat16, k_scales=None,
+                       selections: str = "packed", seed: int = 0):
+    """Two sfi rows (90 and 61 positions; sink 4 / 1, recent 16 / 8, their first slow
+    step's window of 3 queries for the first) refreshed once by selector.refresh into a
+    store keeping `selections`: (state, k pool, v pool), the pools in `kv_dtype`."""
+    from sgl_sparse.compact import CompactStore
+    from sgl_sparse.config import SfiPolicy, SparseServerConfig
+    from sgl_sparse.policies import sfi
+    from sgl_sparse.selector.refresh import refresh
+    from sgl_sparse.state import SparseState
+
+    hkv, hq, d = 2, 8, 32
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16).to(kv_dtype)
+    v = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16).to(kv_dtype)
+    r2t = torch.zeros(3, 96, dtype=torch.int32)
+    r2t[1, :90] = torch.randperm(200, generator=gen)[:90].int()
+    r2t[2, :61] = torch.randperm(200, generator=gen)[:61].int()
+    q = torch.randn(3, 2, 3, hq, d, generator=gen).to(torch.bfloat16)
+    cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40, "selections": selections},
+                                             "policies": {"sfi": {"w_prefill": 3}}})
+    st = SparseState(3, "cpu", cfg)
+    specs = [SfiPolicy(budget=budgets[0], recent=16, sink=4, w_prefill=3),
+             SfiPolicy(budget=budgets[1], recent=8, sink=1)]
+    st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
+    st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
+                              dtype=kv_dtype, pool_size=200, prompt_queries=2, device=torch.device("cpu"),
+                              query_dtype=torch.bfloat16, selections=selections)
+    st.compact.k_scales = k_scales
+    st.compact.knorm[:] = k.float().norm(dim=-1)
+    st.compact.q[:, :2] = q[:2, :, 0]
+    st.compact.q_prompt[:, :2] = q[:2, :, 1:]
+    st.saved_n[1], st.saved_n[2] = 90, 60
+    st.prompt_q[1] = 2
+    refresh(st, [1, 2], 96, lambda i: k, lambda i: v, r2t, d ** -0.5, use_kernels=use_kernels)
+    return st, k, v
+
+
 @pytest.mark.parametrize("budgets, counts, fp8", [((20, 9), (24, 10), False),   # budgets differ: sorted top-k
                                                   ((12, 12), (16, 13), False),  # every budget covers k: unordered
                                                   ((20, 9), (24, 10), True)])   # an fp8 pool, per-layer k_scale
@@ -54,43 +92,8 @@ def test_refresh_with_kernels_equals_the_torch_path(budgets, counts, fp8):
     packs the same tokens as the plain-torch path; over an fp8 pool (SGLang's
     --kv-cache-dtype fp8_e4m3) both read the keys with each layer's k_scale and the
     compact buffers hold the pool's fp8 rows."""
-    from sgl_sparse.compact import CompactStore
-    from sgl_sparse.config import SfiPolicy, SparseServerConfig
-    from sgl_sparse.policies import sfi
-    from sgl_sparse.selector.refresh import refresh
-    from sgl_sparse.state import SparseState
-
-    hkv, hq, d, lens = 2, 8, 32, [90, 61]
-    states = []
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16)
-    v = torch.randn(200, hkv, d, generator=gen).to(torch.bfloat16)
-    r2t = torch.zeros(3, 96, dtype=torch.int32)
-    r2t[1, :90] = torch.randperm(200, generator=gen)[:90].int()
-    r2t[2, :61] = torch.randperm(200, generator=gen)[:61].int()
-    q = torch.randn(3, 2, 3, hq, d, generator=gen).to(torch.bfloat16)
-    kv_dtype, k_scales = torch.bfloat16, None
-    if fp8:
-        kv_dtype, k_scales = torch.float8_e4m3fn, torch.tensor([0.5, 2.0])
-        k, v = k.to(kv_dtype), v.to(kv_dtype)
-    for use_kernels in (False, True):
-        cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40},
-                                                 "policies": {"sfi": {"w_prefill": 3}}})
-        st = SparseState(3, "cpu", cfg)
-        specs = [SfiPolicy(budget=budgets[0], recent=16, sink=4, w_prefill=3),
-                 SfiPolicy(budget=budgets[1], recent=8, sink=1)]
-        st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
-        st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
-                                  dtype=kv_dtype, pool_size=200, prompt_queries=2, device=torch.device("cpu"),
-                                  query_dtype=torch.bfloat16)
-        st.compact.k_scales = k_scales
-        st.compact.knorm[:] = k.float().norm(dim=-1)
-        st.compact.q[:, :2] = q[:2, :, 0]
-        st.compact.q_prompt[:, :2] = q[:2, :, 1:]
-        st.saved_n[1], st.saved_n[2] = 90, 60
-        st.prompt_q[1] = 2
-        refresh(st, [1, 2], 96, lambda i: k, lambda i: v, r2t, d ** -0.5, use_kernels=use_kernels)
-        states.append(st)
+    fp8_args = dict(kv_dtype=torch.float8_e4m3fn, k_scales=torch.tensor([0.5, 2.0])) if fp8 else {}
+    states = [refreshed_two_rows(use_kernels, budgets, **fp8_args)[0] for use_kernels in (False, True)]
     a, b = states
     assert torch.equal(a.sel_count, b.sel_count) and tuple(a.sel_count[1:].tolist()) == counts
     for slot, n in ((int(a.slot[1]), counts[0]), (int(a.slot[2]), counts[1])):

@@ -16,6 +16,7 @@ import torch
 from sgl_sparse import kernels as K  # TRITON_INTERPRET is set in tests/conftest.py
 from sgl_sparse.kernels import testing as T
 from tests.kernels.test_pack_compact import _layered_case
+from tests.kernels.test_sfi_kernels import refreshed_two_rows
 from tests.kernels.test_two_segment_decode import DEVICE, SMALL, TOL, gpu_test, mixed_batch
 
 
@@ -158,47 +159,13 @@ def test_gpu_slot_lists_long_context(kv_dtype):
     torch.testing.assert_close(o_lists, o_packed, rtol=0, atol=0)
 
 
-def _refreshed(use_kernels: bool, selections: str, kv_dtype: torch.dtype):
-    """Two sfi rows refreshed once (selector.refresh) into a store of `selections`:
-    (state, k pool, v pool)."""
-    from sgl_sparse.compact import CompactStore
-    from sgl_sparse.config import SfiPolicy, SparseServerConfig
-    from sgl_sparse.policies import sfi
-    from sgl_sparse.selector.refresh import refresh
-    from sgl_sparse.state import SparseState
-
-    hkv, hq, d = 2, 8, 32
-    gen = torch.Generator().manual_seed(4)
-    k = torch.randn(200, hkv, d, generator=gen).to(kv_dtype)
-    v = torch.randn(200, hkv, d, generator=gen).to(kv_dtype)
-    r2t = torch.zeros(3, 96, dtype=torch.int32)
-    r2t[1, :90] = torch.randperm(200, generator=gen)[:90].int()
-    r2t[2, :61] = torch.randperm(200, generator=gen)[:61].int()
-    q = torch.randn(3, 2, 3, hq, d, generator=gen).to(torch.bfloat16)
-    cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40, "selections": selections},
-                                             "policies": {"sfi": {"w_prefill": 3}}})
-    st = SparseState(3, "cpu", cfg)
-    specs = [SfiPolicy(budget=20, recent=16, sink=4, w_prefill=3), SfiPolicy(budget=9, recent=8, sink=1)]
-    st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
-    st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
-                              dtype=kv_dtype, pool_size=200, prompt_queries=2, device=torch.device("cpu"),
-                              query_dtype=torch.bfloat16, selections=selections)
-    st.compact.knorm[:] = k.float().norm(dim=-1)
-    st.compact.q[:, :2] = q[:2, :, 0]
-    st.compact.q_prompt[:, :2] = q[:2, :, 1:]
-    st.saved_n[1], st.saved_n[2] = 90, 60
-    st.prompt_q[1] = 2
-    refresh(st, [1, 2], 96, lambda i: k, lambda i: v, r2t, d ** -0.5, use_kernels=use_kernels)
-    return st, k, v
-
-
 @pytest.mark.parametrize("use_kernels", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_refresh_lists_the_rows_it_would_pack(use_kernels, kv_dtype):
     """selector.refresh into slot lists (kernel and torch paths): the pool rows the
     lists name are the rows the packed store holds after the same refresh, in order."""
-    packed, k, v = _refreshed(use_kernels, "packed", kv_dtype)
-    listed, _, _ = _refreshed(use_kernels, "slot_lists", kv_dtype)
+    packed, k, v = refreshed_two_rows(use_kernels, kv_dtype=kv_dtype, seed=4)
+    listed, _, _ = refreshed_two_rows(use_kernels, kv_dtype=kv_dtype, selections="slot_lists", seed=4)
     assert listed.compact.k is None and listed.compact.v is None and listed.compact.slot_lists
     assert torch.equal(packed.sel_count, listed.sel_count) and packed.sel_count[1:].min() > 0
     assert torch.equal(packed.slot, listed.slot)
