@@ -652,8 +652,8 @@ def _setup_sfi(state: SparseState, model_runner, kv_pool) -> None:
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
     state.compact = store_budget.build_compact(cfg, _store_shape(model_runner, kv_pool), pool_size=kv.shape[0],
                                                device=kv.device)
-    logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens, %.2f GiB",
-                cfg.compact.slots, cfg.compact.capacity, state.compact.nbytes() / 2**30)
+    logger.info("sgl_sparse: SFI compact buffers: %d slots x %d tokens (selections: %s), %.2f GiB",
+                cfg.compact.slots, cfg.compact.capacity, cfg.compact.selections, state.compact.nbytes() / 2**30)
     layer0 = getattr(kv_pool, "start_layer", 0) or 0
     scales = compat.kv_key_scales(model_runner.model, layer0, kv_pool.layer_num)
     if any(s is not None and s != 1.0 for s in scales):  # a scaled fp8 cache: the refresh's evidence needs them
