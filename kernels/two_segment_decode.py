@@ -1223,7 +1223,8 @@ def two_segment_decode(
             merge kernel (one split, or the one-launch merge). ``(flag, None)``
             (with ``balance``): both in one launch, its grid the plain launch's
             splits followed by the balanced launch's, the flag picking which
-            programs work (``BALANCE_ONE_GRID``): no closed twin to launch.
+            programs work (``BALANCE_ONE_GRID``): no closed twin to launch. Where
+            the launch is not balanced the two partitions are one: it runs ungated.
         quest_bounds: optional ``(kmin, kmax, slot)``: Quest's page bounds of
             this layer (``[slots, Hkv, max_pages, D]``, KV dtype, see
             ``quest_pages``) and ``[bs]`` int32 rows of the store. Every row with
@@ -1366,8 +1367,12 @@ def two_segment_decode(
         assert gate[0].dtype == torch.int32 and gate[0].device == q.device, "gate: ([1] int32 flag, when_set)"
         assert direct or fused, "gate: a launch with the merge kernel would merge a skipped stage 1"
     one_grid = gate is not None and gate[1] is None
+    if one_grid and not balance:
+        # Not balanced here (one split, no fused merge, a batch balances() refuses): the
+        # balanced partition would be the plain one, so the plain launch runs, ungated,
+        # as exactly one of the two twins would.
+        one_grid, gate = False, None
     if one_grid:
-        assert balance, "gate (flag, None): one grid for the plain and the balanced partitions needs a balanced launch"
         plain_splits = int(max(1, plain_splits))
     if record is not None:
         assert record.dtype == torch.int64 and record.is_contiguous() and record.device == q.device

@@ -262,9 +262,9 @@ o_dense, saved_dense, calls_dense, _ = forward(gv.DENSE, [1, 4], 4)
 import importlib
 tsd = importlib.import_module("sgl_sparse.kernels.two_segment_decode")
 balanced = {}
-gate_default = tsd.BALANCE_GATE
-for gate_on in (False, True):
-    tsd.BALANCE_GATE = gate_on
+gate_default, one_grid_default = tsd.BALANCE_GATE, tsd.BALANCE_ONE_GRID
+for gate_on, one_grid in ((False, False), (True, False), (True, True)):
+    tsd.BALANCE_GATE, tsd.BALANCE_ONE_GRID = gate_on, one_grid
     bb = make_backend()
     bb._kv_fp8 = False
     fb = batch([2, 3], 4)
@@ -274,11 +274,11 @@ for gate_on in (False, True):
     bb.init_forward_metadata_in_graph(fb)
     o_bal = bb._forward_decode_cuda(q, k, v, layer, fb, True)
     ref = o_kernel[:2].float()
-    balanced[str(gate_on)] = {
+    balanced[str(gate_on) + ("_one_grid" if one_grid else "")] = {
         "splits": None if bb._row_splits is None else bb._row_splits.tolist(),
         "gate": None if bb._balance_gate is None else bb._balance_gate.tolist(),
         "rel_err": float((o_bal[:2].float() - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(o_bal).all())}
-tsd.BALANCE_GATE = gate_default
+tsd.BALANCE_GATE, tsd.BALANCE_ONE_GRID = gate_default, one_grid_default
 out["forward"] = {
     "balanced": balanced,
     "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),
@@ -409,9 +409,11 @@ def test_forward_of_each_path(res):
     assert f["kernel_rows_equal_mixed"] and f["kernel_finite"]
     # dense alone: FlashInfer's output (and its K/V write), no kernel
     assert f["dense_calls"] == ["decode"] and f["dense_saved_kv"] and f["dense_is_flashinfer"]
-    # balanced (its shares once a step), and with its gated plain twin: the same answers
-    plain, gated = f["balanced"]["False"], f["balanced"]["True"]
+    # balanced (its shares once a step), and with its gated plain twin, as two launches or
+    # one (BALANCE_ONE_GRID): the same answers
+    plain, gated, one_grid = (f["balanced"][k] for k in ("False", "True", "True_one_grid"))
     assert plain["splits"] is not None and plain["gate"] is None, plain
     assert gated["splits"] == plain["splits"] and gated["gate"] in ([0], [1]), gated
-    for r in (plain, gated):
+    assert one_grid["splits"] == plain["splits"] and one_grid["gate"] == gated["gate"], one_grid
+    for r in (plain, gated, one_grid):
         assert r["finite"] and r["rel_err"] < 2e-3, r

@@ -825,7 +825,8 @@ def test_one_grid_holds_both_twins_and_answers_as_the_one_the_flag_picks(monkeyp
     """gate=(flag, None): the plain partition's programs and the balanced one's in one
     launch. With the flag 0 it answers as the plain launch, with 1 as the balanced one,
     bit for bit (the same chunks, the same merges), the side effects stored once; the
-    split counters are left at 0; a launch that is not balanced is refused."""
+    split counters are left at 0; where the launch is not balanced (here: asked
+    without balance) it is the plain launch, ungated, whatever the flag."""
     bs, hkv = 3, 2
     case = T.make_decode_case([300, 40, 35], [0, [20, 3], 12], [(0, 300), (32, 40), (30, 35)], num_kv_heads=hkv,
                               group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE, seed=13)
@@ -852,8 +853,17 @@ def test_one_grid_holds_both_twins_and_answers_as_the_one_the_flag_picks(monkeyp
             torch.testing.assert_close(got[1], ref_lse.to(got[1].device), atol=2e-2, rtol=0)
         assert int((norms >= 0).sum()) == bs * hkv  # each row's new key's norm, stored once
         assert int(counters.abs().sum()) == 0
-    with pytest.raises(AssertionError, match="needs a balanced launch"):
-        K.two_segment_decode(*case.args(), balance=False, gate=(gate, None), **common)
+    plain = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")), balance=False, **common)
+    plain = plain if with_lse else (plain,)
+    for flag in (0, 1):
+        gate = torch.tensor([flag], dtype=torch.int32, device=DEVICE)
+        tsd, launches = _record_grids(monkeypatch, "GATE_RUN", "BALANCE")
+        got = K.two_segment_decode(*case.args(), out=torch.full_like(case.q, float("nan")), balance=False,
+                                   gate=(gate, None), **common)
+        monkeypatch.undo()
+        assert [(g, run) for g, run, _ in launches] == [((bs, hkv, K.choose_num_splits(bs, hkv, 400, 2, min_split_len=16)), 0)]
+        got = got if with_lse else (got,)
+        assert all(torch.equal(g, w) for g, w in zip(got, plain)), flag
 
 
 def test_balance_gate_keeps_short_rows_alike_on_the_plain_launch():
