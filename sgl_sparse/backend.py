@@ -524,9 +524,7 @@ class SparseAttnBackend(AttentionBackend):
             plan,
             scaling=layer.scaling,
             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            compact_k=store.k[li] if store is not None and not store.slot_lists else None,
-            compact_v=store.v[li] if store is not None and not store.slot_lists else None,
-            compact_lists=store.lists[li] if store is not None and store.slot_lists else None,
+            **_segment_a(store, li),
         )
         self._finish_query_aware(layer, forward_batch, plan, q3, o3)
         return o
@@ -578,8 +576,6 @@ class SparseAttnBackend(AttentionBackend):
         sfi_args = {}
         if store is not None:
             sfi_args = dict(key_norms=store.knorm[li], q_save=store.q[li], q_save_slot=plan.q_save_slot)
-            if store.slot_lists:
-                sfi_args["a_slot_lists"] = store.lists[li]
             if store.logits is not None:
                 # Slow rows (dense, q_save_slot >= 0) keep their logits for the
                 # Selector: the keys this step reads anyway are not read again.
@@ -595,11 +591,16 @@ class SparseAttnBackend(AttentionBackend):
             else:
                 launches = [dict(balance=False, gate=(self._balance_gate, False)),
                             dict(launches[0], gate=(self._balance_gate, True))]
+        seg_a = _segment_a(store, li)
+        if seg_a["compact_k"] is None:  # slot lists, or no store: the kernel reads no compact buffer
+            a_k = a_v = self._no_compact
+        else:
+            a_k, a_v = seg_a["compact_k"], seg_a["compact_v"]
         for launch in launches:
             two_segment_decode(
                 q3,
-                store.k[li] if store is not None and not store.slot_lists else self._no_compact,
-                store.v[li] if store is not None and not store.slot_lists else self._no_compact,
+                a_k,
+                a_v,
                 plan.a_slot, plan.a_len_per_head,
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
@@ -616,12 +617,22 @@ class SparseAttnBackend(AttentionBackend):
                 **launch,
                 **plan.indexed_lists(),
                 **sfi_args,
+                a_slot_lists=seg_a["compact_lists"],
             )
         self._finish_query_aware(layer, forward_batch, plan, q3, o.view(bs, layer.tp_q_head_num, layer.v_head_dim))
         return o
 
     def support_triton(self):
         return self.dense is not None
+
+
+def _segment_a(store, layer: int) -> dict:
+    """The compact store's segment A of `layer` as reference.decode_attention takes it:
+    the packed K and V, or the pool-slot lists (`compact.selections`); None for what the
+    store does not keep (or no store)."""
+    packed = store is not None and not store.slot_lists
+    return dict(compact_k=store.k[layer] if packed else None, compact_v=store.v[layer] if packed else None,
+                compact_lists=store.lists[layer] if store is not None and store.slot_lists else None)
 
 
 def _stored_key_scaling(layer) -> float:

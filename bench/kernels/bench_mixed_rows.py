@@ -198,10 +198,10 @@ def main():
     if a.programs_per_sm is not None:
         TSD.BALANCE_PROGRAMS_PER_SM = a.programs_per_sm
     rows = []
+    tilings = tuple(tuple(map(int, t.split(":"))) for t in filter(None, a.tilings.split(",")))
     for c in a.cases.split(","):
         ctx, bs = map(int, c.split("x"))
         for d in a.dense.split(","):
-            tilings = tuple(tuple(map(int, t.split(":"))) for t in filter(None, a.tilings.split(",")))
             r = case(ctx, bs, bs if d == "all" else int(d), kv_dtype, a.variants, a.slot_lists, tilings)
             print(json.dumps(r), flush=True)
             rows.append(r)
