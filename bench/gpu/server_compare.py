@@ -346,6 +346,15 @@ class Server:
                 os.killpg(self.proc.pid, 9)
 
 
+def base_case(base_cases: list[dict], c: dict) -> dict:
+    """The first server's row that a later server's row `c` is compared with: the same
+    context, batch and policy where the first server ran that policy (an A/B of two
+    sgl_sparse servers over several policies), else its row at that context and batch
+    (stock, which runs one row a case)."""
+    same_shape = [b for b in base_cases if (b["ctx"], b["batch"]) == (c["ctx"], c["batch"])]
+    return next((b for b in same_shape if b["policy"] == c["policy"]), same_shape[0])
+
+
 def split_env(spec: str) -> tuple[str, dict[str, str]]:
     """'sgl_sparse@c.yaml+SGLANG_SPARSE_X=0' -> ('sgl_sparse@c.yaml', {'SGLANG_SPARSE_X': '0'}):
     the server's process gets those environment variables on top of this one's (an
@@ -567,10 +576,9 @@ def main():
         sfi_covering = [x == y for x, y in zip(base["greedy"], r.get("greedy_sfi_covering", []))]
         qa_covering = {n: [x == y for x, y in zip(base["greedy"], r[f"greedy_{n}_covering"])]
                        for n in QUERY_AWARE_COVERING if f"greedy_{n}_covering" in r}
-        stock = {(c["ctx"], c["batch"]): c for c in base["cases"]}
         rows = []
         for c in r["cases"]:
-            st = stock[(c["ctx"], c["batch"])]
+            st = base_case(base["cases"], c)
             ratio = lambda x, y: round(x / y, 3) if x and y else None  # noqa: E731
             row = {"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": st["decode_tok_s"],
                    "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
