@@ -215,12 +215,18 @@ FP8_DENSE_SPLIT_KEYS = env_count("FP8_DENSE_SPLIT_KEYS", 12288, 0, 1 << 30)
 # SGLANG_SPARSE_FP8_F16_DOTS=0 / SGLANG_SPARSE_FP8_V_ASM=0: the query's dtype / the
 # compiler's own widening, as before (A/B timing; every variant is tested).
 FP8_F16_DOTS = env_switch("FP8_F16_DOTS", True)
-# Warps a program over an fp8 cache (bf16's 4 otherwise). H200, e4m3, 28 layers, rows of
-# 2052 compact + 256 recent keys, the plain launch (bench_mixed_rows.py --tilings,
-# session 44): 64 keys in 3 stages at 2 warps 1.590 / 0.522 / 0.419 ms against 4 warps'
-# 1.669 / 0.547 / 0.425 at 8192 x 32 / 32768 x 8 / 131072 x 4. The balanced and dense
-# launches at 2 warps are not yet timed: 4 stays the default until they are.
-FP8_NUM_WARPS = env_count("FP8_NUM_WARPS", 4, 1, 8)
+# Warps a program over an fp8 cache (bf16's 4 otherwise): the plain launch at
+# FP8_NUM_WARPS, the balanced one at FP8_BALANCED_NUM_WARPS. H200, e4m3, 28 layers,
+# rows of 2052 compact + 256 recent keys (bench_mixed_rows.py --variants, session 45):
+# the plain launch at 2 warps 1.590 / 0.530 / 0.408 ms against 4's 1.678 / 0.551 /
+# 0.421 at 8192 x 32 / 32768 x 8 / 131072 x 4 (session 44 alike), and with every row
+# dense 6.918 / 7.036 / 13.758 against 7.039 / 7.573 / 14.582; served sfi-pinned at
+# 8192 x 32 7790.8 / 7781.6 tok/s against 7400.2 (fast steps at 32768 x 8 alike). The
+# balanced launch at 2 warps spills under its maxnreg (8 registers) and ran the steps
+# that need it, one dense row among sparse ones, 3-9% slower (2.429 / 1.598 / 3.680
+# against 2.355 / 1.511 / 3.374 ms): it keeps 4.
+FP8_NUM_WARPS = env_count("FP8_NUM_WARPS", 2, 1, 8)
+FP8_BALANCED_NUM_WARPS = env_count("FP8_BALANCED_NUM_WARPS", 4, 1, 8)
 FP8_V_ASM = env_switch("FP8_V_ASM", True)
 
 
@@ -1247,7 +1253,8 @@ def two_segment_decode(
             softmax scale (``logits_out`` and the LSE are the dequantized keys'),
             ``v_scale`` multiplies the output.
         block_n, num_warps, num_stages: Triton tuning knobs (``num_warps`` None: 4, or
-            ``FP8_NUM_WARPS`` over an fp8 cache).
+            over an fp8 cache ``FP8_NUM_WARPS``, ``FP8_BALANCED_NUM_WARPS`` for a
+            balanced launch).
 
     Returns:
         ``o`` ``[bs, Hq, D]`` (dtype of q), or ``(o, lse)`` if ``return_lse``.
@@ -1332,7 +1339,7 @@ def two_segment_decode(
     if block_n is None:
         block_n = _default_block_n(head_dim)
     if num_warps is None:
-        num_warps = FP8_NUM_WARPS if kv_fp8 else 4
+        num_warps = (FP8_BALANCED_NUM_WARPS if balance else FP8_NUM_WARPS) if kv_fp8 else 4
     block_d = next_pow2(head_dim)
     block_h = max(16, next_pow2(group))  # tl.dot needs M >= 16
     min_split_blocks = max(1, cdiv(min_split_len, block_n))

@@ -1502,6 +1502,10 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
                                  **c.slow_step_outputs(n))
     caps = [kw.get("maxnreg") for _, kw in launches]
     assert caps == [mod.BALANCE_MAX_REGISTERS, None, None, None] and mod.BALANCE_MAX_REGISTERS == 128, caps
+    # over fp8 the plain launch at FP8_NUM_WARPS, the balanced one at FP8_BALANCED_NUM_WARPS (session 45)
+    warps = [kw.get("num_warps") for _, kw in launches]
+    assert warps == [mod.FP8_BALANCED_NUM_WARPS, mod.FP8_NUM_WARPS, 4, 4], warps
+    assert (mod.FP8_BALANCED_NUM_WARPS, mod.FP8_NUM_WARPS) == (4, 2)
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
