@@ -132,6 +132,24 @@ def _merge_moments(na, ma, m2a, m3a, m4a, nb, mb, m2b, m3b, m4b):
     return n, mean, m2, m3, m4
 
 
+@triton.jit
+def _add_sums(a1, a2, a3, a4, a5, a6, a7, a8, b1, b2, b3, b4, b5, b6, b7, b8):
+    return a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8
+
+
+@triton.jit
+def _central_from_sums(n, c, s1, s2, s3, s4):
+    """(mean, Σd², Σd³, Σd⁴ about the mean) of n entries x from the power sums
+    s_k = Σ (x - c)^k about a shift c. Exact in real arithmetic for any c; in floats
+    the closer c is to the mean, the less the expansions cancel (c the mean: s1 = 0
+    and the sums are the central ones)."""
+    u = s1 / tl.maximum(n, 1.0)
+    m2 = s2 - u * s1
+    m3 = s3 - 3.0 * u * s2 + 2.0 * u * u * s1
+    m4 = s4 - 4.0 * u * s3 + 6.0 * u * u * s2 - 3.0 * u * u * u * s1
+    return c + u, m2, m3, m4
+
+
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
 def _lfps_table_stats_kernel(
     VER,  # [S, Hkv, M] fp32
@@ -139,6 +157,7 @@ def _lfps_table_stats_kernel(
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
     WORK,  # [S, Hkv, CHUNKS, 16] fp32 out: columns 0-7, this chunk's moments of both tables
+    SHIFT,  # POWER_SUMS: [S, Hkv, 2] fp32, the row's means of Φ_ver and Φ_sla at its last step
     stride_vs,
     stride_vh,
     stride_ss,
@@ -153,6 +172,7 @@ def _lfps_table_stats_kernel(
     HEAD_DIM: tl.constexpr = 1, GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_N: tl.constexpr = 16,
     BLOCK_D: tl.constexpr = 16, Q_SPLIT: tl.constexpr = False, FP32_DOT: tl.constexpr = False,
     HAS_Q_ROWS: tl.constexpr = False,
+    POWER_SUMS: tl.constexpr = False,
 ):
     """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla in one pass:
     each lane of the BLOCK_M-wide tile keeps the moments of the entries it has read
@@ -166,7 +186,10 @@ def _lfps_table_stats_kernel(
     its group's ρ (lfps_head_sparsity's formula, what the priorities' bypass reads),
     instead of a launch of its own before this one; beside the chunks' programs, not
     in one of them, so the launch lasts as long as the longer of the two, not their
-    sum."""
+    sum. POWER_SUMS: each lane sums the powers 1-4 of its entries' distances to the
+    row's mean at its last step (SHIFT: the tables change by a few entries a step), and
+    one reduction adds the lanes' sums, the chunk's central sums following from them
+    (_central_from_sums): no merge an entry, no merge a level of the reduction."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -184,17 +207,38 @@ def _lfps_table_stats_kernel(
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     offs = tl.arange(0, BLOCK_M)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    nv, mv, v2, v3, v4 = zero, zero, zero, zero, zero
-    ns, ms, s2, s3, s4 = zero, zero, zero, zero, zero
-    for start in range(c0, c1, BLOCK_M):
-        pos = start + offs
-        ok = pos < c1
-        one = ok.to(tl.float32)  # a masked lane merges a part of count 0: unchanged
-        nv, mv, v2, v3, v4 = _merge_moments(nv, mv, v2, v3, v4, one, tl.load(ver + pos, mask=ok, other=0.0),
-                                            0.0, 0.0, 0.0)
-        ns, ms, s2, s3, s4 = _merge_moments(ns, ms, s2, s3, s4, one, _sla_at(sla, pos, ok, n, M), 0.0, 0.0, 0.0)
-    nv, mv, v2, v3, v4 = tl.reduce((nv, mv, v2, v3, v4), 0, _merge_moments)
-    ns, ms, s2, s3, s4 = tl.reduce((ns, ms, s2, s3, s4), 0, _merge_moments)
+    if POWER_SUMS:
+        shift = SHIFT + (cur_s * tl.num_programs(1) + cur_h).to(tl.int64) * 2
+        cv = tl.load(shift)
+        cs = tl.load(shift + 1)
+        a1, a2, a3, a4 = zero, zero, zero, zero
+        b1, b2, b3, b4 = zero, zero, zero, zero
+        for start in range(c0, c1, BLOCK_M):
+            pos = start + offs
+            ok = pos < c1
+            y = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - cv, 0.0)
+            y2 = y * y
+            a1, a2, a3, a4 = a1 + y, a2 + y2, a3 + y2 * y, a4 + y2 * y2
+            z = tl.where(ok, _sla_at(sla, pos, ok, n, M) - cs, 0.0)
+            z2 = z * z
+            b1, b2, b3, b4 = b1 + z, b2 + z2, b3 + z2 * z, b4 + z2 * z2
+        a1, a2, a3, a4, b1, b2, b3, b4 = tl.reduce((a1, a2, a3, a4, b1, b2, b3, b4), 0, _add_sums)
+        cnt = (c1 - c0).to(tl.float32)
+        mv, v2, v3, v4 = _central_from_sums(cnt, cv, a1, a2, a3, a4)
+        ms, s2, s3, s4 = _central_from_sums(cnt, cs, b1, b2, b3, b4)
+    else:
+        nv, mv, v2, v3, v4 = zero, zero, zero, zero, zero
+        ns, ms, s2, s3, s4 = zero, zero, zero, zero, zero
+        for start in range(c0, c1, BLOCK_M):
+            pos = start + offs
+            ok = pos < c1
+            one = ok.to(tl.float32)  # a masked lane merges a part of count 0: unchanged
+            nv, mv, v2, v3, v4 = _merge_moments(nv, mv, v2, v3, v4, one, tl.load(ver + pos, mask=ok, other=0.0),
+                                                0.0, 0.0, 0.0)
+            ns, ms, s2, s3, s4 = _merge_moments(ns, ms, s2, s3, s4, one, _sla_at(sla, pos, ok, n, M), 0.0, 0.0,
+                                                0.0)
+        nv, mv, v2, v3, v4 = tl.reduce((nv, mv, v2, v3, v4), 0, _merge_moments)
+        ns, ms, s2, s3, s4 = tl.reduce((ns, ms, s2, s3, s4), 0, _merge_moments)
     work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 16
     tl.store(work + 0, mv)
     tl.store(work + 1, v2)
@@ -246,6 +290,7 @@ def _lfps_priority_kernel(
     WORK,  # [S, Hkv, CHUNKS, 16] fp32: columns 0-7 of every chunk; out: this chunk's C1 size
     PRIO,  # [S, Hkv, M] fp32 out, written over [sink, n) only
     BYPASS,  # [S, Hkv] int8 out
+    SHIFT,  # POWER_SUMS: [S, Hkv, 2] fp32 out, the row's means (the next step's statistics' shift)
     stride_rs,
     stride_vs,
     stride_vh,
@@ -261,6 +306,7 @@ def _lfps_priority_kernel(
     TREE_MERGE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     C0_FROM_READ: tl.constexpr = True,
+    POWER_SUMS: tl.constexpr = False,
 ):
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
@@ -281,6 +327,11 @@ def _lfps_priority_kernel(
     row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
     mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
     ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
+    if POWER_SUMS:
+        if cur_p == 0:  # read by the next step's statistics launch, not by this launch
+            shift = SHIFT + (cur_s * nh + cur_h).to(tl.int64) * 2
+            tl.store(shift, mv)
+            tl.store(shift + 1, ms)
     kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
     ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
     tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
@@ -412,12 +463,25 @@ PRIORITY_C0_FROM_READ = True
 #: (bench_lfps_priority.py, session 44, results/lfps_priority_tree_h200_s44.log), in
 #: order -> tree: 130000 x 4 at 16 chunks (the default there) 57.4 -> 52.7 us, 32 chunks
 #: 74.7 -> 56.4; 8192 x 32 at 2 chunks (its default) 26.4 -> 26.1, 16 chunks 87.1 ->
-#: 58.3; never slower. Served A/B not yet run. SGLANG_SPARSE_LFPS_TREE_MERGE=0: in order.
+#: 58.3; never slower. Served at 130000 x 1: ITL 4.545 against 4.651 ms in order (session
+#: 45). SGLANG_SPARSE_LFPS_TREE_MERGE=0: in order.
 PRIORITY_TREE_MERGE = env_switch("LFPS_TREE_MERGE", True)
 #: The table statistics' tile (its lanes' moments: ten fp32 accumulators an entry a
 #: thread): 512 compiles for sm_90 in 96 registers without spilling, 1024 in 168-175
 #: with a stack (tests/kernels/test_lfps_tables.py).
 STATS_BLOCK_M = 512
+#: The table statistics by power sums about the row's last means (the store's
+#: ``shift``, written by the priorities' launch, scaled by lfps_finish's
+#: renormalization): one reduction of plain sums a program instead of two of Pébay's
+#: merges (session 38's profile: the statistics' time is their cross-warp reductions',
+#: 16.3 us a layer at 32768 x 8, not HBM's). The same moments to fp32 rounding
+#: (tests/kernels/test_lfps_tables.py, against float64, also about a far shift).
+#: Untimed: off until bench_lfps_priority and a served A/B say so
+#: (SGLANG_SPARSE_LFPS_POWER_SUMS=1).
+STATS_POWER_SUMS = env_switch("LFPS_POWER_SUMS", False)
+#: Its tile: 256 lanes compile for sm_90 in 72 registers without a stack (512: 72 and a
+#: 16-byte stack frame; tests/kernels/test_lfps_tables.py).
+POWER_SUMS_BLOCK_M = 256
 
 
 def no_rho_args(n: torch.Tensor) -> dict:
@@ -443,7 +507,8 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
                   num_warps: int = 4,
                   c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                   c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                  rho_from: Optional[RhoFrom] = None):
+                  rho_from: Optional[RhoFrom] = None, shift: Optional[torch.Tensor] = None,
+                  work: Optional[torch.Tensor] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -467,7 +532,14 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     ``rho_from`` (a ``lfps_sparsity.RhoFrom``): ``rho`` is not read but written, by
     the first launch's last program of each row, past its chunks
     (``lfps_head_sparsity``'s formula over these slots' n and sink), before the
-    priorities read it: one launch fewer."""
+    priorities read it: one launch fewer.
+
+    ``shift`` ``[S, Hkv, 2]`` fp32 (in place), with ``STATS_POWER_SUMS``: the rows'
+    means of Φ_ver and Φ_sla at their last step (any value is correct; the closer to
+    this step's means, the more exact), which the statistics take their power sums
+    about; the priorities' launch writes this step's there (live rows). ``work``
+    ``[S, Hkv, chunks, WORK_W]`` fp32: the launches' partials (a fresh buffer by
+    default), columns 0-7 each chunk's moments (tests read them)."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -495,21 +567,29 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     chunks = int(chunks)
     assert chunks >= 1, "chunks"
     # every column a launch reads is written first by a live row's programs (never read uninitialised)
-    work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
+    if work is None:
+        work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
+    assert work.shape == (s, hkv, chunks, WORK_W) and work.is_contiguous() and work.dtype == torch.float32, "work"
+    power_sums = STATS_POWER_SUMS and shift is not None
+    if power_sums:
+        assert shift.shape == (s, hkv, 2) and shift.dtype == torch.float32 and shift.is_contiguous(), "shift"
+    else:
+        shift = work  # not read
     group = rho.shape[1] // hkv
     grid = (s, hkv, chunks)
     if not rho_args:
         rho_args = no_rho_args(n)
     rho_programs = 1 if rho_from is not None else 0  # ρ's own program a row, past the chunks'
     _lfps_table_stats_kernel[(s, hkv, chunks + rho_programs)](
-        ver, sla, n, sink, work, ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, **rho_args,
-        CHUNKS=chunks, BLOCK_M=min(block_m, STATS_BLOCK_M), num_warps=num_warps, **rho_meta)
+        ver, sla, n, sink, work, shift, ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, **rho_args,
+        CHUNKS=chunks, BLOCK_M=min(block_m, POWER_SUMS_BLOCK_M if power_sums else STATS_BLOCK_M),
+        POWER_SUMS=power_sums, num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
-        rho, eps, a, ver, sla, n, sink, work, prio, bypass,
+        rho, eps, a, ver, sla, n, sink, work, prio, bypass, shift,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
         GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m,
         C0_FROM_READ=PRIORITY_C0_FROM_READ, TREE_MERGE=PRIORITY_TREE_MERGE, BLOCK_P=max(2, next_pow2(chunks)),
-        num_warps=num_warps,
+        POWER_SUMS=power_sums, num_warps=num_warps,
     )
     if c1_list is not None:
         budget, out, out_len, skip = c1_list
@@ -722,6 +802,7 @@ def _lfps_finish_stats_kernel(
     POS,  # [S, Hkv, K2] int32 out: C2's positions
     TSCALE,  # LAZY: [S, Hkv] fp32 the tables' scale (true value = stored * scale); read only here
     NEWSCALE,  # LAZY: [S, Hkv, CHUNKS] fp32 out: the scale after this step, for the update launch
+    SHIFT,  # SCALE_SHIFT: [S, Hkv, 2] fp32 in place, the statistics' shift (lfps_priority's), decayed alike
     sm_scale,
     stride_qb,
     stride_qh,
@@ -755,6 +836,7 @@ def _lfps_finish_stats_kernel(
     FP32_DOT: tl.constexpr,
     BF16_RTNE: tl.constexpr,
     LAZY: tl.constexpr,
+    SCALE_SHIFT: tl.constexpr = False,
 ):
     """Grid (S, Hkv, CHUNKS). A bypassed head: V̄ into its output rows (chunk 0).
     Otherwise, with |C2| > 0: the logits of this chunk's C2 entries (kept, with their
@@ -762,7 +844,8 @@ def _lfps_finish_stats_kernel(
     each query head's online softmax max and normalizer over them, and Eq. (10)'s
     decay of this chunk's slice of both tables -- LAZY: the row's scale times r
     instead, the slice multiplied (to true values, scale 1) only once the scale falls
-    below RENORM_BELOW."""
+    below RENORM_BELOW. SCALE_SHIFT: the row's shift multiplied as its stored
+    entries are (chunk 0), so that it stays near their means."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -819,6 +902,11 @@ def _lfps_finish_stats_kernel(
             decay = factor < RENORM_BELOW
             tl.store(NEWSCALE + rh * CHUNKS + cur_p, tl.where(decay, 1.0, factor))
         if decay:
+            if SCALE_SHIFT:
+                if cur_p == 0:
+                    shift = SHIFT + rh * 2
+                    tl.store(shift, tl.load(shift) * factor)
+                    tl.store(shift + 1, tl.load(shift + 1) * factor)
             ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
             sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
             m0, m1 = _share(0, M, cur_p, CHUNKS)
@@ -931,7 +1019,8 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
                 req_pool_idx: torch.Tensor, row: torch.Tensor, n: torch.Tensor, r: torch.Tensor, cand: torch.Tensor,
                 idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
                 sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024,
-                chunks: int | None = None, tscale: Optional[torch.Tensor] = None) -> None:
+                chunks: int | None = None, tscale: Optional[torch.Tensor] = None,
+                shift: Optional[torch.Tensor] = None) -> None:
     """The module docstring's third step, in place on ``o`` (bypassed heads of the
     live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``): two
     launches over a grid ``(S, Hkv, chunks)`` (``finish_chunks`` by default), each row's
@@ -945,7 +1034,10 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     the scale, the scale set to 1) once the scale falls below ``RENORM_BELOW``. Every
     decision read from the tables (Eq. 8's thresholds, C0 / C1, the priorities'
     order) is the same under a common positive factor, so the selections do not see
-    the scale. Without it the tables decay in place at every step."""
+    the scale. Without it the tables decay in place at every step.
+
+    ``shift`` ``[S, Hkv, 2]`` fp32 (in place): lfps_priority's, multiplied by the
+    factor a row's stored entries are (the decay, or a renormalization)."""
     s, hkv, k2 = idx.shape
     m = ver.shape[2]
     assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
@@ -972,15 +1064,17 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
         newscale = torch.empty(s, hkv, chunks, dtype=torch.float32, device=q.device)
     else:
         tscale = newscale = work  # not read without LAZY
+    if shift is not None:
+        assert shift.shape == (s, hkv, 2) and shift.dtype == torch.float32 and shift.is_contiguous(), "shift"
     grid = (s, hkv, chunks)
     dv = vbar.shape[2]
     _lfps_finish_stats_kernel[grid](
         q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
-        logits, pos, tscale, newscale, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
+        logits, pos, tscale, newscale, shift if shift is not None else work, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
         k_pool.stride(1), req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
         vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
-        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, num_warps=4, **meta,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, SCALE_SHIFT=shift is not None, num_warps=4, **meta,
     )
     _lfps_finish_update_kernel[grid](
         n, count, bypass, ver, sla, work, logits, pos, tscale, newscale,

@@ -96,6 +96,7 @@ class LfpsDevice:
         """Segment A of the live slots' batch rows, IN PLACE into a_pos [bs, Hkv, >= capacity]
         and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention), and as
         pool slots into a_slots (shaped as a_pos) where given."""
+        from sgl_sparse.kernels import lfps_tables
         from sgl_sparse.kernels.lfps_sparsity import RhoFrom
         from sgl_sparse.kernels.lfps_tables import lfps_priority, lfps_select_out
         from sgl_sparse.kernels.token_scores import token_scores_at
@@ -120,7 +121,8 @@ class LfpsDevice:
         all_c1 = torch.empty(s, hkv, dtype=torch.int32, device=dev)
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
                                      c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1),
-                                     rho_from=rho_from)
+                                     rho_from=rho_from,
+                                     shift=store.shift[li] if lfps_tables.STATS_POWER_SUMS else None)
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing
@@ -138,8 +140,10 @@ class LfpsDevice:
         """After this layer's attention (and its select): V̄ on the bypassed heads
         of the live slots' rows, then Eq. (10) on their tables [ours: the tables
         learn from the steps that used them]."""
-        from sgl_sparse.kernels.lfps_tables import lfps_finish
+        from sgl_sparse.kernels import lfps_tables
 
         store, sel = self.store, self._sel
-        lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
-                    sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale, tscale=store.tscale[li])
+        lfps_tables.lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
+                                sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale,
+                                tscale=store.tscale[li],
+                                shift=store.shift[li] if lfps_tables.STATS_POWER_SUMS else None)

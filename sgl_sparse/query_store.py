@@ -47,6 +47,12 @@ Layouts (slot = one live request of the policy; layers of this rank):
                                                  the tables (kernels/lfps_tables.lfps_finish);
                                                  1 after the prompt's init, and always on
                                                  the torch path (no kernels: CPU)
+              shift        [layers, slots, Hkv, 2] fp32   the rows' means of Φ_ver and Φ_sla
+                                                 at their last step, stored units: the
+                                                 power sums' shift of the next step's
+                                                 table statistics (kernels/lfps_tables.
+                                                 STATS_POWER_SUMS); any value is correct
+                                                 (a reused slot's only moves the rounding)
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
               scored       [slots, Hkv, 2] fp64  |C1| scored and n - sink, summed over
@@ -149,11 +155,12 @@ class LfpsStore:
         self.vbar = torch.zeros_like(self.kbar)
         self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
         self.tscale = torch.ones(num_layers, cfg.slots, num_kv_heads, **f32)
+        self.shift = torch.zeros(num_layers, cfg.slots, num_kv_heads, 2, **f32)
         # fp64: summed over a request's steps, layers and heads, fp32 would drop units
         self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, dtype=torch.float64, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.tscale, self.scored
+        return self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.tscale, self.shift, self.scored
 
     def true_tables(self, li: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's (Φ_ver, Φ_sla) of layer li as the algorithm defines them (stored * scale)."""

@@ -178,7 +178,8 @@ def test_the_bench_configs_hold_the_runs_they_are_made_for():
 def test_an_ab_of_two_sparse_servers_compares_each_policy_with_its_own_row():
     # session 45: the first server of an A/B ran sfi and sfi-pinned; keyed by shape alone,
     # every row was compared with sfi-pinned's
-    rows = [{"ctx": 8192, "batch": 32, "policy": p, "decode_tok_s": t} for p, t in (("sfi", 7206.3), ("sfi-pinned", 7781.6))]
+    rows = [{"ctx": 8192, "batch": 32, "policy": p, "decode_tok_s": t}
+            for p, t in (("sfi", 7206.3), ("sfi-pinned", 7781.6))]
     other = {"ctx": 8192, "batch": 32, "policy": "sfi", "decode_tok_s": 7357.6}
     assert server_compare.base_case(rows, other)["decode_tok_s"] == 7206.3
     stock = [{"ctx": 8192, "batch": 32, "policy": "stock", "decode_tok_s": 3000.0},

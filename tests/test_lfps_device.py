@@ -36,8 +36,14 @@ SPECS = {
 LENS = {1: 83, 2: 61, 3: 97, 4: 75, 5: 40, 6: 71, 7: 50}
 
 
-@pytest.mark.parametrize("group, candidates", [(1, 24), (3, MAXCTX)])
-def test_lfps_device_path_matches_the_torch_path(group, candidates):
+@pytest.mark.parametrize("group, candidates, power_sums", [(1, 24, False), (3, MAXCTX, False), (3, MAXCTX, True)])
+def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates, power_sums):
+    """power_sums: the tables' statistics by power sums about the store's shift
+    (kernels/lfps_tables.STATS_POWER_SUMS), set from the prompt's tables, then each
+    step's means, scaled as the tables decay."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_POWER_SUMS", power_sums)
     gen = torch.Generator().manual_seed(200 + group)
     kw = dict(specs=SPECS, lens=LENS, store={"candidates": candidates})
     ref, dev = Twin(group, use_kernels=False, **kw), Twin(group, use_kernels=True, **kw)
@@ -59,3 +65,8 @@ def test_lfps_device_path_matches_the_torch_path(group, candidates):
     assert torch.equal(got, want), (got, want)
     live = want[..., 1].sum(-1) > 0
     assert int(live.sum()) == 4 and (want[..., 0] <= want[..., 1]).all()  # rows 1-4: lfps indexed steps
+    # the shift: set from the prompt's tables on both paths, then each step's means on
+    # the device path's live slots only (the torch path computes its moments directly)
+    shifts = [t.rt.stores[PolicyId.LFPS].shift for t in (dev, ref)]
+    assert (shifts[1] != 0).any()
+    assert torch.equal(shifts[0], shifts[1]) != power_sums

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_sparse.kernels.lfps_tables import (STATS_BLOCK_M, WORK_W, _lfps_table_stats_kernel, _row_moments,
-                                           _work_row, finish_chunks, lfps_finish, lfps_priority, lfps_select_out,
-                                           no_rho_args, priority_chunks)
+from sgl_sparse.kernels.lfps_tables import (POWER_SUMS_BLOCK_M, STATS_BLOCK_M, WORK_W, _lfps_table_stats_kernel,
+                                           _row_moments, _work_row, finish_chunks, lfps_finish, lfps_priority,
+                                           lfps_select_out, no_rho_args, priority_chunks)
 from sgl_sparse.kernels.testing import run_on_device
 from sgl_sparse.kernels.topk_range import topk_range
 from sgl_sparse.queryaware.lfps import candidates
@@ -143,9 +143,25 @@ def _row_moments_probe(WORK, N, SINK, OUT, M, CHUNKS: tl.constexpr, TREE: tl.con
     tl.store(out + 5, m4s)
 
 
-@pytest.mark.parametrize("chunks, block_m, tree", [(1, 8, False), (3, 8, False), (7, 16, False), (32, 8, False),
-                                                  (7, 16, True), (32, 8, True)])
-def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree):
+def _row_means(ver, sla, n, sink):
+    """[S, Hkv, 2] float64: each row's means of Φ_ver and Φ_sla over [sink, n) (0 without a range)."""
+    out = torch.zeros(ver.shape[0], ver.shape[1], 2, dtype=torch.float64)
+    for i in range(ver.shape[0]):
+        if int(n[i]) > int(sink[i]):
+            pos = torch.arange(int(sink[i]), int(n[i]))
+            off = int(n[i]) - 2 - pos
+            out[i, :, 0] = ver[i][:, pos].double().mean(-1)
+            out[i, :, 1] = torch.where(off >= 0, sla[i][:, off.clamp(min=0)], 0.0).double().mean(-1)
+    return out
+
+
+@pytest.mark.parametrize("chunks, block_m, tree, shift", [
+    (1, 8, False, None), (3, 8, False, None), (7, 16, False, None), (32, 8, False, None), (7, 16, True, None),
+    (32, 8, True, None),
+    # STATS_POWER_SUMS about a shift: the last step's means (near), a fresh slot's 0, a
+    # reused slot's means of another request's tables (here 4x these)
+    (1, 8, True, "near"), (3, 8, True, "zero"), (7, 16, True, "near"), (32, 8, True, "far"), (7, 16, False, "far")])
+def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree, shift):
     """Eq. 8's statistics in one pass over the tables: each block's mean and central
     sums about its own mean merged into the chunk's (Pébay), the chunks' merged in
     order (or by one tree reduction: tree) by the priorities' launch, give each row's
@@ -161,15 +177,18 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree):
     ver += 3.0 * torch.linspace(0, 1, M)  # a trend across the blocks: their means differ
     work = torch.full((s, HKV, chunks, WORK_W), float("nan"))
     got = torch.full((s, HKV, 6), float("nan"))
+    means = _row_means(ver, sla, n, sink)
+    shifts = {None: means, "near": means * (1 + 0.1 * torch.randn(means.shape, generator=gen, dtype=torch.float64)),
+              "zero": means * 0, "far": 4 * means}[shift].float().contiguous()
 
-    def stats_then_merge(ver, sla, n, sink, work, got):
-        _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, ver.stride(0), ver.stride(1),
+    def stats_then_merge(ver, sla, n, sink, work, shifts, got):
+        _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, shifts, ver.stride(0), ver.stride(1),
                                                    sla.stride(0), sla.stride(1), M, **no_rho_args(n), CHUNKS=chunks,
-                                                   BLOCK_M=block_m)
+                                                   BLOCK_M=block_m, POWER_SUMS=shift is not None)
         _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks, TREE=tree,
                                      BLOCK_P=max(2, triton.next_power_of_2(chunks)))
 
-    run_on_device(stats_then_merge, ver, sla, n, sink, work, got)  # compiled on a GPU, interpreted in CI
+    run_on_device(stats_then_merge, ver, sla, n, sink, work, shifts, got)  # compiled on a GPU, interpreted in CI
     for i in range(s):
         if int(n[i]) <= int(sink[i]):  # no row, or its sink covers it
             continue
@@ -183,7 +202,10 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree):
                 want += [x.mean(), (d ** 2).sum(), (d ** 4).sum()]
             want = torch.stack(want)
             assert not got[i, h].isnan().any(), (i, h)
-            assert torch.allclose(got[i, h].double(), want, rtol=2e-5, atol=1e-6), (i, h, got[i, h], want)
+            # about a far shift the expansions cancel more (~3e-5 of Σd⁴ here): what a
+            # slot's first step would pay if its shift were not set from its prompt's tables
+            rtol = 1e-4 if shift == "far" else 2e-5
+            assert torch.allclose(got[i, h].double(), want, rtol=rtol, atol=1e-6), (i, h, got[i, h], want)
 
 
 @pytest.mark.parametrize("group, chunks, kv_dtype", [(2, 3, torch.bfloat16), (1, 1, torch.float16),
@@ -384,10 +406,12 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
     floor = float(RENORM_BELOW.value if hasattr(RENORM_BELOW, "value") else RENORM_BELOW)
     tscale0 = torch.rand(s, HKV, generator=gen) * 0.5 + 0.5
     tscale0[3] = floor * 1.05  # r = 0.8 takes it below the floor
+    # and the statistics' shift (STATS_POWER_SUMS) multiplied as the stored entries are
+    shift0 = torch.rand(s, HKV, 2, generator=gen) + 0.5
     for chunks in (1, 3):
-        o, ver, sla, tscale = o_in.clone(), ver0.clone(), sla0.clone(), tscale0.clone()
+        o, ver, sla, tscale, shift = o_in.clone(), ver0.clone(), sla0.clone(), tscale0.clone(), shift0.clone()
         run_on_device(lfps_finish, q, o, k_pool, r2t, rpi, row, n, r, cand, idx, count, bypass, vbar, ver, sla, scale,
-                      block_k=16, block_m=32, chunks=chunks, tscale=tscale)
+                      block_k=16, block_m=32, chunks=chunks, tscale=tscale, shift=shift)
         assert torch.equal(o, o_ref), chunks
         # the reference from the true tables: stored * scale before, decayed and added to
         true_ref_v, true_ref_s = ver0 * tscale0[..., None], sla0 * tscale0[..., None]
@@ -409,9 +433,12 @@ def test_select_out_and_finish(group, o_dtype, kv_dtype):
                 if not touched:  # scale and tables as they were
                     assert float(tscale[i, h]) == float(tscale0[i, h]), (chunks, i, h)
                     assert torch.equal(ver[i, h], ver0[i, h]) and torch.equal(sla[i, h], sla0[i, h]), (i, h)
-                elif i == 3:  # renormalized: scale 1, the tables multiplied out
+                    assert torch.equal(shift[i, h], shift0[i, h]), (chunks, i, h)
+                elif i == 3:  # renormalized: scale 1, the tables and their shift multiplied out
                     assert float(tscale[i, h]) == 1.0, (chunks, h)
+                    torch.testing.assert_close(shift[i, h], shift0[i, h] * tscale0[i, h] * r[i])
                 else:  # the tables untouched but at C2's entries, the scale decayed
+                    assert torch.equal(shift[i, h], shift0[i, h]), (chunks, i, h)
                     assert float(tscale[i, h]) == pytest.approx(float(tscale0[i, h] * r[i]), rel=1e-6)
                     moved = (ver[i, h] != ver0[i, h]).sum() + (sla[i, h] != sla0[i, h]).sum()
                     assert 0 < int(moved) <= 2 * int(count[i, h]), (chunks, i, h)
@@ -454,6 +481,40 @@ def test_q_rows_read_in_place():
     first, last = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([6, 9, 9, 5], dtype=torch.int32)
     p = run_on_device(quest_page_scores, q3, kmin, kmax, slot, first, last, q_rows=rows, block_p=16)
     assert torch.equal(p, run_on_device(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_power_sums_at_32k(monkeypatch):
+    """STATS_POWER_SUMS compiled at 32768 x 8's store layer (rows of up to 33792
+    entries): about a shift 10% off the rows' means (a step's drift), then about the
+    means the first launch wrote, the reference's C1 and priorities (at most one entry
+    in 10^4 on the other side of a threshold, fp32 rounding) and the means within 1e-5."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_POWER_SUMS", True)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(33)
+    s, hkv, m, group = 8, 8, 33792, 2
+    ver = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    sla = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    n = torch.tensor([32768, 33792, 0, 20001, 32769, 1000, 33000, 4], dtype=torch.int32)
+    sink = torch.tensor([4, 4, 4, 0, 4, 4, 16, 4], dtype=torch.int32)
+    rho = torch.rand(s, hkv * group, generator=gen) * 0.1
+    eps, a = torch.full((s,), 0.2), torch.full((s,), 0.05)
+    ref, _ = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, hkv)
+    pos = torch.arange(m)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
+    means = _row_means(ver, sla, n, sink)
+    shift = (1.1 * means).float().to(dev)
+    args = [t.to(dev) for t in (rho, eps, a, ver, sla, n, sink)]
+    for _ in range(2):
+        prio, _ = lfps_priority(*args, shift=shift)
+        prio = prio.cpu()
+        assert int((prio[live] != ref[live]).sum()) <= int(live.sum()) // 10000
+        assert torch.isfinite(prio[live]).sum() > 1000
+        ranged = n > sink
+        torch.testing.assert_close(shift.cpu()[ranged].double(), means[ranged], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -546,7 +607,44 @@ def test_priority_tree_merge(monkeypatch, group, chunks, block_m):
     assert torch.isfinite(got[True]).sum() > 10
 
 
+@pytest.mark.parametrize("chunks, block_m", [(1, 32), (3, 8), (7, 16)])
+def test_priority_by_power_sums(monkeypatch, chunks, block_m):
+    """STATS_POWER_SUMS: the statistics' power sums about each row's shift (here 1.3x
+    its means, as a step's changes leave them) give the reference's C1 and priorities,
+    as the Pébay merges do; the priorities' launch writes each live row's means into the
+    shift for the next step and leaves the other rows' alone."""
+    import importlib
+
+    lt = importlib.import_module("sgl_sparse.kernels.lfps_tables")
+    monkeypatch.setattr(lt, "STATS_POWER_SUMS", True)
+    gen = torch.Generator().manual_seed(70 + chunks)
+    s = len(N)
+    n, sink = torch.tensor(N, dtype=torch.int32), torch.tensor(SINK, dtype=torch.int32)
+    ver, sla = _tables(gen, s)
+    rho = torch.rand(s, HKV * 2, generator=gen) * 0.1
+    eps, a = torch.full((s,), 0.2), torch.tensor([0.02, 0.05, 0.2, 0.05, 0.02])
+    means = _row_means(ver, sla, n, sink)
+    shift = (1.3 * means + 0.01).float().contiguous()
+    shift_in = shift.clone()
+    prio = torch.full((s, HKV, M), float("nan"))
+    prio, bypass = run_on_device(lfps_priority, rho, eps, a, ver, sla, n, sink, prio=prio, chunks=chunks,
+                                 block_m=block_m, shift=shift)
+    pos = torch.arange(M)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, HKV, M)
+    ref, byp_ref = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, HKV)
+    assert torch.isnan(prio[~live]).all() and torch.equal(prio[live], ref[live])
+    assert torch.isfinite(prio[live]).sum() > 10
+    ranged = n > sink  # rows with entries: their means written; no row (n <= 0): untouched
+    torch.testing.assert_close(shift[ranged].double(), means[ranged], rtol=1e-5, atol=1e-6)
+    assert torch.equal(shift[n <= 0], shift_in[n <= 0])
+
+
 @pytest.mark.parametrize("kernel, const", [
+    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=POWER_SUMS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1,
+                                      BLOCK_H=16, BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False,
+                                      HAS_Q_ROWS=False, POWER_SUMS=True)),
+    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=16, BLOCK_M=1024, TREE_MERGE=True, BLOCK_P=16,
+                                   POWER_SUMS=True)),
     ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
                                       BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=False)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024, TREE_MERGE=False, BLOCK_P=8)),
@@ -567,7 +665,8 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
     ptrs = {"RHO": "*fp32", "EPS": "*fp32", "A": "*fp32", "VER": "*fp32", "SLA": "*fp32", "N": "*i32",
-            "SINK": "*i32", "WORK": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32", "OUT": "*i32",
+            "SINK": "*i32", "WORK": "*fp32", "SHIFT": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32",
+            "OUT": "*i32",
             "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32",
             # lfps_select_out (C2 into the batch rows, the scored fraction's sums)
             "ROW": "*i64", "B_START": "*i32", "CAND": "*i32", "A_POS": "*i32", "A_LEN": "*i32",
@@ -578,10 +677,11 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
     assert got.get("ld.global.b32", 0) > 0 and got.get("st.global.b32", 0) > 0, got
 
 
-def test_stats_with_rho_compiles_for_sm90():
+@pytest.mark.parametrize("power_sums", [False, True])
+def test_stats_with_rho_compiles_for_sm90(power_sums):
     """The tables' first launch as lfps_device makes it (ρ in a program of each row past
     its chunks, over an e4m3 pool with bf16 queries read through q_rows, GQA 2, 8 chunks, its tile
-    of STATS_BLOCK_M lanes' moments) compiles for the H100/H200 (sm_90) without
+    of STATS_BLOCK_M lanes' moments, or POWER_SUMS_BLOCK_M lanes' power sums) compiles for the H100/H200 (sm_90) without
     spilling in no more than 128 registers a thread, so the chunks' programs keep
     their occupancy."""
     import importlib
@@ -589,11 +689,13 @@ def test_stats_with_rho_compiles_for_sm90():
     from sgl_sparse.kernels.testing import compile_sm90
 
     fn = importlib.import_module("sgl_sparse.kernels.lfps_tables")._lfps_table_stats_kernel
-    ptrs = {"VER": "*fp32", "SLA": "*fp32", "N": "*i32", "SINK": "*i32", "WORK": "*fp32", "Q": "*bf16",
+    ptrs = {"VER": "*fp32", "SLA": "*fp32", "N": "*i32", "SINK": "*i32", "WORK": "*fp32", "SHIFT": "*fp32",
+            "Q": "*bf16",
             "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LOCAL": "*i32",
             "KBAR": "*fp32", "SIGMA_HAT2": "*fp32", "RHO": "*fp32", "Q_ROWS": "*i64"}
-    const = dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=True, HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=16,
-                 BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=True)
+    block_m = POWER_SUMS_BLOCK_M if power_sums else STATS_BLOCK_M
+    const = dict(CHUNKS=8, BLOCK_M=block_m, HAS_RHO=True, HEAD_DIM=128, GROUP=2, BLOCK_H=16, BLOCK_N=16,
+                 BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=True, POWER_SUMS=power_sums)
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", "_lfps_table_stats_kernel", sig, const, list(ptrs),
@@ -615,13 +717,13 @@ def test_finish_kernels_compile_for_sm90(kernel):
     const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8, LAZY=True)
     if kernel == "_lfps_finish_stats_kernel":
         const.update(HEAD_DIM=128, BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, V_DIM=128, BLOCK_DV=128,
-                     BLOCK_M=1024, BF16_RTNE=False)
+                     BLOCK_M=1024, BF16_RTNE=False, SCALE_SHIFT=True)
     else:
         const.update(BLOCK_P=8)
     ptrs = {"Q": "*bf16", "O": "*bf16", "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64",
             "ROW": "*i64", "N": "*i32", "R": "*fp32", "CAND": "*i32", "IDX": "*i32", "COUNT": "*i32",
             "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32", "LOGITS": "*fp32",
-            "POS": "*i32", "TSCALE": "*fp32", "NEWSCALE": "*fp32"}
+            "POS": "*i32", "TSCALE": "*fp32", "NEWSCALE": "*fp32", "SHIFT": "*fp32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
