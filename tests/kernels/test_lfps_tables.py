@@ -483,6 +483,22 @@ def test_q_rows_read_in_place():
     assert torch.equal(p, run_on_device(quest_page_scores, q, kmin, kmax, slot, first, last, block_p=16))
 
 
+def _store_layer_32k(seed: int):
+    """32768 x 8's store layer (8 slots of 33792, 8 KV heads, GQA 2), peaked tables,
+    ragged rows, one slot without a row: (ver, sla, n, sink, rho, eps, a, live)."""
+    gen = torch.Generator().manual_seed(seed)
+    s, hkv, m, group = 8, 8, 33792, 2
+    ver = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    sla = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
+    n = torch.tensor([32768, 33792, 0, 20001, 32769, 1000, 33000, 4], dtype=torch.int32)
+    sink = torch.tensor([4, 4, 4, 0, 4, 4, 16, 4], dtype=torch.int32)
+    rho = torch.rand(s, hkv * group, generator=gen) * 0.1
+    eps, a = torch.full((s,), 0.2), torch.full((s,), 0.05)
+    pos = torch.arange(m)
+    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
+    return ver, sla, n, sink, rho, eps, a, live
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_power_sums_at_32k(monkeypatch):
@@ -494,17 +510,8 @@ def test_gpu_power_sums_at_32k(monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_POWER_SUMS", True)
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(33)
-    s, hkv, m, group = 8, 8, 33792, 2
-    ver = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
-    sla = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
-    n = torch.tensor([32768, 33792, 0, 20001, 32769, 1000, 33000, 4], dtype=torch.int32)
-    sink = torch.tensor([4, 4, 4, 0, 4, 4, 16, 4], dtype=torch.int32)
-    rho = torch.rand(s, hkv * group, generator=gen) * 0.1
-    eps, a = torch.full((s,), 0.2), torch.full((s,), 0.05)
-    ref, _ = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, hkv)
-    pos = torch.arange(m)
-    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
+    ver, sla, n, sink, rho, eps, a, live = _store_layer_32k(33)
+    ref, _ = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, ver.shape[1])
     means = _row_means(ver, sla, n, sink)
     shift = (1.1 * means).float().to(dev)
     args = [t.to(dev) for t in (rho, eps, a, ver, sla, n, sink)]
@@ -524,18 +531,10 @@ def test_gpu_priority_at_32k_slots_as_served():
     default chunks (8 on 132 SMs) and one program a row: both give the reference's C1,
     ragged rows, one slot without a row."""
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(32)
-    s, hkv, m, group = 8, 8, 33792, 2
-    ver = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
-    sla = torch.randn(s, hkv, m, generator=gen).exp() * (torch.rand(s, hkv, m, generator=gen) < 0.05)
-    n = torch.tensor([32768, 33792, 0, 20001, 32769, 1000, 33000, 4], dtype=torch.int32)
-    sink = torch.tensor([4, 4, 4, 0, 4, 4, 16, 4], dtype=torch.int32)
-    rho = torch.rand(s, hkv * group, generator=gen) * 0.1
+    ver, sla, n, sink, rho, eps, a, live = _store_layer_32k(32)
+    s, hkv, m = ver.shape
     rho[3, 2:4] = 0.9
-    eps, a = torch.full((s,), 0.2), torch.full((s,), 0.05)
     ref, byp_ref = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, hkv)
-    pos = torch.arange(m)
-    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, hkv, m)
     args = [t.to(dev) for t in (rho, eps, a, ver, sla, n, sink)]
     for chunks in (None, 1):
         prio = torch.full((s, hkv, m), float("nan"), device=dev)
