@@ -36,16 +36,22 @@ SPECS = {
 LENS = {1: 83, 2: 61, 3: 97, 4: 75, 5: 40, 6: 71, 7: 50}
 
 
-@pytest.mark.parametrize("group, candidates, power_sums", [(1, 24, False), (3, MAXCTX, False), (3, MAXCTX, True)])
-def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates, power_sums):
+@pytest.mark.parametrize("group, candidates, power_sums, carry", [(1, 24, False, False), (3, MAXCTX, False, False),
+                                                                  (3, MAXCTX, True, False), (1, 24, False, True)])
+def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates, power_sums, carry):
     """power_sums: the tables' statistics by power sums about the store's shift
     (kernels/lfps_tables.STATS_POWER_SUMS), set from the prompt's tables, then each
-    step's means, scaled as the tables decay."""
+    step's means, scaled as the tables decay. carry: the statistics carried over from
+    each row's last step (STATS_CARRY), with row 2's r at 0.5, whose tables then
+    renormalize within the steps (the lazy decay's floor, 2^-8, after 8 of them)."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_POWER_SUMS", power_sums)
+    lt = importlib.import_module("sgl_sparse.kernels.lfps_tables")
+    monkeypatch.setattr(lt, "STATS_POWER_SUMS", power_sums)
+    monkeypatch.setattr(lt, "STATS_CARRY", carry)
+    specs = {**SPECS, **({2: LfpsPolicy(budget=20, local=3, sink=0, s=16, a=0.05, r=0.5)} if carry else {})}
     gen = torch.Generator().manual_seed(200 + group)
-    kw = dict(specs=SPECS, lens=LENS, store={"candidates": candidates})
+    kw = dict(specs=specs, lens=LENS, store={"candidates": candidates})
     ref, dev = Twin(group, use_kernels=False, **kw), Twin(group, use_kernels=True, **kw)
     assert dev.rt.device is not None and dev.rt.device.lfps is not None
     q_ext = torch.randn(sum(LENS.values()), HKV * group, D, generator=gen).to(KV)
@@ -69,4 +75,7 @@ def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates,
     # the device path's live slots only (the torch path computes its moments directly)
     shifts = [t.rt.stores[PolicyId.LFPS].shift for t in (dev, ref)]
     assert (shifts[1] != 0).any()
-    assert torch.equal(shifts[0], shifts[1]) != power_sums
+    assert torch.equal(shifts[0], shifts[1]) != (power_sums or carry)
+    if carry:  # the device path's live slots carried their statistics over from step to step
+        tags = dev.rt.stores[PolicyId.LFPS].carry_tag
+        assert (tags > 0).any() and torch.equal(ref.rt.stores[PolicyId.LFPS].carry_tag, torch.full_like(tags, -1))
