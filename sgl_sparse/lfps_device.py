@@ -96,7 +96,6 @@ class LfpsDevice:
         """Segment A of the live slots' batch rows, IN PLACE into a_pos [bs, Hkv, >= capacity]
         and a_len [bs, Hkv] (bypassed heads: a_len 0, V̄ after the attention), and as
         pool slots into a_slots (shaped as a_pos) where given."""
-        from sgl_sparse.kernels import lfps_tables
         from sgl_sparse.kernels.lfps_sparsity import RhoFrom
         from sgl_sparse.kernels.lfps_tables import lfps_priority, lfps_select_out
         from sgl_sparse.kernels.token_scores import token_scores_at
@@ -122,9 +121,9 @@ class LfpsDevice:
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
                                      c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1),
                                      rho_from=rho_from,
-                                     shift=store.shift[li] if _keeps_shift() else None,
-                                     carry=(store.carry_p[li], store.carry_f[li], store.carry_tag[li])
-                                     if lfps_tables.STATS_CARRY else None)
+                                     shift=None if store.shift is None else store.shift[li],
+                                     carry=None if store.carry_p is None
+                                     else (store.carry_p[li], store.carry_f[li], store.carry_tag[li]))
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing
@@ -147,14 +146,6 @@ class LfpsDevice:
         store, sel = self.store, self._sel
         lfps_tables.lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
                                 sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale,
-                                tscale=store.tscale[li], shift=store.shift[li] if _keeps_shift() else None,
-                                carry=(store.carry_p[li], store.carry_f[li], f.sink)
-                                if lfps_tables.STATS_CARRY else None)
+                                tscale=store.tscale[li], shift=None if store.shift is None else store.shift[li],
+                                carry=None if store.carry_p is None else (store.carry_p[li], store.carry_f[li], f.sink))
 
-
-def _keeps_shift() -> bool:
-    """The statistics take power sums about the store's shift (STATS_POWER_SUMS, or
-    carried over: STATS_CARRY), so the steps keep it at the rows' means."""
-    from sgl_sparse.kernels import lfps_tables
-
-    return lfps_tables.STATS_POWER_SUMS or lfps_tables.STATS_CARRY

@@ -214,11 +214,13 @@ class QueryAwareRuntime:
                     q3[e.q_end - s: e.q_end][None], k_cache[locs][None], values,
                     e.dev[1:2], scale, store.cfg.max_context, knobs, out=store.layer(li), rows=e.dev[0:1])
                 store.tscale[li, e.slot].fill_(1.0)  # the tables as written: true values
-                # the statistics' power sums about the tables' means (STATS_POWER_SUMS):
-                # not the slot's previous owner's, which only the rounding would pay for
-                store.shift[li, e.slot, :, 0] = store.ver[li, e.slot, :, : e.n].mean(-1)
-                store.shift[li, e.slot, :, 1] = store.sla[li, e.slot, :, : e.n].mean(-1)
-                store.carry_tag[li, e.slot] = -1  # tables written here: nothing to carry over
+                if store.shift is not None:
+                    # the statistics' power sums about the tables' means: not the slot's
+                    # previous owner's, which only the rounding would pay for
+                    store.shift[li, e.slot, :, 0] = store.ver[li, e.slot, :, : e.n].mean(-1)
+                    store.shift[li, e.slot, :, 1] = store.sla[li, e.slot, :, : e.n].mean(-1)
+                if store.carry_tag is not None:
+                    store.carry_tag[li, e.slot] = -1  # tables written here: nothing to carry over
 
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,

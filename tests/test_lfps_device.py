@@ -71,11 +71,16 @@ def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates,
     assert torch.equal(got, want), (got, want)
     live = want[..., 1].sum(-1) > 0
     assert int(live.sum()) == 4 and (want[..., 0] <= want[..., 1]).all()  # rows 1-4: lfps indexed steps
-    # the shift: set from the prompt's tables on both paths, then each step's means on
-    # the device path's live slots only (the torch path computes its moments directly)
+    # the shift: only where a switch needs it; set from the prompt's tables on both
+    # paths, then each step's means on the device path's live slots only (the torch
+    # path computes its moments directly)
     shifts = [t.rt.stores[PolicyId.LFPS].shift for t in (dev, ref)]
-    assert (shifts[1] != 0).any()
-    assert torch.equal(shifts[0], shifts[1]) != (power_sums or carry)
+    if not (power_sums or carry):
+        assert shifts == [None, None] and dev.rt.stores[PolicyId.LFPS].carry_p is None
+        return
+    assert (shifts[1] != 0).any() and not torch.equal(shifts[0], shifts[1])
+    tags = dev.rt.stores[PolicyId.LFPS].carry_tag
     if carry:  # the device path's live slots carried their statistics over from step to step
-        tags = dev.rt.stores[PolicyId.LFPS].carry_tag
         assert (tags > 0).any() and torch.equal(ref.rt.stores[PolicyId.LFPS].carry_tag, torch.full_like(tags, -1))
+    else:
+        assert tags is None
