@@ -138,6 +138,27 @@ def _add_sums(a1, a2, a3, a4, a5, a6, a7, a8, b1, b2, b3, b4, b5, b6, b7, b8):
 
 
 @triton.jit
+def _powers(y):
+    """y, y², y³, y⁴: the terms of the power sums 1-4."""
+    y2 = y * y
+    return y, y2, y2 * y, y2 * y2
+
+
+@triton.jit
+def _store_sums(ptr, s1, s2, s3, s4, t1, t2, t3, t4):
+    """Four figures of Φ_ver then four of Φ_sla at ptr[0..7] (a carry_p / carry_f entry's
+    power sums, a chunk's moments)."""
+    tl.store(ptr + 0, s1)
+    tl.store(ptr + 1, s2)
+    tl.store(ptr + 2, s3)
+    tl.store(ptr + 3, s4)
+    tl.store(ptr + 4, t1)
+    tl.store(ptr + 5, t2)
+    tl.store(ptr + 6, t3)
+    tl.store(ptr + 7, t4)
+
+
+@triton.jit
 def _central_from_sums(n, c, s1, s2, s3, s4):
     """(mean, Σd², Σd³, Σd⁴ about the mean) of n entries x from the power sums
     s_k = Σ (x - c)^k about a shift c. Exact in real arithmetic for any c; in floats
@@ -151,7 +172,7 @@ def _central_from_sums(n, c, s1, s2, s3, s4):
 
 
 @triton.jit
-def _carried_moments(VER, SLA, SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W: tl.constexpr):
+def _carried_moments(SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W: tl.constexpr):
     """A row's moments over [lo, n) from its last step's (over [lo, n - 1)): the power
     sums about its shift by chunk, its finish's changes to them, and the two entries
     that enter the range, into `work` (chunk 0's partials, count n - lo)."""
@@ -160,18 +181,16 @@ def _carried_moments(VER, SLA, SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, l
     f_row = CARRY_F + rh * CARRY_W * 8 + offs * 8
     cv = tl.load(SHIFT + rh * 2)
     cs = tl.load(SHIFT + rh * 2 + 1)
-    y = tl.load(ver + n - 1) - cv  # Φ_ver's entering entry
-    z = tl.load(sla + n - 2 - lo) - cs  # Φ_sla's: sla[n - 2 - i] at i = lo
-    y2 = y * y
-    z2 = z * z
-    sv1 = tl.sum(tl.load(p_row + 0) + tl.load(f_row + 0), 0) + y
+    y1, y2, y3, y4 = _powers(tl.load(ver + n - 1) - cv)  # Φ_ver's entering entry
+    z1, z2, z3, z4 = _powers(tl.load(sla + n - 2 - lo) - cs)  # Φ_sla's: sla[n - 2 - i] at i = lo
+    sv1 = tl.sum(tl.load(p_row + 0) + tl.load(f_row + 0), 0) + y1
     sv2 = tl.sum(tl.load(p_row + 1) + tl.load(f_row + 1), 0) + y2
-    sv3 = tl.sum(tl.load(p_row + 2) + tl.load(f_row + 2), 0) + y2 * y
-    sv4 = tl.sum(tl.load(p_row + 3) + tl.load(f_row + 3), 0) + y2 * y2
-    ss1 = tl.sum(tl.load(p_row + 4) + tl.load(f_row + 4), 0) + z
+    sv3 = tl.sum(tl.load(p_row + 2) + tl.load(f_row + 2), 0) + y3
+    sv4 = tl.sum(tl.load(p_row + 3) + tl.load(f_row + 3), 0) + y4
+    ss1 = tl.sum(tl.load(p_row + 4) + tl.load(f_row + 4), 0) + z1
     ss2 = tl.sum(tl.load(p_row + 5) + tl.load(f_row + 5), 0) + z2
-    ss3 = tl.sum(tl.load(p_row + 6) + tl.load(f_row + 6), 0) + z2 * z
-    ss4 = tl.sum(tl.load(p_row + 7) + tl.load(f_row + 7), 0) + z2 * z2
+    ss3 = tl.sum(tl.load(p_row + 6) + tl.load(f_row + 6), 0) + z3
+    ss4 = tl.sum(tl.load(p_row + 7) + tl.load(f_row + 7), 0) + z4
     cnt = (n - lo).to(tl.float32)
     mv, v2, v3, v4 = _central_from_sums(cnt, cv, sv1, sv2, sv3, sv4)
     ms, s2, s3, s4 = _central_from_sums(cnt, cs, ss1, ss2, ss3, ss4)
@@ -182,14 +201,7 @@ def _carried_moments(VER, SLA, SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, l
 def _store_chunk_moments(work, mv, v2, v3, v4, ms, s2, s3, s4, cnt):
     """A chunk's partials: Φ_ver's mean and central sums Σd², Σd³, Σd⁴ (columns 0-3),
     Φ_sla's (4-7), its count (9)."""
-    tl.store(work + 0, mv)
-    tl.store(work + 1, v2)
-    tl.store(work + 2, v3)
-    tl.store(work + 3, v4)
-    tl.store(work + 4, ms)
-    tl.store(work + 5, s2)
-    tl.store(work + 6, s3)
-    tl.store(work + 7, s4)
+    _store_sums(work, mv, v2, v3, v4, ms, s2, s3, s4)
     tl.store(work + 9, cnt)
 
 
@@ -259,11 +271,11 @@ def _lfps_table_stats_kernel(
     ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 16
+    rh = (cur_s * tl.num_programs(1) + cur_h).to(tl.int64)
     if CARRY:
-        rh = (cur_s * tl.num_programs(1) + cur_h).to(tl.int64)
         if (tl.load(TAG + rh) == n - 1) & (n - 1 > lo):
             if cur_p == 0:
-                _carried_moments(VER, SLA, SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W)
+                _carried_moments(SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W)
             else:  # a part of count 0 (its moments 0, not left unwritten: 0 x NaN is NaN)
                 for col in tl.static_range(10):
                     tl.store(work + col, 0.0)
@@ -271,20 +283,17 @@ def _lfps_table_stats_kernel(
     offs = tl.arange(0, BLOCK_M)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     if POWER_SUMS:
-        shift = SHIFT + (cur_s * tl.num_programs(1) + cur_h).to(tl.int64) * 2
-        cv = tl.load(shift)
-        cs = tl.load(shift + 1)
+        cv = tl.load(SHIFT + rh * 2)
+        cs = tl.load(SHIFT + rh * 2 + 1)
         a1, a2, a3, a4 = zero, zero, zero, zero
         b1, b2, b3, b4 = zero, zero, zero, zero
         for start in range(c0, c1, BLOCK_M):
             pos = start + offs
             ok = pos < c1
-            y = tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - cv, 0.0)
-            y2 = y * y
-            a1, a2, a3, a4 = a1 + y, a2 + y2, a3 + y2 * y, a4 + y2 * y2
-            z = tl.where(ok, _sla_at(sla, pos, ok, n, M) - cs, 0.0)
-            z2 = z * z
-            b1, b2, b3, b4 = b1 + z, b2 + z2, b3 + z2 * z, b4 + z2 * z2
+            y1, y2, y3, y4 = _powers(tl.where(ok, tl.load(ver + pos, mask=ok, other=0.0) - cv, 0.0))
+            a1, a2, a3, a4 = a1 + y1, a2 + y2, a3 + y3, a4 + y4
+            z1, z2, z3, z4 = _powers(tl.where(ok, _sla_at(sla, pos, ok, n, M) - cs, 0.0))
+            b1, b2, b3, b4 = b1 + z1, b2 + z2, b3 + z3, b4 + z4
         a1, a2, a3, a4, b1, b2, b3, b4 = tl.reduce((a1, a2, a3, a4, b1, b2, b3, b4), 0, _add_sums)
         cnt = (c1 - c0).to(tl.float32)
         mv, v2, v3, v4 = _central_from_sums(cnt, cv, a1, a2, a3, a4)
@@ -421,12 +430,8 @@ def _lfps_priority_kernel(
         v = tl.load(ver + pos, mask=ok, other=0.0)
         s = _sla_at(sla, pos, ok, n, M)
         if CARRY:  # the next step's statistics, about this step's means
-            y = tl.where(ok, v - mv, 0.0)
-            z = tl.where(ok, s - ms, 0.0)
-            y2 = y * y
-            z2 = z * z
-            t1, t2, t3, t4, u1, u2, u3, u4 = tl.reduce((y, y2, y2 * y, y2 * y2, z, z2, z2 * z, z2 * z2), 0,
-                                                       _add_sums)
+            t1, t2, t3, t4, u1, u2, u3, u4 = tl.reduce(_powers(tl.where(ok, v - mv, 0.0))
+                                                       + _powers(tl.where(ok, s - ms, 0.0)), 0, _add_sums)
             sv1, sv2, sv3, sv4 = sv1 + t1, sv2 + t2, sv3 + t3, sv4 + t4
             ss1, ss2, ss3, ss4 = ss1 + u1, ss2 + u2, ss3 + u3, ss4 + u4
         # C0 at j itself from the entries just read (the chunk lies in [lo, n)): eight
@@ -443,15 +448,7 @@ def _lfps_priority_kernel(
     # the chunk's C1 size (column 8, as a float: exact below 2^24), for lfps_c1_list
     tl.store(row + cur_p * 16 + 8, tl.sum(members, 0).to(tl.float32))
     if CARRY:
-        carry = CARRY_P + (rh * CARRY_W + cur_p) * 8
-        tl.store(carry + 0, sv1)
-        tl.store(carry + 1, sv2)
-        tl.store(carry + 2, sv3)
-        tl.store(carry + 3, sv4)
-        tl.store(carry + 4, ss1)
-        tl.store(carry + 5, ss2)
-        tl.store(carry + 6, ss3)
-        tl.store(carry + 7, ss4)
+        _store_sums(CARRY_P + (rh * CARRY_W + cur_p) * 8, sv1, sv2, sv3, sv4, ss1, ss2, ss3, ss4)
 
 
 @triton.jit(do_not_specialize=["M", "K_MAX", "K2_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh",
@@ -610,7 +607,6 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
                   c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                   c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                   rho_from: Optional[RhoFrom] = None, shift: Optional[torch.Tensor] = None,
-                  work: Optional[torch.Tensor] = None,
                   carry: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
@@ -640,9 +636,7 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     ``shift`` ``[S, Hkv, 2]`` fp32 (in place), with ``STATS_POWER_SUMS``: the rows'
     means of Φ_ver and Φ_sla at their last step (any value is correct; the closer to
     this step's means, the more exact), which the statistics take their power sums
-    about; the priorities' launch writes this step's there (live rows). ``work``
-    ``[S, Hkv, chunks, WORK_W]`` fp32: the launches' partials (a fresh buffer by
-    default), columns 0-7 each chunk's moments (tests read them).
+    about; the priorities' launch writes this step's there (live rows).
 
     ``carry`` = ``(p, f, tag)``, with ``shift`` and ``STATS_CARRY``: ``p`` / ``f``
     ``[S, Hkv, CARRY_W, 8]`` fp32 and ``tag`` ``[S, Hkv]`` int32, in place (the store's;
@@ -677,9 +671,7 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     chunks = int(chunks)
     assert chunks >= 1, "chunks"
     # every column a launch reads is written first by a live row's programs (never read uninitialised)
-    if work is None:
-        work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
-    assert work.shape == (s, hkv, chunks, WORK_W) and work.is_contiguous() and work.dtype == torch.float32, "work"
+    work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
     power_sums = STATS_POWER_SUMS and shift is not None
     carried = STATS_CARRY and carry is not None and shift is not None
     if power_sums or carried:
@@ -1102,8 +1094,7 @@ def _lfps_finish_update_kernel(
     if (n <= 0) | (byp != 0) | (k1 <= k0):
         if CARRY:
             if n > 0:
-                for col in tl.static_range(8):
-                    tl.store(carry + col, 0.0)
+                _store_sums(carry, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         return
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
@@ -1151,26 +1142,18 @@ def _lfps_finish_update_kernel(
         old_s = tl.load(sla + off, mask=ok, other=0.0)
         new_s = old_s + inc
         tl.store(sla + off, new_s, mask=ok)
-        if CARRY:
-            a = tl.where(in_k, new_v - cv, 0.0)
-            b = tl.where(in_k, old_v - cv, 0.0)
-            c = tl.where(ok & (off != entering), new_s - cs, 0.0)
-            d = tl.where(ok & (off != entering), old_s - cs, 0.0)
-            a2, b2, c2, d2 = a * a, b * b, c * c, d * d
+        if CARRY:  # new minus old powers of each entry changed (the entering one apart)
+            a1, a2, a3, a4 = _powers(tl.where(in_k, new_v - cv, 0.0))
+            b1, b2, b3, b4 = _powers(tl.where(in_k, old_v - cv, 0.0))
+            counted = ok & (off != entering)
+            c1, c2, c3, c4 = _powers(tl.where(counted, new_s - cs, 0.0))
+            d1, d2, d3, d4 = _powers(tl.where(counted, old_s - cs, 0.0))
             t1, t2, t3, t4, u1, u2, u3, u4 = tl.reduce(
-                (a - b, a2 - b2, a2 * a - b2 * b, a2 * a2 - b2 * b2,
-                 c - d, c2 - d2, c2 * c - d2 * d, c2 * c2 - d2 * d2), 0, _add_sums)
+                (a1 - b1, a2 - b2, a3 - b3, a4 - b4, c1 - d1, c2 - d2, c3 - d3, c4 - d4), 0, _add_sums)
             dv1, dv2, dv3, dv4 = dv1 + t1, dv2 + t2, dv3 + t3, dv4 + t4
             ds1, ds2, ds3, ds4 = ds1 + u1, ds2 + u2, ds3 + u3, ds4 + u4
     if CARRY:
-        tl.store(carry + 0, dv1)
-        tl.store(carry + 1, dv2)
-        tl.store(carry + 2, dv3)
-        tl.store(carry + 3, dv4)
-        tl.store(carry + 4, ds1)
-        tl.store(carry + 5, ds2)
-        tl.store(carry + 6, ds3)
-        tl.store(carry + 7, ds4)
+        _store_sums(carry, dv1, dv2, dv3, dv4, ds1, ds2, ds3, ds4)
 
 
 #: lfps_finish's programs a row aim at this many an SM in all: one program a (slot,
@@ -1246,11 +1229,14 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
         newscale = torch.empty(s, hkv, chunks, dtype=torch.float32, device=q.device)
     else:
         tscale = newscale = work  # not read without LAZY
-    if shift is not None:
+    scale_shift = shift is not None
+    if scale_shift:
         assert shift.shape == (s, hkv, 2) and shift.dtype == torch.float32 and shift.is_contiguous(), "shift"
+    else:
+        shift = work  # not read
     carried = carry is not None
     if carried:
-        assert shift is not None, "carry: with shift"
+        assert scale_shift, "carry: with shift"
         carry_p, carry_f, sink = carry
         for name, t in (("p", carry_p), ("f", carry_f)):
             assert t.shape == (s, hkv, CARRY_W, 8) and t.dtype == torch.float32 and t.is_contiguous(), f"carry: {name}"
@@ -1263,16 +1249,16 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     dv = vbar.shape[2]
     _lfps_finish_stats_kernel[grid](
         q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
-        logits, pos, tscale, newscale, shift if shift is not None else work, carry_p, float(sm_scale), q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_pool.stride(0),
+        logits, pos, tscale, newscale, shift, carry_p, float(sm_scale), q.stride(0), q.stride(1), o.stride(0),
+        o.stride(1), k_pool.stride(0),
         k_pool.stride(1), req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
         vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
-        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, SCALE_SHIFT=shift is not None, CARRY=carried,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, SCALE_SHIFT=scale_shift, CARRY=carried,
         CARRY_W=CARRY_W, num_warps=4, **meta,
     )
     _lfps_finish_update_kernel[grid](
-        n, count, bypass, ver, sla, work, logits, pos, tscale, newscale, sink,
-        shift if shift is not None else work, carry_f,
+        n, count, bypass, ver, sla, work, logits, pos, tscale, newscale, sink, shift, carry_f,
         ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         GROUP=group, BLOCK_H=meta["BLOCK_H"], BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
         LAZY=lazy, CARRY=carried, CARRY_W=CARRY_W, num_warps=4,

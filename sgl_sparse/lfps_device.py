@@ -141,11 +141,10 @@ class LfpsDevice:
         """After this layer's attention (and its select): V̄ on the bypassed heads
         of the live slots' rows, then Eq. (10) on their tables [ours: the tables
         learn from the steps that used them]."""
-        from sgl_sparse.kernels import lfps_tables
+        from sgl_sparse.kernels.lfps_tables import lfps_finish
 
         store, sel = self.store, self._sel
-        lfps_tables.lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
-                                sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale,
-                                tscale=store.tscale[li], shift=None if store.shift is None else store.shift[li],
-                                carry=None if store.carry_p is None else (store.carry_p[li], store.carry_f[li], f.sink))
-
+        lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
+                    sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale, tscale=store.tscale[li],
+                    shift=None if store.shift is None else store.shift[li],
+                    carry=None if store.carry_p is None else (store.carry_p[li], store.carry_f[li], f.sink))
