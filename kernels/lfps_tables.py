@@ -564,13 +564,21 @@ STATS_BLOCK_M = 512
 #: merges (session 38's profile: the statistics' time is their cross-warp reductions',
 #: 16.3 us a layer at 32768 x 8, not HBM's). The same moments to fp32 rounding
 #: (tests/kernels/test_lfps_tables.py, against float64, also about a far shift).
-#: Untimed: off until bench_lfps_priority and a served A/B say so
-#: (SGLANG_SPARSE_LFPS_POWER_SUMS=1).
-STATS_POWER_SUMS = env_switch("LFPS_POWER_SUMS", False)
+#: H200, one layer under CUDA-graph replay (bench_lfps_priority, session 46,
+#: results/lfps_priority_stats_h200_s46.log), Pébay -> power sums: 32768 x 8 27.2 ->
+#: 21.4 us (28.5 -> 21.6 with ragged rows), 130000 x 4 54.6 -> 49.1, 8192 x 32 27.6
+#: -> 20.2, no entry moved. Served: 130000 x 1 231.3 against 224.8 tok/s (ITL 4.362
+#: against 4.468 ms), 32768 x 8 over e4m3 ITL 4.354 against 4.440 ms (tok/s level:
+#: 1826.6 / 1831.7).
+#: SGLANG_SPARSE_LFPS_POWER_SUMS=0: Pébay's merges.
+STATS_POWER_SUMS = env_switch("LFPS_POWER_SUMS", True)
 #: The table statistics carried over from a row's last step where it was n - 1 (the
 #: store's carry_p / carry_f / carry_tag; lfps_priority's ``carry``): no read of the
 #: tables for them, the priorities' pass summing the powers as it reads, the finish
-#: adding its entries' changes. Untimed: off (SGLANG_SPARSE_LFPS_CARRY=1).
+#: adding its entries' changes. Off (SGLANG_SPARSE_LFPS_CARRY=1): by kernel no faster
+#: than the power sums it builds on (22.0 against 21.4 us a layer at 32768 x 8, 48.5
+#: against 49.1 at 130000 x 4, 21.7 against 20.2 at 8192 x 32; session 46), before the
+#: priorities' wider tile and the finish's sums it adds.
 STATS_CARRY = env_switch("LFPS_CARRY", False)
 #: The carried sums' chunks a row, at most (PRIORITY_MAX_CHUNKS, FINISH_MAX_CHUNKS).
 CARRY_W = 32

@@ -75,8 +75,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
-from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, has_fp8_pair_conversions,
-                     is_interpreter, needs_fp32_dot, next_pow2)
+from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, env_value,
+                     has_fp8_pair_conversions, is_interpreter, needs_fp32_dot, next_pow2)
 
 __all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
            "balanced_splits", "balanced_grid_splits", "balance_factor", "balance_programs_per_sm", "step_row_splits",
@@ -196,7 +196,14 @@ BALANCE_GATE = env_switch("BALANCE_GATE", True)
 # fp8 the plain partition runs under the balanced launch's register cap (128, compiled
 # for sm_90 without spilling; the plain launch alone takes ~143). Untimed: off until
 # bench_mixed_rows --variants and a served A/B (SGLANG_SPARSE_BALANCE_ONE_GRID=1).
-BALANCE_ONE_GRID = env_switch("BALANCE_ONE_GRID", False)
+# Measured (H200, e4m3, natural sfi; bench/README "Session 45", "Session 46"): served
+# +2.1% tok/s at 8192 x 32 (ITL 4.292 against 4.390 ms), where the plain launch has one
+# split a row; -1.1% at 32768 x 8 (ITL 3.083 against 3.052), where it has several and
+# by kernel the one grid ran 0.715 against 0.658 ms without a dense row. Hence, unset,
+# one_grid(): one grid over fp8 where the plain launch splits a row once (bf16 untimed:
+# the pair). 1 / 0 force it on / off.
+BALANCE_ONE_GRID: Optional[bool] = (None if env_value("BALANCE_ONE_GRID") is None
+                                    else env_switch("BALANCE_ONE_GRID", False))
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
 # keys at the heuristic's program count takes twice the programs: such long rows are
 # bound by widening the keys, not by HBM. H200, 131072 x 4 over e4m3, the dense launch
@@ -1028,6 +1035,17 @@ def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num
         long_rows = _row_keys(*segments, row_mask).sum() >= programs * BALANCE_MIN_PROGRAM_KEYS
         gate = gate & (unequal | long_rows)
     return gate.to(torch.int32).reshape(1)
+
+
+def one_grid(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+             min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> bool:
+    """Whether a gated pair of launches runs as one grid (``gate=(flag, None)``):
+    BALANCE_ONE_GRID where set, else over fp8 where the plain launch splits a row
+    once (the shape it was faster at served; see BALANCE_ONE_GRID)."""
+    if BALANCE_ONE_GRID is not None:
+        return BALANCE_ONE_GRID
+    return kv_fp8 and choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms,
+                                        min_split_len=min_split_len, kv_fp8=True) == 1
 
 
 def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,

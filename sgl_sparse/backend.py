@@ -418,6 +418,13 @@ class SparseAttnBackend(AttentionBackend):
         return dense_step_balances(bs, keys, self._num_kv_heads, self._max_kv_len, device_num_sms(self.device),
                                    self._kv_fp8)
 
+    def _one_grid(self, bs: int) -> bool:
+        """The gated pair as one launch at this batch size (kernels.one_grid)."""
+        from sgl_sparse.kernels import one_grid
+        from sgl_sparse.kernels._utils import device_num_sms
+
+        return one_grid(bs, self._num_kv_heads, self._max_kv_len, device_num_sms(self.device), kv_fp8=self._kv_fp8)
+
     def _balanced_row_splits(self, plan: DecodePlan) -> Optional[torch.Tensor]:
         """The decode kernel's splits per request, once per step for every layer, in a
         step that balances them (graph variant KERNEL_BALANCED, where kernels.balances
@@ -585,8 +592,8 @@ class SparseAttnBackend(AttentionBackend):
         if self._balance_gate is not None:
             # the plain partition too, the device choosing one of the two a step
             # (kernels.BALANCE_GATE): rows all alike run the plain grid; in one launch
-            # with the balanced one where kernels.BALANCE_ONE_GRID says so
-            if _decode_switch("BALANCE_ONE_GRID"):
+            # with the balanced one where kernels.one_grid says so
+            if self._one_grid(bs):
                 launches = [dict(launches[0], gate=(self._balance_gate, None))]
             else:
                 launches = [dict(balance=False, gate=(self._balance_gate, False)),
@@ -755,7 +762,7 @@ def _check_store_memory(state: SparseState, model_runner) -> None:
 
 
 def _decode_switch(name: str) -> bool:
-    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE, BALANCE_ONE_GRID), read
+    """A switch of the decode kernel's module (BALANCE_ENABLED, BALANCE_GATE), read
     when asked: imported late (Triton), set by tests."""
     import importlib
 

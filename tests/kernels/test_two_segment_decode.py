@@ -866,6 +866,44 @@ def test_one_grid_holds_both_twins_and_answers_as_the_one_the_flag_picks(monkeyp
         assert all(torch.equal(g, w) for g, w in zip(got, plain)), flag
 
 
+def test_one_grid_unset_is_chosen_over_fp8_where_the_plain_launch_splits_a_row_once(monkeypatch):
+    """BALANCE_ONE_GRID unset: the gated pair as one grid over fp8 where the plain
+    launch has one split a row (H200 Qwen3-1.7B shape: 8192 x 32 served faster with
+    it), the pair where it has several (32768 x 8 slower) and over bf16 (untimed);
+    set, it decides alone."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "BALANCE_ONE_GRID", None)
+    sms, hkv, max_kv = 132, 8, 140000
+    assert K.choose_num_splits(32, hkv, max_kv, sms, kv_fp8=True) == 1
+    assert K.choose_num_splits(8, hkv, max_kv, sms, kv_fp8=True) > 1
+    assert K.one_grid(32, hkv, max_kv, sms, kv_fp8=True)
+    assert not K.one_grid(8, hkv, max_kv, sms, kv_fp8=True)
+    assert not K.one_grid(32, hkv, max_kv, sms, kv_fp8=False)
+    # rows under one split's keys (DEFAULT_MIN_SPLIT_LEN): one split whatever the batch
+    assert K.one_grid(1, hkv, 100, sms, kv_fp8=True)
+    for forced in (True, False):
+        monkeypatch.setattr(tsd, "BALANCE_ONE_GRID", forced)
+        assert {K.one_grid(bs, hkv, max_kv, sms, kv_fp8=f) for bs in (1, 8, 32) for f in (True, False)} == {forced}
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("1", True), ("on", True), ("0", False), ("off", False)])
+def test_one_grid_switch_reads_unset_as_the_shapes_choice(value, expected):
+    """SGLANG_SPARSE_BALANCE_ONE_GRID: unset is None (one_grid decides by shape), a
+    switch's on / off values force it; read as the module loads (a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SPARSE_BALANCE_ONE_GRID")}
+    if value is not None:
+        env["SGLANG_SPARSE_BALANCE_ONE_GRID"] = value
+    code = "import importlib; print(importlib.import_module(%r).BALANCE_ONE_GRID)" % K.two_segment_decode.__module__
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(expected)
+
+
 def test_balance_gate_keeps_short_rows_alike_on_the_plain_launch():
     """balance_gate given the step's segments: rows alike whose shares pass the
     heuristic's splits (fp8's 4 programs an SM) open the gate only where each balanced
