@@ -156,6 +156,12 @@ BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # program) allows; a bf16 tile's (110 KB) leaves 2 whatever the registers, and there
 # the cap measured 1-3.5% slower (28 layers of bench_mixed_rows.py: all dense and all
 # sparse rows, 131072 x 4 to 8192 x 32; over e4m3 the cap was 3-5% faster all dense).
+# The cap is the registers a program of 4 warps may hold; a launch at other warps gets
+# the same registers a program (balance_maxnreg), none past a thread's 255: the one grid
+# at 2 warps (BALANCE_ONE_GRID) compiled to 128 registers and 8 spilled under a cap of
+# 128 a thread, to 192 without, and ran 28 layers at 8192 x 32 over e4m3 in 1.366 /
+# 1.965 / 4.875 ms uncapped against 1.429 / 2.279 / 5.073 capped (0 / 1 / all rows
+# dense; bench/results/mixed_rows_one_grid_w2_cap{128,0}_s46.log).
 BALANCE_MAX_REGISTERS = env_count("BALANCE_MAX_REGISTERS", 128, 0, 255)
 # A balanced launch's grid order: (splits, Hkv, bs) instead of (bs, Hkv, splits), so
 # that each (request, KV head)'s splits are neighbours in launch order and the programs
@@ -229,7 +235,8 @@ FP8_F16_DOTS = env_switch("FP8_F16_DOTS", True)
 # 0.421 at 8192 x 32 / 32768 x 8 / 131072 x 4 (session 44 alike), and with every row
 # dense 6.918 / 7.036 / 13.758 against 7.039 / 7.573 / 14.582; served sfi-pinned at
 # 8192 x 32 7790.8 / 7781.6 tok/s against 7400.2 (fast steps at 32768 x 8 alike). The
-# balanced launch at 2 warps spills under its maxnreg (8 registers) and ran the steps
+# balanced launch at 2 warps spilled under a maxnreg of 128 (8 registers; balance_maxnreg
+# since lifts it at 2 warps: untimed for this launch) and ran the steps
 # that need it, one dense row among sparse ones, 3-9% slower (2.429 / 1.598 / 3.680
 # against 2.355 / 1.511 / 3.374 ms): it keeps 4.
 FP8_NUM_WARPS = env_count("FP8_NUM_WARPS", 2, 1, 8)
@@ -1037,6 +1044,16 @@ def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num
     return gate.to(torch.int32).reshape(1)
 
 
+def balance_maxnreg(num_warps: int) -> Optional[int]:
+    """A balanced launch's register cap a thread over fp8 at ``num_warps`` warps a
+    program: BALANCE_MAX_REGISTERS's registers a program of 4 warps, None (Triton's
+    choice) where that is more than a thread can hold or the knob is 0."""
+    if BALANCE_MAX_REGISTERS <= 0:
+        return None
+    cap = BALANCE_MAX_REGISTERS * 4 // max(1, int(num_warps))
+    return cap if cap <= 255 else None
+
+
 def one_grid(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
              min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> bool:
     """Whether a gated pair of launches runs as one grid (``gate=(flag, None)``):
@@ -1357,7 +1374,12 @@ def two_segment_decode(
     if block_n is None:
         block_n = _default_block_n(head_dim)
     if num_warps is None:
-        num_warps = (FP8_BALANCED_NUM_WARPS if balance else FP8_NUM_WARPS) if kv_fp8 else 4
+        # The one grid (gate=(flag, None)) at the plain launch's warps: its plain
+        # partition serves every step without a dense row, and at 8192 x 32 over e4m3
+        # it ran 1.428 / 2.293 / 5.059 ms (28 layers; 0 / 1 / all rows dense) at 2 warps
+        # against 1.588 / 2.283 / 5.295 at 4, served +2.1% (bench/README "Session 45").
+        one_grid_warps = gate is not None and gate[1] is None
+        num_warps = (FP8_BALANCED_NUM_WARPS if balance and not one_grid_warps else FP8_NUM_WARPS) if kv_fp8 else 4
     block_d = next_pow2(head_dim)
     block_h = max(16, next_pow2(group))  # tl.dot needs M >= 16
     min_split_blocks = max(1, cdiv(min_split_len, block_n))
@@ -1518,7 +1540,7 @@ def two_segment_decode(
         GATE_RUN=0 if gate is None else 3 if gate[1] is None else 1 if gate[1] else 2,
         num_warps=num_warps,
         num_stages=num_stages,
-        maxnreg=BALANCE_MAX_REGISTERS if balance and kv_fp8 and BALANCE_MAX_REGISTERS > 0 else None,
+        maxnreg=balance_maxnreg(num_warps) if balance and kv_fp8 else None,
     )
 
     if not direct and not fused:

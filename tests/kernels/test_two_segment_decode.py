@@ -1538,20 +1538,27 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
             K.two_segment_decode(*c.args(), num_splits=3, fused_merge=True, balance=balance,
                                  split_counters=K.make_split_counters(bs, hkv, DEVICE), max_kv_len=n,
                                  **c.slow_step_outputs(n))
+    # and the gated pair as one grid over fp8
+    c = case.stored_as(FP8[0])
+    K.two_segment_decode(*c.args(), num_splits=3, fused_merge=True, balance=True,
+                         split_counters=K.make_split_counters(bs, hkv, DEVICE), max_kv_len=n,
+                         gate=(torch.ones(1, dtype=torch.int32, device=DEVICE), None), **c.slow_step_outputs(n))
+    # the cap is a program's registers at 4 warps (balance_maxnreg): none for the one grid's 2
     caps = [kw.get("maxnreg") for _, kw in launches]
-    assert caps == [mod.BALANCE_MAX_REGISTERS, None, None, None] and mod.BALANCE_MAX_REGISTERS == 128, caps
-    # over fp8 the plain launch at FP8_NUM_WARPS, the balanced one at FP8_BALANCED_NUM_WARPS (session 45)
+    assert caps == [mod.BALANCE_MAX_REGISTERS, None, None, None, None], caps
+    assert mod.BALANCE_MAX_REGISTERS == 128
+    # over fp8 the plain launch and the one grid at FP8_NUM_WARPS, the balanced one at
+    # FP8_BALANCED_NUM_WARPS (sessions 45-46)
     warps = [kw.get("num_warps") for _, kw in launches]
-    assert warps == [mod.FP8_BALANCED_NUM_WARPS, mod.FP8_NUM_WARPS, 4, 4], warps
+    assert warps == [mod.FP8_BALANCED_NUM_WARPS, mod.FP8_NUM_WARPS, 4, 4, mod.FP8_NUM_WARPS], warps
     assert (mod.FP8_BALANCED_NUM_WARPS, mod.FP8_NUM_WARPS) == (4, 2)
+    one_grid = launches.pop()
     sig, const, divisible, options = _sm90_launch(fn, *launches[0])
     assert const["BALANCE"] and const["SAVE_LOGITS"] and const["STORE_KNORM"] and options["maxnreg"] == 128
     const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM  # the interpreter cannot run inline PTX
     # and the split-major variant (BALANCE_SPLIT_MAJOR), a probe's record of each
-    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one,
-    # and the gated pair as one grid (BALANCE_ONE_GRID)
-    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1),
-                                    (False, False, 3)):
+    # program's SM and times (inline PTX: compiled here, never interpreted), the gated one
+    for major, record, gate_run in ((False, False, 0), (True, False, 0), (True, True, 0), (False, False, 1)):
         const["SPLIT_MAJOR"] = major
         const["RECORD"], const["GATE_RUN"] = record, gate_run
         sig["REC"] = "*i64" if record else sig["B_END"]
@@ -1559,6 +1566,28 @@ def test_balanced_slow_step_over_fp8_compiles_within_its_register_cap(monkeypatc
                              divisible, options=options, resources=True)
         assert got["registers"] <= 128 and got["stack_bytes"] == 0, (major, record, gate_run, got)
         assert got["shared_bytes"] * 4 <= 228 * 1024, got  # 4 programs an SM by shared memory too
+    # the gated pair as one grid (BALANCE_ONE_GRID) at its own launch's options: 2 warps,
+    # uncapped (under 128 a thread it spilled), still 4 programs an SM by registers
+    sig, const, divisible, options = _sm90_launch(fn, *one_grid)
+    assert const["GATE_RUN"] == 3 and options == {"num_warps": 2, "num_stages": options["num_stages"]}
+    const["V_ASM"] = const["F16_DOTS"] and mod.FP8_V_ASM
+    got = T.compile_sm90("sgl_sparse.kernels.two_segment_decode", "_two_segment_decode_stage1", sig, const,
+                         divisible, options=options, resources=True)
+    assert got["stack_bytes"] == 0 and got["registers"] * 64 * 4 <= 65536, got
+    assert got["shared_bytes"] * 4 <= 228 * 1024, got
+
+
+def test_balance_maxnreg_keeps_a_programs_registers_at_any_warps(monkeypatch):
+    """BALANCE_MAX_REGISTERS is a thread's cap at 4 warps: at other warps the same
+    registers a program, none past a thread's 255 or with the knob at 0."""
+    import importlib
+
+    mod = importlib.import_module(K.two_segment_decode.__module__)
+    assert [mod.balance_maxnreg(w) for w in (1, 2, 4, 8)] == [None, None, 128, 64]
+    monkeypatch.setattr(mod, "BALANCE_MAX_REGISTERS", 96)
+    assert [mod.balance_maxnreg(w) for w in (1, 2, 4, 8)] == [None, 192, 96, 48]
+    monkeypatch.setattr(mod, "BALANCE_MAX_REGISTERS", 0)
+    assert [mod.balance_maxnreg(w) for w in (1, 2, 4, 8)] == [None] * 4
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the launch is captured from the interpreter")
