@@ -146,8 +146,7 @@ def _powers(y):
 
 @triton.jit
 def _store_sums(ptr, s1, s2, s3, s4, t1, t2, t3, t4):
-    """Four figures of Φ_ver then four of Φ_sla at ptr[0..7] (a carry_p / carry_f entry's
-    power sums, a chunk's moments)."""
+    """Four figures of Φ_ver then four of Φ_sla at ptr[0..7] (a chunk's moments)."""
     tl.store(ptr + 0, s1)
     tl.store(ptr + 1, s2)
     tl.store(ptr + 2, s3)
@@ -171,40 +170,6 @@ def _central_from_sums(n, c, s1, s2, s3, s4):
     return c + u, m2, m3, m4
 
 
-@triton.jit
-def _carried_moments(SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W: tl.constexpr):
-    """A row's moments over [lo, n) from its last step's (over [lo, n - 1)): the power
-    sums about its shift by chunk, its finish's changes to them, and the two entries
-    that enter the range, into `work` (chunk 0's partials, count n - lo)."""
-    offs = tl.arange(0, CARRY_W)
-    p_row = CARRY_P + rh * CARRY_W * 8 + offs * 8
-    f_row = CARRY_F + rh * CARRY_W * 8 + offs * 8
-    cv = tl.load(SHIFT + rh * 2)
-    cs = tl.load(SHIFT + rh * 2 + 1)
-    y1, y2, y3, y4 = _powers(tl.load(ver + n - 1) - cv)  # Φ_ver's entering entry
-    z1, z2, z3, z4 = _powers(tl.load(sla + n - 2 - lo) - cs)  # Φ_sla's: sla[n - 2 - i] at i = lo
-    sv1 = tl.sum(tl.load(p_row + 0) + tl.load(f_row + 0), 0) + y1
-    sv2 = tl.sum(tl.load(p_row + 1) + tl.load(f_row + 1), 0) + y2
-    sv3 = tl.sum(tl.load(p_row + 2) + tl.load(f_row + 2), 0) + y3
-    sv4 = tl.sum(tl.load(p_row + 3) + tl.load(f_row + 3), 0) + y4
-    ss1 = tl.sum(tl.load(p_row + 4) + tl.load(f_row + 4), 0) + z1
-    ss2 = tl.sum(tl.load(p_row + 5) + tl.load(f_row + 5), 0) + z2
-    ss3 = tl.sum(tl.load(p_row + 6) + tl.load(f_row + 6), 0) + z3
-    ss4 = tl.sum(tl.load(p_row + 7) + tl.load(f_row + 7), 0) + z4
-    cnt = (n - lo).to(tl.float32)
-    mv, v2, v3, v4 = _central_from_sums(cnt, cv, sv1, sv2, sv3, sv4)
-    ms, s2, s3, s4 = _central_from_sums(cnt, cs, ss1, ss2, ss3, ss4)
-    _store_chunk_moments(work, mv, v2, v3, v4, ms, s2, s3, s4, cnt)
-
-
-@triton.jit
-def _store_chunk_moments(work, mv, v2, v3, v4, ms, s2, s3, s4, cnt):
-    """A chunk's partials: Φ_ver's mean and central sums Σd², Σd³, Σd⁴ (columns 0-3),
-    Φ_sla's (4-7), its count (9)."""
-    _store_sums(work, mv, v2, v3, v4, ms, s2, s3, s4)
-    tl.store(work + 9, cnt)
-
-
 @triton.jit(do_not_specialize=["M", "stride_vs", "stride_vh", "stride_ss", "stride_sh"])
 def _lfps_table_stats_kernel(
     VER,  # [S, Hkv, M] fp32
@@ -212,10 +177,7 @@ def _lfps_table_stats_kernel(
     N,  # [S] int32 (<= 0: no row)
     SINK,  # [S] int32
     WORK,  # [S, Hkv, CHUNKS, 16] fp32 out: columns 0-7, this chunk's moments of both tables
-    SHIFT,  # POWER_SUMS / CARRY: [S, Hkv, 2] fp32, the row's means of Φ_ver and Φ_sla at its last step
-    CARRY_P,  # CARRY: [S, Hkv, CARRY_W, 8] fp32, the last step's power sums about SHIFT by chunk
-    CARRY_F,  # CARRY: [S, Hkv, CARRY_W, 8] fp32, its finish's changes to them by chunk
-    TAG,  # CARRY: [S, Hkv] int32, the n of the row's last step (-1: none to carry over)
+    SHIFT,  # POWER_SUMS: [S, Hkv, 2] fp32, the row's means of Φ_ver and Φ_sla at its last step
     stride_vs,
     stride_vh,
     stride_ss,
@@ -231,8 +193,6 @@ def _lfps_table_stats_kernel(
     BLOCK_D: tl.constexpr = 16, Q_SPLIT: tl.constexpr = False, FP32_DOT: tl.constexpr = False,
     HAS_Q_ROWS: tl.constexpr = False,
     POWER_SUMS: tl.constexpr = False,
-    CARRY: tl.constexpr = False,
-    CARRY_W: tl.constexpr = 32,
 ):
     """The chunk's mean and central sums Σd², Σd³, Σd⁴ of Φ_ver and Φ_sla in one pass:
     each lane of the BLOCK_M-wide tile keeps the moments of the entries it has read
@@ -249,12 +209,7 @@ def _lfps_table_stats_kernel(
     sum. POWER_SUMS: each lane sums the powers 1-4 of its entries' distances to the
     row's mean at its last step (SHIFT: the tables change by a few entries a step), and
     one reduction adds the lanes' sums, the chunk's central sums following from them
-    (_central_from_sums): no merge an entry, no merge a level of the reduction.
-    CARRY: a row whose last step was n - 1 (TAG) reads no table: its chunk 0 adds the
-    last step's sums (CARRY_P, taken by the priorities' pass as it read the tables),
-    its finish's changes (CARRY_F) and the entering entries (Φ_ver at n - 1, Φ_sla's
-    sla[n - 2 - sink]), and writes the whole row's moments as its own (count n - sink
-    in column 9); the other chunks write count 0."""
+    (_central_from_sums): no merge an entry, no merge a level of the reduction."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -272,14 +227,6 @@ def _lfps_table_stats_kernel(
     sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
     work = _work_row(WORK, cur_s, cur_h, tl.num_programs(1), CHUNKS) + cur_p * 16
     rh = (cur_s * tl.num_programs(1) + cur_h).to(tl.int64)
-    if CARRY:
-        if (tl.load(TAG + rh) == n - 1) & (n - 1 > lo):
-            if cur_p == 0:
-                _carried_moments(SHIFT, CARRY_P, CARRY_F, work, ver, sla, rh, n, lo, CARRY_W)
-            else:  # a part of count 0 (its moments 0, not left unwritten: 0 x NaN is NaN)
-                for col in tl.static_range(10):
-                    tl.store(work + col, 0.0)
-            return
     offs = tl.arange(0, BLOCK_M)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     if POWER_SUMS:
@@ -311,28 +258,24 @@ def _lfps_table_stats_kernel(
                                                 0.0)
         nv, mv, v2, v3, v4 = tl.reduce((nv, mv, v2, v3, v4), 0, _merge_moments)
         ns, ms, s2, s3, s4 = tl.reduce((ns, ms, s2, s3, s4), 0, _merge_moments)
-    _store_chunk_moments(work, mv, v2, v3, v4, ms, s2, s3, s4, (c1 - c0).to(tl.float32))
+    # the chunk's partials: Φ_ver's mean and central sums Σd², Σd³, Σd⁴, then Φ_sla's
+    _store_sums(work, mv, v2, v3, v4, ms, s2, s3, s4)
 
 
 @triton.jit
-def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr, TREE: tl.constexpr, BLOCK_P: tl.constexpr,
-                 STORED: tl.constexpr = False):
+def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr, TREE: tl.constexpr, BLOCK_P: tl.constexpr):
     """A row's (mean, Σd², Σd⁴) of one table (columns col..col+3) from its chunks'
     partials (every program of the row alike: the same thresholds in each); a chunk's
     count from its bounds, as the stats launch cut them. In chunk order, one merge
     after another (each waits on the last: 4 x CHUNKS dependent loads and merges a
     program), or TREE: the chunks' partials loaded as one vector each column and
     merged by one tree reduction (log2 CHUNKS merges deep; the same pairwise formulas,
-    another order: fp32 rounding apart). STORED: each chunk's count from its column 9
-    (the statistics' CARRY writes a carried row's moments as chunk 0's)."""
+    another order: fp32 rounding apart)."""
     if TREE:
         offs_p = tl.arange(0, BLOCK_P)
         ok = offs_p < CHUNKS
-        if STORED:
-            cnt = tl.load(ROW + offs_p * 16 + 9, mask=ok, other=0.0)
-        else:
-            start, stop = _share(lo, n, offs_p, CHUNKS)
-            cnt = tl.where(ok, (stop - start).to(tl.float32), 0.0)  # a padding lane: a part of count 0
+        start, stop = _share(lo, n, offs_p, CHUNKS)
+        cnt = tl.where(ok, (stop - start).to(tl.float32), 0.0)  # a padding lane: a part of count 0
         w = ROW + offs_p * 16 + col
         parts = (cnt, tl.load(w, mask=ok, other=0.0), tl.load(w + 1, mask=ok, other=0.0),
                  tl.load(w + 2, mask=ok, other=0.0), tl.load(w + 3, mask=ok, other=0.0))
@@ -342,8 +285,7 @@ def _row_moments(ROW, col, lo, n, CHUNKS: tl.constexpr, TREE: tl.constexpr, BLOC
         for p in range(0, CHUNKS):
             start, stop = _share(lo, n, p, CHUNKS)
             w = ROW + p * 16 + col
-            part = tl.load(ROW + p * 16 + 9) if STORED else (stop - start).to(tl.float32)
-            cnt, mean, m2, m3, m4 = _merge_moments(cnt, mean, m2, m3, m4, part,
+            cnt, mean, m2, m3, m4 = _merge_moments(cnt, mean, m2, m3, m4, (stop - start).to(tl.float32),
                                                    tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
     return mean, m2, m4
 
@@ -360,9 +302,7 @@ def _lfps_priority_kernel(
     WORK,  # [S, Hkv, CHUNKS, 16] fp32: columns 0-7 of every chunk; out: this chunk's C1 size
     PRIO,  # [S, Hkv, M] fp32 out, written over [sink, n) only
     BYPASS,  # [S, Hkv] int8 out
-    SHIFT,  # POWER_SUMS / CARRY: [S, Hkv, 2] fp32 out, the row's means (the next step's statistics' shift)
-    CARRY_P,  # CARRY: [S, Hkv, CARRY_W, 8] fp32 out, this chunk's power sums about the row's means
-    TAG,  # CARRY: [S, Hkv] int32 out, n
+    SHIFT,  # POWER_SUMS: [S, Hkv, 2] fp32 out, the row's means (the next step's statistics' shift)
     stride_rs,
     stride_vs,
     stride_vh,
@@ -379,12 +319,7 @@ def _lfps_priority_kernel(
     BLOCK_P: tl.constexpr,
     C0_FROM_READ: tl.constexpr = True,
     POWER_SUMS: tl.constexpr = False,
-    CARRY: tl.constexpr = False,
-    CARRY_W: tl.constexpr = 32,
 ):
-    """CARRY: the C1 pass also sums the powers 1-4 of its entries' distances to the
-    row's means (what the next step's statistics carry over, with the finish's
-    changes), and chunk 0 records the row's n (TAG) and means (SHIFT)."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
@@ -402,15 +337,13 @@ def _lfps_priority_kernel(
     a = tl.load(A + cur_s)
     # Eq. (8)'s thresholds from every chunk's moments (each program of the row alike)
     row = _work_row(WORK, cur_s, cur_h, nh, CHUNKS)
-    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS, TREE_MERGE, BLOCK_P, CARRY)
-    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS, TREE_MERGE, BLOCK_P, CARRY)
-    rh = (cur_s * nh + cur_h).to(tl.int64)
-    if POWER_SUMS or CARRY:
+    mv, m2v, m4v = _row_moments(row, 0, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
+    ms, m2s, m4s = _row_moments(row, 4, lo, n, CHUNKS, TREE_MERGE, BLOCK_P)
+    if POWER_SUMS:
         if cur_p == 0:  # read by the next step's statistics launch, not by this launch
+            rh = (cur_s * nh + cur_h).to(tl.int64)
             tl.store(SHIFT + rh * 2, mv)
             tl.store(SHIFT + rh * 2 + 1, ms)
-            if CARRY:
-                tl.store(TAG + rh, n)
     kv = tl.where(m2v > 0, m4v / tl.where(m2v > 0, m2v * m2v, 1.0), 0.0)
     ks = tl.where(m2s > 0, m4s / tl.where(m2s > 0, m2s * m2s, 1.0), 0.0)
     tv = tl.where((m2v > 0) & (kv > 0), a * mv / tl.where(kv > 0, kv, 1.0), float("inf"))
@@ -422,18 +355,11 @@ def _lfps_priority_kernel(
     # C1 (Eq. 9) on the chunk: j with some i in {j + 1, j, j - 1, j - 2} in C0 (over the
     # whole row: neighbours across the chunk's ends), above a table's mean
     members = tl.zeros([BLOCK_M], dtype=tl.int32)
-    zf = tl.zeros([], dtype=tl.float32)
-    sv1, sv2, sv3, sv4, ss1, ss2, ss3, ss4 = zf, zf, zf, zf, zf, zf, zf, zf
     for start in range(c0, c1, BLOCK_M):
         pos = start + offs
         ok = pos < c1
         v = tl.load(ver + pos, mask=ok, other=0.0)
         s = _sla_at(sla, pos, ok, n, M)
-        if CARRY:  # the next step's statistics, about this step's means
-            t1, t2, t3, t4, u1, u2, u3, u4 = tl.reduce(_powers(tl.where(ok, v - mv, 0.0))
-                                                       + _powers(tl.where(ok, s - ms, 0.0)), 0, _add_sums)
-            sv1, sv2, sv3, sv4 = sv1 + t1, sv2 + t2, sv3 + t3, sv4 + t4
-            ss1, ss2, ss3, ss4 = ss1 + u1, ss2 + u2, ss3 + u3, ss4 + u4
         # C0 at j itself from the entries just read (the chunk lies in [lo, n)): eight
         # table reads a position instead of ten (PRIORITY_C0_FROM_READ)
         if C0_FROM_READ:
@@ -447,8 +373,6 @@ def _lfps_priority_kernel(
         tl.store(prio + pos, tl.where(c1_, v + s, float("-inf")), mask=ok)
     # the chunk's C1 size (column 8, as a float: exact below 2^24), for lfps_c1_list
     tl.store(row + cur_p * 16 + 8, tl.sum(members, 0).to(tl.float32))
-    if CARRY:
-        _store_sums(CARRY_P + (rh * CARRY_W + cur_p) * 8, sv1, sv2, sv3, sv4, ss1, ss2, ss3, ss4)
 
 
 @triton.jit(do_not_specialize=["M", "K_MAX", "K2_MAX", "stride_ps", "stride_ph", "stride_os", "stride_oh",
@@ -572,20 +496,6 @@ STATS_BLOCK_M = 512
 #: 1826.6 / 1831.7).
 #: SGLANG_SPARSE_LFPS_POWER_SUMS=0: Pébay's merges.
 STATS_POWER_SUMS = env_switch("LFPS_POWER_SUMS", True)
-#: The table statistics carried over from a row's last step where it was n - 1 (the
-#: store's carry_p / carry_f / carry_tag; lfps_priority's ``carry``): no read of the
-#: tables for them, the priorities' pass summing the powers as it reads, the finish
-#: adding its entries' changes. Off (SGLANG_SPARSE_LFPS_CARRY=1): by kernel no faster
-#: than the power sums it builds on (22.0 against 21.4 us a layer at 32768 x 8, 48.5
-#: against 49.1 at 130000 x 4, 21.7 against 20.2 at 8192 x 32; session 46), before the
-#: priorities' wider tile and the finish's sums it adds.
-STATS_CARRY = env_switch("LFPS_CARRY", False)
-#: The carried sums' chunks a row, at most (PRIORITY_MAX_CHUNKS, FINISH_MAX_CHUNKS).
-CARRY_W = 32
-#: The priorities' tile when their pass sums the powers too: its eight sums a tile
-#: compile for sm_90 in 96 registers at 512 lanes, 128 and a stack at 1024 (56 without
-#: them).
-CARRY_BLOCK_M = 512
 #: Its tile: 256 lanes compile for sm_90 in 72 registers without a stack (512: 72 and a
 #: 16-byte stack frame; tests/kernels/test_lfps_tables.py).
 POWER_SUMS_BLOCK_M = 256
@@ -614,8 +524,7 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
                   num_warps: int = 4,
                   c1_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                   c2_list: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                  rho_from: Optional[RhoFrom] = None, shift: Optional[torch.Tensor] = None,
-                  carry: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+                  rho_from: Optional[RhoFrom] = None, shift: Optional[torch.Tensor] = None):
     """(prio [S, Hkv, M] fp32 over [sink, n) only, bypass [S, Hkv] int8): the module docstring's first kernel.
 
     rho ``[S, Hq]`` fp32 (``lfps_head_sparsity``), eps / a ``[S]`` fp32, ver / sla
@@ -644,14 +553,7 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     ``shift`` ``[S, Hkv, 2]`` fp32 (in place), with ``STATS_POWER_SUMS``: the rows'
     means of Φ_ver and Φ_sla at their last step (any value is correct; the closer to
     this step's means, the more exact), which the statistics take their power sums
-    about; the priorities' launch writes this step's there (live rows).
-
-    ``carry`` = ``(p, f, tag)``, with ``shift`` and ``STATS_CARRY``: ``p`` / ``f``
-    ``[S, Hkv, CARRY_W, 8]`` fp32 and ``tag`` ``[S, Hkv]`` int32, in place (the store's;
-    ``tag`` -1 where a row's tables were written otherwise). A row whose last step was
-    ``n - 1`` reads no table for its statistics: its last step's power sums (``p``,
-    which the priorities' pass writes), its finish's changes (``f``, lfps_finish's)
-    and the two entries entering the range give them; the others read the tables."""
+    about; the priorities' launch writes this step's there (live rows)."""
     s, hkv, m = ver.shape
     assert sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
     assert rho.shape[0] == s and rho.shape[1] % hkv == 0 and rho.stride(1) == 1 and rho.dtype == torch.float32
@@ -681,37 +583,26 @@ def lfps_priority(rho: torch.Tensor, eps: torch.Tensor, a: torch.Tensor, ver: to
     # every column a launch reads is written first by a live row's programs (never read uninitialised)
     work = torch.empty(s, hkv, chunks, WORK_W, dtype=torch.float32, device=ver.device)
     power_sums = STATS_POWER_SUMS and shift is not None
-    carried = STATS_CARRY and carry is not None and shift is not None
-    if power_sums or carried:
+    if power_sums:
         assert shift.shape == (s, hkv, 2) and shift.dtype == torch.float32 and shift.is_contiguous(), "shift"
     else:
         shift = work  # not read
-    if carried:
-        carry_p, carry_f, tag = carry
-        for name, t in (("p", carry_p), ("f", carry_f)):
-            assert t.shape == (s, hkv, CARRY_W, 8) and t.dtype == torch.float32 and t.is_contiguous(), f"carry: {name}"
-        assert tag.shape == (s, hkv) and tag.dtype == torch.int32 and tag.is_contiguous(), "carry: tag"
-        assert chunks <= CARRY_W, "carry: chunks <= CARRY_W"
-    else:
-        carry_p = carry_f = shift
-        tag = n  # not read
     group = rho.shape[1] // hkv
     grid = (s, hkv, chunks)
     if not rho_args:
         rho_args = no_rho_args(n)
     rho_programs = 1 if rho_from is not None else 0  # ρ's own program a row, past the chunks'
     _lfps_table_stats_kernel[(s, hkv, chunks + rho_programs)](
-        ver, sla, n, sink, work, shift, carry_p, carry_f, tag, ver.stride(0), ver.stride(1), sla.stride(0),
+        ver, sla, n, sink, work, shift, ver.stride(0), ver.stride(1), sla.stride(0),
         sla.stride(1), m, **rho_args,
         CHUNKS=chunks, BLOCK_M=min(block_m, POWER_SUMS_BLOCK_M if power_sums else STATS_BLOCK_M),
-        POWER_SUMS=power_sums, CARRY=carried, CARRY_W=CARRY_W, num_warps=num_warps, **rho_meta)
+        POWER_SUMS=power_sums, num_warps=num_warps, **rho_meta)
     _lfps_priority_kernel[grid](
-        rho, eps, a, ver, sla, n, sink, work, prio, bypass, shift, carry_p, tag,
+        rho, eps, a, ver, sla, n, sink, work, prio, bypass, shift,
         rho.stride(0), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), prio.stride(0), prio.stride(1), m,
-        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks,
-        BLOCK_M=min(block_m, CARRY_BLOCK_M) if carried else block_m,
+        GROUP=group, BLOCK_G=max(2, next_pow2(group)), CHUNKS=chunks, BLOCK_M=block_m,
         C0_FROM_READ=PRIORITY_C0_FROM_READ, TREE_MERGE=PRIORITY_TREE_MERGE, BLOCK_P=max(2, next_pow2(chunks)),
-        POWER_SUMS=power_sums, CARRY=carried, CARRY_W=CARRY_W, num_warps=num_warps,
+        POWER_SUMS=power_sums, num_warps=num_warps,
     )
     if c1_list is not None:
         budget, out, out_len, skip = c1_list
@@ -925,7 +816,6 @@ def _lfps_finish_stats_kernel(
     TSCALE,  # LAZY: [S, Hkv] fp32 the tables' scale (true value = stored * scale); read only here
     NEWSCALE,  # LAZY: [S, Hkv, CHUNKS] fp32 out: the scale after this step, for the update launch
     SHIFT,  # SCALE_SHIFT: [S, Hkv, 2] fp32 in place, the statistics' shift (lfps_priority's), decayed alike
-    CARRY_P,  # CARRY: [S, Hkv, CARRY_W, 8] fp32 in place, the priorities' power sums, scaled alike
     sm_scale,
     stride_qb,
     stride_qh,
@@ -960,8 +850,6 @@ def _lfps_finish_stats_kernel(
     BF16_RTNE: tl.constexpr,
     LAZY: tl.constexpr,
     SCALE_SHIFT: tl.constexpr = False,
-    CARRY: tl.constexpr = False,
-    CARRY_W: tl.constexpr = 32,
 ):
     """Grid (S, Hkv, CHUNKS). A bypassed head: V̄ into its output rows (chunk 0).
     Otherwise, with |C2| > 0: the logits of this chunk's C2 entries (kept, with their
@@ -1032,15 +920,6 @@ def _lfps_finish_stats_kernel(
                     shift = SHIFT + rh * 2
                     tl.store(shift, tl.load(shift) * factor)
                     tl.store(shift + 1, tl.load(shift + 1) * factor)
-                    if CARRY:  # sums of k-th powers of distances: factor^k
-                        offs_c = tl.arange(0, CARRY_W)
-                        carry = CARRY_P + rh * CARRY_W * 8 + offs_c * 8
-                        f2 = factor * factor
-                        for t in tl.static_range(2):
-                            tl.store(carry + 4 * t, tl.load(carry + 4 * t) * factor)
-                            tl.store(carry + 4 * t + 1, tl.load(carry + 4 * t + 1) * f2)
-                            tl.store(carry + 4 * t + 2, tl.load(carry + 4 * t + 2) * (f2 * factor))
-                            tl.store(carry + 4 * t + 3, tl.load(carry + 4 * t + 3) * (f2 * f2))
             ver = VER + cur_s.to(tl.int64) * stride_vs + cur_h.to(tl.int64) * stride_vh
             sla = SLA + cur_s.to(tl.int64) * stride_ss + cur_h.to(tl.int64) * stride_sh
             m0, m1 = _share(0, M, cur_p, CHUNKS)
@@ -1064,9 +943,6 @@ def _lfps_finish_update_kernel(
     POS,
     TSCALE,  # LAZY: written by chunk 0 (the stats launch's NEWSCALE)
     NEWSCALE,
-    SINK,  # CARRY: [S] int32
-    SHIFT,  # CARRY: [S, Hkv, 2] fp32, the row's means as the stats launch left them (scaled)
-    CARRY_F,  # CARRY: [S, Hkv, CARRY_W, 8] fp32 out, this chunk's changes to the power sums about SHIFT
     stride_vs,
     stride_vh,
     stride_ss,
@@ -1079,34 +955,25 @@ def _lfps_finish_update_kernel(
     CHUNKS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     LAZY: tl.constexpr,
-    CARRY: tl.constexpr = False,
-    CARRY_W: tl.constexpr = 32,
 ):
     """Grid (S, Hkv, CHUNKS), after the stats launch: the row's softmax from every
     chunk's partials (the same order in each program), then for this chunk's C2 entries
     (their kept logits and positions) ``w_i - 0.5 / |C2|`` added at i (Φ_ver) and at
     n - 1 - i (Φ_sla); LAZY: divided by the row's new scale, which chunk 0 stores
     (each program reads its own chunk's copy, so none reads it while it changes).
-    C2's entries are distinct: no two programs add to one entry. CARRY: each program of
-    a live row also writes the changes its entries make to the row's power sums about
-    its means (what the next step's statistics carry over; 0 without entries), Φ_sla's
-    entry at n - 1 - sink apart: the range's next entry, read there as it is."""
+    C2's entries are distinct: no two programs add to one entry."""
     cur_s = tl.program_id(0)
     cur_h = tl.program_id(1)
     cur_p = tl.program_id(2)
     nh = tl.num_programs(1)
     n, byp, count = _finish_live(N, BYPASS, COUNT, cur_s, cur_h, nh, K2)
     k0, k1 = _share(0, count, cur_p, CHUNKS)  # this chunk's C2 entries
-    rh = (cur_s * nh + cur_h).to(tl.int64)
-    carry = CARRY_F + (rh * CARRY_W + cur_p) * 8
     if (n <= 0) | (byp != 0) | (k1 <= k0):
-        if CARRY:
-            if n > 0:
-                _store_sums(carry, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         return
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     offs_p = tl.arange(0, BLOCK_P)
+    rh = (cur_s * nh + cur_h).to(tl.int64)
     work = WORK + rh * CHUNKS * 2 * BLOCK_H
     at = (offs_p * 2 * BLOCK_H)[:, None] + offs_h[None, :]
     in_p = (offs_p < CHUNKS)[:, None]
@@ -1127,12 +994,6 @@ def _lfps_finish_update_kernel(
         if cur_p == 0:
             tl.store(TSCALE + rh, unit)
     last = n - 1
-    zf = tl.zeros([], dtype=tl.float32)
-    dv1, dv2, dv3, dv4, ds1, ds2, ds3, ds4 = zf, zf, zf, zf, zf, zf, zf, zf
-    if CARRY:
-        cv = tl.load(SHIFT + rh * 2)
-        cs = tl.load(SHIFT + rh * 2 + 1)
-        entering = last - tl.maximum(tl.load(SINK + cur_s), 0)  # sla's next entry: not in the sums
     for start in range(k0, k1, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
         in_k = offs_k < k1
@@ -1142,26 +1003,10 @@ def _lfps_finish_update_kernel(
         p = tl.exp(lg - m_safe[:, None]) / l_safe[:, None]
         w = tl.sum(tl.where(mask_h[:, None], p, 0.0), 0) / GROUP
         inc = (w - half) / unit
-        old_v = tl.load(ver + pos, mask=in_k, other=0.0)
-        new_v = old_v + inc
-        tl.store(ver + pos, new_v, mask=in_k)
+        tl.store(ver + pos, tl.load(ver + pos, mask=in_k, other=0.0) + inc, mask=in_k)
         off = last - pos
         ok = in_k & (off >= 0) & (off < M)
-        old_s = tl.load(sla + off, mask=ok, other=0.0)
-        new_s = old_s + inc
-        tl.store(sla + off, new_s, mask=ok)
-        if CARRY:  # new minus old powers of each entry changed (the entering one apart)
-            a1, a2, a3, a4 = _powers(tl.where(in_k, new_v - cv, 0.0))
-            b1, b2, b3, b4 = _powers(tl.where(in_k, old_v - cv, 0.0))
-            counted = ok & (off != entering)
-            c1, c2, c3, c4 = _powers(tl.where(counted, new_s - cs, 0.0))
-            d1, d2, d3, d4 = _powers(tl.where(counted, old_s - cs, 0.0))
-            t1, t2, t3, t4, u1, u2, u3, u4 = tl.reduce(
-                (a1 - b1, a2 - b2, a3 - b3, a4 - b4, c1 - d1, c2 - d2, c3 - d3, c4 - d4), 0, _add_sums)
-            dv1, dv2, dv3, dv4 = dv1 + t1, dv2 + t2, dv3 + t3, dv4 + t4
-            ds1, ds2, ds3, ds4 = ds1 + u1, ds2 + u2, ds3 + u3, ds4 + u4
-    if CARRY:
-        _store_sums(carry, dv1, dv2, dv3, dv4, ds1, ds2, ds3, ds4)
+        tl.store(sla + off, tl.load(sla + off, mask=ok, other=0.0) + inc, mask=ok)
 
 
 #: lfps_finish's programs a row aim at this many an SM in all: one program a (slot,
@@ -1188,8 +1033,7 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
                 idx: torch.Tensor, count: torch.Tensor, bypass: torch.Tensor, vbar: torch.Tensor, ver: torch.Tensor,
                 sla: torch.Tensor, sm_scale: float, *, block_k: int = 32, block_m: int = 1024,
                 chunks: int | None = None, tscale: Optional[torch.Tensor] = None,
-                shift: Optional[torch.Tensor] = None,
-                carry: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
+                shift: Optional[torch.Tensor] = None) -> None:
     """The module docstring's third step, in place on ``o`` (bypassed heads of the
     live slots' rows) and ``ver`` / ``sla`` (live, not bypassed, ``|C2| > 0``): two
     launches over a grid ``(S, Hkv, chunks)`` (``finish_chunks`` by default), each row's
@@ -1206,11 +1050,7 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
     the scale. Without it the tables decay in place at every step.
 
     ``shift`` ``[S, Hkv, 2]`` fp32 (in place): lfps_priority's, multiplied by the
-    factor a row's stored entries are (the decay, or a renormalization).
-
-    ``carry`` = ``(p, f, sink)``, with ``shift`` (lfps_priority's ``carry``, and the
-    rows' sink ``[S]`` int32): ``p`` multiplied as the entries are (its k-th powers'
-    sums by the factor^k), and each chunk's changes to the power sums into ``f``."""
+    factor a row's stored entries are (the decay, or a renormalization)."""
     s, hkv, k2 = idx.shape
     m = ver.shape[2]
     assert ver.shape == (s, hkv, m) and sla.shape == ver.shape and ver.stride(2) == 1 and sla.stride(2) == 1
@@ -1242,32 +1082,20 @@ def lfps_finish(q: torch.Tensor, o: torch.Tensor, k_pool: torch.Tensor, req_to_t
         assert shift.shape == (s, hkv, 2) and shift.dtype == torch.float32 and shift.is_contiguous(), "shift"
     else:
         shift = work  # not read
-    carried = carry is not None
-    if carried:
-        assert scale_shift, "carry: with shift"
-        carry_p, carry_f, sink = carry
-        for name, t in (("p", carry_p), ("f", carry_f)):
-            assert t.shape == (s, hkv, CARRY_W, 8) and t.dtype == torch.float32 and t.is_contiguous(), f"carry: {name}"
-        assert sink.shape == (s,) and sink.dtype == torch.int32, "carry: sink"
-        assert chunks <= CARRY_W, "carry: chunks <= CARRY_W"
-    else:
-        carry_p = carry_f = work  # not read
-        sink = n
     grid = (s, hkv, chunks)
     dv = vbar.shape[2]
     _lfps_finish_stats_kernel[grid](
         q, o, k_pool, req_to_token, req_pool_idx, row, n, r, cand, idx, count, bypass, vbar, ver, sla, work,
-        logits, pos, tscale, newscale, shift, carry_p, float(sm_scale), q.stride(0), q.stride(1), o.stride(0),
+        logits, pos, tscale, newscale, shift, float(sm_scale), q.stride(0), q.stride(1), o.stride(0),
         o.stride(1), k_pool.stride(0),
         k_pool.stride(1), req_to_token.stride(0), cand.stride(0), cand.stride(1), idx.stride(0), idx.stride(1),
         vbar.stride(0), vbar.stride(1), ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         V_DIM=dv, BLOCK_DV=next_pow2(dv), BLOCK_K=block_k, BLOCK_M=block_m, CHUNKS=chunks,
-        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, SCALE_SHIFT=scale_shift, CARRY=carried,
-        CARRY_W=CARRY_W, num_warps=4, **meta,
+        BF16_RTNE=needs_bf16_rtne(o.dtype), LAZY=lazy, SCALE_SHIFT=scale_shift, num_warps=4, **meta,
     )
     _lfps_finish_update_kernel[grid](
-        n, count, bypass, ver, sla, work, logits, pos, tscale, newscale, sink, shift, carry_f,
+        n, count, bypass, ver, sla, work, logits, pos, tscale, newscale,
         ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), m, k2,
         GROUP=group, BLOCK_H=meta["BLOCK_H"], BLOCK_K=block_k, CHUNKS=chunks, BLOCK_P=max(2, next_pow2(chunks)),
-        LAZY=lazy, CARRY=carried, CARRY_W=CARRY_W, num_warps=4,
+        LAZY=lazy, num_warps=4,
     )

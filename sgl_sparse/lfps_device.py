@@ -121,9 +121,7 @@ class LfpsDevice:
         prio, bypass = lfps_priority(rho, f.eps, f.a, store.ver[li], store.sla[li], f.n, f.sink,
                                      c1_list=(f.c_max, cand, n_c1, listed), c2_list=(f.budget, idx, count, all_c1),
                                      rho_from=rho_from,
-                                     shift=None if store.shift is None else store.shift[li],
-                                     carry=None if store.carry_p is None
-                                     else (store.carry_p[li], store.carry_f[li], store.carry_tag[li]))
+                                     shift=None if store.shift is None else store.shift[li])
         cand, n_c1 = topk_range(prio, f.sink, f.n, f.c_max, self.c, out=cand, out_len=n_c1, skip=listed)
         # 4. exact q.k on C1 (group max), Top-budget -> C2 (candidate indices, ascending); past n_c1: -inf
         # slots without a row (budget 0: their Top-k reads nothing) write nothing
@@ -146,5 +144,4 @@ class LfpsDevice:
         store, sel = self.store, self._sel
         lfps_finish(q3, o3, k_cache, req_to_token, f.rpi, f.row, f.n, f.r, sel.cand, sel.idx, sel.count,
                     sel.bypass, store.vbar[li], store.ver[li], store.sla[li], scale, tscale=store.tscale[li],
-                    shift=None if store.shift is None else store.shift[li],
-                    carry=None if store.carry_p is None else (store.carry_p[li], store.carry_f[li], f.sink))
+                    shift=None if store.shift is None else store.shift[li])

@@ -219,8 +219,6 @@ class QueryAwareRuntime:
                     # previous owner's, which only the rounding would pay for
                     store.shift[li, e.slot, :, 0] = store.ver[li, e.slot, :, : e.n].mean(-1)
                     store.shift[li, e.slot, :, 1] = store.sla[li, e.slot, :, : e.n].mean(-1)
-                if store.carry_tag is not None:
-                    store.carry_tag[li, e.slot] = -1  # tables written here: nothing to carry over
 
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,

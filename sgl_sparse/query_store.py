@@ -51,15 +51,9 @@ Layouts (slot = one live request of the policy; layers of this rank):
                                                  at their last step, stored units: the
                                                  power sums' shift of the next step's
                                                  table statistics (kernels/lfps_tables.
-                                                 STATS_POWER_SUMS or STATS_CARRY: only
-                                                 then allocated); any value is correct
-                                                 (a reused slot's only moves the rounding)
-              carry_p, carry_f [layers, slots, Hkv, 32, 8] fp32: a row's last step's
-                                                 power sums about its shift by chunk, and
-                                                 its finish's changes to them; carry_tag
-                                                 [layers, slots, Hkv] int32 that step's n,
-                                                 -1 once the prompt's extend writes the
-                                                 tables (STATS_CARRY: only then allocated)
+                                                 STATS_POWER_SUMS: only then allocated);
+                                                 any value is correct (a reused slot's
+                                                 only moves the rounding)
               kbar, vbar   [layers, slots, Hkv, D] fp32   mean prefill key / value
               sigma_hat2   [layers, slots, Hq] fp32       sigma^2 / |q|^2 (Eq. 5)
               scored       [slots, Hkv, 2] fp64  |C1| scored and n - sink, summed over
@@ -162,24 +156,18 @@ class LfpsStore:
         self.vbar = torch.zeros_like(self.kbar)
         self.sigma_hat2 = torch.zeros(num_layers, cfg.slots, num_q_heads, **f32)
         self.tscale = torch.ones(num_layers, cfg.slots, num_kv_heads, **f32)
-        # the table statistics' operator switches (kernels/lfps_tables): their state only
-        # where they are on
+        # the table statistics' shift, where their power sums are on (kernels/lfps_tables)
         from sgl_sparse.kernels import lfps_tables
 
-        self.shift = self.carry_p = self.carry_f = self.carry_tag = None
-        if lfps_tables.STATS_POWER_SUMS or lfps_tables.STATS_CARRY:
+        self.shift = None
+        if lfps_tables.STATS_POWER_SUMS:
             self.shift = torch.zeros(num_layers, cfg.slots, num_kv_heads, 2, **f32)
-        if lfps_tables.STATS_CARRY:
-            self.carry_p = torch.zeros(num_layers, cfg.slots, num_kv_heads, lfps_tables.CARRY_W, 8, **f32)
-            self.carry_f = torch.zeros_like(self.carry_p)
-            self.carry_tag = torch.full((num_layers, cfg.slots, num_kv_heads), -1, dtype=torch.int32, device=device)
         # fp64: summed over a request's steps, layers and heads, fp32 would drop units
         self.scored = torch.zeros(cfg.slots, num_kv_heads, 2, dtype=torch.float64, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        optional = (self.shift, self.carry_p, self.carry_f, self.carry_tag)
         return (self.ver, self.sla, self.kbar, self.vbar, self.sigma_hat2, self.tscale, self.scored,
-                *(t for t in optional if t is not None))
+                *(() if self.shift is None else (self.shift,)))
 
     def true_tables(self, li: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A slot's (Φ_ver, Φ_sla) of layer li as the algorithm defines them (stored * scale)."""

@@ -36,20 +36,19 @@ SPECS = {
 LENS = {1: 83, 2: 61, 3: 97, 4: 75, 5: 40, 6: 71, 7: 50}
 
 
-@pytest.mark.parametrize("group, candidates, power_sums, carry", [(1, 24, False, False), (3, MAXCTX, False, False),
-                                                                  (3, MAXCTX, True, False), (1, 24, False, True)])
-def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates, power_sums, carry):
+@pytest.mark.parametrize("group, candidates, power_sums, renorm", [(1, 24, False, False), (3, MAXCTX, False, False),
+                                                                   (3, MAXCTX, True, False), (1, 24, True, True)])
+def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates, power_sums, renorm):
     """power_sums: the tables' statistics by power sums about the store's shift
     (kernels/lfps_tables.STATS_POWER_SUMS), set from the prompt's tables, then each
-    step's means, scaled as the tables decay. carry: the statistics carried over from
-    each row's last step (STATS_CARRY), with row 2's r at 0.5, whose tables then
-    renormalize within the steps (the lazy decay's floor, 2^-8, after 8 of them)."""
+    step's means, scaled as the tables decay. renorm: row 2's r at 0.5, whose tables
+    then renormalize within the steps (the lazy decay's floor, 2^-8, after 8 of them),
+    the shift with them."""
     import importlib
 
     lt = importlib.import_module("sgl_sparse.kernels.lfps_tables")
     monkeypatch.setattr(lt, "STATS_POWER_SUMS", power_sums)
-    monkeypatch.setattr(lt, "STATS_CARRY", carry)
-    specs = {**SPECS, **({2: LfpsPolicy(budget=20, local=3, sink=0, s=16, a=0.05, r=0.5)} if carry else {})}
+    specs = {**SPECS, **({2: LfpsPolicy(budget=20, local=3, sink=0, s=16, a=0.05, r=0.5)} if renorm else {})}
     gen = torch.Generator().manual_seed(200 + group)
     kw = dict(specs=specs, lens=LENS, store={"candidates": candidates})
     ref, dev = Twin(group, use_kernels=False, **kw), Twin(group, use_kernels=True, **kw)
@@ -71,16 +70,11 @@ def test_lfps_device_path_matches_the_torch_path(monkeypatch, group, candidates,
     assert torch.equal(got, want), (got, want)
     live = want[..., 1].sum(-1) > 0
     assert int(live.sum()) == 4 and (want[..., 0] <= want[..., 1]).all()  # rows 1-4: lfps indexed steps
-    # the shift: only where a switch needs it; set from the prompt's tables on both
+    # the shift: only where the switch needs it; set from the prompt's tables on both
     # paths, then each step's means on the device path's live slots only (the torch
     # path computes its moments directly)
     shifts = [t.rt.stores[PolicyId.LFPS].shift for t in (dev, ref)]
-    if not (power_sums or carry):
-        assert shifts == [None, None] and dev.rt.stores[PolicyId.LFPS].carry_p is None
+    if not power_sums:
+        assert shifts == [None, None]
         return
     assert (shifts[1] != 0).any() and not torch.equal(shifts[0], shifts[1])
-    tags = dev.rt.stores[PolicyId.LFPS].carry_tag
-    if carry:  # the device path's live slots carried their statistics over from step to step
-        assert (tags > 0).any() and torch.equal(ref.rt.stores[PolicyId.LFPS].carry_tag, torch.full_like(tags, -1))
-    else:
-        assert tags is None

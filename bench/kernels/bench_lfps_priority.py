@@ -20,10 +20,8 @@ chunks' moments merged in chunk order and by one tree reduction
 Bytes: both tables read twice and once more with neighbours (~3 x 2 x 4 B a
 position), the priorities written once (4 B) over the live range.
 Then the table statistics by power sums about the rows' last means
-(``STATS_POWER_SUMS``) and carried over from the step before (``STATS_CARRY``:
-checked after a step at n - 1, timed with every row marked as carried) against
-Pébay's merges, at the default chunks (the same priorities up to entries at a
-threshold, which fp32 rounding may move: counted).
+(``STATS_POWER_SUMS``) against Pébay's merges, at the default chunks (the same
+priorities up to entries at a threshold, which fp32 rounding may move: counted).
 Then the whole C1 stage, before (one program a row, ``topk_range`` over every row)
 and now (chunks; C1 listed by a fourth launch where it fits the 8192 candidates,
 ``topk_range`` skipping those rows): the same C1, and both times.
@@ -142,32 +140,15 @@ def main(argv=None) -> int:
         # (STATS_POWER_SUMS, the store's shift) against Pébay's merges, at the default
         # chunks with the tree merge, as served; the shift after the first run is the
         # rows' means, as a step leaves it for the next
-        # Then carried over (STATS_CARRY): each run first marks every row's last step as
-        # n - 1 (a copy, in the timing), so the statistics read no table; the carried
-        # sums are the last run's (their values do not change the time)
         shift = torch.zeros(s, hkv, 2, device=dev)
-        carry_p = torch.zeros(s, hkv, lt.CARRY_W, 8, device=dev)
-        carry_f = torch.zeros_like(carry_p)
-        tag = torch.full((s, hkv), -1, dtype=torch.int32, device=dev)
-        last = (n - 1)[:, None].expand(s, hkv).contiguous()
-        for power_sums in (False, True, "carry"):
+        for power_sums in (False, True):
             def run_ps(power_sums=power_sums):
-                carried = power_sums == "carry"
-                if carried:
-                    tag.copy_(last)
-                with module_constant(lt, "STATS_POWER_SUMS", power_sums is True), \
-                        module_constant(lt, "STATS_CARRY", carried), module_constant(lt, "PRIORITY_TREE_MERGE", True):
+                with module_constant(lt, "STATS_POWER_SUMS", power_sums), \
+                        module_constant(lt, "PRIORITY_TREE_MERGE", True):
                     lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=default,
-                                     shift=shift, carry=(carry_p, carry_f, tag) if carried else None)
+                                     shift=shift)
 
             prio.fill_(float("nan"))
-            if power_sums == "carry":  # the step before, at n - 1, reading the tables: what the check carries over
-                tag.fill_(-1)
-                carry_f.zero_()
-                with module_constant(lt, "STATS_CARRY", True):
-                    lt.lfps_priority(rho, eps, a, ver, sla, n - 1, sink, prio=torch.empty_like(prio),
-                                     bypass=torch.empty_like(bypass), chunks=default, shift=shift,
-                                     carry=(carry_p, carry_f, tag))
             run_ps()
             # the thresholds move by fp32 rounding: an entry at one may change sides
             differ = int((prio[live] != want[live]).sum())
@@ -175,8 +156,7 @@ def main(argv=None) -> int:
             if not ok:
                 failures.append((name, "power sums" if power_sums else "moments"))
             t, g = timer.eager_us(run_ps), timer.graph_us(run_ps)
-            label = {False: "statistics by Pébay merges", True: "statistics by power sums",
-                     "carry": "statistics carried over"}[power_sums]
+            label = "statistics by power sums" if power_sums else "statistics by Pébay merges"
             results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, statistics=label, stats_chunks=default,
                                 eager_us=round(t, 1), graph_us=None if g is None else round(g, 1),
                                 differing_entries=differ, ok=ok))

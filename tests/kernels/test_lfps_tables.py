@@ -182,10 +182,9 @@ def test_table_moments_in_one_pass_match_float64(chunks, block_m, tree, shift):
               "zero": means * 0, "far": 4 * means}[shift].float().contiguous()
 
     def stats_then_merge(ver, sla, n, sink, work, shifts, got):
-        _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, shifts, shifts, shifts, n,
-                                                   ver.stride(0), ver.stride(1), sla.stride(0), sla.stride(1), M,
-                                                   **no_rho_args(n), CHUNKS=chunks, BLOCK_M=block_m,
-                                                   POWER_SUMS=shift is not None)
+        _lfps_table_stats_kernel[(s, HKV, chunks)](ver, sla, n, sink, work, shifts, ver.stride(0), ver.stride(1),
+                                                   sla.stride(0), sla.stride(1), M, **no_rho_args(n), CHUNKS=chunks,
+                                                   BLOCK_M=block_m, POWER_SUMS=shift is not None)
         _row_moments_probe[(s, HKV)](work, n, sink, got, M, CHUNKS=chunks, TREE=tree,
                                      BLOCK_P=max(2, triton.next_power_of_2(chunks)))
 
@@ -537,19 +536,6 @@ def test_gpu_power_sums_at_32k(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_carry_at_32k(monkeypatch):
-    """STATS_CARRY compiled at 32768 x 8's store layer: the priorities at n carried over
-    from a step at n - 1 give the reference's (at most one entry in 10^4 on the other
-    side of a threshold)."""
-    ver, sla, n, sink, rho, eps, a, live = _store_layer_32k(34)
-    prio, _ = _carried_priorities(monkeypatch, torch.device("cuda"), ver, sla, n, sink, rho, eps, a)
-    ref, _ = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, ver.shape[1])
-    assert int((prio[live] != ref[live]).sum()) <= int(live.sum()) // 10000
-    assert torch.isfinite(prio[live]).sum() > 1000
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_priority_at_32k_slots_as_served():
     """32768 x 8's store layer (8 slots of 33792, 8 KV heads, GQA 2), compiled, at the
     default chunks (8 on 132 SMs) and one program a row: both give the reference's C1,
@@ -669,58 +655,12 @@ def test_priority_by_power_sums(monkeypatch, chunks, block_m):
     assert torch.equal(shift[n <= 0], shift_in[n <= 0])
 
 
-def _carried_priorities(monkeypatch, device, ver, sla, n, sink, rho, eps, a, chunks=None, block_m=1024):
-    """STATS_CARRY over two steps without a finish between them: the priorities at n - 1
-    (the statistics read from the tables; the pass writes the power sums, the tag, the
-    means), then at n (carried: the sums, no finish change, the two entering entries).
-    Returns (prio at n, the tag)."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_CARRY", True)
-    s, hkv, _ = ver.shape
-    carry_p = torch.full((s, hkv, 32, 8), float("nan"), device=device)
-    carry_p[:, :, chunks or 1:] = 0.0  # past the chunks: never written (the store's zeros)
-    carry = (carry_p, torch.zeros(s, hkv, 32, 8, device=device), torch.full((s, hkv), -1, dtype=torch.int32,
-                                                                             device=device))
-    shift = torch.zeros(s, hkv, 2, device=device)
-    args = [t.to(device) for t in (rho, eps, a, ver, sla)]
-    n, sink = n.to(device), sink.to(device)
-    before = torch.where(n > 0, n - 1, n)  # the step before (no row: none)
-    lfps_priority(*args, before, sink, chunks=chunks, block_m=block_m, shift=shift, carry=carry)
-    assert torch.equal(carry[2][n > 0], before[n > 0][:, None].expand(-1, hkv).int())
-    prio = torch.full(ver.shape, float("nan"), device=device)
-    prio, _ = lfps_priority(*args, n, sink, prio=prio, chunks=chunks, block_m=block_m, shift=shift, carry=carry)
-    return prio.cpu(), carry[2].cpu()
-
-
-@pytest.mark.parametrize("chunks, block_m", [(1, 32), (3, 8), (7, 16)])
-def test_priority_carried_over_from_the_step_before(monkeypatch, chunks, block_m):
-    """STATS_CARRY: the statistics of a row whose last step was n - 1 carried over (its
-    pass's power sums about its means, the two entries entering the range) give the
-    reference's C1 and priorities at n; rows with no row (n <= 0) or whose sink covers
-    them read the tables as before."""
-    s, n, sink, ver, sla, rho, eps, a = _gqa2_case(80 + chunks)
-    prio, tag = run_on_device(_carried_priorities, monkeypatch, torch.device("cpu"), ver, sla, n, sink, rho, eps, a,
-                              chunks, block_m)
-    pos = torch.arange(M)
-    live = ((pos[None, :] >= sink[:, None]) & (pos[None, :] < n[:, None]))[:, None, :].expand(s, HKV, M)
-    ref, _ = _prio_ref_hkv(rho, eps, a, ver, sla, n, sink, HKV)
-    assert torch.isnan(prio[~live]).all() and torch.equal(prio[live], ref[live])
-    assert torch.isfinite(prio[live]).sum() > 10
-    assert torch.equal(tag[n > 0], n[n > 0][:, None].expand(-1, HKV))
-
-
 @pytest.mark.parametrize("kernel, const", [
     ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=POWER_SUMS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1,
                                       BLOCK_H=16, BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False,
                                       HAS_Q_ROWS=False, POWER_SUMS=True)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=16, BLOCK_M=1024, TREE_MERGE=True, BLOCK_P=16,
                                    POWER_SUMS=True)),
-    ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=16, BLOCK_M=1024, TREE_MERGE=True, BLOCK_P=16,
-                                   CARRY=True)),
-    ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1,
-                                      BLOCK_H=16, BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False,
-                                      HAS_Q_ROWS=False, CARRY=True)),
     ("_lfps_table_stats_kernel", dict(CHUNKS=8, BLOCK_M=STATS_BLOCK_M, HAS_RHO=False, HEAD_DIM=1, GROUP=1, BLOCK_H=16,
                                       BLOCK_N=16, BLOCK_D=16, Q_SPLIT=False, FP32_DOT=False, HAS_Q_ROWS=False)),
     ("_lfps_priority_kernel", dict(GROUP=2, BLOCK_G=2, CHUNKS=8, BLOCK_M=1024, TREE_MERGE=False, BLOCK_P=8)),
@@ -741,8 +681,7 @@ def test_priority_kernels_compile_for_sm90(kernel, const):
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
     ptrs = {"RHO": "*fp32", "EPS": "*fp32", "A": "*fp32", "VER": "*fp32", "SLA": "*fp32", "N": "*i32",
-            "SINK": "*i32", "WORK": "*fp32", "SHIFT": "*fp32", "CARRY_P": "*fp32", "CARRY_F": "*fp32", "TAG": "*i32",
-            "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32",
+            "SINK": "*i32", "WORK": "*fp32", "SHIFT": "*fp32", "PRIO": "*fp32", "BYPASS": "*i8", "BUDGET": "*i32",
             "OUT": "*i32",
             "OUT_LEN": "*i32", "SKIP": "*i32", "BUDGET2": "*i32", "IDX": "*i32", "COUNT": "*i32", "SKIP2": "*i32",
             # lfps_select_out (C2 into the batch rows, the scored fraction's sums)
@@ -768,7 +707,7 @@ def test_stats_with_rho_compiles_for_sm90(power_sums):
 
     fn = importlib.import_module("sgl_sparse.kernels.lfps_tables")._lfps_table_stats_kernel
     ptrs = {"VER": "*fp32", "SLA": "*fp32", "N": "*i32", "SINK": "*i32", "WORK": "*fp32", "SHIFT": "*fp32",
-            "CARRY_P": "*fp32", "CARRY_F": "*fp32", "TAG": "*i32", "Q": "*bf16",
+            "Q": "*bf16",
             "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64", "LOCAL": "*i32",
             "KBAR": "*fp32", "SIGMA_HAT2": "*fp32", "RHO": "*fp32", "Q_ROWS": "*i64"}
     block_m = POWER_SUMS_BLOCK_M if power_sums else STATS_BLOCK_M
@@ -782,9 +721,8 @@ def test_stats_with_rho_compiles_for_sm90(power_sums):
     assert got["stack_bytes"] == 0 and got["registers"] <= 128 and got.get("st.global.b32", 0) > 0, got
 
 
-@pytest.mark.parametrize("kernel, carry", [("_lfps_finish_stats_kernel", False), ("_lfps_finish_update_kernel", False),
-                                           ("_lfps_finish_stats_kernel", True), ("_lfps_finish_update_kernel", True)])
-def test_finish_kernels_compile_for_sm90(kernel, carry):
+@pytest.mark.parametrize("kernel", ["_lfps_finish_stats_kernel", "_lfps_finish_update_kernel"])
+def test_finish_kernels_compile_for_sm90(kernel):
     """The chunked finish as lfps_device launches it at 32768 x 8 over an e4m3 pool
     (bf16 queries and output, GQA 2, 8 chunks, the lazy decay) compiles for the H100/H200 (sm_90),
     its tables read and written in place with 4-byte accesses (the update launch:
@@ -794,7 +732,7 @@ def test_finish_kernels_compile_for_sm90(kernel, carry):
     from sgl_sparse.kernels.testing import compile_sm90
 
     fn = getattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), kernel)
-    const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8, LAZY=True, CARRY=carry)
+    const = dict(GROUP=2, BLOCK_H=16, BLOCK_K=32, CHUNKS=8, LAZY=True)
     if kernel == "_lfps_finish_stats_kernel":
         const.update(HEAD_DIM=128, BLOCK_D=128, Q_SPLIT=False, FP32_DOT=False, V_DIM=128, BLOCK_DV=128,
                      BLOCK_M=1024, BF16_RTNE=False, SCALE_SHIFT=True)
@@ -804,8 +742,7 @@ def test_finish_kernels_compile_for_sm90(kernel, carry):
     ptrs = {"Q": "*bf16", "O": "*bf16", "K_POOL": "*fp8e4nv", "REQ_TO_TOKEN": "*i32", "REQ_POOL_IDX": "*i64",
             "ROW": "*i64", "N": "*i32", "R": "*fp32", "CAND": "*i32", "IDX": "*i32", "COUNT": "*i32",
             "BYPASS": "*i8", "VBAR": "*fp32", "VER": "*fp32", "SLA": "*fp32", "WORK": "*fp32", "LOGITS": "*fp32",
-            "POS": "*i32", "TSCALE": "*fp32", "NEWSCALE": "*fp32", "SHIFT": "*fp32", "CARRY_P": "*fp32",
-            "CARRY_F": "*fp32", "SINK": "*i32"}
+            "POS": "*i32", "TSCALE": "*fp32", "NEWSCALE": "*fp32", "SHIFT": "*fp32"}
     sig = {a: ptrs.get(a, "constexpr" if a in const else ("fp32" if a == "sm_scale" else "i32"))
            for a in fn.arg_names}
     got = compile_sm90("sgl_sparse.kernels.lfps_tables", kernel, sig, const, [a for a in fn.arg_names if a in ptrs],
