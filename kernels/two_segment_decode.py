@@ -198,10 +198,9 @@ BALANCE_GATE = env_switch("BALANCE_GATE", True)
 # step replays one kernel node a layer instead of two: natural sfi, which replays the
 # pair at every step (its host cannot know a slow step in time), paid ~0.10 ms a step at
 # 32768 x 8 over e4m3 for the closed twins (bench/README "Session 43"). The closed
-# partition's programs still start and return, now beside the working ones, and over
-# fp8 the plain partition runs under the balanced launch's register cap (128, compiled
-# for sm_90 without spilling; the plain launch alone takes ~143). Untimed: off until
-# bench_mixed_rows --variants and a served A/B (SGLANG_SPARSE_BALANCE_ONE_GRID=1).
+# partition's programs still start and return, now beside the working ones, and both
+# partitions run at one launch's warps and register cap: over fp8 the plain launch's 2
+# warps, uncapped (balance_maxnreg; two_segment_decode's num_warps).
 # Measured (H200, e4m3, natural sfi; bench/README "Session 45", "Session 46"): served
 # +2.1% tok/s at 8192 x 32 (ITL 4.292 against 4.390 ms), where the plain launch has one
 # split a row; -1.1% at 32768 x 8 (ITL 3.083 against 3.052), where it has several and
@@ -1374,10 +1373,12 @@ def two_segment_decode(
     if block_n is None:
         block_n = _default_block_n(head_dim)
     if num_warps is None:
-        # The one grid (gate=(flag, None)) at the plain launch's warps: its plain
-        # partition serves every step without a dense row, and at 8192 x 32 over e4m3
-        # it ran 1.428 / 2.293 / 5.059 ms (28 layers; 0 / 1 / all rows dense) at 2 warps
-        # against 1.588 / 2.283 / 5.295 at 4, served +2.1% (bench/README "Session 45").
+        # The one grid (gate=(flag, None)) at the plain launch's warps: at 8192 x 32
+        # over e4m3 it ran 1.428 / 2.293 / 5.059 ms (28 layers; 0 / 1 / all rows dense)
+        # at 2 warps against 1.588 / 2.283 / 5.295 at 4 (under a cap of 128 registers;
+        # uncapped at 2: 1.366 / 1.965 / 4.875), served +2.1% (bench/README "Session 45",
+        # "Session 46"). With rows alike there the gate opens its balanced partition
+        # (~1.1K keys a program), which at 2 warps beat the plain launch's 1.584.
         one_grid_warps = gate is not None and gate[1] is None
         num_warps = (FP8_BALANCED_NUM_WARPS if balance and not one_grid_warps else FP8_NUM_WARPS) if kv_fp8 else 4
     block_d = next_pow2(head_dim)
