@@ -338,6 +338,7 @@ def topk_range(
     small_digits: Optional[bool] = None,
     h_top: Optional[torch.Tensor] = None,
     skip: Optional[torch.Tensor] = None,
+    scratch: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` positions per (row, head) of the finite scores in ``[lo, hi)``, ascending.
 
@@ -390,6 +391,11 @@ def topk_range(
             (a producer that already listed the row: lfps's priorities, whose C1
             usually fits the budget, ``lfps_tables.lfps_priority``). Every path
             takes it (the split one in each phase); not with ``h_top``.
+        scratch: optional fp32 ``[R, H, N]`` (stride 1 along ``N``) on the scores' device for
+            the block-walking kernel's gathered scores (``gather``); allocated per call
+            when not given. A caller capturing the call into a CUDA graph on a device
+            other than the capture's (asyncspade's cache device) passes its own: the
+            graph's private pool serves the capturing device's allocations only.
 
     Returns:
         ``(positions [R, H, k_max] int32, count [R, H] int32)``: positions of the
@@ -441,7 +447,13 @@ def topk_range(
 
         topk_range_split(scores, lo, hi, budget, k_max, out, out_len, splits, block_n, num_warps, skip=skip)
         return out, out_len
-    scratch = torch.empty_like(scores) if gather and n > 0 else scores
+    if not (gather and n > 0):
+        scratch = scores
+    elif scratch is None:
+        scratch = torch.empty_like(scores)
+    else:
+        assert scratch.shape == scores.shape and scratch.stride(2) == 1, "scratch: scores' shape, stride 1 along N"
+        assert scratch.dtype == torch.float32 and scratch.device == dev, "scratch: fp32 on the scores' device"
     htop = out_len if h_top is None else h_top  # an int32 pointer the kernel does not touch without HAS_HTOP
     _topk_range_kernel[(r, h)](
         scores, lo, hi, budget, scratch, out, out_len, htop, skip_t,

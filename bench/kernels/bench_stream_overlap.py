@@ -23,6 +23,18 @@ scoring launch shape and stream priority can be judged by the overlap it allows:
   ``--topk-layers`` layers a launch (``topk_range``) after a group's last scoring;
 * one join at the end of the last layer, as serving joins.
 
+``--cache-device cuda:1`` also runs the side stream's work on a second GPU, the
+paper's *cache rank* (ALGORITHMS.md §4 (b)): per layer, a copy stream on the main
+GPU sends the layer's ``q_hat`` and the step's new keys over (peer copies), the
+scoring and the group's Top-K run there on the copies' own replica, and a finished
+group's selections come back; the main stream joins once at the end, all in the one
+graph captured on the main GPU (the other GPU's work joined to it by events, its
+buffers allocated before the capture). Rows ``cache`` (that work alone) and
+``main_cache`` (beside the main stream), ``cache_hidden`` as ``hidden``; the
+selections sent back are compared with the main GPU's own, bit for bit. The
+question it answers: whether a selection that costs ~1.4x the main stream's step
+on the same GPU (session 25) hides wholly on another.
+
 Scoring launch shapes: ``PxS`` = P programs a SM in all (persistent: each walks
 its share of a row), S pipeline stages (0: the kernel's default); ``tT`` = one
 program per T blocks of 128 positions (short programs the block scheduler can
@@ -43,12 +55,18 @@ wholly hidden, 0 when the streams run one after the other. Run on a GPU::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import platform
 import sys
+from typing import TYPE_CHECKING
 
 from _bench_env import graph_replay_ms, import_kernels, use_cuda_or_exit
+
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_args(argv=None):
@@ -66,6 +84,9 @@ def parse_args(argv=None):
                    help="scoring launch shapes: PxS (P programs a SM, S stages, 0 the default) or tT")
     p.add_argument("--priorities", default="default,high")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cache-device", default=None,
+                   help="also run the selection on this device (e.g. cuda:1; cpu with --smoke), the "
+                        "paper's cache rank: rows cache and main_cache, and the selections compared")
     p.add_argument("--smoke", action="store_true")
     return p.parse_args(argv)
 
@@ -92,17 +113,25 @@ def main(argv=None) -> int:
     utils = import_kernels("_utils")
     import triton
 
-    dev = torch.device("cuda" if use_cuda else "cpu")
+    dev = torch.device("cuda:0" if use_cuda else "cpu")
+    cache_dev = None if args.cache_device is None else torch.device(args.cache_device)
+    if cache_dev is not None and (cache_dev.type != dev.type or (use_cuda and cache_dev == dev)):
+        print(f"--cache-device {args.cache_device}: a second {dev.type} device is needed, beside {dev}",
+              file=sys.stderr)
+        return 2
+    if use_cuda and cache_dev is not None and not torch.cuda.can_device_access_peer(dev.index, cache_dev.index):
+        print(f"--cache-device {args.cache_device}: no peer access from {dev}", file=sys.stderr)
+        return 2
     env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
            "device": torch.cuda.get_device_name() if use_cuda else "cpu (triton interpreter)"}
     print("# stream overlap benchmark\n" + json.dumps(env))
     if args.smoke:
-        args.layers, args.ctx, args.batch, args.topk_layers, args.reps = 2, 300, 2, 2, 1
+        args.layers, args.ctx, args.batch, args.topk_layers, args.reps = 2, 200, 2, 2, 1
         args.decode_keys = min(args.decode_keys, 40)
     L, n, bs, G = args.layers, args.ctx, args.batch, args.topk_layers
     hq, hkv, d, hidden, inter = 16, 8, 128, 2048, 6144
-    if args.smoke:
-        hidden, inter = 64, 96
+    if args.smoke:  # small heads too: the interpreter's time goes by the scoring's tiles
+        hq, hkv, d, hidden, inter = 4, 2, 64, 64, 96
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16 = torch.bfloat16
 
@@ -140,12 +169,23 @@ def main(argv=None) -> int:
                               filled[li], out=scores[0], ksmooth=ksm)
     par = (hi % 2).long()
     filled[:, rpi, 1 - par] = hi - 1
-    g_lo, g_hi, g_budget = lo.repeat(G), hi.repeat(G), budget.repeat(G)
-    sel = torch.empty(G * bs, hkv, k_max, dtype=torch.int32, device=dev)
-    sel_n = torch.empty(G * bs, hkv, dtype=torch.int32, device=dev)
     sms = utils.device_num_sms(dev)
     use_hist = not args.no_hist and TR.takes_htop(n, G * bs * hkv, dev)
-    h_top = torch.zeros(G, bs, hkv, 64, dtype=torch.int32, device=dev) if use_hist else None
+    here = Selection.build(q_hat, k_pool, req_to_token, rpi, lo, hi, budget, kq, kscale, filled, ksm, scores,
+                           G, use_hist)
+    # the cache device's own copy of everything the selection reads and writes, taken in
+    # the same steady state (the same selections), and the main device's landing buffers
+    cache = None
+    if cache_dev is not None:
+        cache = here.to(cache_dev)
+        sel_back = torch.zeros_like(here.sel)
+        sel_n_back = torch.zeros_like(here.sel_n)
+        # the step's new key of every row (position hi - 1), sent each layer as serving
+        # would send the step's keys: the copies' refresh reads it from the cache's pool
+        new_slots = req_to_token[rpi, (hi - 1).long()].long()
+        new_slots_cache = new_slots.to(cache_dev)
+        k_new = torch.empty(bs, hkv, d, dtype=bf16, device=dev)
+        k_new_cache = torch.empty(bs, hkv, d, dtype=bf16, device=cache_dev)
 
     # the decode: segment B only, a different window a layer (no L2 reuse between layers)
     dk = min(args.decode_keys, n)
@@ -158,25 +198,61 @@ def main(argv=None) -> int:
     b_end = [b + dk for b in b_start]
     dec_out = torch.empty(bs, hq, d, dtype=bf16, device=dev)
 
-    def step(launch: dict, with_main: bool, with_side: bool, side) -> None:
+    def select(st: "Selection", li: int, launch: dict) -> None:
+        """Layer li's scoring into its group's row, and the group's Top-K after its last layer."""
+        g = li % G
+        IK.index_token_scores(st.q_hat[li], st.k_pool, st.req_to_token, st.rpi, st.lo, st.hi, sm_scale, n,
+                              st.kq[li], st.kscale[li], st.filled[li], out=st.scores[g], ksmooth=st.ksm,
+                              h_top=None if st.h_top is None else st.h_top[g], **launch)
+        if g == G - 1 or li == L - 1:
+            rows = (g + 1) * bs
+            TR.topk_range(st.scores[: g + 1].flatten(0, 1), st.g_lo[:rows], st.g_hi[:rows], st.g_budget[:rows],
+                          k_max, out=st.sel[:rows], out_len=st.sel_n[:rows],
+                          h_top=None if st.h_top is None else st.h_top[: g + 1].flatten(0, 1),
+                          scratch=st.scratch[: g + 1].flatten(0, 1))
+
+    def to_cache(li: int, launch: dict, streams) -> None:
+        """Layer li's selection on the cache device: its q_hat and the step's new keys
+        sent over, the selection there, a finished group's Top-K sent back. Copies
+        between devices run on the source device's current stream after the
+        destination's (PyTorch's copy_), so the main device's current stream is a
+        copy stream of its own here: the main stream never waits on the cache's."""
+        copy_main, side = streams
+        if copy_main is not None:
+            copy_main.wait_stream(torch.cuda.current_stream())
+            # joins the capture before copy_ records on it (a capturing stream may not
+            # wait for an event recorded outside the capture)
+            side.wait_stream(copy_main)
+        with _stream(copy_main), _stream(side):
+            cache.q_hat[li].copy_(q_hat[li], non_blocking=True)
+            torch.index_select(k_pool, 0, new_slots, out=k_new)
+            k_new_cache.copy_(k_new, non_blocking=True)
+            cache.k_pool.index_copy_(0, new_slots_cache, k_new_cache)
+            select(cache, li, launch)
+            g = li % G
+            if g == G - 1 or li == L - 1:
+                rows = (g + 1) * bs
+                sel_back[:rows].copy_(cache.sel[:rows], non_blocking=True)
+                sel_n_back[:rows].copy_(cache.sel_n[:rows], non_blocking=True)
+
+    def step(launch: dict, with_main: bool, where: str | None, streams) -> None:
+        """One decode step of L layers: the main stream's work (with_main) and the
+        selection (where: None, "here" on a side stream of the main device, "cache" on
+        the cache device); streams: (side,) here, (copy stream, cache stream) there;
+        None entries on the CPU, where everything runs in order."""
         main = torch.cuda.current_stream() if use_cuda else None
         for li in range(L):
             if with_main:
                 wqkv, wo, wgu, wd = weights[li]
                 torch.mm(x, wqkv)
-            if with_side:
+            if where == "here":
+                side = streams[0]
                 if side is not None:
                     side.wait_stream(main)
-                with torch.cuda.stream(side) if side is not None else _null():
-                    g = li % G
-                    IK.index_token_scores(q_hat[li], k_pool, req_to_token, rpi, lo, hi, sm_scale, n, kq[li],
-                                          kscale[li], filled[li], out=scores[g], ksmooth=ksm,
-                                          h_top=None if h_top is None else h_top[g], **launch)
-                    if g == G - 1 or li == L - 1:
-                        rows = (g + 1) * bs
-                        TR.topk_range(scores[: g + 1].flatten(0, 1), g_lo[:rows], g_hi[:rows], g_budget[:rows],
-                                      k_max, out=sel[:rows], out_len=sel_n[:rows],
-                                      h_top=None if h_top is None else h_top[: g + 1].flatten(0, 1))
+                with _stream(side):
+                    select(here, li, launch)
+            elif where == "cache":
+                to_cache(li, launch, streams)
             if with_main:
                 if dk:
                     TS.two_segment_decode(q_dec, a_k, a_k, a_slot, a_len, k_pool, v_pool, req_to_token, rpi,
@@ -184,9 +260,13 @@ def main(argv=None) -> int:
                 torch.mm(attn, wo)
                 torch.mm(x, wgu)
                 torch.mm(h, wd)
-        if side is not None and with_side:
-            main.wait_stream(side)
+        for s_ in streams if where is not None else ():
+            if s_ is not None:
+                main.wait_stream(s_)
 
+    modes = [("main", True, None), ("side", False, "here"), ("both", True, "here")]
+    if cache is not None:
+        modes += [("cache", False, "cache"), ("main_cache", True, "cache")]
     results = []
     prios = [p for p in args.priorities.split(",") if p]
     for shape in filter(None, args.shapes.split(",")):
@@ -198,40 +278,102 @@ def main(argv=None) -> int:
             cap = None
             if use_cuda and prio == "high":
                 cap = torch.cuda.Stream(priority=-64)  # mapped to the highest
-            for name, with_main, with_side in (("main", True, False), ("side", False, True), ("both", True, True)):
+            for name, with_main, where in modes:
                 if not use_cuda:
-                    step(launch, with_main, with_side, None)
+                    step(launch, with_main, where, (None, None))
                     row[f"{name}_ms"] = None
                     continue
-                side = torch.cuda.Stream()  # default priority, as query_device's
+                if where == "cache":  # a copy stream on the main device, the selection's on the cache device
+                    streams = (torch.cuda.Stream(device=dev), torch.cuda.Stream(device=cache_dev))
+                else:
+                    streams = (torch.cuda.Stream(),)  # default priority, as query_device's
                 row[f"{name}_ms"] = graph_replay_ms(
-                    lambda: step(launch, with_main, with_side, side), args.reps, warm_replays=3, capture_stream=cap)
+                    lambda: step(launch, with_main, where, streams), args.reps, warm_replays=3, capture_stream=cap)
             if use_cuda:
                 m, sd, both = row["main_ms"], row["side_ms"], row["both_ms"]
                 row["hidden"] = round((m + sd - both) / min(m, sd), 3)
-                print(f"  scoring {shape} ({row['programs']} programs a row and head), {prio} priority: "
-                      f"main {m:.3f} ms, side {sd:.3f} ms, both {both:.3f} ms, hidden {row['hidden']:.0%}",
-                      flush=True)
+                line = (f"  scoring {shape} ({row['programs']} programs a row and head), {prio} priority: "
+                        f"main {m:.3f} ms, side {sd:.3f} ms, both {both:.3f} ms, hidden {row['hidden']:.0%}")
+                if cache is not None:
+                    c, mc = row["cache_ms"], row["main_cache_ms"]
+                    row["cache_hidden"] = round((m + c - mc) / min(m, c), 3)
+                    line += (f"; on {cache_dev}: cache {c:.3f} ms, main + cache {mc:.3f} ms "
+                             f"({mc / m:.3f}x main alone), hidden {row['cache_hidden']:.0%}")
+                print(line, flush=True)
             results.append(row)
             if not use_cuda:
                 break  # no streams on the interpreter: one pass per shape checks the launches
     # the selections are real: every row keeps its budget (the scores are finite on [lo, hi))
-    ok = bool((sel_n == min(k_max, int(hi[0] - lo[0]))).all())
+    ok = bool((here.sel_n == min(k_max, int(hi[0] - lo[0]))).all())
     print(f"  selections: {'ok' if ok else 'WRONG COUNTS'}")
+    cache_equal = None
+    if cache is not None:
+        # the cache device's selections, sent back, are the main device's own bit for bit
+        cache_equal = bool(torch.equal(sel_back.cpu(), here.sel.cpu()) and torch.equal(sel_n_back.cpu(),
+                                                                                       here.sel_n.cpu()))
+        print(f"  selections from {cache_dev}: {'the same' if cache_equal else 'DIFFERENT'}")
+        ok = ok and cache_equal
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(env=env, args=vars(args), sms=sms, use_hist=use_hist, results=results, check_ok=ok),
+            json.dump(dict(env=env, args=vars(args), sms=sms, use_hist=use_hist, results=results, check_ok=ok,
+                           cache_device=None if cache_dev is None else str(cache_dev), cache_equal=cache_equal),
                       f, indent=1)
     return 0 if ok else 1
 
 
-class _null:
-    def __enter__(self):
-        return self
+@dataclasses.dataclass
+class Selection:
+    """What asyncspade's next-step selection reads and writes, on the device that runs
+    it: the queries it scores with, the pool its copies refresh from, the rows'
+    ranges, the copies, the group's scores and histograms, the Top-K's output and
+    scratch (preallocated: a graph captured on another device allocates from that
+    device's pool only)."""
 
-    def __exit__(self, *exc):
-        return False
+    q_hat: "torch.Tensor"
+    k_pool: "torch.Tensor"
+    req_to_token: "torch.Tensor"
+    rpi: "torch.Tensor"
+    lo: "torch.Tensor"
+    hi: "torch.Tensor"
+    kq: "torch.Tensor"
+    kscale: "torch.Tensor"
+    filled: "torch.Tensor"
+    ksm: "torch.Tensor | None"
+    scores: "torch.Tensor"
+    g_lo: "torch.Tensor"
+    g_hi: "torch.Tensor"
+    g_budget: "torch.Tensor"
+    sel: "torch.Tensor"
+    sel_n: "torch.Tensor"
+    h_top: "torch.Tensor | None"
+    scratch: "torch.Tensor"
+
+    @classmethod
+    def build(cls, q_hat, k_pool, req_to_token, rpi, lo, hi, budget, kq, kscale, filled, ksm, scores, groups: int,
+              use_hist: bool) -> "Selection":
+        import torch
+
+        g, (bs, hkv, _), dev = groups, scores.shape[1:], scores.device
+        k_max = int(budget.max())
+        return cls(q_hat, k_pool, req_to_token, rpi, lo, hi, kq, kscale, filled, ksm, scores,
+                   lo.repeat(g), hi.repeat(g), budget.repeat(g),
+                   torch.zeros(g * bs, hkv, k_max, dtype=torch.int32, device=dev),
+                   torch.zeros(g * bs, hkv, dtype=torch.int32, device=dev),
+                   torch.zeros(g, bs, hkv, 64, dtype=torch.int32, device=dev) if use_hist else None,
+                   torch.empty_like(scores))
+
+    def to(self, device) -> "Selection":
+        """A copy of every tensor on ``device`` (a copy on the same device too: --smoke's cpu)."""
+        return Selection(**{f.name: None if getattr(self, f.name) is None
+                            else getattr(self, f.name).to(device, copy=True) for f in dataclasses.fields(self)})
+
+
+def _stream(s):
+    """The stream's context, or nothing (the CPU: no streams)."""
+    import torch
+
+    return contextlib.nullcontext() if s is None else torch.cuda.stream(s)
 
 
 if __name__ == "__main__":

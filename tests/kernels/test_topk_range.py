@@ -292,6 +292,26 @@ def test_topk_skip_leaves_rows_alone(launch):
         topk_range(s, lo, hi, budget, k_max, skip=skip[:, :2].contiguous(), **launch)
 
 
+def test_topk_scratch_given_is_the_same_select():
+    """scratch (asyncspade's cache device preallocates it: a graph captured on another
+    device allocates from that device's pool only): a caller's scratch, strided and
+    dirty, gives the block-walking kernel's output bit for bit; a wrong one asserts."""
+    gen = torch.Generator().manual_seed(5)
+    r, h, n, k_max = 4, 3, 300, 24
+    s = _case(gen, r, h, n, ints=True, holes=0.1)
+    lo, hi, budget = _ragged_ranges(gen, r, n, k_max)
+    launch = dict(block_n=32)  # the block-walking kernel, gather: the path that takes a scratch
+    want_pos, want_cnt = topk_range(s, lo, hi, budget, k_max, **launch)
+    scratch = torch.full((h, r, n + 7), float("nan")).transpose(0, 1)[..., :n]  # strided rows and heads
+    pos, cnt = topk_range(s, lo, hi, budget, k_max, scratch=scratch, **launch)
+    assert torch.equal(pos, want_pos) and torch.equal(cnt, want_cnt)
+    _check(s, lo, hi, budget, k_max, pos, cnt)
+    with pytest.raises(AssertionError, match="scratch"):
+        topk_range(s, lo, hi, budget, k_max, scratch=torch.empty(r, h, n - 1), **launch)
+    with pytest.raises(AssertionError, match="scratch"):
+        topk_range(s, lo, hi, budget, k_max, scratch=torch.empty(r, h, n, dtype=torch.float64), **launch)
+
+
 def _htop_strided(want: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(h_top, its buffer): strided rows and heads, a [H, R, 80] buffer seen as [R, H, 64]."""
     r, h, _ = want.shape
