@@ -31,7 +31,11 @@ group's selections come back; the main stream joins once at the end, all in the 
 graph captured on the main GPU (the other GPU's work joined to it by events, its
 buffers allocated before the capture). Rows ``cache`` (that work alone) and
 ``main_cache`` (beside the main stream), ``cache_hidden`` as ``hidden``; the
-selections sent back are compared with the main GPU's own, bit for bit. The
+selections sent back are compared with the main GPU's own, bit for bit. Rows
+``peer`` and ``main_peer``: the same without copies, the second GPU's kernels
+reading the queries, the pool and the rows' ranges in the main GPU's memory and
+writing the selections there (peer loads and stores), only the copies, scores and
+Top-K scratch on the second GPU: the form that serves with the least code. The
 question it answers: whether a selection that costs ~1.4x the main stream's step
 on the same GPU (session 25) hides wholly on another.
 
@@ -186,6 +190,16 @@ def main(argv=None) -> int:
         new_slots_cache = new_slots.to(cache_dev)
         k_new = torch.empty(bs, hkv, d, dtype=bf16, device=dev)
         k_new_cache = torch.empty(bs, hkv, d, dtype=bf16, device=cache_dev)
+        # PyTorch enables a device's access to another's memory at its first copy from it
+        # (at::cuda::get_p2p_access(src, dst)): the cache device's, for its peer loads below
+        torch.zeros(1, device=cache_dev).to(dev)
+        # peer: the cache device's kernels read the queries, the pool and the rows' ranges
+        # where they are and write the selections where the decode reads them (peer
+        # loads and stores over NVLink: nothing copied, nothing sent back); only the
+        # copies, scores, histograms and the Top-K's scratch live there (their own replica)
+        peer = dataclasses.replace(here.to(cache_dev), q_hat=q_hat, k_pool=k_pool, req_to_token=req_to_token,
+                                   rpi=rpi, lo=lo, hi=hi, sel=torch.zeros_like(here.sel),
+                                   sel_n=torch.zeros_like(here.sel_n))
 
     # the decode: segment B only, a different window a layer (no L2 reuse between layers)
     dk = min(args.decode_keys, n)
@@ -253,6 +267,12 @@ def main(argv=None) -> int:
                     select(here, li, launch)
             elif where == "cache":
                 to_cache(li, launch, streams)
+            elif where == "peer":
+                side = streams[0]
+                if side is not None:
+                    side.wait_stream(main)
+                with _stream(side):
+                    select(peer, li, launch)
             if with_main:
                 if dk:
                     TS.two_segment_decode(q_dec, a_k, a_k, a_slot, a_len, k_pool, v_pool, req_to_token, rpi,
@@ -266,7 +286,8 @@ def main(argv=None) -> int:
 
     modes = [("main", True, None), ("side", False, "here"), ("both", True, "here")]
     if cache is not None:
-        modes += [("cache", False, "cache"), ("main_cache", True, "cache")]
+        modes += [("cache", False, "cache"), ("main_cache", True, "cache"),
+                  ("peer", False, "peer"), ("main_peer", True, "peer")]
     results = []
     prios = [p for p in args.priorities.split(",") if p]
     for shape in filter(None, args.shapes.split(",")):
@@ -285,6 +306,8 @@ def main(argv=None) -> int:
                     continue
                 if where == "cache":  # a copy stream on the main device, the selection's on the cache device
                     streams = (torch.cuda.Stream(device=dev), torch.cuda.Stream(device=cache_dev))
+                elif where == "peer":
+                    streams = (torch.cuda.Stream(device=cache_dev),)
                 else:
                     streams = (torch.cuda.Stream(),)  # default priority, as query_device's
                 row[f"{name}_ms"] = graph_replay_ms(
@@ -297,8 +320,12 @@ def main(argv=None) -> int:
                 if cache is not None:
                     c, mc = row["cache_ms"], row["main_cache_ms"]
                     row["cache_hidden"] = round((m + c - mc) / min(m, c), 3)
+                    p_, mp = row["peer_ms"], row["main_peer_ms"]
+                    row["peer_hidden"] = round((m + p_ - mp) / min(m, p_), 3)
                     line += (f"; on {cache_dev}: cache {c:.3f} ms, main + cache {mc:.3f} ms "
-                             f"({mc / m:.3f}x main alone), hidden {row['cache_hidden']:.0%}")
+                             f"({mc / m:.3f}x main alone), hidden {row['cache_hidden']:.0%}; "
+                             f"peer {p_:.3f} ms, main + peer {mp:.3f} ms ({mp / m:.3f}x), "
+                             f"hidden {row['peer_hidden']:.0%}")
                 print(line, flush=True)
             results.append(row)
             if not use_cuda:
@@ -309,8 +336,8 @@ def main(argv=None) -> int:
     cache_equal = None
     if cache is not None:
         # the cache device's selections, sent back, are the main device's own bit for bit
-        cache_equal = bool(torch.equal(sel_back.cpu(), here.sel.cpu()) and torch.equal(sel_n_back.cpu(),
-                                                                                       here.sel_n.cpu()))
+        cache_equal = all(torch.equal(a.cpu(), b.cpu()) for a, b in (
+            (sel_back, here.sel), (sel_n_back, here.sel_n), (peer.sel, here.sel), (peer.sel_n, here.sel_n)))
         print(f"  selections from {cache_dev}: {'the same' if cache_equal else 'DIFFERENT'}")
         ok = ok and cache_equal
     if args.out:
