@@ -286,6 +286,19 @@ class AsyncSpadeStoreConfig(QueryStoreConfig):
                                                       "short enough for the main stream's kernels to run beside "
                                                       "them; 0: persistent programs (score_programs_per_sm), "
                                                       "which hold the SMs for the whole pass")
+    # ALGORITHMS.md §4 (b): the paper runs the selection on a "cache rank", a GPU of its
+    # own. On the serving GPU the side stream's scoring and Top-K read HBM beside the
+    # main stream's step, which also reads HBM: at 32768 x 8 they hid at most 31% of
+    # each other (bench/README "Session 25"), and asyncspade stayed above quest. Here
+    # the side stream runs on another GPU of the same host: its copies of the keys,
+    # scores and Top-K scratch live there, and its kernels read the step's queries and
+    # keys and write the selections in the serving GPU's memory over NVLink (peer
+    # access). Attention tensor parallel 1 only (one cache GPU per serving GPU).
+    cache_device: Optional[str] = Field(
+        None, pattern=r"^cuda:[0-9]+$",
+        description="[ours] 'cuda:N': run the next-step selection (scoring, Top-K) on this GPU, beside the one "
+                    "serving (peer access between them required; attention TP 1); its copies, scores and "
+                    "Top-K scratch are allocated there, not from the serving GPU's memory. Unset: the serving GPU")
 
 
 class QueryAwareConfig(_Strict):

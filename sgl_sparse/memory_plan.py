@@ -25,7 +25,7 @@ import torch
 
 from sgl_sparse.config import SparseConfigError, load_server_config
 from sgl_sparse.plugin import KV_CACHE_DTYPES, with_unavailable
-from sgl_sparse.store_budget import StoreShape, planned_bytes
+from sgl_sparse.store_budget import StoreShape, cache_device_bytes, planned_bytes
 
 # the model's torch_dtype and the --kv-cache-dtype spellings the server accepts (plugin.KV_CACHE_DTYPES)
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -64,13 +64,17 @@ def plan(model_path: str, sparse_config: Optional[str], *, tp_size: int = 1, con
     cfg = with_unavailable(load_server_config(sparse_config), decode_graphs=cuda_graphs)
     shape = model_shape(model_path, tp_size, context_length, kv_cache_dtype)
     fixed, per_slot = planned_bytes(cfg, shape)
+    cache = cache_device_bytes(cfg, shape)
+    if cache and tp_size > 1:
+        raise ValueError(f"query_aware.asyncspade.cache_device {cfg.query_aware.asyncspade.cache_device!r}: one "
+                         f"cache GPU serves one serving GPU, not --tp-size {tp_size}")
     total, cell = sum(fixed.values()), shape.kv_cell_bytes()
     return {"tp_size": tp_size, "shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads,
                                           "q_heads": shape.num_q_heads, "head_dim": shape.head_dim,
                                           "dtype": str(shape.dtype).removeprefix("torch."),
                                           "context_len": shape.context_len},
             "stores_bytes": fixed, "total_bytes": total, "key_norm_bytes_per_token": per_slot,
-            "kv_bytes_per_token": cell, "kv_tokens": total // cell,
+            "kv_bytes_per_token": cell, "kv_tokens": total // cell, "cache_device_bytes": cache,
             "not_offered": sorted(cfg.unavailable)}
 
 
@@ -84,6 +88,8 @@ def _report(p: dict) -> str:
                  f"({p['kv_bytes_per_token']:,} B a token)")
     if p["key_norm_bytes_per_token"]:
         lines.append(f"  + SFI's key norms, {p['key_norm_bytes_per_token']} B a KV-pool token")
+    for device, n in p["cache_device_bytes"].items():
+        lines.append(f"  asyncspade's selection on its cache GPU {device} (not from this GPU's budget): {gib(n)}")
     if p["not_offered"]:
         lines.append(f"  not offered (no store): {', '.join(p['not_offered'])}")
     return "\n".join(lines)

@@ -276,7 +276,11 @@ class QueryAwareDevice:
             self._qhat = torch.empty(ring.shape[0], self.aspd.cfg.slots, *ring.shape[3:], dtype=torch.float32,
                                      device=ring.device)
             self._last_layer = ring.shape[0] - 1
-            if ring.device.type == "cuda" and ASPD_SIDE_STREAM:
+            if self.aspd.remote and ring.device.type == "cuda":
+                # the selection on its cache GPU (query_aware.asyncspade.cache_device): streams
+                # there, forked from and joined to the serving GPU's main stream by events
+                self._sides = [torch.cuda.Stream(device=self.aspd.cache_device) for _ in range(ASPD_SIDE_STREAMS)]
+            elif ring.device.type == "cuda" and ASPD_SIDE_STREAM:
                 self._sides = [torch.cuda.Stream(device=ring.device) for _ in range(ASPD_SIDE_STREAMS)]
 
     @property
@@ -284,7 +288,7 @@ class QueryAwareDevice:
         """asyncspade's selection runs on side streams beside the main stream, which
         should then rank above them (ASPD_HIGH_PRIORITY_MAIN): the backend captures
         SGLang's decode graphs at high priority (compat.capture_graphs_at_high_priority)."""
-        return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN
+        return bool(self._sides) and ASPD_HIGH_PRIORITY_MAIN and not self.aspd.remote
 
     @property
     def wants_join_after_forward(self) -> bool:
@@ -513,7 +517,10 @@ class QueryAwareDevice:
             elif li >= group and self._aspd_topk_side is not side:
                 # this layer's row of the scores is free once the previous group's Top-K has read it
                 side.wait_stream(self._aspd_topk_side)
-        with torch.cuda.stream(side), only_if(self._on[PolicyId.ASYNCSPADE]):
+        # on the cache GPU no conditional node: its flag lives on the serving GPU (the
+        # kernels' programs for slots without a row return at once either way)
+        gate = None if self.aspd.remote else self._on[PolicyId.ASYNCSPADE]
+        with torch.cuda.stream(side), only_if(gate):
             self._aspd_select_next(li, k_cache, req_to_token, scale)
         self._side_pending = True
         if li == self._last_layer and not (self.join_after_forward and torch.cuda.is_current_stream_capturing()):
@@ -552,7 +559,7 @@ class QueryAwareDevice:
         g = li % group
         # the group's Top-K reads layer li's histograms from row g of store.htop
         hist = self._aspd_hist(li)
-        out = store.scores[g] if group > 1 else None
+        out = store.scores[g] if store.scores is not None else None
         # the pass's programs on the side stream: short ones (blocks_per_program) or
         # persistent ones, per_sm a SM (fewer leave room for the main stream)
         launch = dict(programs_per_sm=store.cfg.score_programs_per_sm,
@@ -595,10 +602,16 @@ class QueryAwareDevice:
         # (layer, slot) (_AspdGroupRows tiles f's), so h_top counts exactly this range.
         # splits=1: takes_htop chose the layers only where the Top-K runs unsplit anyway.
         extra = dict(h_top=store.htop[:n_layers].flatten(0, 1), splits=1) if hist else {}
+        if store.remote:
+            # on the cache GPU nothing is allocated under the serving GPU's capture
+            # (AsyncSpadeStore.topk_out): the store's output and scratch, unsplit (the
+            # split kernel allocates its slices' histograms)
+            out = store.topk_out[:n]
+            extra = dict(extra, scratch=store.topk_scratch[:n], splits=1)
+        else:
+            out = torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device)
         # the best `budget` tokens of [sink, hi), ascending; slots without a row: hi = 0, O(1)
-        idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k,
-                                out=torch.empty(n, num_kv_heads, k, dtype=torch.int32, device=scores.device),
-                                **extra)
+        idx, n_tok = topk_range(scores, sink, rows.hi[:n], rows.budget[:n], k, out=out, **extra)
         # straight into the store (layer first + j's rows from row j * (slots + 1) of
         # these views); slots without a row: their programs return at once
         layers = slice(first, first + n_layers)

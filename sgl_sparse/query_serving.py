@@ -200,10 +200,11 @@ class QueryAwareRuntime:
                 win = q3.new_zeros((1, w, *q3.shape[1:]))
                 win[0, w - c:] = q3[e.q_end - c: e.q_end]
                 aspd.ring_load(store.ring[li], store.total[li], e.dev[0:1], win, e.dev[2:3])
-                if store.index_keys:  # the slot's key copies are its previous owner's
-                    store.filled[li, e.slot] = 0
-                if store.ksmooth is not None:  # the prompt so far, radix-cache hits included
-                    store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
+                with store.cache_writes(k_cache.device):  # on the cache GPU, if the selection runs there
+                    if store.index_keys:  # the slot's key copies are its previous owner's
+                        store.filled[li, e.slot] = 0
+                    if store.ksmooth is not None:  # the prompt so far, radix-cache hits included
+                        store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
             else:
                 knobs = lfps_knobs(e.spec)
                 s = min(knobs.s, e.q_end - e.q_start)
@@ -324,7 +325,7 @@ class QueryAwareRuntime:
         sink = torch.full_like(n, g.spec.sink)
         next_b = (n + 1 - g.spec.recent).clamp(min=0)  # b_start of the next step
         if store.ksmooth is not None:  # 4-bit copies: as the device path's, computed on the fly
-            f = store.ksmooth[li, g.slots]
+            f = store.ksmooth[li, g.slots].to(keys.device)  # the cache GPU's, if the selection runs there
             kq, kscale = smoothed_codes(keys, f[:, None])
             scores = aspd.score_index_positions(*smoothed_query(q_hat, f), kq, kscale, n, sink, next_b, scale)
         elif store.index_keys:

@@ -39,6 +39,14 @@ Layouts (slot = one live request of the policy; layers of this rank):
               kept from each layer's scoring to the group's one Top-K launch
               (overwritten every step, never read across steps):
               scores       [G, slots, Hkv, max_context] fp32
+              with `cache_device` [ours] (another GPU runs the selection): kq,
+              kscale, filled, ksmooth, htop and scores (also at G = 1) live there,
+              with the Top-K's own output and scratch (allocated here, not per call:
+              the decode graphs are captured on the serving GPU):
+              topk_out     [G * slots, Hkv, min(capacity, max_context)] int32
+              topk_scratch [G * slots, Hkv, max_context] fp32
+              the ring and the selections stay on the serving GPU (tensors() there,
+              cache_tensors() on the cache GPU)
   lfps        ver, sla     [layers, slots, Hkv, max_context] fp32  score tables, stored
                                                  divided by tscale
               tscale       [layers, slots, Hkv] fp32      the tables' scale (true value =
@@ -68,7 +76,8 @@ them, so a reused slot never leaks its previous owner's data into a selection.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -100,8 +109,18 @@ class QuestStore:
 
 class AsyncSpadeStore:
     def __init__(self, cfg: AsyncSpadeStoreConfig, *, window: int, num_layers: int, num_kv_heads: int,
-                 num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+                 num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 cache_device: Optional[torch.device] = None):
+        """``cache_device``: where the selection's own tensors go when
+        ``cfg.cache_device`` is set (default: that GPU; planning passes the meta
+        device). The prediction's ring and the selections the decode reads stay on
+        ``device``."""
         self.cfg = cfg
+        #: the selection runs on another GPU (cfg.cache_device): its tensors are not the serving GPU's
+        self.remote = cfg.cache_device is not None
+        if cache_device is None:
+            cache_device = torch.device(cfg.cache_device) if self.remote else device
+        self.cache_device = torch.device(cache_device)
         self.scratch_slot = cfg.slots
         self.rows = cfg.slots + 1
         self.ring = torch.zeros(num_layers, self.rows, window + 1, num_q_heads, head_dim, dtype=dtype, device=device)
@@ -114,35 +133,72 @@ class AsyncSpadeStore:
                              f">= 64 (its scoring dots take D/2 channels each), this model's is {head_dim}")
         self.index_keys = cfg.index_keys != "kv"
         self.index_bits = 4 if cfg.index_keys == "int4" else 8
+        side = self.cache_device
         self.kq = self.kscale = self.filled = self.ksmooth = None
         if self.index_keys:
             width = head_dim // 2 if self.index_bits == 4 else head_dim  # two 4-bit codes a byte
             self.kq = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, width, dtype=torch.int8,
-                                  device=device)
+                                  device=side)
             self.kscale = torch.zeros(num_layers, cfg.slots, num_kv_heads, cfg.max_context, dtype=torch.float32,
-                                      device=device)
-            self.filled = torch.zeros(num_layers, cfg.slots, 2, dtype=torch.int32, device=device)
+                                      device=side)
+            self.filled = torch.zeros(num_layers, cfg.slots, 2, dtype=torch.int32, device=side)
         if self.index_bits == 4 and self.index_keys:
             self.ksmooth = torch.ones(num_layers, cfg.slots, num_kv_heads, head_dim, dtype=torch.float32,
-                                      device=device)
+                                      device=side)
         # layers per Top-K launch (query_device._aspd_next), at most all of them
         self.topk_layers = max(1, min(cfg.topk_layers, num_layers))
         self.scores = None
-        if self.topk_layers > 1:
+        if self.topk_layers > 1 or self.remote:
             self.scores = torch.empty(self.topk_layers, cfg.slots, num_kv_heads, cfg.max_context,
-                                      dtype=torch.float32, device=device)
+                                      dtype=torch.float32, device=side)
         # zeros: the scoring pass adds to them, the Top-K leaves them zeroed after reading
         self.htop = None
         if self.index_keys:
-            self.htop = torch.zeros(self.topk_layers, cfg.slots, num_kv_heads, 64, dtype=torch.int32, device=device)
+            self.htop = torch.zeros(self.topk_layers, cfg.slots, num_kv_heads, 64, dtype=torch.int32, device=side)
+        # On another GPU the Top-K's output and scratch are allocated here, not per call:
+        # a decode graph is captured on the serving GPU, and its private pool serves that
+        # GPU's allocations only (another GPU's would be freed back to its cache after
+        # the capture, and emptied with it).
+        self.topk_out = self.topk_scratch = None
+        if self.remote:
+            rows = self.topk_layers * cfg.slots
+            self.topk_out = torch.zeros(rows, num_kv_heads, max(1, min(cfg.capacity, cfg.max_context)),
+                                        dtype=torch.int32, device=side)
+            self.topk_scratch = torch.empty(rows, num_kv_heads, cfg.max_context, dtype=torch.float32, device=side)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
+    @contextlib.contextmanager
+    def cache_writes(self, device: torch.device) -> Iterator[None]:
+        """Around host-issued writes to the selection's tensors (a slot's copies reset
+        and smoothing at extend) when they live on the cache GPU: there they run on
+        that GPU's current stream, which no stream of the serving GPU orders. It waits
+        for the serving GPU's current stream first (which joined the last decode's
+        selection), and that stream for it after (which the next decode's selection
+        forks from)."""
+        if not self.remote or self.cache_device.type != "cuda":
+            yield
+            return
+        main, side = torch.cuda.current_stream(device), torch.cuda.current_stream(self.cache_device)
+        side.wait_stream(main)
+        yield
+        main.wait_stream(side)
+
+    def _selection_tensors(self) -> tuple[torch.Tensor, ...]:
         index = (self.kq, self.kscale, self.filled) if self.index_keys else ()
         index += (self.ksmooth,) if self.ksmooth is not None else ()
         scores = (self.scores,) if self.scores is not None else ()
         htop = (self.htop,) if self.htop is not None else ()
+        topk = (self.topk_out, self.topk_scratch) if self.remote else ()
+        return *index, *scores, *htop, *topk
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors on the serving GPU (what its memory budget pays for)."""
         lists = (self.sel_slot,) if self.sel_slot is not None else ()
-        return self.ring, self.total, self.sel_pos, self.sel_count, *lists, *index, *scores, *htop
+        own = (self.ring, self.total, self.sel_pos, self.sel_count, *lists)
+        return own if self.remote else (*own, *self._selection_tensors())
+
+    def cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors on the cache GPU (cfg.cache_device; none without one)."""
+        return self._selection_tensors() if self.remote else ()
 
 
 class LfpsStore:
@@ -181,8 +237,9 @@ class LfpsStore:
                          sigma_hat2=self.sigma_hat2[li])
 
 
-def nbytes(store) -> int:
-    return sum(t.numel() * t.element_size() for t in store.tensors())
+def nbytes(store, tensors: Optional[tuple[torch.Tensor, ...]] = None) -> int:
+    """Bytes of ``tensors`` (default: the store's on the serving GPU)."""
+    return sum(t.numel() * t.element_size() for t in (store.tensors() if tensors is None else tensors))
 
 
 def slot_nbytes(store: Optional[object]) -> int:

@@ -110,9 +110,10 @@ def build_query_stores(cfg: SparseServerConfig, shape: StoreShape, device: torch
             if pid == PolicyId.QUEST:
                 stores[pid] = query_store.QuestStore(scfg, dtype=shape.query_dtype, **dims)
             elif pid == PolicyId.ASYNCSPADE:
+                cache = None if scfg.cache_device is None else cache_device_for(scfg.cache_device, device)
                 stores[pid] = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
                                                           num_q_heads=shape.num_q_heads, dtype=shape.query_dtype,
-                                                          **dims)
+                                                          cache_device=cache, **dims)
             else:
                 stores[pid] = query_store.LfpsStore(scfg, num_q_heads=shape.num_q_heads, **dims)
         except torch.OutOfMemoryError:
@@ -122,6 +123,35 @@ def build_query_stores(cfg: SparseServerConfig, shape: StoreShape, device: torch
                 f".max_context in --sparse-config (slots: 0 serves '{name}' dense)"
             ) from None
     return stores
+
+
+def cache_device_for(name: str, device: torch.device) -> torch.device:
+    """asyncspade's cache GPU (``query_aware.asyncspade.cache_device``) beside the
+    serving ``device``, checked: another GPU of this host that can read and write the
+    serving GPU's memory (peer access), which is then enabled. On the meta device
+    (planning) the meta device."""
+    if device.type == "meta":
+        return device
+    field = "query_aware.asyncspade.cache_device"
+    if device.type != "cuda":
+        raise ValueError(f"sgl_sparse: {field}: {name!r} needs a GPU server; this one runs on {device}")
+    cache = torch.device(name)
+    count = torch.cuda.device_count()
+    if cache.index >= count:
+        raise ValueError(f"sgl_sparse: {field}: {name!r}, but this process sees {count} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES decides which)")
+    serving = device.index if device.index is not None else torch.cuda.current_device()
+    if cache.index == serving:
+        raise ValueError(f"sgl_sparse: {field}: {name!r} is the serving GPU itself; name another one")
+    if not (torch.cuda.can_device_access_peer(cache.index, serving)
+            and torch.cuda.can_device_access_peer(serving, cache.index)):
+        raise ValueError(f"sgl_sparse: {field}: {name!r} has no peer access to cuda:{serving} (NVLink or PCIe "
+                         f"peer-to-peer), which its kernels need to read the step's keys and write the selections")
+    # PyTorch enables a GPU's access to another's memory at its first copy from it
+    # (at::cuda::get_p2p_access(src, dst)): the cache GPU's kernels load and store the
+    # serving GPU's tensors directly
+    torch.zeros(1, device=cache).to(torch.device("cuda", serving))
+    return cache
 
 
 def planned_bytes(cfg: SparseServerConfig, shape: StoreShape) -> tuple[dict[str, int], int]:
@@ -137,6 +167,18 @@ def planned_bytes(cfg: SparseServerConfig, shape: StoreShape) -> tuple[dict[str,
         fixed["sfi"] = compact.nbytes()
         per_slot = compact.knorm.shape[0] * compact.knorm.shape[2] * compact.knorm.element_size()
     return fixed, per_slot
+
+
+def cache_device_bytes(cfg: SparseServerConfig, shape: StoreShape) -> dict[str, int]:
+    """{cache GPU: bytes} of what asyncspade allocates on its cache GPU
+    (``query_aware.asyncspade.cache_device``), planned on the meta device; empty
+    without one."""
+    from sgl_sparse import query_store
+
+    store = build_query_stores(cfg, shape, torch.device("meta")).get(PolicyId.ASYNCSPADE)
+    if store is None or not store.remote:
+        return {}
+    return {store.cfg.cache_device: query_store.nbytes(store, store.cache_tensors())}
 
 
 def pool_budget(budget: int, fixed: int, per_slot: int, cell: int) -> int:

@@ -81,6 +81,9 @@ def test_config_file_yaml_and_json(tmp_path):
         ("query_aware:\n  asyncspade: {score_programs_per_sm: 0}\n", "query_aware.asyncspade.score_programs_per_sm"),
         ("query_aware:\n  asyncspade: {score_blocks_per_program: -1}\n",
          "query_aware.asyncspade.score_blocks_per_program"),
+        ("query_aware:\n  asyncspade: {cache_device: gpu1}\n", "query_aware.asyncspade.cache_device"),
+        ("query_aware:\n  asyncspade: {cache_device: 1}\n", "query_aware.asyncspade.cache_device"),
+        ("query_aware:\n  quest: {cache_device: 'cuda:1'}\n", "query_aware.quest.cache_device: unknown field"),
     ],
 )
 def test_bad_config_file_names_field(tmp_path, text, words):

@@ -120,3 +120,28 @@ def test_bad_flags_name_the_flag(model, args, message):
     base = [] if "--model-path" in args else ["--model-path", str(model)]
     proc = _run(*base, *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_cache_device_plans_the_selection_on_its_gpu(model, tmp_path):
+    """query_aware.asyncspade.cache_device: asyncspade's copies, scores and Top-K buffers
+    are planned on the cache GPU (printed apart, not out of this GPU's budget); one
+    cache GPU serves one serving GPU, so --tp-size 2 is refused naming the field.
+    (In process: the CLI's flags are the tests above.)"""
+    from sgl_sparse import memory_plan
+
+    aspd = "  asyncspade: {slots: 8, max_context: 32768, index_keys: int4, topk_layers: 14"
+    here, there = tmp_path / "here.yaml", tmp_path / "there.yaml"
+    here.write_text(f"query_aware:\n{aspd}}}\n")
+    there.write_text(f"query_aware:\n{aspd}, cache_device: 'cuda:1'}}\n")
+    a = memory_plan.plan(str(model), str(here), cuda_graphs=False)
+    b = memory_plan.plan(str(model), str(there), cuda_graphs=False)
+    assert a["cache_device_bytes"] == {} and set(b["cache_device_bytes"]) == {"cuda:1"}
+    moved = b["cache_device_bytes"]["cuda:1"]
+    # int4 copies of 8 slots x 28 layers x 8 KV heads x 32768 positions: 64 B codes + a 4 B scale each
+    assert moved > 8 * 28 * 8 * 32768 * 68
+    assert b["stores_bytes"]["asyncspade"] < a["stores_bytes"]["asyncspade"] < moved + b["stores_bytes"]["asyncspade"]
+    assert {k: v for k, v in a["stores_bytes"].items() if k != "asyncspade"} == \
+        {k: v for k, v in b["stores_bytes"].items() if k != "asyncspade"}
+    assert "asyncspade's selection on its cache GPU cuda:1 (not from this GPU's budget)" in memory_plan._report(b)
+    with pytest.raises(ValueError, match="query_aware.asyncspade.cache_device 'cuda:1': one cache GPU"):
+        memory_plan.plan(str(model), str(there), tp_size=2, cuda_graphs=False)

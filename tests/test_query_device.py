@@ -70,7 +70,9 @@ class Twin:
 
     def __init__(self, group: int, use_kernels: bool, seed: int = 0, specs: dict | None = None,
                  lens: dict | None = None, store: dict | None = None, index_keys: str = "kv",
-                 num_layers: int = 1, aspd: dict | None = None):
+                 num_layers: int = 1, aspd: dict | None = None, cache_device: torch.device | None = None):
+        """cache_device: asyncspade's selection tensors there, as on a cache GPU (the
+        store's remote path: query_aware.asyncspade.cache_device set)."""
         gen = torch.Generator().manual_seed(seed)
         self.group = group
         # 4-bit copies are scored as two dots over D/2 channels: int8 dots take K >= 32 on a GPU
@@ -88,8 +90,11 @@ class Twin:
         shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=self.d, device=torch.device("cpu"))
         hq = HKV * group
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
-        self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=hq,
-                                                                    dtype=KV, **shape)
+        aspd_cfg = qs.asyncspade
+        if cache_device is not None:
+            aspd_cfg = aspd_cfg.model_copy(update={"cache_device": "cuda:1"})
+        self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(aspd_cfg, window=4, num_q_heads=hq,
+                                                                    dtype=KV, cache_device=cache_device, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=hq, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
         self.store_list_rows = 0  # rows whose lists the decode read from the store (ASPD_LISTS_IN_PLACE)
@@ -312,6 +317,38 @@ def _decode_alike(a: Twin, b: Twin, layers: int, steps: int, gen: torch.Generato
         if check is not None:
             check(t, p1, p2)
     return p1, p2
+
+
+def test_asyncspade_on_a_cache_device_selects_as_on_the_serving_one():
+    """query_aware.asyncspade.cache_device: the store's selection tensors (copies,
+    scores, histograms) and the Top-K's own output and scratch on the cache device,
+    allocated with the store (nothing allocated per call: a graph captured on the
+    serving GPU cannot own another GPU's), the Top-K unsplit: the same selections and
+    attention as on the serving device. Here both devices are the CPU (the remote path's
+    code, not a second GPU's streams: tests/kernels/test_query_device_graph.py runs
+    that on two GPUs)."""
+    layers, group = 2, 2
+    gen = torch.Generator().manual_seed(47)
+    aspd = {"topk_layers": 2}
+    here = Twin(group, use_kernels=True, num_layers=layers, aspd=aspd, index_keys="int4")
+    there = Twin(group, use_kernels=True, num_layers=layers, aspd=aspd, index_keys="int4",
+                 cache_device=torch.device("cpu"))
+    s1, s2 = (t.st.query_stores[PolicyId.ASYNCSPADE] for t in (here, there))
+    assert not s1.remote and s2.remote and s1.topk_out is None
+    # the serving device pays for the ring and the selections only
+    selection = (s2.kq, s2.kscale, s2.filled, s2.ksmooth, s2.scores, s2.htop, s2.topk_out, s2.topk_scratch)
+    assert {id(t) for t in s2.cache_tensors()} == {id(t) for t in selection}
+    assert not {id(t) for t in s2.tensors()} & {id(t) for t in selection}
+    assert s2.topk_out.shape == (2 * 4, HKV, CAP) and s2.topk_scratch.shape == (2 * 4, HKV, MAXCTX)
+
+    def check(t, p1, p2):
+        kept = torch.arange(CAP) < s1.sel_count[..., None]
+        assert torch.equal(s1.sel_count, s2.sel_count), t
+        assert torch.equal(torch.where(kept, s1.sel_pos, -1), torch.where(kept, s2.sel_pos, -1)), t
+
+    _decode_alike(here, there, layers, 3, gen, check)
+    # the Top-K wrote through the store's own output, which the serving store has none of
+    assert int(s2.sel_count.max()) > 0 and s2.topk_out.any() and not s2.htop.any()
 
 
 @pytest.mark.parametrize("index_keys", ["kv", "int4"])

@@ -109,3 +109,40 @@ def test_reserve_takes_the_stores_out_and_refuses_when_they_do_not_fit():
     left, fixed, line = store_budget.reserve(1 << 24, cfg, SHAPE)
     assert fixed == planned_bytes(cfg, SHAPE)[0]["sfi"] and 0 < left < (1 << 24)
     assert "sfi " in line and "key norms per pool slot" in line
+
+
+def test_a_cache_device_takes_the_selection_off_the_serving_gpu():
+    """query_aware.asyncspade.cache_device: the copies, scores, histograms and the
+    Top-K's output and scratch are the cache GPU's, so the serving GPU's budget pays
+    for the ring and the selections only; planned on the meta device, allocated
+    nowhere else."""
+    aspd = {"slots": 3, "max_context": 256, "index_keys": "int4", "topk_layers": 2}
+    here = planned_bytes(_cfg(query_aware={"asyncspade": aspd}), SHAPE)[0]["asyncspade"]
+    there_cfg = _cfg(query_aware={"asyncspade": {**aspd, "cache_device": "cuda:1"}})
+    there = planned_bytes(there_cfg, SHAPE)[0]["asyncspade"]
+    store = build_query_stores(there_cfg, SHAPE, torch.device("meta"))[PolicyId.ASYNCSPADE]
+    assert store.remote and store.kq.device.type == "meta" and store.ring.device.type == "meta"
+    selection = query_store.nbytes(store, store.cache_tensors())
+    extra = store.topk_out.numel() * 4 + store.topk_scratch.numel() * 4  # allocated on the cache GPU only
+    assert there == query_store.nbytes(store) and here == there + selection - extra
+    assert 0 < there < here
+
+
+def test_a_cache_device_is_checked(monkeypatch):
+    """cache_device_for: a GPU server, a GPU this process sees, not the serving one, with
+    peer access both ways; each refusal names the field. A CPU machine has no second
+    GPU: torch's device count and peer query are stood in for (test-only)."""
+    field = "query_aware.asyncspade.cache_device"
+    with pytest.raises(ValueError, match=f"{field}: 'cuda:1' needs a GPU server; this one runs on cpu"):
+        store_budget.cache_device_for("cuda:1", CPU)
+    assert store_budget.cache_device_for("cuda:1", torch.device("meta")).type == "meta"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    peers = {(0, 1): True, (1, 0): False}
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peers[(a, b)])
+    serving = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=f"{field}: 'cuda:2', but this process sees 2 GPU"):
+        store_budget.cache_device_for("cuda:2", serving)
+    with pytest.raises(ValueError, match=f"{field}: 'cuda:0' is the serving GPU itself"):
+        store_budget.cache_device_for("cuda:0", serving)
+    with pytest.raises(ValueError, match=f"{field}: 'cuda:1' has no peer access to cuda:0"):
+        store_budget.cache_device_for("cuda:1", serving)

@@ -259,20 +259,14 @@ def main(argv=None) -> int:
             if with_main:
                 wqkv, wo, wgu, wd = weights[li]
                 torch.mm(x, wqkv)
-            if where == "here":
+            if where in ("here", "peer"):  # a stream of either device, forked from the main one
                 side = streams[0]
                 if side is not None:
                     side.wait_stream(main)
                 with _stream(side):
-                    select(here, li, launch)
+                    select(here if where == "here" else peer, li, launch)
             elif where == "cache":
                 to_cache(li, launch, streams)
-            elif where == "peer":
-                side = streams[0]
-                if side is not None:
-                    side.wait_stream(main)
-                with _stream(side):
-                    select(peer, li, launch)
             if with_main:
                 if dk:
                     TS.two_segment_decode(q_dec, a_k, a_k, a_slot, a_len, k_pool, v_pool, req_to_token, rpi,

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from sgl_sparse import reference
+from sgl_sparse import reference, store_budget
 from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
@@ -49,14 +49,16 @@ LENS = {1: 700, 2: 413, 3: 517, 4: 333, 5: 250, 6: 268, 7: 611, 8: 455}
 
 class Twin:
     def __init__(self, use_kernels: bool, specs: dict | None = None, lens: dict | None = None,
-                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv", topk_layers: int = 1):
+                 max_ctx: int = MAXCTX, num_layers: int = 1, index_keys: str = "kv", topk_layers: int = 1,
+                 cache_device: str | None = None):
+        """cache_device: asyncspade's selection on that GPU (query_aware.asyncspade.cache_device)."""
         dev = torch.device("cuda")
         gen = torch.Generator(device=dev).manual_seed(0)
         self.specs, self.lens, self.num_layers = specs or SPECS, lens or LENS, num_layers
         store = {"slots": 4, "max_context": max_ctx, "capacity": CAP, "candidates": 64}
         cfg = SparseServerConfig.model_validate({
             "query_aware": {"quest": store, "asyncspade": {**store, "index_keys": index_keys,
-                                                           "topk_layers": topk_layers},
+                                                           "topk_layers": topk_layers, "cache_device": cache_device},
                             "lfps": {**store, "candidates": max_ctx}},
             "policies": {"asyncspade": {"window": 4}},
         })
@@ -64,8 +66,9 @@ class Twin:
         qs = cfg.query_aware
         shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, device=dev)
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
+        cache = None if cache_device is None else store_budget.cache_device_for(cache_device, dev)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=HKV * G,
-                                                                    dtype=KV, **shape)
+                                                                    dtype=KV, cache_device=cache, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=HKV * G, **shape)
         self.rt = QueryAwareRuntime(self.st, use_kernels=use_kernels)
         pool = sum(self.lens.values()) + 64 * len(self.lens) + 1
@@ -169,12 +172,17 @@ def _capture_layers(rows: list[int], layers: int, gated: bool, lens: dict | None
     return twin, graph, rows_t, lens_t, out
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_capture_once_replay_mixed_batches(in_place, monkeypatch):
+@pytest.mark.parametrize("in_place,remote", [(False, False), (True, False), (True, True)])
+def test_capture_once_replay_mixed_batches(in_place, remote, monkeypatch):
     """in_place: query_store.ASPD_LISTS_IN_PLACE, asyncspade's rows read by the decode
     from the store (what the side stream wrote the step before) instead of copied:
     their outputs are checked against the oracle's, their lists not (after the replay
-    the store holds the next step's)."""
+    the store holds the next step's). remote: asyncspade's selection on a second GPU
+    (query_aware.asyncspade.cache_device cuda:1), its streams forked from and joined to
+    the captured stream, its kernels reading and writing this GPU's tensors (peer
+    access): the same checks."""
+    if remote and torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU (nvidia-h200-x2)")
     from sgl_sparse import query_store
     from sgl_sparse.kernels import two_segment_decode
 
@@ -182,7 +190,8 @@ def test_capture_once_replay_mixed_batches(in_place, monkeypatch):
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1)
-    ref, gph = Twin(use_kernels=False), Twin(use_kernels=True)
+    ref, gph = Twin(use_kernels=False), Twin(use_kernels=True, cache_device="cuda:1" if remote else None)
+    assert gph.st.query_stores[PolicyId.ASYNCSPADE].remote == remote
     bs = 8
     rows_t = torch.zeros(bs, dtype=torch.int64, device=dev)  # padding-only, as SGLang captures
     lens_t = torch.ones(bs, dtype=torch.int32, device=dev)
