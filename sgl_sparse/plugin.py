@@ -200,10 +200,27 @@ def server_args_resolved(_result, server_args) -> None:
         "trust_remote_code": bool(getattr(server_args, "trust_remote_code", False)),
     })
     cfg = with_unavailable(cfg, decode_graphs=device != "cpu" and compat.decode_cuda_graphs_enabled(server_args))
+    _check_cache_device(cfg, server_args, device)
     why = cfg.unavailable_reason(cfg.default_policy)
     if why:
         raise ValueError(f"--sparse-default-policy {cfg.default_policy}: unavailable: {why}")
     export_to_env(cfg)
+
+
+def _check_cache_device(cfg: SparseServerConfig, server_args, device: str) -> None:
+    """asyncspade's cache GPU (query_aware.asyncspade.cache_device) against the flags,
+    before any process starts: one serving GPU, a GPU server. Whether the GPU exists and
+    reaches the serving one is checked where CUDA is (store_budget.cache_device_for)."""
+    aspd = cfg.query_aware.asyncspade
+    if aspd.cache_device is None or aspd.slots == 0 or "asyncspade" in cfg.unavailable:
+        return
+    field = f"--sparse-config: query_aware.asyncspade.cache_device {aspd.cache_device!r}"
+    tp, pp = int(getattr(server_args, "tp_size", 1) or 1), int(getattr(server_args, "pp_size", 1) or 1)
+    if tp * pp > 1:
+        _die(f"{field}: one cache GPU serves one serving GPU, and --tp-size {tp} --pp-size {pp} spread the model "
+             f"over {tp * pp}; unset it")
+    if device == "cpu":
+        _die(f"{field}: the selection's cache GPU needs a GPU server; this one runs with --device cpu")
 
 
 def with_unavailable(cfg: SparseServerConfig, *, decode_graphs: bool) -> SparseServerConfig:

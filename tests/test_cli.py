@@ -47,6 +47,12 @@ def launches(tmp_path_factory, model_dir):
                                   "--sparse-config", "{cwd}/sparse.yaml"],
               lambda cwd, text=text: (cwd / "sparse.yaml").write_text(text))
           for i, (text, _) in enumerate(BAD_CONFIGS)),
+        # asyncspade's cache GPU against the flags: refused before any process starts
+        *(run(f"cache-device-{name}", ["--model-path", model, "--device", "cpu", "--attention-backend", "sgl_sparse",
+                                       *extra, "--sparse-config", "{cwd}/sparse.yaml"],
+              lambda cwd: (cwd / "sparse.yaml").write_text(
+                  "query_aware:\n  asyncspade: {slots: 2, cache_device: 'cuda:1'}\n"))
+          for name, extra in (("cpu", []), ("tp2", ["--tp-size", "2"]))),
         run("bad-default-policy", ["--model-path", model, "--attention-backend", "sgl_sparse",
                                    "--sparse-default-policy", "fast"]),
         run("flags-without-backend", ["--model-path", model, "--attention-backend", "torch_native",
@@ -73,6 +79,16 @@ def test_bad_config_file_stops_startup_naming_the_field(launches, case):
     _, words = BAD_CONFIGS[case]
     assert out.returncode == 2
     assert words in out.stderr and "--sparse-config" in out.stderr
+
+
+@pytest.mark.parametrize("case,words", [
+    ("cpu", "the selection's cache GPU needs a GPU server; this one runs with --device cpu"),
+    ("tp2", "one cache GPU serves one serving GPU, and --tp-size 2 --pp-size 1"),
+])
+def test_a_cache_device_the_flags_cannot_serve_stops_startup(launches, case, words):
+    out = launches[f"cache-device-{case}"]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--sparse-config: query_aware.asyncspade.cache_device 'cuda:1'" in out.stderr and words in out.stderr
 
 
 def test_bad_default_policy_flag_is_an_argparse_error(launches):
