@@ -149,10 +149,13 @@ def test_plain_manifests_command_line_parses_in_sglang(parsed):
 @pytest.mark.skipif(_helm() is None, reason="no Helm binary ($SGL_SPARSE_HELM or .ci/chart_checks.sh's)")
 def test_chart_value_sets_command_lines_parse_in_sglang(parsed):
     sets = sorted(label for label in parsed if label != "deploy/manifests")
-    assert {"default-values", "tp2-full-values", "hostpath-values"} <= set(sets), sets
+    assert {"default-values", "tp2-full-values", "hostpath-values", "aspd-cache-gpu-values"} <= set(sets), sets
     for label in sets:
         _check_common(label, *parsed[label])
     # The full value set exercises the optional flags.
     full, _ = parsed["tp2-full-values"]
     assert full["tp_size"] == 2 and full["served_model_name"] == "qwen3-32b"
     assert full["api_key"] == "placeholder-SGL_API_KEY" and full["sparse_default_policy"] == "sadas"
+    # asyncspade's cache GPU: the pod asks for one GPU beside the serving one (gpu.count unset)
+    cache, cache_expect = parsed["aspd-cache-gpu-values"]
+    assert cache["tp_size"] == 1 and cache_expect["gpus"] == 2

@@ -57,15 +57,28 @@ app.kubernetes.io/component: server
 {{- end }}
 {{- end }}
 
-{{/* GPUs per pod: gpu.count, or one per tensor-parallel rank. */}}
+{{/* GPUs per pod: gpu.count, or one per tensor-parallel rank, plus asyncspade's
+cache GPU where sparse.config sets query_aware.asyncspade.cache_device (the server
+refuses it beside TP > 1, so the chart does too). */}}
 {{- define "sgl-sparse.gpuCount" -}}
 {{- $tp := int .Values.tensorParallelSize }}
-{{- $count := $tp }}
+{{- $cache := dig "query_aware" "asyncspade" "cache_device" "" (.Values.sparse.config | default dict) }}
+{{- if and $cache (gt $tp 1) }}
+{{- fail (printf "sparse.config.query_aware.asyncspade.cache_device (%s): one cache GPU serves one serving GPU; tensorParallelSize must be 1, not %d" $cache $tp) }}
+{{- end }}
+{{- $need := $tp }}
+{{- if $cache }}
+{{- $need = add $tp 1 | int }}
+{{- end }}
+{{- $count := $need }}
 {{- if not (kindIs "invalid" .Values.gpu.count) }}
 {{- $count = int .Values.gpu.count }}
 {{- end }}
 {{- if lt $count $tp }}
 {{- fail (printf "gpu.count (%d) is smaller than tensorParallelSize (%d): each TP rank needs its own GPU" $count $tp) }}
+{{- end }}
+{{- if lt $count $need }}
+{{- fail (printf "gpu.count (%d): sparse.config.query_aware.asyncspade.cache_device (%s) needs a GPU beside the serving one" $count $cache) }}
 {{- end }}
 {{- $count }}
 {{- end }}
