@@ -223,7 +223,9 @@ def main(argv=None) -> int:
             TR.topk_range(st.scores[: g + 1].flatten(0, 1), st.g_lo[:rows], st.g_hi[:rows], st.g_budget[:rows],
                           k_max, out=st.sel[:rows], out_len=st.sel_n[:rows],
                           h_top=None if st.h_top is None else st.h_top[: g + 1].flatten(0, 1),
-                          scratch=st.scratch[: g + 1].flatten(0, 1))
+                          scratch=st.scratch[: g + 1].flatten(0, 1),
+                          # on the cache device unsplit, as served: the split kernel allocates
+                          splits=None if st is here else 1)
 
     def to_cache(li: int, launch: dict, streams) -> None:
         """Layer li's selection on the cache device: its q_hat and the step's new keys
