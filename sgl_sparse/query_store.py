@@ -201,6 +201,35 @@ class AsyncSpadeStore:
         return self._selection_tensors() if self.remote else ()
 
 
+def cache_device_for(name: str, device: torch.device) -> torch.device:
+    """asyncspade's cache GPU (``query_aware.asyncspade.cache_device``) beside the
+    serving ``device``, checked: another GPU of this host that can read and write the
+    serving GPU's memory (peer access), which is then enabled. On the meta device
+    (planning) the meta device."""
+    if device.type == "meta":
+        return device
+    field = "query_aware.asyncspade.cache_device"
+    if device.type != "cuda":
+        raise ValueError(f"sgl_sparse: {field}: {name!r} needs a GPU server; this one runs on {device}")
+    cache = torch.device(name)
+    count = torch.cuda.device_count()
+    if cache.index >= count:
+        raise ValueError(f"sgl_sparse: {field}: {name!r}, but this process sees {count} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES decides which)")
+    serving = device.index if device.index is not None else torch.cuda.current_device()
+    if cache.index == serving:
+        raise ValueError(f"sgl_sparse: {field}: {name!r} is the serving GPU itself; name another one")
+    if not (torch.cuda.can_device_access_peer(cache.index, serving)
+            and torch.cuda.can_device_access_peer(serving, cache.index)):
+        raise ValueError(f"sgl_sparse: {field}: {name!r} has no peer access to cuda:{serving} (NVLink or PCIe "
+                         f"peer-to-peer), which its kernels need to read the step's keys and write the selections")
+    # PyTorch enables a GPU's access to another's memory at its first copy from it
+    # (at::cuda::get_p2p_access(src, dst)): the cache GPU's kernels load and store the
+    # serving GPU's tensors directly
+    torch.zeros(1, device=cache).to(torch.device("cuda", serving))
+    return cache
+
+
 class LfpsStore:
     def __init__(self, cfg: QueryStoreConfig, *, num_layers: int, num_kv_heads: int, num_q_heads: int,
                  head_dim: int, device: torch.device):

@@ -110,7 +110,7 @@ def build_query_stores(cfg: SparseServerConfig, shape: StoreShape, device: torch
             if pid == PolicyId.QUEST:
                 stores[pid] = query_store.QuestStore(scfg, dtype=shape.query_dtype, **dims)
             elif pid == PolicyId.ASYNCSPADE:
-                cache = None if scfg.cache_device is None else cache_device_for(scfg.cache_device, device)
+                cache = scfg.cache_device and query_store.cache_device_for(scfg.cache_device, device)
                 stores[pid] = query_store.AsyncSpadeStore(scfg, window=cfg.policies.asyncspade.window,
                                                           num_q_heads=shape.num_q_heads, dtype=shape.query_dtype,
                                                           cache_device=cache, **dims)
@@ -123,35 +123,6 @@ def build_query_stores(cfg: SparseServerConfig, shape: StoreShape, device: torch
                 f".max_context in --sparse-config (slots: 0 serves '{name}' dense)"
             ) from None
     return stores
-
-
-def cache_device_for(name: str, device: torch.device) -> torch.device:
-    """asyncspade's cache GPU (``query_aware.asyncspade.cache_device``) beside the
-    serving ``device``, checked: another GPU of this host that can read and write the
-    serving GPU's memory (peer access), which is then enabled. On the meta device
-    (planning) the meta device."""
-    if device.type == "meta":
-        return device
-    field = "query_aware.asyncspade.cache_device"
-    if device.type != "cuda":
-        raise ValueError(f"sgl_sparse: {field}: {name!r} needs a GPU server; this one runs on {device}")
-    cache = torch.device(name)
-    count = torch.cuda.device_count()
-    if cache.index >= count:
-        raise ValueError(f"sgl_sparse: {field}: {name!r}, but this process sees {count} GPU(s) "
-                         f"(CUDA_VISIBLE_DEVICES decides which)")
-    serving = device.index if device.index is not None else torch.cuda.current_device()
-    if cache.index == serving:
-        raise ValueError(f"sgl_sparse: {field}: {name!r} is the serving GPU itself; name another one")
-    if not (torch.cuda.can_device_access_peer(cache.index, serving)
-            and torch.cuda.can_device_access_peer(serving, cache.index)):
-        raise ValueError(f"sgl_sparse: {field}: {name!r} has no peer access to cuda:{serving} (NVLink or PCIe "
-                         f"peer-to-peer), which its kernels need to read the step's keys and write the selections")
-    # PyTorch enables a GPU's access to another's memory at its first copy from it
-    # (at::cuda::get_p2p_access(src, dst)): the cache GPU's kernels load and store the
-    # serving GPU's tensors directly
-    torch.zeros(1, device=cache).to(torch.device("cuda", serving))
-    return cache
 
 
 def planned_bytes(cfg: SparseServerConfig, shape: StoreShape) -> tuple[dict[str, int], int]:

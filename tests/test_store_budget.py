@@ -134,15 +134,15 @@ def test_a_cache_device_is_checked(monkeypatch):
     GPU: torch's device count and peer query are stood in for (test-only)."""
     field = "query_aware.asyncspade.cache_device"
     with pytest.raises(ValueError, match=f"{field}: 'cuda:1' needs a GPU server; this one runs on cpu"):
-        store_budget.cache_device_for("cuda:1", CPU)
-    assert store_budget.cache_device_for("cuda:1", torch.device("meta")).type == "meta"
+        query_store.cache_device_for("cuda:1", CPU)
+    assert query_store.cache_device_for("cuda:1", torch.device("meta")).type == "meta"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     peers = {(0, 1): True, (1, 0): False}
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peers[(a, b)])
     serving = torch.device("cuda", 0)
     with pytest.raises(ValueError, match=f"{field}: 'cuda:2', but this process sees 2 GPU"):
-        store_budget.cache_device_for("cuda:2", serving)
+        query_store.cache_device_for("cuda:2", serving)
     with pytest.raises(ValueError, match=f"{field}: 'cuda:0' is the serving GPU itself"):
-        store_budget.cache_device_for("cuda:0", serving)
+        query_store.cache_device_for("cuda:0", serving)
     with pytest.raises(ValueError, match=f"{field}: 'cuda:1' has no peer access to cuda:0"):
-        store_budget.cache_device_for("cuda:1", serving)
+        query_store.cache_device_for("cuda:1", serving)

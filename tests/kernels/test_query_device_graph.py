@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from sgl_sparse import reference, store_budget
+from sgl_sparse import query_store, reference
 from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
@@ -66,7 +66,7 @@ class Twin:
         qs = cfg.query_aware
         shape = dict(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, device=dev)
         self.st.query_stores[PolicyId.QUEST] = QuestStore(qs.quest, dtype=KV, **shape)
-        cache = None if cache_device is None else store_budget.cache_device_for(cache_device, dev)
+        cache = None if cache_device is None else query_store.cache_device_for(cache_device, dev)
         self.st.query_stores[PolicyId.ASYNCSPADE] = AsyncSpadeStore(qs.asyncspade, window=4, num_q_heads=HKV * G,
                                                                     dtype=KV, cache_device=cache, **shape)
         self.st.query_stores[PolicyId.LFPS] = LfpsStore(qs.lfps, num_q_heads=HKV * G, **shape)
