@@ -704,13 +704,6 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
     from sgl_sparse import query_store
 
     kv = kv_pool.get_key_buffer(getattr(kv_pool, "start_layer", 0) or 0)
-    cache = state.config.query_aware.asyncspade.cache_device
-    if cache is not None and state.config.query_aware.asyncspade.slots > 0:
-        gpus = compat.model_gpus(model_runner)
-        if gpus > 1:
-            raise ValueError(f"sgl_sparse: query_aware.asyncspade.cache_device {cache!r}: one cache GPU serves "
-                             f"one serving GPU, and this server runs the model over {gpus} (tensor x pipeline "
-                             f"parallel). Unset it")
     state.query_stores.update(store_budget.build_query_stores(state.config, _store_shape(model_runner, kv_pool),
                                                               kv.device))
     for pid, store in state.query_stores.items():

@@ -120,20 +120,6 @@ def attention_parallel(model_runner: Any = None) -> tuple[int, int, int]:
                 int(getattr(ps, "pp_rank", 0) or 0))
 
 
-def model_gpus(model_runner: Any = None) -> int:
-    """GPUs one replica of the model spans in this server (tensor x pipeline parallel),
-    from ``runtime_context.get_parallel()`` as :func:`attention_parallel`; before
-    publication the runner's own attributes, else 1."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        p = get_parallel()
-        return int(p.tp_size) * int(p.pp_size)
-    except Exception:  # unpublished: each release raises its own error type
-        ps = getattr(model_runner, "ps", model_runner)
-        return int(getattr(ps, "tp_size", 1) or 1) * int(getattr(ps, "pp_size", 1) or 1)
-
-
 def memory_split(model_runner: Any) -> Optional[tuple[int, float]]:
     """(bytes free on the device before SGLang loaded the model, --mem-fraction-static):
     SGLang sizes its KV pool so that (1 - fraction) of the former stays free for

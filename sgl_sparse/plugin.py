@@ -209,8 +209,9 @@ def server_args_resolved(_result, server_args) -> None:
 
 def _check_cache_device(cfg: SparseServerConfig, server_args, device: str) -> None:
     """asyncspade's cache GPU (query_aware.asyncspade.cache_device) against the flags,
-    before any process starts: one serving GPU, a GPU server. Whether the GPU exists and
-    reaches the serving one is checked where CUDA is (store_budget.cache_device_for)."""
+    before any process starts: one serving GPU, a GPU server (the one place these are
+    checked). Whether the GPU exists and reaches the serving one is checked where CUDA
+    is (query_store.cache_device_for)."""
     aspd = cfg.query_aware.asyncspade
     if aspd.cache_device is None or aspd.slots == 0 or "asyncspade" in cfg.unavailable:
         return
