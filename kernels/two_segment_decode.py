@@ -78,7 +78,8 @@ from triton.language.extra.cuda import globaltimer, smid
 from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, env_value,
                      has_fp8_pair_conversions, is_interpreter, needs_fp32_dot, next_pow2)
 
-__all__ = ["two_segment_decode", "choose_num_splits", "programs_per_sm", "make_split_counters", "balances",
+__all__ = ["two_segment_decode", "choose_num_splits", "plain_fp8_splits", "programs_per_sm", "make_split_counters",
+           "balances",
            "balanced_splits", "balanced_grid_splits", "balance_factor", "balance_programs_per_sm", "step_row_splits",
            "dense_step_balances", "balance_gate"]
 
@@ -205,8 +206,9 @@ BALANCE_GATE = env_switch("BALANCE_GATE", True)
 # +2.1% tok/s at 8192 x 32 (ITL 4.292 against 4.390 ms), where the plain launch has one
 # split a row; -1.1% at 32768 x 8 (ITL 3.083 against 3.052), where it has several and
 # by kernel the one grid ran 0.715 against 0.658 ms without a dense row. Hence, unset,
-# one_grid(): one grid over fp8 where the plain launch splits a row once (bf16 untimed:
-# the pair). 1 / 0 force it on / off.
+# one_grid(): one grid over fp8 where the heuristic splits a row once (bf16 untimed:
+# the pair; the one grid's plain partition keeps that one split, which a plain launch
+# alone doubles there, plain_fp8_splits). 1 / 0 force it on / off.
 BALANCE_ONE_GRID: Optional[bool] = (None if env_value("BALANCE_ONE_GRID") is None
                                     else env_switch("BALANCE_ONE_GRID", False))
 # Over an fp8 cache, a balanced step whose programs would each read at least this many
@@ -239,6 +241,21 @@ FP8_F16_DOTS = env_switch("FP8_F16_DOTS", True)
 # that need it, one dense row among sparse ones, 3-9% slower (2.429 / 1.598 / 3.680
 # against 2.355 / 1.511 / 3.374 ms): it keeps 4.
 FP8_NUM_WARPS = env_count("FP8_NUM_WARPS", 2, 1, 8)
+# The plain launch over fp8 (no balanced partition) where the heuristic splits a row
+# once: FP8_NUM_WARPS's 2-warp programs, one a (request, KV head), leave ~4 warps an SM
+# at 8192 x 32 (256 programs on 132 SMs), too few to keep HBM busy; the heuristic's
+# 2 programs an SM were set when a program had 4 warps. Twice the splits there, where
+# twice the programs stay within FP8_PLAIN_WARPS_PER_SM warps an SM (8: the heuristic's
+# target at 4 warps). Only from one split: a row of sfi's ~2.3K keys keeps ~1.2K a
+# program; at 32768 x 8 (4 splits, ~580 keys) doubling was slower. H200, e4m3, 28
+# layers, rows of 2052 compact + 256 recent keys (bench_mixed_rows.py, session 48,
+# SGLANG_SPARSE_FP8_SPLIT_FACTOR 1 / 2, which doubles every fp8 launch):
+# 8192 x 32 1.578 -> 1.355 ms, 32768 x 8 0.526 -> 0.560; served sfi-pinned at
+# 8192 x 32 7814.6 -> 8423.5 tok/s (2.126x -> 2.291x stock's 3676.2 in one call), where
+# the factor, through the one-grid gate and the balanced grid, cost natural sfi 8%
+# (7689.1 -> 7042.8; 7413.0 with the one grid forced): so the plain launch alone
+# doubles. 0 turns it off.
+FP8_PLAIN_WARPS_PER_SM = env_count("FP8_PLAIN_WARPS_PER_SM", 8, 0, 64)
 FP8_BALANCED_NUM_WARPS = env_count("FP8_BALANCED_NUM_WARPS", 4, 1, 8)
 FP8_V_ASM = env_switch("FP8_V_ASM", True)
 
@@ -892,6 +909,20 @@ def choose_num_splits(
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def plain_fp8_splits(base: int, batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+                     min_split_len: int = DEFAULT_MIN_SPLIT_LEN) -> int:
+    """The splits of a plain (unbalanced) launch over fp8 whose heuristic splits are
+    ``base``: two where ``base`` is one and twice the programs, at FP8_NUM_WARPS warps
+    each, stay within FP8_PLAIN_WARPS_PER_SM warps an SM (the note there), else ``base``.
+    Static, like the heuristic: a captured graph keeps its grid."""
+    if base != 1 or FP8_PLAIN_WARPS_PER_SM <= 0:
+        return base
+    programs = 2 * max(1, batch_size * num_kv_heads)
+    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    fits = programs * FP8_NUM_WARPS <= num_sms * FP8_PLAIN_WARPS_PER_SM
+    return 2 if fits and by_len >= 2 else 1
+
+
 def programs_per_sm(kv_fp8: bool = False) -> int:
     """The split heuristic's target of programs per SM: CTAS_PER_SM_TARGET, times
     FP8_SPLIT_FACTOR over an fp8 cache (1 by default: session 32's end-to-end rows).
@@ -1056,8 +1087,8 @@ def balance_maxnreg(num_warps: int) -> Optional[int]:
 def one_grid(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
              min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> bool:
     """Whether a gated pair of launches runs as one grid (``gate=(flag, None)``):
-    BALANCE_ONE_GRID where set, else over fp8 where the plain launch splits a row
-    once (the shape it was faster at served; see BALANCE_ONE_GRID)."""
+    BALANCE_ONE_GRID where set, else over fp8 where the heuristic splits a row once
+    (the shape it was faster at served; see BALANCE_ONE_GRID)."""
     if BALANCE_ONE_GRID is not None:
         return BALANCE_ONE_GRID
     return kv_fp8 and choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms,
@@ -1364,6 +1395,8 @@ def two_segment_decode(
             num_splits = grid_splits
             if fused_merge is None:  # a request's splits stay around the heuristic's: see FUSED_MERGE_MAX_SPLITS
                 fused_merge = split_counters is not None and base <= FUSED_MERGE_MAX_SPLITS
+        elif kv_fp8:
+            num_splits = plain_fp8_splits(base, bs, num_kv_heads, max_kv_len, num_sms, min_split_len)
     num_splits = int(max(1, num_splits))
     balance = bool(balance) and num_splits > 1
     if balance and row_splits is None:

@@ -1292,6 +1292,54 @@ def test_fp8_kv_cache_indexed_rows(fp8):
     _check_fp8(_as_fp8_cache(case, fp8, 1.0, 1.0), None, None, num_splits=2, **SMALL)
 
 
+def test_plain_fp8_splits_doubles_one_split_where_the_warps_fit(monkeypatch):
+    """The plain launch over fp8 splits twice where the heuristic splits once and
+    twice the 2-warp programs fit FP8_PLAIN_WARPS_PER_SM (8) warps an SM: the H200
+    Qwen3-1.7B shape at 8192 x 32 (256 programs on 132 SMs) doubles, 2048 x 64 (512)
+    and 32768 x 8 (4 splits) do not; the balanced grid, the gate and one_grid keep the
+    heuristic's; 0 turns it off."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FP8_NUM_WARPS", 2)
+    f, sms, hkv, max_kv = K.plain_fp8_splits, 132, 8, 140000
+    base = {bs: K.choose_num_splits(bs, hkv, max_kv, sms, kv_fp8=True) for bs in (8, 20, 32, 33, 34, 64)}
+    assert base == {8: 4, 20: 1, 32: 1, 33: 1, 34: 1, 64: 1}
+    assert {bs: f(b, bs, hkv, max_kv, sms) for bs, b in base.items()} == {8: 4, 20: 2, 32: 2, 33: 2, 34: 1, 64: 1}
+    assert f(1, 32, hkv, 100, sms) == 1  # one split's keys (DEFAULT_MIN_SPLIT_LEN): no second
+    assert K.one_grid(32, hkv, max_kv, sms, kv_fp8=True) and K.balanced_grid_splits(32, hkv, max_kv, sms,
+                                                                                    kv_fp8=True)[0] == 1
+    monkeypatch.setattr(tsd, "FP8_NUM_WARPS", 4)  # 4-warp programs: the heuristic's target already
+    assert f(1, 32, hkv, max_kv, sms) == 1
+    monkeypatch.setattr(tsd, "FP8_NUM_WARPS", 2)
+    monkeypatch.setattr(tsd, "FP8_PLAIN_WARPS_PER_SM", 0)
+    assert f(1, 32, hkv, max_kv, sms) == 1
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_plain_launch_over_fp8_takes_the_doubled_splits_and_answers_the_same(monkeypatch, fp8):
+    """A plain launch over fp8 at a shape the heuristic gives one split (3 requests x 2
+    KV heads on 3 SMs) runs 2 splits, merged in the launch (split counters given),
+    against the reference; the same launch over bf16 stays at one."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FP8_NUM_WARPS", 2)
+    rng = random.Random(48)
+    seq_lens, a_lens, b_ranges = mixed_batch(3, 2, 29, rng)
+    case = T.make_decode_case(seq_lens, a_lens, b_ranges, num_kv_heads=2, group=4, head_dim=64, cap=29,
+                              dtype=torch.bfloat16, device=DEVICE, seed=48)
+    sms, max_kv = 3, 400
+    assert K.choose_num_splits(3, 2, max_kv, sms, kv_fp8=True) == 1
+    counters = K.make_split_counters(3, 2, DEVICE)
+    common = dict(num_sms=sms, max_kv_len=max_kv, min_split_len=16, split_counters=counters, block_n=16)
+    _, launches = _record_grids(monkeypatch, "FUSED_MERGE")
+    _check_fp8(_as_fp8_cache(case, fp8, 0.5, 2.0), 0.5, 2.0, **common)
+    K.two_segment_decode(*case.args(), **case.kwargs(), **common)
+    assert launches == [((3, 2, 2), True), ((3, 2, 1), False)]
+    assert int(counters.abs().sum()) == 0
+
+
 def test_fp8_kv_cache_refuses_a_mixed_pair():
     case = _standard_case()
     mixed = dataclasses.replace(case, k_pool=case.k_pool.to(FP8[0]), v_pool=case.v_pool.to(FP8[0]))
