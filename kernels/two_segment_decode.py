@@ -905,8 +905,13 @@ def choose_num_splits(
         if (num_sms * programs_per_sm(False)) // programs <= FUSED_MERGE_MAX_SPLITS:
             want = min(want, FUSED_MERGE_MAX_SPLITS)
         want = min(want, FP8_MAX_SPLITS)
-    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    by_len = _splits_by_len(max_kv_len, min_split_len)
     return int(max(1, min(want, by_len, max_splits)))
+
+
+def _splits_by_len(max_kv_len: int, min_split_len: int) -> int:
+    """The most splits ``max_kv_len`` keys allow at ``min_split_len`` keys a split (>= 1)."""
+    return max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
 
 
 def plain_fp8_splits(base: int, batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
@@ -918,7 +923,7 @@ def plain_fp8_splits(base: int, batch_size: int, num_kv_heads: int, max_kv_len: 
     if base != 1 or FP8_PLAIN_WARPS_PER_SM <= 0:
         return base
     programs = 2 * max(1, batch_size * num_kv_heads)
-    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    by_len = _splits_by_len(max_kv_len, min_split_len)
     fits = programs * FP8_NUM_WARPS <= num_sms * FP8_PLAIN_WARPS_PER_SM
     return 2 if fits and by_len >= 2 else 1
 
@@ -1102,7 +1107,7 @@ def balanced_grid_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, nu
     MAX_SPLITS and by the keys (one split per ``min_split_len``)."""
     base = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
                              kv_fp8=kv_fp8)
-    by_len = max(1, cdiv(max(int(max_kv_len), 1), max(int(min_split_len), 1)))
+    by_len = _splits_by_len(max_kv_len, min_split_len)
     return base, min(MAX_SPLITS, by_len, base * balance_factor(kv_fp8))
 
 
@@ -1386,7 +1391,7 @@ def two_segment_decode(
     if num_sms is None:
         num_sms = device_num_sms(q.device)
     kv_fp8 = k_pool.dtype in FP8_KV_DTYPES
-    plain_splits = num_splits  # what the same call's plain launch splits a row into
+    plain_splits = num_splits  # the one grid's plain partition: the caller's splits, else the heuristic's
     if num_splits is None:
         base, grid_splits = balanced_grid_splits(bs, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8)
         num_splits = plain_splits = base
