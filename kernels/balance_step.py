@@ -50,7 +50,7 @@ def _step_balance_kernel(
     stride_a,
     programs,  # the balanced program target a KV head (P)
     double_keys,  # keys from which P doubles (FP8_DOUBLE)
-    base_splits,  # the heuristic's splits of the plain twin
+    base_splits,  # the plain partition's splits (plain_partition_splits)
     min_program_keys,
     HAS_MASK: tl.constexpr,
     FP8_DOUBLE: tl.constexpr,
@@ -139,7 +139,8 @@ def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor
         a_len, b_start, b_end, row_mask if row_mask is not None else splits, splits,
         gate if gate is not None else splits, count if count_on else splits, bs, a_len.stride(0), programs,
         tsd._dense_double_keys(programs) if fp8_double else 0,
-        tsd.choose_num_splits(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8), tsd.BALANCE_MIN_PROGRAM_KEYS,
+        tsd.plain_partition_splits(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8),
+        tsd.BALANCE_MIN_PROGRAM_KEYS,
         HAS_MASK=row_mask is not None, FP8_DOUBLE=fp8_double, GATE_ON=gate is not None, COUNT_ON=count_on,
         SEGMENT_GATE=segments,
         MAX_S=tsd.MAX_SPLITS, BLOCK=_BLOCK, num_warps=4,

@@ -78,8 +78,8 @@ from triton.language.extra.cuda import globaltimer, smid
 from ._utils import (QUEST_PAGE_SIZE, cdiv, device_num_sms, env_count, env_switch, env_value,
                      has_fp8_pair_conversions, is_interpreter, needs_fp32_dot, next_pow2)
 
-__all__ = ["two_segment_decode", "choose_num_splits", "plain_fp8_splits", "programs_per_sm", "make_split_counters",
-           "balances",
+__all__ = ["two_segment_decode", "choose_num_splits", "plain_fp8_splits", "plain_partition_splits", "programs_per_sm",
+           "make_split_counters", "balances",
            "balanced_splits", "balanced_grid_splits", "balance_factor", "balance_programs_per_sm", "step_row_splits",
            "dense_step_balances", "balance_gate"]
 
@@ -928,6 +928,19 @@ def plain_fp8_splits(base: int, batch_size: int, num_kv_heads: int, max_kv_len: 
     return 2 if fits and by_len >= 2 else 1
 
 
+def plain_partition_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+                           min_split_len: int = DEFAULT_MIN_SPLIT_LEN, kv_fp8: bool = False) -> int:
+    """The splits a row of a gated launch's plain partition runs, which the gate
+    compares the balanced shares with (same work where they are equal): the
+    heuristic's in the one grid; in the pair of launches the plain twin is an
+    unbalanced launch, which over fp8 takes ``plain_fp8_splits`` of them."""
+    base = choose_num_splits(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len=min_split_len,
+                             kv_fp8=kv_fp8)
+    if not kv_fp8 or one_grid(batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len, kv_fp8=True):
+        return base
+    return plain_fp8_splits(base, batch_size, num_kv_heads, max_kv_len, num_sms, min_split_len)
+
+
 def programs_per_sm(kv_fp8: bool = False) -> int:
     """The split heuristic's target of programs per SM: CTAS_PER_SM_TARGET, times
     FP8_SPLIT_FACTOR over an fp8 cache (1 by default: session 32's end-to-end rows).
@@ -1056,7 +1069,8 @@ def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num
                  segments: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """The step's gate between a balanced launch and its plain twin (BALANCE_GATE; None
     when off): ``[1]`` int32, 1 where a served request's (``row_mask`` 1) share differs
-    from the heuristic's splits (else both launches are the same work) and, given the
+    from the plain partition's splits (``plain_partition_splits``; else both launches
+    are the same work) and, given the
     step's ``segments`` (``a_len, b_start, b_end``), the shares are unequal (a long row
     among short ones) or the balanced programs each read at least
     BALANCE_MIN_PROGRAM_KEYS keys. Rows alike at P 4 an SM (fp8) take twice the
@@ -1066,7 +1080,7 @@ def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num
     (bench/README "Session 41"). Device ops, once a step."""
     if not BALANCE_GATE:
         return None
-    base = choose_num_splits(row_splits.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
+    base = plain_partition_splits(row_splits.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
     served = (torch.ones_like(row_splits, dtype=torch.bool) if row_mask is None
               else row_mask[:row_splits.shape[0]] == 1)
     gate = ((row_splits != base) & served).any()

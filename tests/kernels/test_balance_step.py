@@ -42,15 +42,18 @@ def _reference(a_len, b_start, b_end, mask, hkv, max_kv_len, sms, fp8, segments)
     return splits, gate
 
 
-@pytest.mark.parametrize("block, fp8, sms, hkv, ctx", [
-    (128, False, 132, 8, 32768), (128, True, 132, 8, 32768), (128, True, 132, 8, 131072),
-    (128, False, 4, 2, 600), (128, True, 16, 4, 8192), (16, True, 132, 8, 32768), (16, False, 16, 4, 8192)])
-def test_splits_and_gate_equal_the_torch_ops(monkeypatch, block, fp8, sms, hkv, ctx):
+@pytest.mark.parametrize("block, fp8, sms, hkv, ctx, one_grid", [
+    (128, False, 132, 8, 32768, None), (128, True, 132, 8, 32768, None), (128, True, 132, 8, 131072, None),
+    (128, False, 4, 2, 600, None), (128, True, 16, 4, 8192, None), (16, True, 132, 8, 32768, None),
+    (16, False, 16, 4, 8192, None), (128, True, 132, 8, 8192, False)])
+def test_splits_and_gate_equal_the_torch_ops(monkeypatch, block, fp8, sms, hkv, ctx, one_grid):
     """Batch sizes 1..64, in one tile and in tiles of 16 (the kernel walks the batch in
-    _BLOCK-wide tiles: several where the batch is longer than one)."""
+    _BLOCK-wide tiles: several where the batch is longer than one); the gated pair
+    forced (``one_grid`` False), whose plain twin over fp8 splits twice at batch 17-33."""
     import sgl_sparse.kernels.balance_step as bstep
 
     monkeypatch.setattr(bstep, "_BLOCK", block)
+    monkeypatch.setattr(tsd, "BALANCE_ONE_GRID", one_grid)
     g = torch.Generator().manual_seed(sms * 7 + hkv + ctx + fp8)
     max_kv_len = ctx + 512
     checked, gates = 0, set()

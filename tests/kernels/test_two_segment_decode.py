@@ -1316,6 +1316,39 @@ def test_plain_fp8_splits_doubles_one_split_where_the_warps_fit(monkeypatch):
     assert f(1, 32, hkv, max_kv, sms) == 1
 
 
+def test_gate_compares_shares_with_the_plain_partition_it_would_run(monkeypatch):
+    """balance_gate's premise (shares equal to the plain partition's splits: the same
+    work) against the partition that actually runs: the one grid's is the heuristic's,
+    the pair's plain twin over fp8 plain_fp8_splits' (at 8192 x 32 on 132 SMs: 2 where
+    the heuristic gives 1), so with the pair forced (BALANCE_ONE_GRID=0) rows alike whose
+    shares are 2 keep the plain launch, and with the one grid they open the balanced
+    partition. bf16 keeps the heuristic's either way."""
+    import importlib
+
+    tsd = importlib.import_module(K.two_segment_decode.__module__)
+    monkeypatch.setattr(tsd, "FP8_NUM_WARPS", 2)
+    monkeypatch.setattr(tsd, "FP8_PLAIN_WARPS_PER_SM", 8)
+    monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(tsd, "FP8_DENSE_SPLIT_KEYS", 0)  # shares of P = 4 an SM, not doubled
+    sms, hkv, max_kv, bs = 132, 8, 140000, 32
+    i32 = dict(dtype=torch.int32)
+    shares = torch.full((bs,), sms * 4 // hkv // bs, **i32)
+    assert int(shares[0]) == 2
+    for forced, want_plain, want_gate in ((None, 1, 1), (True, 1, 1), (False, 2, 0)):
+        monkeypatch.setattr(tsd, "BALANCE_ONE_GRID", forced)
+        assert K.plain_partition_splits(bs, hkv, max_kv, sms, kv_fp8=True) == want_plain, forced
+        assert int(K.balance_gate(shares, None, hkv, max_kv, sms, kv_fp8=True)) == want_gate, forced
+        assert K.plain_partition_splits(bs, hkv, max_kv, sms, kv_fp8=False) == K.choose_num_splits(bs, hkv, max_kv,
+                                                                                                  sms)
+    # the pair forced, a dense row among the sparse ones still opens it
+    uneven = shares.clone()
+    uneven[3] = 30
+    assert int(K.balance_gate(uneven, None, hkv, max_kv, sms, kv_fp8=True)) == 1
+    # where the heuristic splits several times (32768 x 8) the plain twin keeps them
+    assert K.plain_partition_splits(8, hkv, max_kv, sms, kv_fp8=True) == K.choose_num_splits(8, hkv, max_kv, sms,
+                                                                                              kv_fp8=True)
+
+
 @pytest.mark.parametrize("fp8", FP8)
 def test_plain_launch_over_fp8_takes_the_doubled_splits_and_answers_the_same(monkeypatch, fp8):
     """A plain launch over fp8 at a shape the heuristic gives one split (3 requests x 2
