@@ -134,10 +134,13 @@ def case(ctx: int, bs: int, dense: int, kv_dtype: torch.dtype = torch.bfloat16, 
         with module_constant(TSD, "BALANCE_SPLIT_MAJOR", True):
             with module_constant(TSD, "BALANCE_GATE", False):
                 t_major = graph_replay_ms(launch("split_major", True))
-            with module_constant(TSD, "BALANCE_GATE", True):
+            with module_constant(TSD, "BALANCE_GATE", True), module_constant(TSD, "BALANCE_ONE_GRID", False):
                 t_gated_major = graph_replay_ms(launch("gated_split_major", True))
         with module_constant(TSD, "BALANCE_GATE", True):
-            t_gated = graph_replay_ms(launch("gated", True))
+            # the pair forced, as the backend runs it: its gate compares the shares with
+            # the plain twin's own splits (kernels.plain_partition_splits)
+            with module_constant(TSD, "BALANCE_ONE_GRID", False):
+                t_gated = graph_replay_ms(launch("gated", True))
             with module_constant(TSD, "BALANCE_ONE_GRID", True):
                 t_one_grid = graph_replay_ms(launch("gated_one_grid", True))
     t_lists = t_lists_bal = None
