@@ -77,8 +77,10 @@ def test_splits_and_gate_equal_the_torch_ops(monkeypatch, block, fp8, sms, hkv, 
 
 @pytest.mark.parametrize("block, fp8", [(128, True), (16, False)])
 def test_minmax_shares_equal_the_torch_ops(monkeypatch, block, fp8):
-    """BALANCE_MINMAX: the kernel's bisection gives the torch reference's shares and
-    gate bit for bit, in one tile and in several, masked rows and none served included."""
+    """BALANCE_MINMAX: the kernel's bisection (stopped once converged, over keys in
+    registers where the batch is one tile) gives the torch reference's shares (a fixed
+    count of steps) and gate bit for bit, in one tile and in several, masked rows and
+    none served included."""
     import sgl_sparse.kernels.balance_step as bstep
 
     monkeypatch.setattr(bstep, "_BLOCK", block)
@@ -166,8 +168,9 @@ def test_fp8_doubling_follows_the_dense_split_keys_switch(monkeypatch):
         assert torch.equal(got, want), (keys, got, want)
 
 
-@pytest.mark.parametrize("fp8, segments, minmax", [(True, True, False), (False, False, False), (True, True, True)])
-def test_compiles_for_sm90(fp8, segments, minmax):
+@pytest.mark.parametrize("fp8, segments, minmax, one_tile", [(True, True, False, True), (False, False, False, False),
+                                                              (True, True, True, True), (True, True, True, False)])
+def test_compiles_for_sm90(fp8, segments, minmax, one_tile):
     """The launch as served compiles for the H100/H200 (no GPU needed): int32
     descriptors, int64 arithmetic, one program."""
     from sgl_sparse.kernels import testing as T
@@ -176,9 +179,9 @@ def test_compiles_for_sm90(fp8, segments, minmax):
            "GATE": "*i32", "COUNT": "*i64", "bs": "i32", "stride_a": "i32", "programs": "i32", "double_keys": "i32",
            "base_splits": "i32", "min_program_keys": "i32", "HAS_MASK": "constexpr", "FP8_DOUBLE": "constexpr",
            "GATE_ON": "constexpr", "COUNT_ON": "constexpr", "SEGMENT_GATE": "constexpr", "MINMAX": "constexpr",
-           "MINMAX_ITERS": "constexpr", "MAX_S": "constexpr", "BLOCK": "constexpr"}
+           "ONE_TILE": "constexpr", "MAX_S": "constexpr", "BLOCK": "constexpr"}
     const = {"HAS_MASK": True, "FP8_DOUBLE": fp8, "GATE_ON": True, "COUNT_ON": True, "SEGMENT_GATE": segments,
-             "MINMAX": minmax, "MINMAX_ITERS": tsd._MINMAX_ITERS, "MAX_S": 64, "BLOCK": 128}
+             "MINMAX": minmax, "ONE_TILE": one_tile, "MAX_S": 64, "BLOCK": 128}
     counts = T.compile_sm90("sgl_sparse.kernels.balance_step", "_step_balance_kernel", sig, const,
                             ["A_LEN", "B_START", "B_END", "ROW_MASK", "SPLITS", "GATE", "COUNT"], {"num_warps": 4},
                             resources=True)
