@@ -206,3 +206,30 @@ def test_the_gate_is_added_to_the_count_in_the_same_launch(monkeypatch):
     monkeypatch.setattr(tsd, "BALANCE_GATE", False)
     _, gate = step_balance(a_len, b_start, b_end, mask, 8, 33280, 132, True, count=count)
     assert gate is None and int(count) == 5 + sum(gates)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("minmax", [False, True])
+def test_gpu_splits_and_gate_replayed_in_a_graph_equal_the_torch_ops(monkeypatch, minmax):
+    """On the device, as served: the launch captured once in a CUDA graph per batch size
+    (one tile and several), replayed over fresh batches copied into its inputs, gives
+    the torch ops' splits and gate (computed on the CPU), floor and min-max shares."""
+    monkeypatch.setattr(tsd, "BALANCE_MINMAX", minmax)
+    g = torch.Generator().manual_seed(490 + minmax)
+    for bs in (4, 32, 160):
+        batch = _batch(g, bs, 8, 8192, 0.1, 0.9)
+        static = [t.cuda() for t in batch]
+        step_balance(*static, 8, 8704, 132, True)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            splits, gate = step_balance(*static, 8, 8704, 132, True)
+        for dense in (0.0, 0.03, 0.2, 1.0):
+            batch = _batch(g, bs, 8, 8192, dense, 0.9)
+            for dst, src in zip(static, batch):
+                dst.copy_(src)
+            graph.replay()
+            want = _reference(*batch, 8, 8704, 132, True, True)
+            assert torch.equal(splits.cpu(), want[0]), (bs, dense)
+            assert torch.equal(gate.cpu(), want[1]), (bs, dense)
