@@ -1019,14 +1019,20 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     # P = 66, 68 programs a KV head where 66 fill one wave at 4 resident an SM, and
     # the launch ran 548 us against 378 at 16 each (H200, session 38's
     # bench_decode.py --slow-step, without the slow step's side effects).
+    share = (keys * programs // total).clamp(1, max_splits)
     if BALANCE_MINMAX:
-        served = (torch.ones_like(keys, dtype=torch.bool) if row_mask is None
-                  else row_mask[:keys.shape[0]] == 1)
-        floor = (keys * programs // total).clamp(1, max_splits)
-        budget = torch.maximum(torch.where(served, floor, 0).sum(), torch.as_tensor(programs))
-        return _minmax_shares(keys, served, budget, max_splits).int()
-    share = keys * programs // total
-    return share.clamp(1, max_splits).int()
+        served = _served_rows(keys, row_mask)
+        budget = torch.where(served, share, 0).sum().clamp(min=programs)
+        share = _minmax_shares(keys, served, budget, max_splits)
+    return share.int()
+
+
+def _served_rows(per_row: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Which of ``per_row``'s requests the launch serves (``row_mask`` 1; all where None):
+    bool ``[bs]``."""
+    if row_mask is None:
+        return torch.ones_like(per_row, dtype=torch.bool)
+    return row_mask[:per_row.shape[0]] == 1
 
 
 def _minmax_shares(keys: torch.Tensor, served: torch.Tensor, programs, max_splits: int) -> torch.Tensor:
@@ -1037,7 +1043,7 @@ def _minmax_shares(keys: torch.Tensor, served: torch.Tensor, programs, max_split
     floor's shares pass it (rows shorter than P's program, raised to 1), their sum:
     the floor's shares then fit too, so the longest program is never longer than
     theirs. Device ops, a fixed count: capturable; the step_balance kernel runs the
-    same steps."""
+    same bisection, stopped once it has converged (the same L)."""
     lo = torch.ones((), dtype=torch.int64, device=keys.device)
     hi = keys.max().clamp(min=1)
 
@@ -1058,7 +1064,7 @@ def _row_keys(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,
     ``row_mask`` is not 1), int64 ``[bs]``."""
     keys = (a_len[:, 0].clamp(min=0) + (b_end - b_start).clamp(min=0)).long()
     if row_mask is not None:
-        keys = torch.where(row_mask[:keys.shape[0]] == 1, keys, 0)
+        keys = torch.where(_served_rows(keys, row_mask), keys, 0)
     return keys
 
 
@@ -1125,8 +1131,7 @@ def balance_gate(row_splits: torch.Tensor, row_mask: Optional[torch.Tensor], num
     if not BALANCE_GATE:
         return None
     base = plain_partition_splits(row_splits.shape[0], num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8)
-    served = (torch.ones_like(row_splits, dtype=torch.bool) if row_mask is None
-              else row_mask[:row_splits.shape[0]] == 1)
+    served = _served_rows(row_splits, row_mask)
     gate = ((row_splits != base) & served).any()
     if segments is not None:
         shares = row_splits.long()
