@@ -217,7 +217,9 @@ def test_gpu_splits_and_gate_replayed_in_a_graph_equal_the_torch_ops(monkeypatch
     the torch ops' splits and gate (computed on the CPU), floor and min-max shares."""
     monkeypatch.setattr(tsd, "BALANCE_MINMAX", minmax)
     g = torch.Generator().manual_seed(490 + minmax)
-    for bs in (4, 32, 160):
+    # 130: two tiles of _BLOCK and still balancing (160 rows make too many waves)
+    for bs in (4, 32, 130):
+        assert tsd.balances(bs, 8, 8704, 132, kv_fp8=True), bs
         batch = _batch(g, bs, 8, 8192, 0.1, 0.9)
         static = [t.cuda() for t in batch]
         step_balance(*static, 8, 8704, 132, True)  # compiles outside the capture
