@@ -71,6 +71,14 @@ class SfiPolicy(_Strict):
     t_max: int = Field(64, ge=0, le=1 << 20,
                        description="refresh budget: slow step after t_max fast steps in a row [ours]")
     sentence_triggers: bool = Field(True, description="slow step after a sentence-ending token")
+    min_saving: float = Field(
+        0.5, ge=0, lt=1, description="fast steps attend sparsely only from the length at which sink + budget "
+        "+ recent skip at least this share of the sequence; until then the request decodes densely (through "
+        "the stock kernel) and runs no Selector [ours: 0.5. Near the budget a sparse step reads almost every "
+        "key and its saving does not pay for the slow steps and refreshes: H200, e4m3, batch 64, stock in "
+        "the same call, SFI sparse from 2308 keys ran 0.90x stock at 2048-token prompts and 0.91x at 3072 "
+        "(a sparse step reading 64-90% of the keys), against 2.3x at 8192 x 32 (28%); bench/README.md, "
+        "session 50. 0 is the paper's rule: sparse as soon as the budget stops covering the sequence]")
     refresh_groups: int = Field(
         1, ge=1, le=1 << 16, description="requests admitted together are dealt round-robin into this "
         "many refresh phases, evenly spaced over the t_max + 1 steps of a refresh period (the first "

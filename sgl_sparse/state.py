@@ -347,6 +347,7 @@ class SparseState:
             if not slow and attended == n_j:
                 reason = ("no_compact_slot" if i.slot < 0 else
                           "budget_covers_sequence" if sfi.covers(i.sink, i.budget, i.window, n_j) else
+                          "saving_below_minimum" if sfi.dense_at(i, n_j) else
                           "selection_pending")
                 fallbacks[("sfi", reason)] += 1
             count("sfi", attended, n_j, slow, r)
@@ -361,7 +362,7 @@ class SparseState:
             candidates = max(0, m.refresh_n - i.window - i.sink)
             m.selection = min(i.sink, m.refresh_n) + min(i.budget, candidates)
             m.refresh_n = None
-        route = 0 if i.slot < 0 else 2 if sfi.covers(i.sink, i.budget, i.window, n) else 1
+        route = 0 if i.slot < 0 else 2 if sfi.dense_at(i, n) else 1
         if route == 1:
             may, surely = m.next_step()
             self._step_slow_sfi[0] |= may

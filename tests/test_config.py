@@ -39,6 +39,8 @@ def test_defaults_fill_in_and_request_overrides():
         ({"policy": "streaming", "window": True}, "custom_params.sparse.window", "valid integer"),
         ({"policy": "sadas", "sink": -1}, "custom_params.sparse.sink", "greater than or equal to 0"),
         ({"policy": "full", "window": 4}, "custom_params.sparse.window", "unknown field"),
+        ({"policy": "sfi", "min_saving": 1}, "custom_params.sparse.min_saving", "less than 1"),
+        ({"policy": "sfi", "min_saving": -0.1}, "custom_params.sparse.min_saving", "greater than or equal to 0"),
         ([1, 2], "custom_params.sparse", "must be an object"),
     ],
 )

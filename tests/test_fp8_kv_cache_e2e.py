@@ -38,7 +38,7 @@ COVERING = [None, {"policy": "full"}, {"policy": "streaming", "window": 4096},
             {"policy": "quest", "budget": 1024}, {"policy": "asyncspade", "budget": 1024},
             {"policy": "lfps", "budget": 2000}]
 SMALL = [{"policy": "streaming", "window": 16}, {"policy": "sadas", "window": 24},
-         {"policy": "sfi", "budget": 24, "recent": 8, "sink": 4, "t_max": 3},
+         {"policy": "sfi", "budget": 24, "recent": 8, "sink": 4, "t_max": 3, "min_saving": 0},
          {"policy": "quest", "budget": 32, "recent": 8}, {"policy": "asyncspade", "budget": 32, "recent": 8},
          {"policy": "lfps", "budget": 24, "local": 6, "s": 16}]
 

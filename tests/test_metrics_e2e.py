@@ -46,13 +46,13 @@ TRAFFIC = [
     ({"policy": "streaming", "window": 16, "sink": 4}, "streaming"),
     ({"policy": "streaming", "window": 4096}, "streaming"),  # covers: dense fallback
     ({"policy": "sadas", "window": 16}, "sadas"),
-    ({"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "sfi"),
-    ({"policy": "sfi", "budget": 24, "recent": 8, "t_max": 8}, "sfi"),
+    ({"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0}, "sfi"),
+    ({"policy": "sfi", "budget": 24, "recent": 8, "t_max": 8, "min_saving": 0}, "sfi"),
     ({"policy": "sfi", "budget": 2000}, "sfi"),  # covers: dense fallback
     # sparse: its scored fraction, observed at its release
     ({"policy": "lfps", "budget": 16, "local": 8, "sink": 4}, "lfps"),
 ]
-STREAMED = {"policy": "sfi", "budget": 16, "recent": 8}
+STREAMED = {"policy": "sfi", "budget": 16, "recent": 8, "min_saving": 0}
 
 
 def _start_prometheus(tmp: Path, target_port: int) -> tuple[subprocess.Popen, str, Path]:

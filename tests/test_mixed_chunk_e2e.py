@@ -29,7 +29,7 @@ NEW_TOKENS = 48
 TRAFFIC = [
     (40, None, 0.0),
     (60, {"policy": "full"}, 0.0),
-    (300, {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, 0.05),
+    (300, {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0}, 0.05),
     (500, {"policy": "sadas", "window": 16}, 0.05),
     (80, {"policy": "streaming", "window": 4096}, 0.1),
 ]

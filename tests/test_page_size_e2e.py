@@ -49,7 +49,7 @@ COVERING = [
 SMALL = [
     {"policy": "streaming", "window": 16},
     {"policy": "sadas", "window": 24},
-    {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4},
+    {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0},
     {"policy": "quest", "budget": 32, "recent": 8},
     {"policy": "asyncspade", "budget": 16, "recent": 8},
     {"policy": "lfps", "budget": 16},

@@ -80,9 +80,9 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("plain_a", {"policy": "streaming", "window": 16, "sink": 0}, "differ"),
         ("thinking", {"policy": "sadas", "window": 8}, "differ"),
         ("plain_a", {"policy": "sfi", "budget": 2000}, "same"),  # budget covers: dense
-        ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4}, "differ"),
-        ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8}, "ok"),
-        ("plain_b", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "refresh_groups": 3}, "ok"),
+        ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0}, "differ"),
+        ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8, "min_saving": 0}, "ok"),
+        ("plain_b", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "refresh_groups": 3, "min_saving": 0}, "ok"),
         # query-aware: a budget covering the sequence is dense, i.e. exactly full
         ("plain_c", {"policy": "quest", "budget": 2048}, "same"),
         ("plain_a", {"policy": "asyncspade", "budget": 2000}, "same"),

@@ -350,6 +350,31 @@ def test_host_accounting_and_refresh_queue():
     assert stats["slow_step_ratio"] == pytest.approx(3 / 6)
 
 
+@pytest.mark.parametrize("min_saving, until", [(0.0, 14), (0.5, 28), (0.6, 35)])
+def test_min_saving_keeps_a_request_dense_until_a_sparse_step_pays(min_saving, until):
+    """Up to dense_until (sink + budget + recent over 1 - min_saving) an SFI request is
+    routed to the stock kernel and runs no Selector, its steps counted dense; past it
+    the next slow step queues a refresh and the request takes the sparse kernel."""
+    spec = SfiPolicy(budget=8, recent=4, sink=2, t_max=2, sentence_triggers=False, min_saving=min_saving)
+    assert sfi.init_row(spec, [], [], (None, None)).dense_until == until
+    st = _state([1], [spec])
+    toks: list[int] = []
+    routes, refreshes, lens = [], [], []
+    for k in range(12):
+        n = 24 + k
+        st.set_step_rows([1], [n], [list(toks)])
+        routes.append(st.take_step_kernel_rows()[0])
+        refreshes.append(sorted(st.take_refresh()[0]))
+        lens.append(n)
+        toks.append(5)
+    # 2 = the stock kernel attends (and ours only records); 1 = our kernel
+    assert routes == [2 if n <= until else 1 for n in lens]
+    # slow steps 0, 3, 6, 9 (t_max 2, no triggers), each known to the host a step
+    # later: a refresh follows those longer than dense_until
+    assert refreshes == [[1] if k - 1 in (0, 3, 6, 9) and lens[k - 1] > until else [] for k in range(12)]
+    assert st.request_stats(1)["slow_step_ratio"] == pytest.approx(4 / 11)
+
+
 @pytest.mark.parametrize("keep,use_kernels", [(False, False), (True, False), (True, True)])
 def test_prompt_evidence_every_keeps_the_prompt_queries_at_later_slow_steps(keep, use_kernels):
     """prompt_evidence "every" [ours]: a later slow step's Selector window is its own

@@ -43,6 +43,9 @@ class RowInit:
     # SFI: since_slow after the first slow step (0: the next slow step t_max fast
     # steps later; set at admission from refresh_groups, see state._with_phase).
     refresh_phase: int = 0
+    # SFI: the longest sequence the request attends densely (sfi.dense_until): the
+    # budget's reach, or further where a sparse step would save less than min_saving.
+    dense_until: int = 0
     slot: int = -1  # SFI: compact slot; quest/asyncspade/lfps: slot of the policy's query store
     # Query-aware policies (window = the recent positions of segment B): the longest
     # sequence their store can serve sparse (0: none).

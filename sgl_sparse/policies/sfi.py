@@ -16,6 +16,7 @@ count in the metrics.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -32,7 +33,16 @@ def init_row(spec: SfiPolicy, prompt_ids, output_ids, think_ids) -> RowInit:
     return RowInit(
         policy=ID, window=spec.recent, sink=spec.sink, budget=spec.budget, t_max=spec.t_max,
         triggers=spec.sentence_triggers, spec=spec, keep_prompt=spec.prompt_evidence == "every",
+        dense_until=dense_until(spec.sink, spec.budget, spec.recent, spec.min_saving),
     )
+
+
+def dense_until(sink: int, budget: int, recent: int, min_saving: float) -> int:
+    """The longest sequence a request attends densely: the budget's reach
+    (sink + budget + recent), or the longest n at which a sparse step would read
+    more than 1 - min_saving of the keys."""
+    reach = sink + budget + recent
+    return max(reach, math.floor(reach / (1.0 - min_saving) + 1e-9))
 
 
 def windowed(step: StepInputs):
@@ -42,6 +52,14 @@ def windowed(step: StepInputs):
 def covers(sink: int, budget: int, recent: int, n: int) -> bool:
     """Sink + budget + recent reach every token: attention is dense by definition."""
     return sink + budget + recent >= n
+
+
+def dense_at(init: RowInit, n: int) -> bool:
+    """The request attends densely at length n (no Selector run, the stock kernel):
+    its budget covers n, or a sparse step would save less than its min_saving. The
+    device needs no twin of this: its plan is sparse only after a Selector run,
+    which the host queues only past `dense_until` (n only grows)."""
+    return covers(init.sink, init.budget, init.window, n) or n <= init.dense_until
 
 
 def decide(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +118,7 @@ class HostMirror:
             if slow:
                 self.slow_steps += 1
                 i = self.init
-                if not covers(i.sink, i.budget, i.window, n) and i.slot >= 0:
+                if not dense_at(i, n) and i.slot >= 0:
                     self.refresh_n = n
                     self.refresh_later = self.evaluated > 1 and not i.keep_prompt
             out.append((slow, n))
@@ -121,7 +139,7 @@ class HostMirror:
     def attended(self, slow: bool, n: int) -> int:
         """Tokens the device attended at a step the host has evaluated."""
         i = self.init
-        if slow or not self.selection or i.slot < 0 or covers(i.sink, i.budget, i.window, n):
+        if slow or not self.selection or i.slot < 0 or dense_at(i, n):
             return n
         return min(n, self.selection + i.window)
 

@@ -68,8 +68,8 @@ def refreshed_two_rows(use_kernels: bool, budgets=(20, 9), kv_dtype=torch.bfloat
     cfg = SparseServerConfig.model_validate({"compact": {"slots": 2, "capacity": 40, "selections": selections},
                                              "policies": {"sfi": {"w_prefill": 3}}})
     st = SparseState(3, "cpu", cfg)
-    specs = [SfiPolicy(budget=budgets[0], recent=16, sink=4, w_prefill=3),
-             SfiPolicy(budget=budgets[1], recent=8, sink=1)]
+    specs = [SfiPolicy(budget=budgets[0], recent=16, sink=4, w_prefill=3, min_saving=0),
+             SfiPolicy(budget=budgets[1], recent=8, sink=1, min_saving=0)]
     st.admit([1, 2], [sfi.init_row(s, [], [], (None, None)) for s in specs])
     st.compact = CompactStore(slots=2, capacity=40, num_layers=2, num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
                               dtype=kv_dtype, pool_size=200, prompt_queries=2, device=torch.device("cpu"),

@@ -169,7 +169,7 @@ def test_host_mirror_marks_later_slow_steps():
 
     cfg = SparseServerConfig.model_validate({"compact": {"slots": 1, "capacity": 40}})
     st = SparseState(2, "cpu", cfg)
-    spec = SfiPolicy(budget=8, recent=8, sink=2, t_max=2, sentence_triggers=False)
+    spec = SfiPolicy(budget=8, recent=8, sink=2, t_max=2, sentence_triggers=False, min_saving=0)
     st.admit([1], [sfi.init_row(spec, [], [], (None, None))])
     st.set_step_rows([1], [100], [[]])  # step 0 launched (slow: first step)
     st.set_step_rows([1], [101], [[7]])  # its id arrived: step 0 evaluated
