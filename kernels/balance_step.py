@@ -57,65 +57,27 @@ def _step_balance_kernel(
     GATE_ON: tl.constexpr,
     COUNT_ON: tl.constexpr,
     SEGMENT_GATE: tl.constexpr,
-    MINMAX: tl.constexpr,
-    ONE_TILE: tl.constexpr,
     MAX_S: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # two passes over the batch in BLOCK-wide tiles (one binary for every batch size):
     # the batch's keys, then each request's share and the gate's terms
     summed = tl.zeros([], dtype=tl.int64)
-    longest = tl.zeros([], dtype=tl.int64)
     for start in range(0, bs, BLOCK):
         keys = _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK, BLOCK)[0]
         summed += tl.sum(keys, 0)
-        longest = tl.maximum(longest, tl.max(keys, 0))
     # balanced_splits: floor(keys x P / batch keys), P doubled over fp8 from double_keys
     total = tl.maximum(summed, 1)
     p = programs.to(tl.int64)
     if FP8_DOUBLE:
         p = tl.where(total >= double_keys, 2 * p, p)
-    # or (MINMAX, _minmax_shares) ceil(keys / L) for the least L whose shares fit p: the
-    # same bisection, stopped where it has converged (the reference's fixed count changes
-    # nothing after that), over keys held in registers where the batch is one tile (else
-    # a pass over the batch a step)
-    lo = tl.full([], 1, dtype=tl.int64)
-    per_program = tl.maximum(longest, 1)
-    if MINMAX:
-        # within P, or the floor's shares' sum where that passes P (balanced_splits)
-        budget = p
-        floor_sum = tl.zeros([], dtype=tl.int64)
-        for start in range(0, bs, BLOCK):
-            keys, served = _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK, BLOCK)
-            floor_sum += tl.sum(tl.where(served, tl.minimum(tl.maximum(keys * p // total, 1), MAX_S), 0), 0)
-        budget = tl.maximum(budget, floor_sum)
-        if ONE_TILE:
-            tile_keys, tile_served = _served_keys(A_LEN, B_START, B_END, ROW_MASK, 0, bs, stride_a, HAS_MASK, BLOCK)
-        while lo < per_program:
-            mid = (lo + per_program) // 2
-            if ONE_TILE:
-                s = tl.minimum(tl.maximum((tile_keys + mid - 1) // mid, 1), MAX_S)
-                need = tl.sum(tl.where(tile_served, s, 0), 0)
-            else:
-                need = tl.zeros([], dtype=tl.int64)
-                for start in range(0, bs, BLOCK):
-                    keys, served = _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK,
-                                                BLOCK)
-                    s = tl.minimum(tl.maximum((keys + mid - 1) // mid, 1), MAX_S)
-                    need += tl.sum(tl.where(served, s, 0), 0)
-            fits = need <= budget
-            per_program = tl.where(fits, mid, per_program)
-            lo = tl.where(fits, lo, mid + 1)
     off_base = tl.zeros([], dtype=tl.int32)
     hi = tl.zeros([], dtype=tl.int64)
     lo = tl.full([], 1 << 30, dtype=tl.int64)
     launched = tl.zeros([], dtype=tl.int64)
     for start in range(0, bs, BLOCK):
         keys, served = _served_keys(A_LEN, B_START, B_END, ROW_MASK, start, bs, stride_a, HAS_MASK, BLOCK)
-        if MINMAX:
-            share = tl.minimum(tl.maximum((keys + per_program - 1) // per_program, 1), MAX_S)
-        else:
-            share = tl.minimum(tl.maximum(keys * p // total, 1), MAX_S)
+        share = tl.minimum(tl.maximum(keys * p // total, 1), MAX_S)
         offs = start + tl.arange(0, BLOCK)
         tl.store(SPLITS + offs, share.to(tl.int32), mask=offs < bs)
         # balance_gate's terms: a served share off the heuristic's splits; the served
@@ -181,7 +143,7 @@ def step_balance(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor
         tsd.plain_partition_splits(bs, num_kv_heads, max_kv_len, num_sms, kv_fp8=kv_fp8),
         tsd.BALANCE_MIN_PROGRAM_KEYS,
         HAS_MASK=row_mask is not None, FP8_DOUBLE=fp8_double, GATE_ON=gate is not None, COUNT_ON=count_on,
-        SEGMENT_GATE=segments, MINMAX=tsd.BALANCE_MINMAX, ONE_TILE=bs <= _BLOCK,
+        SEGMENT_GATE=segments,
         MAX_S=tsd.MAX_SPLITS, BLOCK=_BLOCK, num_warps=4,
     )
     return splits, gate

@@ -144,18 +144,6 @@ BALANCE_PROGRAMS_PER_SM = env_count("BALANCE_PROGRAMS_PER_SM", 0, 0, 16)
 # P 4 an SM) and slower at ~280 (32768 x 8, 0.544 -> 0.666; session 41).
 BALANCE_MIN_PROGRAM_KEYS = 1024
 BALANCE_MAX_WAVES = 4
-# How balanced_splits shares P programs out: off, floor(keys x P / batch keys) a request
-# (at least 1); on, the shares that make the longest program shortest within P:
-# ceil(keys / L) for the least L (keys a program) whose shares still sum to at most P.
-# Rows alike get the same either way. Where shares are small the floor drops up to one
-# program a request: at 8192 x 32 over e4m3 one SFI slow row (8192 keys) among 31 of
-# 2308 gets 6 programs and the others 1 each (37 of P 66 a KV head; the longest program
-# reads 2308 keys), where the least L gives 4 and 2 (66; 2048 keys). H200, 28 layers,
-# that step ran 1.936 ms in the one grid against 1.362 with every row sparse (session 49,
-# bench_mixed_rows --dense 1): untimed so far, off until measured.
-BALANCE_MINMAX = env_switch("BALANCE_MINMAX", False)
-#: bisection steps for the min-max shares' L (keys a program < 2**31)
-_MINMAX_ITERS = 31
 BALANCE_ENABLED = env_switch("BALANCE_SPLITS", True)
 # A balanced launch's registers a thread over an fp8 cache, at most (ptxas's maxnreg; 0:
 # Triton's choice). Reading each request's splits costs the balanced variant registers
@@ -998,9 +986,6 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     ``kv_fp8``: P doubles where the batch holds at least ``FP8_DENSE_SPLIT_KEYS`` keys
     per program of P (dense fp8 rows: see that constant).
 
-    With BALANCE_MINMAX the shares are instead those that make the longest program
-    shortest within P (:func:`_minmax_shares`).
-
     A uniform batch gets P / bs a request (the heuristic's split count over bf16, twice
     it over fp8 by default); a request with many more keys than the others -- a dense
     row (an SFI slow step, a policy attending everything) among ~2K-key sparse rows -- gets
@@ -1019,11 +1004,12 @@ def balanced_splits(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Ten
     # P = 66, 68 programs a KV head where 66 fill one wave at 4 resident an SM, and
     # the launch ran 548 us against 378 at 16 each (H200, session 38's
     # bench_decode.py --slow-step, without the slow step's side effects).
+    # The floor leaves programs unused where shares are small (at 8192 x 32 over e4m3
+    # one slow row among 31 sparse ones: 6 programs and 1 each, 37 of P 66 a KV head).
+    # Shares making the longest program shortest within P (ceil(keys / L), least L:
+    # 4 and 2, all 66) ran slower (H200, 28 layers: 3.02 against 1.95 ms in the one
+    # grid, 2.50 against 2.20 with 4 dense rows; bench/README "Session 50"): removed.
     share = (keys * programs // total).clamp(1, max_splits)
-    if BALANCE_MINMAX:
-        served = _served_rows(keys, row_mask)
-        budget = torch.where(served, share, 0).sum().clamp(min=programs)
-        share = _minmax_shares(keys, served, budget, max_splits)
     return share.int()
 
 
@@ -1033,29 +1019,6 @@ def _served_rows(per_row: torch.Tensor, row_mask: Optional[torch.Tensor]) -> tor
     if row_mask is None:
         return torch.ones_like(per_row, dtype=torch.bool)
     return row_mask[:per_row.shape[0]] == 1
-
-
-def _minmax_shares(keys: torch.Tensor, served: torch.Tensor, programs, max_splits: int) -> torch.Tensor:
-    """BALANCE_MINMAX's shares: ceil(keys / L) in [1, max_splits] for the least L whose
-    served shares sum to at most ``programs``, by bisection over L in [1, the longest
-    row's keys] (where even one program a row is more than ``programs``: L the longest
-    row, so 1 each, as the floor gives). The caller's ``programs`` is P or, where the
-    floor's shares pass it (rows shorter than P's program, raised to 1), their sum:
-    the floor's shares then fit too, so the longest program is never longer than
-    theirs. Device ops, a fixed count: capturable; the step_balance kernel runs the
-    same bisection, stopped once it has converged (the same L)."""
-    lo = torch.ones((), dtype=torch.int64, device=keys.device)
-    hi = keys.max().clamp(min=1)
-
-    def shares(per_program: torch.Tensor) -> torch.Tensor:
-        return ((keys + per_program - 1) // per_program).clamp(1, max_splits)
-
-    for _ in range(_MINMAX_ITERS):
-        mid = (lo + hi) // 2
-        fits = torch.where(served, shares(mid), 0).sum() <= programs
-        hi = torch.where(fits, mid, hi)
-        lo = torch.where(fits, lo, mid + 1)
-    return shares(hi)
 
 
 def _row_keys(a_len: torch.Tensor, b_start: torch.Tensor, b_end: torch.Tensor,

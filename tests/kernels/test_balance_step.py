@@ -75,74 +75,6 @@ def test_splits_and_gate_equal_the_torch_ops(monkeypatch, block, fp8, sms, hkv, 
     assert checked > 0 and gates == {0, 1}, (checked, gates)  # balanced shapes, the gate open and closed
 
 
-@pytest.mark.parametrize("block, fp8", [(128, True), (16, False)])
-def test_minmax_shares_equal_the_torch_ops(monkeypatch, block, fp8):
-    """BALANCE_MINMAX: the kernel's bisection (stopped once converged, over keys in
-    registers where the batch is one tile) gives the torch reference's shares (a fixed
-    count of steps) and gate bit for bit, in one tile and in several, masked rows and
-    none served included."""
-    import sgl_sparse.kernels.balance_step as bstep
-
-    monkeypatch.setattr(bstep, "_BLOCK", block)
-    monkeypatch.setattr(tsd, "BALANCE_MINMAX", True)
-    g = torch.Generator().manual_seed(49 + block + fp8)
-    checked = 0
-    for bs in (2, 5, 13, 32, 40):
-        for dense, served in ((0.0, 1.0), (0.1, 1.0), (1.0, 1.0), (0.3, 0.6), (0.5, 0.0)):
-            a_len, b_start, b_end, mask = _batch(g, bs, 8, 8192, dense, served)
-            for m in (mask, None):
-                want = _reference(a_len, b_start, b_end, m, 8, 8704, 132, fp8, True)
-                got = step_balance(a_len, b_start, b_end, m, 8, 8704, 132, fp8)
-                if want[0] is None:
-                    assert got == (None, None)
-                    continue
-                checked += 1
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (bs, dense, served)
-    assert checked > 0
-
-
-def _longest_program(keys: torch.Tensor, shares: torch.Tensor) -> int:
-    return int(((keys + shares - 1) // shares).max())
-
-
-def test_minmax_shares_make_the_longest_program_shortest(monkeypatch):
-    """The min-max shares against the floor's on random batches (integer arithmetic,
-    checked by brute force): within P or, where the floor's shares pass P (short rows
-    raised to one program), within theirs; rows alike the same as the floor's,
-    the longest program never longer than the floor's and no L below theirs fits P; at
-    8192 x 32 over e4m3 (P 66 a KV head) one slow row of 8192 keys among 31 of 2308 gets
-    4 programs and the others 2 (the floor: 6 and 1)."""
-    g = torch.Generator().manual_seed(4949)
-    for trial in range(60):
-        bs = int(torch.randint(1, 40, (1,), generator=g))
-        keys = torch.randint(1, 20000, (bs,), generator=g, dtype=torch.int64)
-        if trial % 3 == 0:
-            keys[:] = keys[0]
-        p = int(torch.randint(max(1, bs // 2), 4 * bs + 8, (1,), generator=g))
-        a_len = keys.int()[:, None].expand(bs, 2).contiguous()
-        b = torch.zeros(bs, dtype=torch.int32)
-        floor = tsd.balanced_splits(a_len, b, b, None, p, 64).long()
-        monkeypatch.setattr(tsd, "BALANCE_MINMAX", True)
-        mm = tsd.balanced_splits(a_len, b, b, None, p, 64).long()
-        monkeypatch.setattr(tsd, "BALANCE_MINMAX", False)
-        budget = max(p, int(floor.sum()))
-        assert int(mm.sum()) <= budget and int(mm.min()) >= 1, (keys, p, mm)
-        longest = _longest_program(keys, mm)
-        assert longest <= _longest_program(keys, floor), (keys, p, mm, floor)
-        if trial % 3 == 0:
-            assert torch.equal(mm, floor), (keys, p, mm, floor)
-        if longest > 1:  # the least L: one key a program less no longer fits
-            tighter = ((keys + longest - 2) // (longest - 1)).clamp(1, 64)
-            assert int(tighter.sum()) > budget, (keys, p, longest)
-    keys = torch.full((32,), 2308, dtype=torch.int32)
-    keys[0] = 8192
-    b = torch.zeros(32, dtype=torch.int32)
-    a_len = keys[:, None].expand(32, 8).contiguous()
-    assert tsd.balanced_splits(a_len, b, b, None, 66, 64).tolist() == [6] + [1] * 31
-    monkeypatch.setattr(tsd, "BALANCE_MINMAX", True)
-    assert tsd.balanced_splits(a_len, b, b, None, 66, 64).tolist() == [4] + [2] * 31
-
-
 def test_the_gate_off_and_the_mask_wider_than_the_batch(monkeypatch):
     """BALANCE_GATE off: the splits alone (gate None), as balance_gate gives None; and
     a row mask of the graph's width (the backend's [max rows] buffer) read to bs."""
@@ -168,9 +100,8 @@ def test_fp8_doubling_follows_the_dense_split_keys_switch(monkeypatch):
         assert torch.equal(got, want), (keys, got, want)
 
 
-@pytest.mark.parametrize("fp8, segments, minmax, one_tile", [(True, True, False, True), (False, False, False, False),
-                                                              (True, True, True, True), (True, True, True, False)])
-def test_compiles_for_sm90(fp8, segments, minmax, one_tile):
+@pytest.mark.parametrize("fp8, segments", [(True, True), (False, False)])
+def test_compiles_for_sm90(fp8, segments):
     """The launch as served compiles for the H100/H200 (no GPU needed): int32
     descriptors, int64 arithmetic, one program."""
     from sgl_sparse.kernels import testing as T
@@ -178,10 +109,10 @@ def test_compiles_for_sm90(fp8, segments, minmax, one_tile):
     sig = {"A_LEN": "*i32", "B_START": "*i32", "B_END": "*i32", "ROW_MASK": "*i32", "SPLITS": "*i32",
            "GATE": "*i32", "COUNT": "*i64", "bs": "i32", "stride_a": "i32", "programs": "i32", "double_keys": "i32",
            "base_splits": "i32", "min_program_keys": "i32", "HAS_MASK": "constexpr", "FP8_DOUBLE": "constexpr",
-           "GATE_ON": "constexpr", "COUNT_ON": "constexpr", "SEGMENT_GATE": "constexpr", "MINMAX": "constexpr",
-           "ONE_TILE": "constexpr", "MAX_S": "constexpr", "BLOCK": "constexpr"}
+           "GATE_ON": "constexpr", "COUNT_ON": "constexpr", "SEGMENT_GATE": "constexpr",
+           "MAX_S": "constexpr", "BLOCK": "constexpr"}
     const = {"HAS_MASK": True, "FP8_DOUBLE": fp8, "GATE_ON": True, "COUNT_ON": True, "SEGMENT_GATE": segments,
-             "MINMAX": minmax, "ONE_TILE": one_tile, "MAX_S": 64, "BLOCK": 128}
+             "MAX_S": 64, "BLOCK": 128}
     counts = T.compile_sm90("sgl_sparse.kernels.balance_step", "_step_balance_kernel", sig, const,
                             ["A_LEN", "B_START", "B_END", "ROW_MASK", "SPLITS", "GATE", "COUNT"], {"num_warps": 4},
                             resources=True)
@@ -210,13 +141,11 @@ def test_the_gate_is_added_to_the_count_in_the_same_launch(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("minmax", [False, True])
-def test_gpu_splits_and_gate_replayed_in_a_graph_equal_the_torch_ops(monkeypatch, minmax):
+def test_gpu_splits_and_gate_replayed_in_a_graph_equal_the_torch_ops():
     """On the device, as served: the launch captured once in a CUDA graph per batch size
     (one tile and several), replayed over fresh batches copied into its inputs, gives
-    the torch ops' splits and gate (computed on the CPU), floor and min-max shares."""
-    monkeypatch.setattr(tsd, "BALANCE_MINMAX", minmax)
-    g = torch.Generator().manual_seed(490 + minmax)
+    the torch ops' splits and gate (computed on the CPU)."""
+    g = torch.Generator().manual_seed(490)
     # 130: two tiles of _BLOCK and still balancing (160 rows make too many waves)
     for bs in (4, 32, 130):
         assert tsd.balances(bs, 8, 8704, 132, kv_fp8=True), bs

@@ -1162,37 +1162,6 @@ def test_a_balanced_launch_filling_the_gpu_shares_more_and_answers_the_same(monk
         assert not torch.isnan(out).any() and T.rel_error(out.float(), ref_o) < TOL[torch.bfloat16], pps
     assert shares[8][0] > shares[0][0] and sum(shares[8]) > sum(shares[0]), shares
     assert int(counters.abs().sum()) == 0
-
-
-def test_minmax_shares_launch_and_answer_the_same(monkeypatch):
-    """BALANCE_MINMAX's shares (the longest program shortest within P) in a balanced
-    launch: a long row among short ones whose floor shares leave programs unused gets
-    them, the answers stay the reference's, the counters end zero."""
-    import importlib
-
-    tsd = importlib.import_module(K.two_segment_decode.__module__)
-    n = [300, 70, 66, 74, 69, 71]
-    case = T.make_decode_case(n, [0, [9, 4], 12, 0, 20, 0], [(0, 300), (10, 70), (6, 66), (0, 74), (20, 69),
-                                                              (0, 71)],
-                              num_kv_heads=2, group=2, head_dim=64, cap=20, dtype=torch.bfloat16, device=DEVICE,
-                              seed=49)
-    ref_o, _ = K.two_segment_decode_ref(*case.args(), return_lse=True, **case.kwargs())
-    counters = K.make_split_counters(6, 2, DEVICE)
-    monkeypatch.setattr(tsd, "BALANCE_PROGRAMS_PER_SM", 4)
-    monkeypatch.setattr(tsd, "BALANCE_FACTOR", 16)
-    shares = {}
-    for minmax in (False, True):
-        monkeypatch.setattr(tsd, "BALANCE_MINMAX", minmax)
-        splits = K.step_row_splits(case.a_len, case.b_start, case.b_end, None, 2, 400, 8)
-        shares[minmax] = splits.tolist()
-        out = torch.full_like(case.q, float("nan"))
-        K.two_segment_decode(*case.args(), out=out, num_sms=8, max_kv_len=400, split_counters=counters,
-                             balance=True, row_splits=splits, **case.kwargs(), **SMALL)
-        assert not torch.isnan(out).any() and T.rel_error(out.float(), ref_o) < TOL[torch.bfloat16], minmax
-    # KV head 0's keys 300, 69, 72, 74, 69, 71 (segment A's count + segment B's range);
-    # P = 8 SMs x 4 / 2 KV heads = 16: the floor's 7 + 5 x 1 (longest 74 keys), the
-    # least L 50: 6 + 5 x 2 (longest 50)
-    assert shares == {False: [7, 1, 1, 1, 1, 1], True: [6, 2, 2, 2, 2, 2]}, shares
     assert int(counters.abs().sum()) == 0
 
 
