@@ -221,7 +221,9 @@ def _sfi_keep(L: LayerQKV, t: int, budget: int, recent: int, qpos: Sequence[int]
     """What an SFI fast step at t attends: sink + the `recent` last tokens of the
     t + 1 + the Selector's top-`budget` of A = [sink, n0 - recent), chosen at a
     slow step whose sequence length was n0, from the queries at `qpos` (its
-    evidence window; all < n0). The server's `covers` rule makes t dense."""
+    evidence window; all < n0). The server's `covers` rule makes t dense; its
+    `min_saving` rule is not applied (0 here): this measures the selection, where the
+    server by default keeps a sequence dense until a sparse step skips half of it."""
     from sgl_sparse.config import SfiPolicy
     from sgl_sparse.selector.core import SelectorKnobs, select
 
