@@ -81,6 +81,8 @@ def test_mixed_policies_concurrently(sparse_server, stock_outputs, think_ids):
         ("thinking", {"policy": "sadas", "window": 8}, "differ"),
         ("plain_a", {"policy": "sfi", "budget": 2000}, "same"),  # budget covers: dense
         ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0}, "differ"),
+        # the same with min_saving 0.9: dense up to 28 / 0.1 = 280 >= 233 + 24 tokens
+        ("plain_c", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "min_saving": 0.9}, "same"),
         ("thinking", {"policy": "sfi", "budget": 24, "recent": 8, "sink": 2, "w_prefill": 8, "min_saving": 0}, "ok"),
         ("plain_b", {"policy": "sfi", "budget": 16, "recent": 8, "t_max": 4, "refresh_groups": 3, "min_saving": 0}, "ok"),
         # query-aware: a budget covering the sequence is dense, i.e. exactly full
@@ -244,6 +246,8 @@ def test_metrics_on_sglang_metrics_endpoint(sparse_server, think_ids):
     assert 0 < _value(m, "sglang_sparse_slow_steps_total", policy="sfi") < sfi_steps
     assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="sfi",
                   reason="budget_covers_sequence") > 0
+    assert _value(m, "sglang_sparse_dense_fallback_steps_total", policy="sfi",
+                  reason="saving_below_minimum") > 0
     full_ratio = _value(m, "sglang_sparse_attended_tokens_total", policy="full") / _value(
         m, "sglang_sparse_cached_tokens_total", policy="full")
     assert full_ratio == 1.0
