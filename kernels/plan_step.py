@@ -44,7 +44,7 @@ def _plan_step_kernel(
     policy_ptr, window_ptr, sink_ptr, think_ptr, latch_ptr,
     budget_ptr, t_max_ptr, triggers_ptr, since_ptr, slot_ptr, sel_ready_ptr, sel_count_ptr,
     saved_n_ptr, prompt_q_ptr, fresh_ptr, keep_prompt_ptr, prompt_n_ptr, phase_ptr, table_ptr,
-    max_ctx_ptr, qa_steps_ptr,  # query-aware policies' columns (read only when HAS_QA)
+    max_ctx_ptr, qa_steps_ptr, dense_until_ptr,  # query-aware policies' columns (read only when HAS_QA)
     out_ptr,  # int32 [5, bs]: a_len, b_start, b_end, a_slot, q_save_slot
     a_len_h_ptr,  # int32 [bs, HKV]
     bs, vocab, think_start, think_end,
@@ -99,14 +99,16 @@ def _plan_step_kernel(
 
     # Query-aware policies (policies/query_aware.decide): an indexed segment A, the
     # positions chosen per layer later; dense without a store slot, past the store's
-    # context, when the budget covers n, or at asyncspade's first step (no prediction).
+    # context, when the budget covers n or min_saving keeps it dense (dense_until), or
+    # at asyncspade's first step (no prediction).
     indexed = sfi & (pol < 0)  # all false, typed like the other masks
     if HAS_QA:
         max_ctx = tl.load(max_ctx_ptr + r, mask=valid, other=0)
         qa_steps = tl.load(qa_steps_ptr + r, mask=valid, other=0)
+        dense_until = tl.load(dense_until_ptr + r, mask=valid, other=0)
         qa = (pol == _QUEST) | (pol == _ASYNCSPADE) | (pol == _LFPS)
         ready = (pol != _ASYNCSPADE) | (qa_steps >= 1)
-        indexed = qa & ready & (slot >= 0) & (n <= max_ctx) & (sink + budget + window < n)
+        indexed = qa & ready & (slot >= 0) & (n <= max_ctx) & (sink + budget + window < n) & (dense_until < n)
         tl.store(qa_steps_ptr + r, tl.where(pol > 0, qa_steps + 1, qa_steps), mask=valid)
 
     # The plan (decision.plan_decode).
@@ -160,14 +162,15 @@ def plan_step(state, req_pool_indices: torch.Tensor, last_token: torch.Tensor, s
     s = state
     # The query-aware policies' state columns, where this SparseState has them.
     max_ctx, qa_steps = getattr(s, "max_context", None), getattr(s, "qa_steps", None)
-    has_qa = max_ctx is not None and qa_steps is not None
+    dense_until = getattr(s, "dense_until", None)
+    has_qa = max_ctx is not None and qa_steps is not None and dense_until is not None
     _plan_step_kernel[(triton.cdiv(bs, block),)](
         req_pool_indices, last_token, seq_lens,
         s.policy, s.window, s.sink, _as_bytes(s.think), _as_bytes(s.latch),
         s.budget, s.t_max, _as_bytes(s.triggers), s.since_slow, s.slot, _as_bytes(s.sel_ready), s.sel_count,
         s.saved_n, s.prompt_q, _as_bytes(s.fresh), _as_bytes(s.keep_prompt), s.prompt_n, s.refresh_phase,
         _as_bytes(s.trigger_table),
-        max_ctx if has_qa else s.saved_n, qa_steps if has_qa else s.saved_n,
+        max_ctx if has_qa else s.saved_n, qa_steps if has_qa else s.saved_n, dense_until if has_qa else s.saved_n,
         out, a_len_h,
         bs, s.trigger_table.shape[0], start, end,
         HKV=num_kv_heads, HKV_P2=triton.next_power_of_2(num_kv_heads), BLOCK=block, HAS_QA=has_qa,

@@ -116,6 +116,10 @@ class QuestPolicy(_Strict):
                         description="selected tokens per KV head: budget/16 pages of 16")
     sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended [ours]")
     recent: int = Field(64, ge=1, le=1 << 20, description="last tokens always attended [ours]")
+    min_saving: float = Field(
+        0.0, ge=0, lt=1, description="indexed steps only from the length at which sink + budget + recent "
+        "skip at least this share of the sequence; until then the request decodes densely [ours: 0, the "
+        "paper's rule, unmeasured otherwise for this policy; sfi's default is 0.5]")
 
 
 class AsyncSpadePolicy(_Strict):
@@ -131,6 +135,10 @@ class AsyncSpadePolicy(_Strict):
                          description="ridge eps, relative to the mean squared query norm [ours]")
     sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended [ours]")
     recent: int = Field(64, ge=1, le=1 << 20, description="last tokens always attended [ours]")
+    min_saving: float = Field(
+        0.0, ge=0, lt=1, description="indexed steps only from the length at which sink + budget + recent "
+        "skip at least this share of the sequence; until then the request decodes densely [ours: 0, the "
+        "paper's rule, unmeasured otherwise for this policy; sfi's default is 0.5]")
 
 
 class LfpsPolicy(_Strict):
@@ -147,6 +155,10 @@ class LfpsPolicy(_Strict):
     sink: int = Field(4, ge=0, le=1 << 16, description="first tokens always attended (paper: 4)")
     local: int = Field(6, ge=1, le=1 << 16,
                        description="keys before the current one in w_local, also always attended (paper: 6)")
+    min_saving: float = Field(
+        0.0, ge=0, lt=1, description="indexed steps only from the length at which sink + budget + local + 1 "
+        "skip at least this share of the sequence; until then the request decodes densely [ours: 0, the "
+        "paper's rule, unmeasured otherwise for this policy; sfi's default is 0.5]")
 
 
 RequestPolicy = Annotated[

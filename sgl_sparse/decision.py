@@ -171,7 +171,7 @@ def plan_decode(
     _advance_sfi(state, rows, step, slow)
     n = step.seq_len
     indexed = query_aware.decide(step.policy, step.slot, step.sink, step.budget, step.window, n,
-                                 state.max_context[rows], state.qa_steps[rows])
+                                 state.max_context[rows], state.qa_steps[rows], state.dense_until[rows])
     qa_steps = state.qa_steps[rows]
     state.qa_steps[rows] = torch.where(step.policy > 0, qa_steps + 1, qa_steps)  # padding row 0 stays 0
 

@@ -134,7 +134,7 @@ class QueryAwareRuntime:
                 self.device_active = True
                 continue
             # quest's bounds follow every key (a covered row is indexed later)
-            if init.policy == PolicyId.LFPS and query_aware.covers(init.sink, init.budget, init.window, n):
+            if init.policy == PolicyId.LFPS and query_aware.dense_at(init, n):
                 continue
             buckets.setdefault((init.policy, init.spec), []).append((b, init.slot, n))
         self.groups = [

@@ -82,6 +82,9 @@ class SparseState:
         # (asyncspade's first step has no predicted selection yet).
         self.max_context = z(torch.int32)
         self.qa_steps = z(torch.int32)
+        # ... and the longest sequence it attends densely (RowInit.dense_until: the
+        # budget's reach or, with min_saving, further); SFI's is the host's alone.
+        self.dense_until = z(torch.int32)
         # asyncspade's request knobs the decode step reads per row on the device
         # (query_device.py; inside CUDA graphs no host-built group can carry them):
         # W, the past queries regressed from, and the relative ridge strength.
@@ -230,6 +233,7 @@ class SparseState:
             "prompt_n": torch.zeros(len(inits), dtype=torch.int32),
             "max_context": col("max_context", torch.int32),
             "qa_steps": torch.zeros(len(inits), dtype=torch.int32),
+            "dense_until": col("dense_until", torch.int32),
             "qa_window": torch.tensor([_knob(i, PolicyId.ASYNCSPADE, "window", 0) for i in inits],
                                       dtype=torch.int32),
             "qa_ridge": torch.tensor([_knob(i, PolicyId.ASYNCSPADE, "ridge", 0.0) for i in inits],
@@ -386,6 +390,8 @@ class SparseState:
             reason = "context_exceeds_store"
         elif query_aware.covers(i.sink, i.budget, i.window, n):
             reason = "budget_covers_sequence"
+        elif query_aware.dense_at(i, n):
+            reason = "saving_below_minimum"
         elif i.policy == PolicyId.ASYNCSPADE and st is not None and st[0] == 0:
             reason = "prediction_pending"
         if reason is not None:

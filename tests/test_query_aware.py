@@ -162,6 +162,37 @@ def test_budget_covering_the_sequence_is_exactly_full(spec):
         assert torch.equal(o[0], o[1])
 
 
+@pytest.mark.parametrize("spec", [
+    QuestPolicy(budget=64, recent=16, sink=4, min_saving=0.5),
+    AsyncSpadePolicy(budget=64, recent=16, sink=4, min_saving=0.5),
+    LfpsPolicy(budget=64, local=15, sink=4, min_saving=0.5),
+])
+def test_min_saving_keeps_the_row_dense_until_a_sparse_step_pays(spec):
+    """min_saving 0.5: past the budget's reach (84 keys) but within twice it the row
+    is dense, exactly `full` (device plan and host routing alike, the host saying
+    why); past 168 keys it is indexed."""
+    init = MODULES[spec.policy].init_row(spec, [], [], (None, None))
+    assert init.dense_until == 168
+    sim = Sim(4, seed=5)
+    n = 100
+    _twin_rows(sim, spec, n)
+    seen = []
+    sim.st.metrics = type("M", (), {"on_step": lambda self, pp, fb: seen.append(dict(fb)),
+                                    "on_admit": lambda self, p: None, "on_release": lambda self, p, r: None})()
+    for t in range(3):
+        q1 = torch.randn(1, HKV * 4, D, generator=sim.gen)
+        q, o, plan = sim.step([1, 2], [n + 1 + t] * 2, q=torch.cat([q1, q1]))
+        assert plan.a_slot.tolist() == [-1, -1] and plan.b_start.tolist() == [0, 0]
+        assert torch.equal(o[0], o[1])
+        sim.st.set_step_rows([1], [n + 1 + t], [[]])
+        assert sim.st.take_step_kernel_rows() == [0]
+    assert seen[0] == {(spec.policy, "saving_below_minimum"): 1}
+    _, _, plan = sim.step([1], [169])
+    assert plan.a_slot.tolist() == [-2]
+    sim.st.set_step_rows([1], [169], [[]])
+    assert sim.st.take_step_kernel_rows() == [1]
+
+
 def test_asyncspade_first_step_dense_then_the_predicted_selection():
     sim = Sim(2, seed=5, aspd_window=4)
     spec = AsyncSpadePolicy(window=3, budget=24, recent=8, sink=2)

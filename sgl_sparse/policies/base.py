@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional
@@ -43,8 +44,9 @@ class RowInit:
     # SFI: since_slow after the first slow step (0: the next slow step t_max fast
     # steps later; set at admission from refresh_groups, see state._with_phase).
     refresh_phase: int = 0
-    # SFI: the longest sequence the request attends densely (sfi.dense_until): the
-    # budget's reach, or further where a sparse step would save less than min_saving.
+    # SFI and the query-aware policies: the longest sequence the request attends
+    # densely (`dense_until`): the budget's reach, or further where a sparse step
+    # would save less than min_saving.
     dense_until: int = 0
     slot: int = -1  # SFI: compact slot; quest/asyncspade/lfps: slot of the policy's query store
     # Query-aware policies (window = the recent positions of segment B): the longest
@@ -54,6 +56,14 @@ class RowInit:
     def __post_init__(self):
         # The host's per-step loop compares members by identity (state.set_step_rows).
         object.__setattr__(self, "policy", PolicyId(self.policy))
+
+
+def dense_until(sink: int, budget: int, window: int, min_saving: float) -> int:
+    """The longest sequence a sparse request attends densely (RowInit.dense_until):
+    its plan's reach (sink + budget + window), or the longest n at which a sparse step
+    would read more than 1 - min_saving of the keys (the policies' `min_saving`)."""
+    reach = sink + budget + window
+    return max(reach, math.floor(reach / (1.0 - min_saving) + 1e-9))
 
 
 @dataclass

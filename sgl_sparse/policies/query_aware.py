@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from sgl_sparse.policies.base import PolicyId, RowInit
+from sgl_sparse.policies.base import PolicyId, RowInit, dense_until
 
 INDEXED = -2  # DecodePlan.a_slot of an indexed row
 
 
 def init_row(policy: PolicyId, spec, window: int) -> RowInit:
-    return RowInit(policy=policy, window=window, sink=spec.sink, budget=spec.budget, spec=spec)
+    return RowInit(policy=policy, window=window, sink=spec.sink, budget=spec.budget, spec=spec,
+                   dense_until=dense_until(spec.sink, spec.budget, window, spec.min_saving))
 
 
 def windowed(step):
@@ -29,14 +30,22 @@ def covers(sink: int, budget: int, window: int, n: int) -> bool:
     return sink + budget + window >= n
 
 
+def dense_at(init: RowInit, n: int) -> bool:
+    """Host twin of `decide`'s length test: the budget covers n, or a sparse step
+    would skip less than the request's min_saving of it."""
+    return covers(init.sink, init.budget, init.window, n) or n <= init.dense_until
+
+
 def decide(policy: torch.Tensor, slot: torch.Tensor, sink: torch.Tensor, budget: torch.Tensor,
            window: torch.Tensor, n: torch.Tensor, max_context: torch.Tensor,
-           qa_steps: torch.Tensor) -> torch.Tensor:
+           qa_steps: torch.Tensor, dense_until: torch.Tensor) -> torch.Tensor:
     """[bs] bool: the row attends an indexed segment A this step. Device ops only.
 
     Dense instead when the row has no store slot, outgrew its store, its budget
-    covers the sequence, or (asyncspade) no prediction exists yet: its first decode
-    step after admission attends everything and predicts the next query."""
+    covers the sequence or a sparse step would skip less than its min_saving of it
+    (`dense_until`), or (asyncspade) no prediction exists yet: its first decode step
+    after admission attends everything and predicts the next query."""
     mine = (policy == PolicyId.QUEST) | (policy == PolicyId.ASYNCSPADE) | (policy == PolicyId.LFPS)
     ready = (policy != PolicyId.ASYNCSPADE) | (qa_steps >= 1)
-    return mine & ready & (slot >= 0) & (n <= max_context) & (sink + budget + window < n)
+    return (mine & ready & (slot >= 0) & (n <= max_context) & (sink + budget + window < n)
+            & (dense_until < n))

@@ -16,7 +16,6 @@ count in the metrics.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from sgl_sparse.config import SfiPolicy
-from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs
+from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs, dense_until
 
 ID = PolicyId.SFI
 
@@ -35,14 +34,6 @@ def init_row(spec: SfiPolicy, prompt_ids, output_ids, think_ids) -> RowInit:
         triggers=spec.sentence_triggers, spec=spec, keep_prompt=spec.prompt_evidence == "every",
         dense_until=dense_until(spec.sink, spec.budget, spec.recent, spec.min_saving),
     )
-
-
-def dense_until(sink: int, budget: int, recent: int, min_saving: float) -> int:
-    """The longest sequence a request attends densely: the budget's reach
-    (sink + budget + recent), or the longest n at which a sparse step would read
-    more than 1 - min_saving of the keys."""
-    reach = sink + budget + recent
-    return max(reach, math.floor(reach / (1.0 - min_saving) + 1e-9))
 
 
 def windowed(step: StepInputs):

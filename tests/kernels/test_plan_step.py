@@ -15,7 +15,8 @@ THINK, END, VOCAB = 7, 8, 50
 KERNEL_POLICIES = list(PolicyId)
 COLUMNS = tuple(c for c in ("policy", "window", "sink", "think", "latch", "budget", "t_max", "triggers",
                             "since_slow", "slot", "sel_ready", "sel_count", "saved_n", "prompt_q", "fresh",
-                            "keep_prompt", "prompt_n", "refresh_phase", "max_context", "qa_steps")
+                            "keep_prompt", "prompt_n", "refresh_phase", "max_context", "qa_steps",
+                            "dense_until")
                 if hasattr(SparseState(2, "cpu"), c))
 
 
@@ -45,6 +46,8 @@ def _random_state(g: torch.Generator, rows: int) -> SparseState:
     if "max_context" in COLUMNS:  # query-aware policies' store bound and step count
         st.max_context.copy_(ri(0, 400))
         st.qa_steps.copy_(ri(0, 3))
+        # min_saving's bound: from below the reach (sink + budget + window) to past n
+        st.dense_until.copy_(ri(0, 220))
     for name in COLUMNS:  # row 0: CUDA-graph padding, all zero (FULL)
         getattr(st, name)[0] = 0
     st.slot[0] = -1
