@@ -137,6 +137,29 @@ def test_parse_policy_windows_named_runs_and_knob_overrides():
     assert server_compare.NAMED["sfi-pinned"]["budget"] == 2048  # the named run is not changed
 
 
+def test_a_mixed_row_deals_its_policies_round_robin_and_counts_its_sparse_member():
+    """POLICIES='full+sfi-pinned': a batch of both (graph variant `mixed`), request j
+    taking member j mod 2; the row's counters are sfi's, over the half of the requests
+    that carry it."""
+    label, pol = server_compare.parse_row("full+sfi-pinned:min_saving=0")
+    assert label == "full+sfi-pinned:min_saving=0"
+    assert pol == [{"policy": "full"}, {**server_compare.NAMED["sfi-pinned"], "min_saving": 0}]
+    assert [server_compare.request_meta(pol, j)["policy"] for j in range(5)] == ["full", "sfi", "full", "sfi", "full"]
+    assert server_compare.counted_policy(pol) == ("sfi", 2.0)
+    assert server_compare.counted_policy([{"policy": "full"}, {"policy": "quest"}, {"policy": "quest"}]) == (
+        "quest", 1.5)
+    # a single policy and stock are unchanged
+    assert server_compare.parse_row("sfi-pinned") == server_compare.parse_policy("sfi-pinned")
+    single = server_compare.parse_row("quest")[1]
+    assert server_compare.request_meta(single, 3) == single and server_compare.members(single) == [single]
+    assert server_compare.request_meta(None, 0) is None and server_compare.members(None) == []
+    assert server_compare.counted_policy(None) == ("", 1) and server_compare.counted_policy(single) == ("quest", 1.0)
+    # a member's query-aware store is checked like a single row's
+    qa = {"query_aware": {"quest": {"max_context": 4096}}}
+    assert server_compare.store_shortfalls(qa, "full+quest", "4000x64", 512) == [
+        "query_aware.quest.max_context 4096 < 4512 (the longest case's prompt + --out-len)"]
+
+
 def test_a_run_past_a_query_aware_store_is_refused_before_any_server_starts(tmp_path):
     """A case whose prompt plus --out-len passes query_aware.<policy>.max_context would
     time the dense kernel under the policy's name (session 37's lfps row at 130000 x 4:

@@ -46,6 +46,14 @@ def test_roofline_by_policy(tmp_path, capsys):
     assert got["sfi-pinned"] == pytest.approx(_by_hand(31 / 32 * 2308 + n / 32))  # the pinned 1/32, not 0.0315
     assert got["sfi"] == pytest.approx(_by_hand(0.95 * 2308 + 0.05 * n))  # natural: the measured ratio
     assert got["quest"] is None and got["asyncspade"] is None
+    # a mixed row (server_compare's 'A+B', dealt round-robin): its members' mean; a
+    # member without a fixed count leaves the row without a roofline
+    pinned = {**SFI, "sentence_triggers": False, "t_max": 31}
+    mixed = {r["policy"]: roof for r, roof in summarize.rows([_results(tmp_path, [
+        ("full+sfi-pinned", [{"policy": "full"}, pinned], 0.0315), ("full+quest", [{"policy": "full"},
+                                                                                  {"policy": "quest"}], None)])])}
+    assert mixed["full+sfi-pinned"] == pytest.approx(_by_hand((n + 31 / 32 * 2308 + n / 32) / 2))
+    assert mixed["full+quest"] is None
     # another shape: its KV bytes per token and its own weight bytes
     four = dict((r["policy"], roof) for r, roof in summarize.rows([_results(tmp_path, cases[1:2])], "qwen3-4b"))
     assert four["streaming:2048"] == pytest.approx(

@@ -15,6 +15,7 @@
 #                                       # BALANCE_FACTOR, the pair under Nsight Compute at 8192 x 32 and 32768 x 8; bare machine)
 #   bash bench/gpu/run_all.sh selector  # SFI refresh (Selector + repack) per layer vs dense attention
 #   bash bench/gpu/run_all.sh e2e       # SGLang server: flashinfer vs sgl_sparse, same run (env CASES, POLICIES, REPEATS, OUT_LEN, SHAPE;
+#                                       # POLICIES=full+sfi-pinned: one batch of both, requests dealt round-robin (the mixed graph variant);
 #                                       # INTERLEAVE=1: both servers at once, batches alternating: rows whose KV fits twice;
 #                                       # NO_QA_COVERING=1: without the covering quest/asyncspade/lfps greedy checks;
 #                                       # PREFILL_RUNS: prefill-only batches per row, default 2;

@@ -149,7 +149,8 @@ def itl_stats(url, prompts, n, sparse=None):
     the slow tail (SFI's slow steps and refreshes) and the mean gives decode tok/s
     without subtracting a prefill."""
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        arrivals = list(ex.map(lambda p: gen_stream(url, p, n, sparse), prompts))
+        arrivals = list(ex.map(lambda jp: gen_stream(url, jp[1], n, request_meta(sparse, jp[0])),
+                               enumerate(prompts)))
     since = max(a[0][0] for a in arrivals if a)  # the last request's first token
     per_req = [step_times(a, since) for a in arrivals]
     times = sorted(t for ts, _ in per_req for t in ts)
@@ -172,7 +173,7 @@ def itl_stats(url, prompts, n, sparse=None):
 def batch_wall(url, prompts, n, sparse=None):
     t0 = time.time()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        list(ex.map(lambda p: gen(url, p, n, sparse), prompts))
+        list(ex.map(lambda jp: gen(url, jp[1], n, request_meta(sparse, jp[0])), enumerate(prompts)))
     return time.time() - t0
 
 
@@ -206,6 +207,38 @@ def parse_policy(text):
             meta[key] = value
         knobs = True
     return (text if knobs or base in NAMED else base), meta
+
+
+def parse_row(text):
+    """A row's policies: one (parse_policy), or several joined by '+' dealt round-robin
+    over the batch's requests ('full+sfi-pinned': even requests full, odd ones
+    sfi-pinned) -> (label, metadata or a list of them). A mixed row is what a served
+    batch holds when requests choose their own policies: both decode paths in one
+    step (graph variant `mixed`)."""
+    if "+" not in text:
+        return parse_policy(text)
+    return text, [parse_policy(part)[1] for part in text.split("+")]
+
+
+def members(pol) -> list:
+    """The metadata of a row's requests, once each (stock: none)."""
+    return [] if pol is None else list(pol) if isinstance(pol, list) else [pol]
+
+
+def request_meta(pol, j: int):
+    """Request j's metadata in a row (a mixed row deals its list round-robin)."""
+    return pol[j % len(pol)] if isinstance(pol, list) else pol
+
+
+def counted_policy(pol) -> tuple[str, int]:
+    """The policy label whose counters describe a row, and every how many requests one
+    carries it: a mixed row's first sparse member (its `full` requests count nothing
+    sparse)."""
+    ms = members(pol)
+    if not ms:
+        return "", 1
+    name = next((m["policy"] for m in ms if m["policy"] != "full"), ms[0]["policy"])
+    return name, len(ms) / sum(m["policy"] == name for m in ms)
 
 
 def scrape(url):
@@ -308,7 +341,7 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **env})
         self.policies = ([("stock", None)] if backend != "sgl_sparse"
-                         else [parse_policy(p) for p in a.policies.split(",")])
+                         else [parse_row(p) for p in a.policies.split(",")])
 
     def ready(self, a) -> None:
         self.res["ready_s"] = round(wait_ready(self.url, self.proc, a.ready_limit), 1)
@@ -333,7 +366,7 @@ class Server:
             # graph variant; a request whose sink + budget + recent (lfps: local) covers
             # it must still reproduce full (FlashInfer planned into that variant's wrappers).
             for name, meta in QUERY_AWARE_COVERING.items():
-                if not a.no_qa_covering and name in {(m or {}).get("policy") for _, m in self.policies}:
+                if not a.no_qa_covering and name in {m["policy"] for _, pol in self.policies for m in members(pol)}:
                     self.res[f"greedy_{name}_covering"] = [
                         gen(url, p, a.check_len, meta)["output_ids"] for p in prompts]
 
@@ -396,7 +429,7 @@ def store_shortfalls(config: dict | None, policies: str, cases: str, out_len: in
     longest = max(int(c.split("x")[0]) for c in cases.split(",")) + out_len
     stores = (config or {}).get("query_aware") or {}
     short = []
-    for name in sorted({parse_policy(p)[1]["policy"] for p in policies.split(",")}):
+    for name in sorted({m["policy"] for p in policies.split(",") for m in members(parse_row(p)[1])}):
         limit = (stores.get(name) or {}).get("max_context")
         if limit is not None and int(limit) < longest:
             short.append(f"query_aware.{name}.max_context {limit} < {longest} (the longest case's prompt + --out-len)")
@@ -447,11 +480,13 @@ def pool_tokens(a) -> int:
 
 def _timed_row(a, s, label, pol, ctx: int, bs: int, t1: float, walls: list, before: str, after: str) -> dict:
     """One (server, policy)'s row from its timed batches and the counters around them."""
-    stats = sparse_stats(before, after, (pol or {}).get("policy", ""))
+    name, every = counted_policy(pol)
+    stats = sparse_stats(before, after, name)
     if a.interleave:  # the host-time counter is per server: mixed over its policies here
         stats.pop("prepare_ms_per_step", None)
     if "decode_steps" in stats:  # 1.0: every decoded token of the timed batches counted once
-        stats["steps_per_decoded_token"] = round(stats["decode_steps"] / (a.repeats * bs * (a.out_len - 1)), 3)
+        steps = a.repeats * bs * (a.out_len - 1) / every  # a mixed row: its requests of that policy
+        stats["steps_per_decoded_token"] = round(stats["decode_steps"] / steps, 3)
     tl = statistics.median(walls)
     # None where a batch was not slower than its prefill alone: no decode time to divide by
     tok = lambda w: bs * (a.out_len - 1) / (w - t1) if w > t1 else None  # noqa: E731
@@ -543,7 +578,8 @@ def main():
     ap.add_argument("--cases", default="8192x8")
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed batches per row (median)")
-    ap.add_argument("--policies", default="full,streaming:2048,sadas:2048", help="sgl_sparse runs, name[:window]")
+    ap.add_argument("--policies", default="full,streaming:2048,sadas:2048",
+                    help="sgl_sparse runs, name[:window][:knob=value]; A+B: a batch of both, dealt round-robin")
     ap.add_argument("--check-len", type=int, default=32)
     ap.add_argument("--prefill-runs", type=int, default=2,
                     help="prefill-only batches per row (their minimum is subtracted; 1 at 130000 x 4 saves ~26 s a row)")

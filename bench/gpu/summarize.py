@@ -30,8 +30,12 @@ def roofline(batch, attended, kv_per_token, weight_bytes):
     return batch / ((batch * attended * kv_per_token + weight_bytes) / BANDWIDTH)
 
 
-def attended(policy: str, sparse: Optional[dict], n: float, measured_slow: float) -> Optional[float]:
-    """Keys a request reads per step and KV head on average; None where not a fixed count."""
+def attended(policy: str, sparse, n: float, measured_slow: float) -> Optional[float]:
+    """Keys a request reads per step and KV head on average; None where not a fixed count.
+    A mixed row (server_compare's 'A+B': a list, dealt round-robin): its members' mean."""
+    if isinstance(sparse, list):
+        each = [attended(m.get("policy", ""), m, n, measured_slow) for m in sparse]
+        return None if None in each else sum(each) / len(each)
     if policy in ("full", "stock") or not sparse or sparse.get("policy") == "full":
         return n
     keys = attended_keys(sparse, int(n))
