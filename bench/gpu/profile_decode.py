@@ -17,6 +17,10 @@ the trace (stream, start, length, name) to timeline-<backend>-<policy>.csv besid
 
     python bench/gpu/profile_decode.py --model /root/model --case 32768x8 \
         --runs flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:sfi-pinned --out $OUT/profile.json
+
+A run's policy may be a mixed row, as in server_compare.py ('sgl_sparse:full+sfi-pinned':
+the batch's requests dealt round-robin over both, the graph variant `mixed`); --extra
+gives every server the same flags (an fp8 KV cache for stock too).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections import defaultdict
 import requests
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_compare import batch_wall, gen_stream, parse_policy, wait_ready  # noqa: E402
+from server_compare import batch_wall, gen_stream, parse_row, request_meta, wait_ready  # noqa: E402
 
 
 def busy_union(kernels: list[dict]) -> float:
@@ -150,7 +154,7 @@ def profile_run(url: str, prompts, policy, out_len: int, steps: int, outdir: str
 
     def batch() -> None:
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            list(ex.map(lambda i: gen_stream(url, prompts[i], out_len, policy, lambda c: on_tokens(i, c)),
+            list(ex.map(lambda i: gen_stream(url, prompts[i], out_len, request_meta(policy, i), lambda c: on_tokens(i, c)),
                         range(len(prompts))))
         decoding.set()  # finished (or failed) without decoding together: the profile then says so
 
@@ -182,6 +186,7 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--sparse-extra", default="--sparse-config bench/gpu/sparse_config.yaml")
+    ap.add_argument("--extra", default="", help="SGLang flags of every server (e.g. --kv-cache-dtype fp8_e4m3)")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mem-fraction-static", default="0.8",
                     help="lower it where the stores of many query-aware slots must fit beside the pool")
@@ -202,7 +207,7 @@ def main() -> None:
     for backend, pols in by_backend.items():
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", a.mem_fraction_static,
-               "--disable-radix-cache", "--disable-prefill-cuda-graph"] + \
+               "--disable-radix-cache", "--disable-prefill-cuda-graph"] + a.extra.split() + \
             (a.sparse_extra.split() if backend == "sgl_sparse" else [])
         env = {**os.environ, "SGLANG_TORCH_PROFILER_DIR": outdir}
         log = open(os.path.join(os.path.dirname(os.path.abspath(a.out)), f"profile-server-{backend}.log"), "w")
@@ -210,11 +215,12 @@ def main() -> None:
         try:
             wait_ready(url, proc, 480)
             for pol in pols:
-                label, meta = ("stock", None) if pol == "stock" else parse_policy(pol)
+                # a mixed row ('full+sfi-pinned'): its policies dealt round-robin over the batch
+                label, meta = ("stock", None) if pol == "stock" else parse_row(pol)
                 tl = None
                 if a.timeline:
                     tl = (a.timeline, os.path.join(os.path.dirname(os.path.abspath(a.out)),
-                                                   f"timeline-{backend}-{label}.csv"))
+                                                   "timeline-{}-{}.csv".format(backend, re.sub(r"[^\w.=-]", "_", label))))
                 res = {"backend": backend, "policy": label, "sparse": meta, "ctx": ctx, "batch": bs,
                        **profile_run(url, prompts, meta, a.out_len, a.steps, outdir, tl)}
                 results.append(res)

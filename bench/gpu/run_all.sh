@@ -23,7 +23,7 @@
 #                                       # EXTRA: SGLang flags of both servers, default --disable-prefill-cuda-graph;
 #                                       # BACKENDS: default flashinfer,sgl_sparse; sgl_sparse@CONFIG: one more sgl_sparse server with that --sparse-config;
 #                                       # QK_NORM_GAIN: the random model's q/k norm weights, default 1 (make_random_model.py: peakier attention))
-#   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler; env CASE, RUNS, SPARSE_CONFIG, MEM_FRACTION;
+#   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler; env CASE, RUNS, SPARSE_CONFIG, MEM_FRACTION, EXTRA;
 #                                       # TIMELINE=N: every kernel of N steps to $OUT/timeline-<backend>-<policy>.csv)
 #
 # Results land in $OUT (device tool) and are committed under bench/results/.
@@ -194,7 +194,7 @@ profile)
     python3 bench/gpu/profile_decode.py --model /root/model --case "${CASE:-32768x8}" \
         --runs "${RUNS:-flashinfer:stock,sgl_sparse:streaming:16,sgl_sparse:streaming:2048,sgl_sparse:sfi-pinned}" \
         --sparse-extra "--sparse-config ${SPARSE_CONFIG:-bench/gpu/sparse_config.yaml}" \
-        --mem-fraction-static "${MEM_FRACTION:-0.8}" ${TIMELINE:+--timeline "$TIMELINE"} --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -40
+        --mem-fraction-static "${MEM_FRACTION:-0.8}" ${TIMELINE:+--timeline "$TIMELINE"} --extra="${EXTRA:-}" --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -40
     ;;
 esac
 # What this lease compiled in spite of the restored cache (session 17: stock's warm-up
