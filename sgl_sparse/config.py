@@ -76,7 +76,7 @@ class SfiPolicy(_Strict):
         "+ recent skip at least this share of the sequence; until then the request decodes densely (through "
         "the stock kernel) and runs no Selector [ours: 0, the paper's rule, sparse as soon as the budget stops "
         "covering the sequence: H200, e4m3, every row with a compact slot, stock in the same call, sparse "
-        "from 2308 keys ran 1.12x stock at 2048 x 64 (97% of the keys read; 0.98x kept dense), 1.57x at "
+        "from 2308 keys ran 1.12x stock at 2048 x 64 (97% of the keys read; 0.98x kept dense), 1.46x per step at "
         "3072 x 64, 1.84x at 4096 x 64; bench/README.md, session 51. A value above 0 keeps short requests "
         "on the stock kernel]")
     refresh_groups: int = Field(
