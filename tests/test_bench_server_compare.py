@@ -82,6 +82,16 @@ def test_a_second_sparse_server_takes_its_own_config():
     assert server_compare.log_name("sgl_sparse@bench/gpu/b.yaml") == "server-sgl_sparse_bench_gpu_b.yaml.log"
 
 
+def test_the_warm_up_batch_crosses_a_prefill_chunk():
+    """Sessions 50/51 lost stock's wall-clock figure at 3072 x 64 to a JIT build inside
+    its prefill-only timing: one warm-up prompt of 3072 tokens never crossed a chunk."""
+    warm = server_compare.warm_requests
+    assert warm(3072, 64, "--disable-prefill-cuda-graph") == 4  # the third prompt already crosses 8192
+    assert warm(2048, 64, "") == 6 and warm(32768, 8, "") == 2 and warm(130000, 4, "") == 2
+    assert warm(2048, 3, "") == 3 and warm(100, 1, "") == 1  # never more than the batch
+    assert warm(3072, 64, "--chunked-prefill-size 4096") == 3 and warm(3072, 64, "--chunked-prefill-size=-1") == 1
+
+
 def test_the_kv_cache_dtype_among_the_extra_flags():
     """The summary records the servers' KV cache dtype (results over fp8 and bf16 side by side)."""
     assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph --kv-cache-dtype fp8_e4m3") == "fp8_e4m3"
