@@ -46,10 +46,15 @@ def sampling(n, sparse=None):
     return sp
 
 
+def flag_value(extra: str, flag: str, default: str) -> str:
+    """A flag's value among the servers' extra flags (`--flag V` or `--flag=V`)."""
+    words = extra.replace("=", " ").split()
+    return words[words.index(flag) + 1] if flag in words[:-1] else default
+
+
 def kv_cache_dtype(extra: str) -> str:
     """The --kv-cache-dtype among the servers' extra flags ("auto" if none)."""
-    words = extra.replace("=", " ").split()
-    return words[words.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in words[:-1] else "auto"
+    return flag_value(extra, "--kv-cache-dtype", "auto")
 
 
 def gen(url, ids, n, sparse=None):
@@ -230,7 +235,7 @@ def request_meta(pol, j: int):
     return pol[j % len(pol)] if isinstance(pol, list) else pol
 
 
-def counted_policy(pol) -> tuple[str, int]:
+def counted_policy(pol) -> tuple[str, float]:
     """The policy label whose counters describe a row, and every how many requests one
     carries it: a mixed row's first sparse member (its `full` requests count nothing
     sparse)."""
@@ -477,8 +482,7 @@ def warm_requests(ctx: int, bs: int, extra: str) -> int:
     are built before the prefill-only timing. One request of 3072 tokens fits a chunk:
     the first full batch then built them, inside stock's prefill-only time (sessions
     50 and 51: `t_prefill_s` 9-11 s, the row's wall-clock figure lost)."""
-    words = extra.replace("=", " ").split()
-    chunk = int(words[words.index("--chunked-prefill-size") + 1]) if "--chunked-prefill-size" in words[:-1] else 8192
+    chunk = int(flag_value(extra, "--chunked-prefill-size", "8192"))
     return max(1, min(bs, chunk // ctx + 2)) if chunk > 0 else 1
 
 

@@ -58,6 +58,18 @@ class RowInit:
         object.__setattr__(self, "policy", PolicyId(self.policy))
 
 
+def covers(sink: int, budget: int, window: int, n: int) -> bool:
+    """Sink + budget + window (SFI's recent, the query-aware policies' recent or
+    lfps's local + 1) reach every token: the row is dense by definition (exactly `full`)."""
+    return sink + budget + window >= n
+
+
+def dense_at(init: RowInit, n: int) -> bool:
+    """A sparse request attends densely at length n: its budget covers n, or a sparse
+    step would skip less than its min_saving of it (n <= init.dense_until)."""
+    return covers(init.sink, init.budget, init.window, n) or n <= init.dense_until
+
+
 def dense_until(sink: int, budget: int, window: int, min_saving: float) -> int:
     """The longest sequence a sparse request attends densely (RowInit.dense_until):
     its plan's reach (sink + budget + window), or the longest n at which a sparse step

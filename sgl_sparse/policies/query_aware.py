@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_sparse.policies.base import PolicyId, RowInit, dense_until
+# covers / dense_at: the host twins of `decide`'s length tests
+from sgl_sparse.policies.base import PolicyId, RowInit, covers, dense_at, dense_until  # noqa: F401
 
 INDEXED = -2  # DecodePlan.a_slot of an indexed row
 
@@ -23,17 +24,6 @@ def init_row(policy: PolicyId, spec, window: int) -> RowInit:
 
 def windowed(step):
     return None  # indexed rows are decided in `decide`
-
-
-def covers(sink: int, budget: int, window: int, n: int) -> bool:
-    """Sink + budget + recent reach every token: the row is dense (exactly `full`)."""
-    return sink + budget + window >= n
-
-
-def dense_at(init: RowInit, n: int) -> bool:
-    """Host twin of `decide`'s length test: the budget covers n, or a sparse step
-    would skip less than the request's min_saving of it."""
-    return covers(init.sink, init.budget, init.window, n) or n <= init.dense_until
 
 
 def decide(policy: torch.Tensor, slot: torch.Tensor, sink: torch.Tensor, budget: torch.Tensor,

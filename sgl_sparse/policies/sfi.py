@@ -23,7 +23,10 @@ import numpy as np
 import torch
 
 from sgl_sparse.config import SfiPolicy
-from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs, dense_until
+# dense_at: the host's alone for SFI; the device needs no twin of it, its plan is
+# sparse only after a Selector run, which the host queues only past `dense_until`
+# (n only grows).
+from sgl_sparse.policies.base import PolicyId, RowInit, StepInputs, covers, dense_at, dense_until  # noqa: F401
 
 ID = PolicyId.SFI
 
@@ -38,19 +41,6 @@ def init_row(spec: SfiPolicy, prompt_ids, output_ids, think_ids) -> RowInit:
 
 def windowed(step: StepInputs):
     return None  # fast steps read a compact segment: see `decide`
-
-
-def covers(sink: int, budget: int, recent: int, n: int) -> bool:
-    """Sink + budget + recent reach every token: attention is dense by definition."""
-    return sink + budget + recent >= n
-
-
-def dense_at(init: RowInit, n: int) -> bool:
-    """The request attends densely at length n (no Selector run, the stock kernel):
-    its budget covers n, or a sparse step would save less than its min_saving. The
-    device needs no twin of this: its plan is sparse only after a Selector run,
-    which the host queues only past `dense_until` (n only grows)."""
-    return covers(init.sink, init.budget, init.window, n) or n <= init.dense_until
 
 
 def decide(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
