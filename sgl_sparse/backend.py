@@ -339,7 +339,9 @@ class SparseAttnBackend(AttentionBackend):
         skips FlashInfer's rows: both launches have fixed grids, so this holds
         inside CUDA graphs too. A batch whose rows all take one path runs that path
         alone (`self._route`, graph_variants.py): in a graph, the variant captured
-        without the other. A SADAS row that latches on the device before the host
+        without the other. A batch of both kinds with no query-aware row runs all
+        of them on the kernel, balanced (graph_variants.joins; compact.balance_splits
+        on). A SADAS row that latches on the device before the host
         sees it stays on the kernel for that step, attending everything.
         """
         bs = forward_batch.batch_size
@@ -354,8 +356,16 @@ class SparseAttnBackend(AttentionBackend):
             # but in a graph whose rows all take the kernel: its kernel-only twin
             qa_policies = self.state.step_query_aware_policies()
             qa = bool(qa_policies)
+            # rows of both kinds (no query-aware one): one launch of the kernel serves
+            # them all (graph_variants.joins), balanced (dense rows among sparse ones,
+            # as an SFI slow step's: the device gate picks the grid). Only where the
+            # balanced launch exists: a plain grid would wait on the longest dense row.
+            joined = (self.balance_splits and not qa and graph_variants.joins(mask)
+                      and self.state.step_rows_tracked())
+            if joined:
+                mask = [1] * len(mask)
             route = graph_variants.route_of(mask)
-            balance = self.balance_splits and (self.state.step_balance() or self._dense_step_balances(bs))
+            balance = self.balance_splits and (joined or self.state.step_balance() or self._dense_step_balances(bs))
             if eager:
                 variant = route if graph_variants.ROUTE_ENABLED and not qa else graph_variants.MIXED
                 if variant == graph_variants.KERNEL and balance:

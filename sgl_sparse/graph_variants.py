@@ -26,7 +26,14 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
   lfps or asyncspade step, bench/README "Session 32"). A row the device still finds
   dense (the host's twin of its decision disagreeing) has B = [0, n): the kernel attends
   it all;
-- `mixed`: both paths (rows of each kind);
+- `mixed`: both paths (rows of each kind). Unless SGLANG_SPARSE_MIXED_ONE_LAUNCH=0 a
+  batch of both kinds without query-aware rows does not replay it: its stock-kernel
+  rows join the kernel's (`joins`), and it replays `kernel` (`kernel_balanced`). Each
+  half of a mixed step ran at a fraction of its bandwidth: at 3072 x 64 over e4m3
+  (H200, session 52, `profile_decode`) FlashInfer took 3.93 ms a step for 32 rows
+  against 5.37 for all 64, the kernel 2.37 ms for the other 32 against 2.51 for 64
+  (both grids sized for the whole batch), and served the mix ran 0.87x stock where
+  all `full` ran 0.99x and all `sfi` 1.48x;
 - `dense`: FlashInfer alone, the stock graph plus our plan launch (every row dense);
 - `kernel`: the two-segment kernel alone, no FlashInfer launch and no FlashInfer plan
   on the host (every row sparse; CUDA-graph padding rows then go to the kernel too,
@@ -60,6 +67,7 @@ QA_ENABLED = env_switch("QA_GRAPH_VARIANTS", True)
 ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
 QA_POLICY_ENABLED = env_switch("QA_POLICY_VARIANTS", True)
 QA_KERNEL_ENABLED = env_switch("QA_KERNEL_VARIANTS", True)
+MIXED_ONE_LAUNCH = env_switch("MIXED_ONE_LAUNCH", True)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
 # KERNEL with the kernel's splits balanced across requests (a step that may hold an
@@ -117,6 +125,17 @@ def route_of(mask: Sequence[int]) -> str:
     if all(m == 1 for m in mask):
         return KERNEL
     return MIXED
+
+
+def joins(mask: Sequence[int], enabled: Optional[bool] = None) -> bool:
+    """Whether a decode batch with this routing runs every row on the two-segment
+    kernel (MIXED_ONE_LAUNCH): it has kernel rows (1) and rows for the stock kernel (0,
+    2). Their device plan attends the whole sequence (B = [0, n), A empty), which the
+    kernel reads as FlashInfer would, to rounding. A batch with no kernel row stays on
+    FlashInfer: the stock backend's exact output where every row is dense."""
+    if not (MIXED_ONE_LAUNCH if enabled is None else enabled):
+        return False
+    return 1 in mask and any(m != 1 for m in mask)
 
 
 def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,

@@ -118,6 +118,7 @@ class SparseState:
         self._scanned: dict[int, int] = {}
         self._queued: tuple[list[int], list[RowInit], list[int]] = ([], [], [])
         self._step_kernel_rows: list[int] | None = None
+        self._step_untracked = False  # see step_rows_tracked
         # The quest/asyncspade/lfps policies of the last decode batch set up: the
         # decode CUDA-graph variant its forward replays (step_query_aware_policies).
         self._step_query_aware: frozenset[PolicyId] | None = None
@@ -276,6 +277,7 @@ class SparseState:
         """
         end_id = self.think_ids[1]
         mask = []
+        untracked = False
         per_policy: dict[str, list[int]] = {}
         fallbacks: Counter[tuple[str, str]] = Counter()
 
@@ -300,6 +302,7 @@ class SparseState:
                 row = active.get(r)
                 if row is None:
                     mask.append(0)
+                    untracked = True
                     continue
                 pol = row.policy
                 if pol is _SFI:
@@ -328,6 +331,7 @@ class SparseState:
                 mask.append(windowed)
                 count(_POLICY_NAMES[pol], row.window + row.sink if windowed else n, n, row=r)
             self._step_kernel_rows = mask
+            self._step_untracked = untracked
             self._step_rows = list(map(int, rows))
             self._step_query_aware = frozenset(query_aware)
             may, surely = self._step_slow_sfi
@@ -467,6 +471,13 @@ class SparseState:
     def active_count(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def step_rows_tracked(self) -> bool:
+        """Whether every row of the decode step about to run holds a state row, i.e.
+        the device plan of each is its policy's (a row without one is routed to the
+        stock kernel, and must stay there: its plan columns are not its own)."""
+        with self._lock:
+            return not self._step_untracked
 
     def step_balance(self) -> bool:
         """Whether the decode step about to run may hold a long kernel row among short

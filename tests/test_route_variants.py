@@ -169,10 +169,24 @@ for v in two_variants:
         two._route_decode_rows(batch([2, 3], 4), eager=False, in_capture=True)
         out["capture_route"][v] = two._route
 be = make_backend()
+gv.MIXED_ONE_LAUNCH = False  # SGLANG_SPARSE_MIXED_ONE_LAUNCH=0: a batch of both kinds runs both paths
 for name, rows in (("full", [1]), ("full+covering", [1, 4]), ("windowed", [2, 3]), ("mixed", [1, 2]),
                    ("windowed+covering", [2, 4])):
     out["replay"][name] = step(be, rows, 4)
     out["eager"][name] = step(be, rows, len(rows), eager=True)
+gv.MIXED_ONE_LAUNCH = True
+# the default: a batch of both kinds runs on the kernel alone, balanced (joined); not
+# without the balanced launch (compact.balance_splits off), nor with a row the state
+# does not track (its plan columns are not its own: it stays on FlashInfer)
+out["joined"] = {name: step(be, rows, 4) for name, rows in (("mixed", [1, 2]), ("windowed+covering", [2, 4]),
+                                                              ("full+covering", [1, 4]), ("windowed", [2, 3]))}
+out["joined"]["eager"] = step(be, [1, 2], 2, eager=True)
+out["joined"]["no_balance"] = step(make_backend(balance=False), [1, 2], 4)
+lens[5] = 10  # row 5: no state row (never admitted)
+out["joined"]["untracked"] = step(be, [1, 2, 5], 4)
+out["joined"]["untracked_tracked_after"] = st.step_rows_tracked()
+out["joined"]["switch"] = [gv.joins(m, enabled) for m in ([0, 1], [2, 1], [1, 1], [0, 2], [0, 0])
+                           for enabled in (True, False)]
 for v in be.graph_variants:
     with be.capturing_graph_variant(v):
         be.dense.calls.clear()
@@ -217,7 +231,9 @@ out["paths"] = {p: REGISTRY.get_sample_value("sglang_sparse_decode_forwards_tota
 st.metrics = None
 step(be, [1], 4)
 out["installed_dense"] = be.dense.decode_cuda_graph_metadata[4]
+gv.MIXED_ONE_LAUNCH = False
 step(be, [1, 2], 4)
+gv.MIXED_ONE_LAUNCH = True
 out["installed_mixed"] = be.dense.decode_cuda_graph_metadata[4]
 off = make_backend(route=False)
 out["off"]["variants"] = list(off.graph_variants)
@@ -244,6 +260,23 @@ def forward(route, rows, padded):
     return o, saved, [c[0] for c in be.dense.calls], be._row_mask[:padded].clone()
 
 o_kernel, saved_kernel, calls_kernel, mask_kernel = forward(gv.KERNEL, [2, 3], 4)
+# a joined batch (full row 1, windowed row 2): the kernel alone serves both, each row
+# against a float reference of the keys its policy attends (full: all 20; streaming:
+# sink 2 + window 8 of 37), the step's own key included (saved before the kernel)
+o_joined, saved_joined, calls_joined, mask_joined = forward(gv.KERNEL, [1, 2], 4)
+
+
+def attend(qrow, r, positions):
+    slots = req_to_token[r, positions].long()
+    keys = kv.get_key_buffer(0)[slots].float().repeat_interleave(HQ // HKV, dim=1)  # [n, HQ, D]
+    vals = kv.get_value_buffer(0)[slots].float().repeat_interleave(HQ // HKV, dim=1)
+    w = torch.softmax(torch.einsum("hd,nhd->hn", qrow.float().view(HQ, D), keys) * D ** -0.5, -1)
+    return torch.einsum("hn,nhd->hd", w, vals).reshape(-1)
+
+
+q_joined = torch.randn(4, HQ * D, generator=torch.Generator().manual_seed(1)).half()
+joined_refs = [attend(q_joined[0], 1, list(range(20))), attend(q_joined[1], 2, [0, 1] + list(range(29, 37)))]
+joined_err = [float((o_joined[i].float() - ref).norm() / ref.norm()) for i, ref in enumerate(joined_refs)]
 # the same rows through both paths: FlashInfer (stand-in) serves nothing, the kernel all
 mixed = make_backend()
 st.set_step_rows([2, 3], [lens[2], lens[3]], [[], []])
@@ -281,6 +314,8 @@ for gate_on, one_grid in ((False, False), (True, False), (True, True)):
 tsd.BALANCE_GATE, tsd.BALANCE_ONE_GRID = gate_default, one_grid_default
 out["forward"] = {
     "balanced": balanced,
+    "joined": {"rel_err": joined_err, "finite": bool(torch.isfinite(o_joined[:2]).all()), "saved_kv": saved_joined,
+               "dense_calls": calls_joined, "mask": mask_joined.tolist()},
     "kernel_saved_kv": saved_kernel, "kernel_dense_calls": calls_kernel, "kernel_mask": mask_kernel.tolist(),
     "kernel_rows_equal_mixed": bool(torch.equal(o_kernel[:2], o_mixed[:2])),
     "kernel_finite": bool(torch.isfinite(o_kernel).all()),
@@ -297,6 +332,8 @@ def res(tmp_path_factory):
     env.pop("SGL_SPARSE_ROUTE_VARIANTS", None)
     env.pop("SGLANG_SPARSE_BALANCE_SPLITS", None)
     env.pop("SGL_SPARSE_BALANCE_SPLITS", None)
+    env.pop("SGLANG_SPARSE_MIXED_ONE_LAUNCH", None)
+    env.pop("SGL_SPARSE_MIXED_ONE_LAUNCH", None)
     out = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=tmp_path_factory.mktemp("route"),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -365,6 +402,25 @@ def test_replay_routes_each_batch_to_its_paths(res):
 
 
 @pytest.mark.timeout(300)
+def test_batches_of_both_kinds_join_the_kernel(res):
+    j = res["joined"]
+    # both kinds: the kernel alone, balanced, no FlashInfer plan, every row (padding too) on it
+    for name in ("mixed", "windowed+covering"):
+        assert j[name]["variant"] == "kernel_balanced" and j[name]["route"] == "kernel", name
+        assert j[name]["plans"] == [] and j[name]["mask"] == [1, 1, 1, 1], name
+    # one kind: as before (all dense stays FlashInfer's, exactly stock)
+    assert j["full+covering"]["variant"] == "dense" and j["full+covering"]["mask"] == [0, 0, 0, 0]
+    assert j["windowed"]["variant"] == "kernel"
+    assert j["eager"]["route"] == "kernel" and j["eager"]["plans"] == [] and j["eager"]["mask"] == [1, 1]
+    # no balanced launch, or a row without state: both paths
+    assert j["no_balance"]["variant"] == "mixed" and j["no_balance"]["mask"] == [0, 1, 0, 0]
+    assert j["untracked"]["variant"] == "mixed" and j["untracked"]["mask"] == [0, 1, 0, 0]
+    assert j["untracked_tracked_after"] is False
+    # joins: kernel rows beside stock-kernel ones (0 or 2), only with the switch on
+    assert j["switch"] == [True, False, True, False, False, False, False, False, False, False]
+
+
+@pytest.mark.timeout(300)
 def test_eager_forwards_skip_the_unused_path(res):
     e = res["eager"]
     assert e["full"]["route"] == "dense" and e["full"]["plans"] == [["eager_plan", [20]]]
@@ -383,7 +439,8 @@ def test_captures_and_wrappers_per_variant(res):
     assert res["all_slow"] == {"long_fp8": "kernel_balanced", "long_bf16": "kernel", "short_fp8": "kernel",
                                "none": "kernel"}
     assert res["variants_no_balance"] == ["mixed", "dense", "kernel"]
-    assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 0.0, "mixed": 1.0, "qa": 0.0,
+    # (the eager batch of both kinds: joined, the balanced kernel)
+    assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 1.0, "mixed": 0.0, "qa": 0.0,
                             "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "qa_kernel": 0.0,
                             "qa_quest_kernel": 0.0, "qa_asyncspade_kernel": 0.0, "qa_lfps_kernel": 0.0,
                             "reference": 0.0}
@@ -407,6 +464,10 @@ def test_forward_of_each_path(res):
     # kernel alone: the step's K/V saved, FlashInfer never called, padding rows served
     assert f["kernel_saved_kv"] and f["kernel_dense_calls"] == [] and f["kernel_mask"] == [1, 1, 1, 1]
     assert f["kernel_rows_equal_mixed"] and f["kernel_finite"]
+    # joined: the full row and the windowed one from one kernel launch, each as its policy attends
+    jf = f["joined"]
+    assert jf["saved_kv"] and jf["dense_calls"] == [] and jf["mask"] == [1, 1, 1, 1] and jf["finite"]
+    assert all(e < 2e-3 for e in jf["rel_err"]), jf
     # dense alone: FlashInfer's output (and its K/V write), no kernel
     assert f["dense_calls"] == ["decode"] and f["dense_saved_kv"] and f["dense_is_flashinfer"]
     # balanced (its shares once a step), and with its gated plain twin, as two launches or
