@@ -62,6 +62,20 @@ class Timer:
         fn()
         return 1e6 * (time.perf_counter() - t0)
 
+    def checked_run(self, fn) -> float:
+        """One call of ``fn`` (the run a script then checks), its wall time in µs."""
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+
+    def again(self, fn, checked_us: float) -> tuple[float, Optional[float]]:
+        """(eager_us, graph_us) of ``fn`` after its checked run took ``checked_us``. On
+        the CPU interpreter that run's figure, no second call: each one costs CI
+        interpreter seconds, and the figure means nothing there."""
+        if not self.use_cuda:
+            return checked_us, None
+        return self.eager_us(fn), self.graph_us(fn)
+
     def graph_us(self, fn) -> Optional[float]:
         import triton
 

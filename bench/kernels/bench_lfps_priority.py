@@ -103,11 +103,11 @@ def main(argv=None) -> int:
                         lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=chunks)
 
                 prio.fill_(float("nan"))
-                run()
+                first = timer.checked_run(run)
                 ok = torch.equal(prio[live], want[live])
                 if not ok:
                     failures.append((name, chunks, "tree" if tree else "in order"))
-                t, g = timer.eager_us(run), timer.graph_us(run)
+                t, g = timer.again(run, first)
                 best = g if g is not None else t
                 row = dict(case=name, slots=s, kv_heads=hkv, max_context=m, chunks=chunks, tree_merge=tree,
                            default=chunks == default and not tree,
@@ -126,11 +126,11 @@ def main(argv=None) -> int:
                     lt.lfps_priority(rho, eps, a, ver, sla, n, sink, prio=prio, bypass=bypass, chunks=default)
 
             prio.fill_(float("nan"))
-            run_c0()
+            first = timer.checked_run(run_c0)
             ok = torch.equal(prio[live], want[live])
             if not ok:
                 failures.append((name, "c0 reread" if reread else "c0 from read"))
-            t, g = timer.eager_us(run_c0), timer.graph_us(run_c0)
+            t, g = timer.again(run_c0, first)
             label = "C0 read again (10 reads)" if reread else "C0 from the read (8)"
             results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, c0=label, c0_chunks=default,
                                 eager_us=round(t, 1), graph_us=None if g is None else round(g, 1), ok=ok))
@@ -149,13 +149,13 @@ def main(argv=None) -> int:
                                      shift=shift)
 
             prio.fill_(float("nan"))
-            run_ps()
+            first = timer.checked_run(run_ps)
             # the thresholds move by fp32 rounding: an entry at one may change sides
             differ = int((prio[live] != want[live]).sum())
             ok = differ <= max(1, live_pos // 10000)
             if not ok:
                 failures.append((name, "power sums" if power_sums else "moments"))
-            t, g = timer.eager_us(run_ps), timer.graph_us(run_ps)
+            t, g = timer.again(run_ps, first)
             label = "statistics by power sums" if power_sums else "statistics by Pébay merges"
             results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, statistics=label, stats_chunks=default,
                                 eager_us=round(t, 1), graph_us=None if g is None else round(g, 1),
@@ -184,9 +184,9 @@ def main(argv=None) -> int:
         outs = []
         for stage, fn in (("c1-stage before", before), ("c1-stage now", now)):
             cand.fill_(-1)
-            fn()
+            first = timer.checked_run(fn)
             outs.append((cand.clone(), n_c1.clone()))
-            t, g = timer.eager_us(fn), timer.graph_us(fn)
+            t, g = timer.again(fn, first)
             results.append(dict(case=name, slots=s, kv_heads=hkv, max_context=m, stage=stage, k=k, eager_us=round(t, 1),
                                 graph_us=None if g is None else round(g, 1), listed_share=None))
             print(f"  {name:12s} {stage:16s}: {t:8.1f} us (graph {'-' if g is None else f'{g:7.1f}'})", flush=True)
