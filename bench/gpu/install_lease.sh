@@ -10,15 +10,20 @@
 # No server is started to build FlashInfer's JIT beside the tests: session 52's crashed
 # next to them and the wait for it cost ~350 s; the first e2e's warm-up builds it
 # (server_compare.warm_requests).
+# LEASE_ROOT / SITE: where the parts and wheels go and where they install (/root,
+# /tmp/site on the device; run_all.sh reads /tmp/site); the CPU test points them at a
+# temporary directory.
 set -uo pipefail
 parts=${PARTS:-6}
-mkdir -p /root/parts && cp .gpu/p6/* /root/parts/
-have=$(ls /root/parts | wc -l)
+root=${LEASE_ROOT:-/root}
+site=${SITE:-/tmp/site}
+mkdir -p "$root/parts" && cp .gpu/p6/* "$root/parts/"
+have=$(ls "$root/parts" | wc -l)
 if [ "$have" -ne "$parts" ]; then
-    echo "install_lease: $have of $parts wheelhouse parts in /root/parts ($(ls /root/parts | tr '\n' ' ')): copy the missing ones first" >&2
+    echo "install_lease: $have of $parts wheelhouse parts in $root/parts ($(ls "$root/parts" | tr '\n' ' ')): copy the missing ones first" >&2
     exit 1
 fi
-mkdir -p /root/wh && cat /root/parts/* | tar x -C /root/wh || exit 1
-cp /root/wh/c*/*.whl .gpu/b3/*.whl /root/wh/
-python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/wh/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
+mkdir -p "$root/wh" && cat "$root"/parts/* | tar x -C "$root/wh" || exit 1
+cp "$root"/wh/c*/*.whl .gpu/b3/*.whl "$root/wh/"
+python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/wh/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
 exec bash bench/gpu/run_all.sh "${1:-tests}"
