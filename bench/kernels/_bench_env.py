@@ -58,9 +58,7 @@ class Timer:
 
         if self.use_cuda:
             return 1e3 * triton.testing.do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
+        return self.checked_run(fn)
 
     def checked_run(self, fn) -> float:
         """One call of ``fn`` (the run a script then checks), its wall time in µs."""
