@@ -77,6 +77,16 @@ def test_joins_the_parts_installs_every_wheel_and_runs_the_mode(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_install_mode_installs_and_runs_nothing_else(tmp_path):
+    work, root, site, env = _lease(tmp_path, parts_copied=5)
+    out = subprocess.run(["bash", str(SCRIPT), "install"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert not (work / "ran_mode").exists()
+    assert {"lease_dep_one", "lease_dep_two", "lease_project"} <= {p.name for p in site.iterdir()}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_missing_part_stops_before_the_tar(tmp_path):
     work, root, site, env = _lease(tmp_path, parts_copied=4)
     out = subprocess.run(["bash", str(SCRIPT)], cwd=work, env=env, capture_output=True, text=True, timeout=120)

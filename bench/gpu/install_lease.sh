@@ -6,6 +6,9 @@
 # calls and the next one started bare) stops here, naming what /root/parts holds.
 #
 #   run(carry=[".gpu/p6", ".gpu/b3"], command="bash bench/gpu/install_lease.sh tests")
+#   run(..., command="bash bench/gpu/install_lease.sh install && CASES=... bash bench/gpu/e2e_watchdog.sh")
+#     (mode `install`: the wheels only, so that the same call can run what run_all.sh's
+#     modes do not, such as the e2e under its watchdog)
 #
 # No server is started to build FlashInfer's JIT beside the tests: session 52's crashed
 # next to them and the wait for it cost ~350 s; the first e2e's warm-up builds it
@@ -26,4 +29,5 @@ fi
 mkdir -p "$root/wh" && cat "$root"/parts/* | tar x -C "$root/wh" || exit 1
 cp "$root"/wh/c*/*.whl .gpu/b3/*.whl "$root/wh/"
 python3 -m pip install -q --no-index --no-deps --target "$site" "$root"/wh/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -5
+[ "${1:-tests}" = install ] && exit 0
 exec bash bench/gpu/run_all.sh "${1:-tests}"
