@@ -33,7 +33,8 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
   (H200, session 52, `profile_decode`) FlashInfer took 3.93 ms a step for 32 rows
   against 5.37 for all 64, the kernel 2.37 ms for the other 32 against 2.51 for 64
   (both grids sized for the whole batch), and served the mix ran 0.87x stock where
-  all `full` ran 0.99x and all `sfi` 1.48x;
+  all `full` ran 0.99x and all `sfi` 1.48x; joined it serves at 1.24x (1.23x at
+  8192 x 32, where split it ran 0.91x: session 53);
 - `dense`: FlashInfer alone, the stock graph plus our plan launch (every row dense);
 - `kernel`: the two-segment kernel alone, no FlashInfer launch and no FlashInfer plan
   on the host (every row sparse; CUDA-graph padding rows then go to the kernel too,
