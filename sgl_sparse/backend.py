@@ -356,12 +356,13 @@ class SparseAttnBackend(AttentionBackend):
             # but in a graph whose rows all take the kernel: its kernel-only twin
             qa_policies = self.state.step_query_aware_policies()
             qa = bool(qa_policies)
-            # rows of both kinds (no query-aware one): one launch of the kernel serves
-            # them all (graph_variants.joins), balanced (dense rows among sparse ones,
-            # as an SFI slow step's: the device gate picks the grid). Only where the
-            # balanced launch exists: a plain grid would wait on the longest dense row.
-            joined = (self.balance_splits and not qa and graph_variants.joins(mask)
-                      and self.state.step_rows_tracked())
+            # rows of both kinds: one launch of the kernel serves them all
+            # (graph_variants.joins), balanced (dense rows among sparse ones, as an SFI
+            # slow step's: the device gate picks the grid). Only where the balanced
+            # launch exists: a plain grid would wait on the longest dense row. With
+            # query-aware rows, only into a captured balanced twin (QA_JOIN).
+            joined = (self.balance_splits and graph_variants.joins(mask) and self.state.step_rows_tracked()
+                      and (not qa or (not eager and graph_variants.qa_joins(self.graph_variants, qa_policies))))
             if joined:
                 mask = [1] * len(mask)
             route = graph_variants.route_of(mask)
@@ -376,9 +377,10 @@ class SparseAttnBackend(AttentionBackend):
         if not in_capture and self.state.metrics is not None and forward_batch.forward_mode.is_decode():
             self.state.metrics.on_decode_path(variant)
         if self.balanced_launches is not None:
-            self.balanced_launches.note_forward(variant == graph_variants.KERNEL_BALANCED, in_capture)
-        # KERNEL_BALANCED: the kernel alone, its splits balanced (init_forward_metadata_in_graph).
-        self._balance_step = variant == graph_variants.KERNEL_BALANCED
+            self.balanced_launches.note_forward(graph_variants.is_balanced(variant), in_capture)
+        # KERNEL_BALANCED (or a query-aware balanced twin): the kernel alone, its splits
+        # balanced (init_forward_metadata_in_graph).
+        self._balance_step = graph_variants.is_balanced(variant)
         route = self._route = (graph_variants.KERNEL if graph_variants.is_kernel_only(variant) else
                                graph_variants.MIXED if graph_variants.is_qa(variant) else
                                graph_variants.KERNEL if self._balance_step else variant)

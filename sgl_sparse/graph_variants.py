@@ -26,6 +26,15 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
   lfps or asyncspade step, bench/README "Session 32"). A row the device still finds
   dense (the host's twin of its decision disagreeing) has B = [0, n): the kernel attends
   it all;
+- `qa_kernel_balanced`, `qa_<policy>_kernel_balanced` (SGLANG_SPARSE_QA_JOIN=1, with
+  `compact.balance_splits`): the kernel-only twins with the kernel's splits balanced,
+  for a query-aware batch with rows for the stock kernel too (`full`, covering
+  windows), joined on the kernel as `joins` does for batches without query-aware
+  rows; also the twin a kernel-only query-aware batch that may hold an SFI slow step
+  replays. Off by default until served against the split (bench/README 0q): a plain
+  grid would wait on the dense rows (32768 x 8 over e4m3, 4 of 8 rows dense: 6.76 ms
+  plain against 3.16 balanced, kernel level, session 52). The step's shares count a
+  query-aware row's segment B only: its A is selected within each layer, after them;
 - `mixed`: both paths (rows of each kind). Unless SGLANG_SPARSE_MIXED_ONE_LAUNCH=0 a
   batch of both kinds without query-aware rows does not replay it: its stock-kernel
   rows join the kernel's (`joins`), and it replays `kernel` (`kernel_balanced`). Each
@@ -53,7 +62,8 @@ drops `dense` and `kernel`, so both paths launch at every step (the behaviour be
 SGLANG_SPARSE_QA_POLICY_VARIANTS=0 drops the per-policy `qa_<policy>` graphs (every
 query-aware batch replays `qa`, the behaviour before session 18);
 SGLANG_SPARSE_QA_KERNEL_VARIANTS=0 drops the kernel-only twins of the query-aware ones
-(both paths at every query-aware step, the behaviour before session 32).
+(both paths at every query-aware step, the behaviour before session 32);
+SGLANG_SPARSE_QA_JOIN=1 adds their balanced twins (above).
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
 QA_POLICY_ENABLED = env_switch("QA_POLICY_VARIANTS", True)
 QA_KERNEL_ENABLED = env_switch("QA_KERNEL_VARIANTS", True)
 MIXED_ONE_LAUNCH = env_switch("MIXED_ONE_LAUNCH", True)
+QA_JOIN = env_switch("QA_JOIN", False)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
 # KERNEL with the kernel's splits balanced across requests (a step that may hold an
@@ -95,9 +106,25 @@ def kernel_only(variant: str) -> str:
     return variant + KERNEL_ONLY_SUFFIX
 
 
+#: A kernel-only query-aware variant's balanced twin: its name and this suffix.
+BALANCED_SUFFIX = "_balanced"
+
+
+def balanced_twin(variant: str) -> str:
+    """The balanced twin of a kernel-only query-aware variant."""
+    return variant + BALANCED_SUFFIX
+
+
 def is_kernel_only(variant: Optional[str]) -> bool:
-    """Whether `variant` is a query-aware variant's kernel-only twin."""
-    return is_qa(variant) and variant.endswith(KERNEL_ONLY_SUFFIX)
+    """Whether `variant` is a query-aware variant's kernel-only twin (or its balanced twin)."""
+    return is_qa(variant) and (variant.endswith(KERNEL_ONLY_SUFFIX)
+                               or variant.endswith(KERNEL_ONLY_SUFFIX + BALANCED_SUFFIX))
+
+
+def is_balanced(variant: Optional[str]) -> bool:
+    """Whether `variant` runs the kernel alone with its splits balanced: KERNEL_BALANCED
+    or a query-aware variant's balanced twin."""
+    return variant == KERNEL_BALANCED or (is_kernel_only(variant) and variant.endswith(BALANCED_SUFFIX))
 
 
 def is_qa(variant: Optional[str]) -> bool:
@@ -110,6 +137,8 @@ def qa_policies(variant: Optional[str]) -> Optional[frozenset[PolicyId]]:
     offered one (`qa`, or no variant at all: eager forwards, one unlabelled graph)."""
     if variant is None or not is_qa(variant):
         return None
+    if variant.endswith(BALANCED_SUFFIX):
+        variant = variant[: -len(BALANCED_SUFFIX)]
     if variant.endswith(KERNEL_ONLY_SUFFIX):
         variant = variant[: -len(KERNEL_ONLY_SUFFIX)]
     if variant == QA:
@@ -140,7 +169,8 @@ def joins(mask: Sequence[int], enabled: Optional[bool] = None) -> bool:
 
 
 def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
-           balance: Optional[bool] = None, qa_kernel: bool = QA_KERNEL_ENABLED) -> tuple[str, ...]:
+           balance: Optional[bool] = None, qa_kernel: bool = QA_KERNEL_ENABLED,
+           qa_join: Optional[bool] = None) -> tuple[str, ...]:
     """The variants `backend` (a SparseAttnBackend) captures per batch size, largest
     graph first; () for one unlabelled graph per size."""
     if backend.dense is None or not compat.has_dense_decode_graph_wrappers(backend.dense):
@@ -153,7 +183,10 @@ def wanted(backend: Any, route: bool = ROUTE_ENABLED, qa: bool = QA_ENABLED,
     if device is not None and qa and QA_POLICY_ENABLED and len(device.policies) > 1:
         out += [qa_of(p) for p in device.policies]
     if out and qa and route and qa_kernel:
-        out += [kernel_only(v) for v in out]
+        twins = [kernel_only(v) for v in out]
+        out += twins
+        if balance and (QA_JOIN if qa_join is None else qa_join):
+            out += [balanced_twin(v) for v in twins]
     if not out or qa:
         out.append(MIXED)
     if route:
@@ -168,7 +201,8 @@ def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool
     """The captured variant a batch replays: when it holds a query-aware row, the
     graph with those rows' policy alone (`policies`: the batch's query-aware ones) if
     captured, else the one with them all (or, when that graph is all there is, it),
-    its kernel-only twin where the batch's route is KERNEL and the twin is captured;
+    its kernel-only twin where the batch's route is KERNEL and the twin is captured
+    (that twin's balanced one where the batch wants `balance` and it is captured);
     otherwise the graph of its route when
     captured (KERNEL_BALANCED for a kernel-only batch that wants `balance`, when
     captured), else the one with both paths (MIXED when nothing is captured: one
@@ -182,12 +216,22 @@ def choose(captured: Sequence[str], query_aware: bool, route: str, balance: bool
         elif QA in captured:
             pick = QA
         if pick is not None:
-            return kernel_only(pick) if route == KERNEL and kernel_only(pick) in captured else pick
+            if route != KERNEL or kernel_only(pick) not in captured:
+                return pick
+            twin = balanced_twin(kernel_only(pick))
+            return twin if balance and twin in captured else kernel_only(pick)
     if route == KERNEL and balance and KERNEL_BALANCED in captured:
         return KERNEL_BALANCED
     if route in captured:
         return route
     return MIXED if MIXED in captured else QA
+
+
+def qa_joins(captured: Sequence[str], policies: AbstractSet[PolicyId]) -> bool:
+    """Whether a query-aware batch (its rows' query-aware `policies`) can run every row
+    on the kernel, balanced: the balanced twin it would replay is captured (QA_JOIN)."""
+    v = choose(captured, True, KERNEL, True, policies)
+    return is_kernel_only(v) and is_balanced(v)
 
 
 def label(base: Optional[str], variant: str) -> str:

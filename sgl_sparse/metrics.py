@@ -63,7 +63,9 @@ def batch_mix(policies) -> str:
 
 # graph_variants' paths (their values) and the CPU reference path: every series from 0.
 DECODE_PATHS = ("dense", "kernel", "kernel_balanced", "mixed", "qa", "qa_quest", "qa_asyncspade", "qa_lfps",
-                "qa_kernel", "qa_quest_kernel", "qa_asyncspade_kernel", "qa_lfps_kernel", "reference")
+                "qa_kernel", "qa_quest_kernel", "qa_asyncspade_kernel", "qa_lfps_kernel",
+                "qa_kernel_balanced", "qa_quest_kernel_balanced", "qa_asyncspade_kernel_balanced",
+                "qa_lfps_kernel_balanced", "reference")
 
 
 class SchedulerMetrics:
@@ -154,7 +156,9 @@ class SchedulerMetrics:
             "(sgl_sparse's kernel alone), kernel_balanced (the kernel with balanced splits: a step "
             "where an SFI slow step may run beside fast ones, or an all-slow step of long rows over fp8, "
             "compact.balance_splits), mixed (both), "
-            "qa (both with the query-aware blocks), reference (the CPU reference path).",
+            "qa (both with the query-aware blocks), qa_<policy>, qa[_<policy>]_kernel (those blocks with the "
+            "kernel alone), qa[_<policy>]_kernel_balanced (balanced: SGLANG_SPARSE_QA_JOIN), "
+            "reference (the CPU reference path).",
             ["path", "model_name"])
         self._path_children = {path: self.decode_forwards.labels(path, model_name) for path in DECODE_PATHS}
         self.balanced_launches = Counter(

@@ -19,7 +19,8 @@ server_compare = load_bench_script("gpu/server_compare.py")
 
 def _text(steps: float, slow: float, attended: float, cached: float, serving: float, prep_s: float,
           forwards: float, runs: float, rows: float, balanced: float = 0.0, captures: float = 0.0,
-          fallback: float = 3.0, scored: tuple[float, float] = (0.0, 0.0), launched: float = 0.0) -> str:
+          fallback: float = 3.0, scored: tuple[float, float] = (0.0, 0.0), launched: float = 0.0,
+          qa_balanced: float = 0.0) -> str:
     m = 'model_name="/root/model"'
     return "\n".join([
         "# HELP sglang_sparse_decode_steps_total Request decode steps, by policy.",
@@ -39,7 +40,8 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
         f"sglang_sparse_selector_refresh_duration_seconds_sum{{{m}}} {runs * 0.003}",
         f"sglang_sparse_selector_refreshed_rows_total{{{m}}} {rows}",
         f'sglang_sparse_decode_forwards_total{{{m},path="kernel_balanced"}} {balanced}',
-        f'sglang_sparse_decode_forwards_total{{{m},path="kernel"}} {forwards - balanced}',
+        f'sglang_sparse_decode_forwards_total{{{m},path="qa_quest_kernel_balanced"}} {qa_balanced}',
+        f'sglang_sparse_decode_forwards_total{{{m},path="kernel"}} {forwards - balanced - qa_balanced}',
         f'sglang_sparse_decode_forwards_total{{{m},path="dense"}} 0.0',
         f"sglang_sparse_refresh_graph_captures_total{{{m}}} {captures}",
         f"sglang_sparse_balanced_launches_total{{{m}}} {launched}",
@@ -52,10 +54,12 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
 def test_row_figures_are_the_differences_over_the_timed_batches():
     before = server_compare.parse_metrics(_text(100, 4, 1e4, 1e5, 1, 0.5, 100, 2, 40, balanced=10, captures=5,
                                                 scored=(0.03, 1), launched=3))
-    after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72, balanced=74,
-                                               captures=7, fallback=67, scored=(0.23, 5), launched=19))
+    # the balanced forwards: kernel_balanced and a query-aware balanced twin's (64 + 10)
+    after = server_compare.parse_metrics(_text(356, 12, 3.56e4, 3.56e5, 3, 0.62, 356, 10, 72, balanced=64,
+                                               captures=7, fallback=67, scored=(0.23, 5), launched=19,
+                                               qa_balanced=10))
     assert after[("sglang_sparse_kernel_compiles_total", "phase=startup")] == 44
-    assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 74
+    assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 64
     assert server_compare.sparse_stats(before, after, "sfi") == {
         "decode_steps": 256, "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
         "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),

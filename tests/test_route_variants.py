@@ -168,6 +168,43 @@ for v in two_variants:
     with two.capturing_graph_variant(v):
         two._route_decode_rows(batch([2, 3], 4), eager=False, in_capture=True)
         out["capture_route"][v] = two._route
+# SGLANG_SPARSE_QA_JOIN=1: the kernel-only twins' balanced twins; a query-aware batch
+# with rows for the stock kernel joins the kernel in one (the state's query-aware
+# policies set here: the routing reads only them), never without the twin captured,
+# nor eagerly
+join = make_backend()
+join.qa = two.qa
+join.graph_variants = gv.wanted(join, qa_join=True)
+out["variants_two_qa_join"] = list(join.graph_variants)
+no_balance = make_backend(balance=False)
+no_balance.qa = two.qa
+out["variants_two_qa_join_no_balance"] = list(gv.wanted(no_balance, qa_join=True))
+out["choose_qa_join"] = {name: gv.choose(join.graph_variants, True, route, balance, frozenset(p))
+                         for name, route, balance, p in (("quest", gv.KERNEL, True, [Q]),
+                                                         ("both", gv.KERNEL, True, [Q, A]),
+                                                         ("quest_plain", gv.KERNEL, False, [Q]),
+                                                         ("quest_mixed", gv.MIXED, True, [Q]))}
+out["balanced"] = {v: gv.is_balanced(v) for v in ("kernel_balanced", "qa_quest_kernel_balanced",
+                                                   "qa_kernel_balanced", "qa_quest_kernel", "kernel", "qa")}
+out["qa_policies_balanced"] = sorted(p.name for p in gv.qa_policies("qa_asyncspade_kernel_balanced"))
+real_qa_policies = st.step_query_aware_policies
+st.step_query_aware_policies = lambda: frozenset({Q})
+out["qa_join"] = {}
+plain_qa = make_backend()
+plain_qa.qa, plain_qa.graph_variants = two.qa, two_variants
+no_qa_graphs = make_backend()  # no query-aware graph captured: never joined into kernel_balanced
+out["qa_join_no_qa_graphs"] = gv.qa_joins(no_qa_graphs.graph_variants, frozenset({Q}))
+for name, be_, rows, eager in (("joined", join, [1, 2], False), ("not_captured", plain_qa, [1, 2], False),
+                               ("eager", join, [1, 2], True), ("all_kernel", join, [2, 3], False)):
+    st.set_step_rows(rows, [lens[r] for r in rows], [[] for _ in rows])
+    be_._route_decode_rows(batch(rows, 4), eager=eager, in_capture=False)
+    out["qa_join"][name] = {"variant": None if eager else be_._step_variant, "route": be_._route,
+                            "balance_step": be_._balance_step, "mask": be_._row_mask[:4].tolist()}
+st.step_query_aware_policies = real_qa_policies
+with join.capturing_graph_variant("qa_quest_kernel_balanced"):
+    out["qa_join_capture"] = [sorted(p.name for p in join.qa.device.only)]
+    join._route_decode_rows(batch([2, 3], 4), eager=False, in_capture=True)
+    out["qa_join_capture"] += [join._route, join._balance_step, join._captures_query_aware()]
 be = make_backend()
 gv.MIXED_ONE_LAUNCH = False  # SGLANG_SPARSE_MIXED_ONE_LAUNCH=0: a batch of both kinds runs both paths
 for name, rows in (("full", [1]), ("full+covering", [1, 4]), ("windowed", [2, 3]), ("mixed", [1, 2]),
@@ -402,6 +439,37 @@ def test_replay_routes_each_batch_to_its_paths(res):
 
 
 @pytest.mark.timeout(300)
+def test_query_aware_batches_join_the_kernel_in_a_balanced_twin(res):
+    """SGLANG_SPARSE_QA_JOIN=1: the kernel-only query-aware twins' balanced twins."""
+    assert res["variants_two_qa_join"] == [
+        "qa", "qa_quest", "qa_asyncspade", "qa_kernel", "qa_quest_kernel", "qa_asyncspade_kernel",
+        "qa_kernel_balanced", "qa_quest_kernel_balanced", "qa_asyncspade_kernel_balanced",
+        "mixed", "dense", "kernel", "kernel_balanced"]
+    # no balanced launch (compact.balance_splits off): no twin
+    assert "qa_kernel_balanced" not in res["variants_two_qa_join_no_balance"]
+    assert res["choose_qa_join"] == {"quest": "qa_quest_kernel_balanced", "both": "qa_kernel_balanced",
+                                     "quest_plain": "qa_quest_kernel", "quest_mixed": "qa_quest"}
+    assert res["balanced"] == {"kernel_balanced": True, "qa_quest_kernel_balanced": True,
+                               "qa_kernel_balanced": True, "qa_quest_kernel": False, "kernel": False, "qa": False}
+    assert res["qa_policies_balanced"] == ["ASYNCSPADE"]
+    j = res["qa_join"]
+    # a quest batch with a full row (0) and a windowed one (1): every row, padding too, on the
+    # kernel in the balanced twin
+    assert j["joined"] == {"variant": "qa_quest_kernel_balanced", "route": "kernel", "balance_step": True,
+                           "mask": [1, 1, 1, 1]}
+    # the twin not captured (QA_JOIN off), or eager: both paths, the full row FlashInfer's
+    assert j["not_captured"] == {"variant": "qa_quest", "route": "mixed", "balance_step": False,
+                                 "mask": [0, 1, 0, 0]}
+    assert j["eager"]["route"] == "mixed" and j["eager"]["mask"] == [0, 1, 0, 0]
+    assert res["qa_join_no_qa_graphs"] is False
+    # every row the kernel's already, nothing to balance: the plain twin
+    assert j["all_kernel"] == {"variant": "qa_quest_kernel", "route": "kernel", "balance_step": False,
+                               "mask": [1, 1, 1, 1]}
+    # its capture: quest's blocks alone, the kernel alone, balanced
+    assert res["qa_join_capture"] == [["QUEST"], "kernel", True, True]
+
+
+@pytest.mark.timeout(300)
 def test_batches_of_both_kinds_join_the_kernel(res):
     j = res["joined"]
     # both kinds: the kernel alone, balanced, no FlashInfer plan, every row (padding too) on it
@@ -443,6 +511,8 @@ def test_captures_and_wrappers_per_variant(res):
     assert res["paths"] == {"dense": 1.0, "kernel": 2.0, "kernel_balanced": 1.0, "mixed": 0.0, "qa": 0.0,
                             "qa_quest": 0.0, "qa_asyncspade": 0.0, "qa_lfps": 0.0, "qa_kernel": 0.0,
                             "qa_quest_kernel": 0.0, "qa_asyncspade_kernel": 0.0, "qa_lfps_kernel": 0.0,
+                            "qa_kernel_balanced": 0.0, "qa_quest_kernel_balanced": 0.0,
+                            "qa_asyncspade_kernel_balanced": 0.0, "qa_lfps_kernel_balanced": 0.0,
                             "reference": 0.0}
     # each variant that plans FlashInfer keeps its own wrappers; replays put them back
     kept = res["kept"]

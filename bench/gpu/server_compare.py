@@ -295,7 +295,9 @@ def sparse_stats(before, after, policy):
     rows = d0("sglang_sparse_selector_refreshed_rows_total")
     fw = "sglang_sparse_decode_forwards_total"
     paths = {k[1]: after[k] - before.get(k, 0.0) for k in after if k[0] == fw}
-    balanced, all_paths = paths.get("path=kernel_balanced", 0.0), sum(paths.values())
+    # kernel_balanced and the query-aware balanced twins (qa_<policy>_kernel_balanced)
+    balanced = sum(v for k, v in paths.items() if k.endswith("kernel_balanced"))
+    all_paths = sum(paths.values())
     return {"decode_steps": int(steps),  # request-steps: counted once per step whatever the TP size
             "slow_step_ratio": round(d("sglang_sparse_slow_steps_total") / steps, 4),
             "retention": round(d("sglang_sparse_attended_tokens_total") / cached, 4) if cached else None,
