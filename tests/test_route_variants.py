@@ -349,7 +349,60 @@ for gate_on, one_grid in ((False, False), (True, False), (True, True)):
         "gate": None if bb._balance_gate is None else bb._balance_gate.tolist(),
         "rel_err": float((o_bal[:2].float() - ref).norm() / ref.norm()), "finite": bool(torch.isfinite(o_bal).all())}
 tsd.BALANCE_GATE, tsd.BALANCE_ONE_GRID = gate_default, one_grid_default
+# A joined batch with an indexed row, as a query-aware batch joined under
+# SGLANG_SPARSE_QA_JOIN runs: the step's balanced shares taken from the step's plan
+# (where an indexed row has no segment A yet), then the row's per-head lists filled as
+# the layer's selection does (plan.with_indexed's fields): full row 1, streaming row 2,
+# row 3 indexed (head 0: 3 positions, head 1: 5, and a recent window of 4), each
+# against a float reference of the keys it attends.
+import dataclasses
+ku = importlib.import_module("sgl_sparse.kernels._utils")
+fake_sms, ku.CPU_FAKE_NUM_SMS = ku.CPU_FAKE_NUM_SMS, 16  # programs enough for the full row to take several
+jb = make_backend()
+jb._kv_fp8 = False
+rows3 = [1, 2, 3]
+fb = batch(rows3, 4)
+st.set_step_rows(rows3, [lens[r] for r in rows3], [[] for _ in rows3])
+jb._prepare_forward(fb, eager=False, in_capture=False)
+jb.init_forward_metadata_in_graph(fb)
+p = jb.plan
+b_start, a_slot, a_len_h = p.b_start.clone(), p.a_slot.clone(), p.a_len_per_head.clone()
+b_start[2], a_slot[2] = lens[3] - 4, -2
+heads3 = [[0, 3, 5], [1, 2, 4, 6, 8]]
+a_pos = torch.zeros(4, HKV, 8, dtype=torch.int32)
+for h, pos in enumerate(heads3):
+    a_pos[2, h, :len(pos)] = torch.tensor(pos, dtype=torch.int32)
+    a_len_h[2, h] = len(pos)
+jb.plan = dataclasses.replace(p, b_start=b_start, a_slot=a_slot, a_len_per_head=a_len_h, a_pos=a_pos)
+q3_ = torch.randn(4, HQ * D, generator=torch.Generator().manual_seed(11)).half()
+k3_ = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(12)).half()
+v3_ = torch.randn(4, HKV, D, generator=torch.Generator().manual_seed(13)).half()
+o3_ = jb._forward_decode_cuda(q3_, k3_, v3_, layer, fb, True)
+ku.CPU_FAKE_NUM_SMS = fake_sms
+
+
+def attend_sets(qrow, r, sets):
+    # sets[h]: the positions KV head h attends
+    qh, G, outs = qrow.float().view(HQ, D), HQ // HKV, []
+    for hq in range(HQ):
+        slots = req_to_token[r, sets[hq // G]].long()
+        keys = kv.get_key_buffer(0)[slots, hq // G].float()
+        vals = kv.get_value_buffer(0)[slots, hq // G].float()
+        outs.append(torch.softmax(keys @ qh[hq] * D ** -0.5, -1) @ vals)
+    return torch.cat(outs)
+
+
+recent3 = list(range(lens[3] - 4, lens[3]))
+refs3 = [attend_sets(q3_[0], 1, [list(range(20))] * HKV),
+         attend_sets(q3_[1], 2, [[0, 1] + list(range(29, 37))] * HKV),
+         attend_sets(q3_[2], 3, [heads3[0] + recent3, heads3[1] + recent3])]
+joined_indexed = {"variant": jb._step_variant, "balanced": jb._row_splits is not None,
+                  "splits": None if jb._row_splits is None else jb._row_splits.tolist(),
+                  "gate": None if jb._balance_gate is None else jb._balance_gate.tolist(),
+                  "rel_err": [float((o3_[i].float() - ref).norm() / ref.norm()) for i, ref in enumerate(refs3)],
+                  "finite": bool(torch.isfinite(o3_[:3]).all())}
 out["forward"] = {
+    "joined_indexed": joined_indexed,
     "balanced": balanced,
     "joined": {"rel_err": joined_err, "finite": bool(torch.isfinite(o_joined[:2]).all()), "saved_kv": saved_joined,
                "dense_calls": calls_joined, "mask": mask_joined.tolist()},
@@ -467,6 +520,15 @@ def test_query_aware_batches_join_the_kernel_in_a_balanced_twin(res):
                                "mask": [1, 1, 1, 1]}
     # its capture: quest's blocks alone, the kernel alone, balanced
     assert res["qa_join_capture"] == [["QUEST"], "kernel", True, True]
+
+
+@pytest.mark.timeout(300)
+def test_a_joined_batch_with_an_indexed_row_attends_each_row_s_keys(res):
+    j = res["forward"]["joined_indexed"]
+    assert j["variant"] == "kernel_balanced" and j["balanced"] and j["finite"]
+    # the balanced launch ran (the gate open), the full row spread over more programs
+    assert j["gate"] == [1] and j["splits"][0] > max(j["splits"][1:3]), j
+    assert max(j["rel_err"]) < 2e-2, j["rel_err"]
 
 
 @pytest.mark.timeout(300)
