@@ -130,9 +130,11 @@ class SparseAttnBackend(AttentionBackend):
             )
         # Steps that may hold an SFI slow step among fast ones balance the kernel's
         # splits (compact.balance_splits; graph_variants.KERNEL_BALANCED), and so do
-        # all-slow steps where that gives their rows more programs (_dense_step_balances).
-        self.balance_splits = (self.dense is not None and self.state.compact is not None
-                               and self.config.compact.balance_splits and _decode_switch("BALANCE_ENABLED"))
+        # all-slow steps where that gives their rows more programs (_dense_step_balances)
+        # and batches of dense and sparse rows joined on the kernel (graph_variants.joins):
+        # the last on servers without SFI slots too (full rows beside windowed ones).
+        self.balance_splits = (self.dense is not None and self.config.compact.balance_splits
+                               and _decode_switch("BALANCE_ENABLED"))
         # Decode CUDA graphs per batch size, one per set of attention paths a batch
         # needs (graph_variants.py): FlashInfer alone, our kernel alone, both, both
         # with the query-aware blocks.

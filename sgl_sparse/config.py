@@ -234,9 +234,12 @@ class CompactBufferConfig(_Strict):
     # slow steps where balancing gives them more programs (long rows over fp8:
     # kernels.dense_step_balances; e4m3, 28 layers: 131072 x 4 14.6 -> 10.3 ms,
     # 32768 x 8 7.6 -> 5.3).
+    # And for a batch of dense rows (full, covering windows) and sparse ones joined on
+    # the kernel (graph_variants.joins), with or without SFI slots.
     balance_splits: bool = Field(True, description="balance the decode kernel's splits on steps that may "
-                                                   "hold an SFI slow step among fast ones, and on all-slow "
-                                                   "steps of long rows over an fp8 cache (GPU only)")
+                                                   "hold an SFI slow step among fast ones, on all-slow "
+                                                   "steps of long rows over an fp8 cache, and on batches "
+                                                   "of dense and sparse rows joined on the kernel (GPU only)")
 
 
 class QueryStoreConfig(_Strict):

@@ -87,7 +87,7 @@ for buf in (kv.get_key_buffer(0), kv.get_value_buffer(0)):
 
 def make_backend(route=True, eager_route=True, balance=True):
     be = object.__new__(SparseAttnBackend)
-    be.balance_splits = balance  # compact.balance_splits on a server with SFI slots
+    be.balance_splits = balance  # compact.balance_splits on a GPU server
     be.device = torch.device("cpu")
     be.state, be.qa, be.lfps_scored, be.think_ids = st, None, None, st.think_ids
     be.token_to_kv_pool, be._layer0, be._num_kv_heads = kv, 0, HKV
@@ -229,7 +229,7 @@ for v in be.graph_variants:
         be.dense.calls.clear()
         be._prepare_forward(batch([1, 2], 4), eager=False, in_capture=True)
         out["capture"][v] = [c[0] for c in be.dense.calls]
-# compact.balance_splits off (or no SFI slots): no balanced twin is captured
+# compact.balance_splits off: no balanced twin is captured
 out["variants_no_balance"] = list(make_backend(balance=False).graph_variants)
 out["kept"] = {f"{v}/{bs}": w for (v, bs), w in be._dense_graph_wrappers.items()}
 # a kernel-only step that may hold an SFI slow step among fast ones: the balanced twin
