@@ -13,7 +13,7 @@
 #   4. the CPU serving deps in .ci/requirements-cpu-serving.txt, constrained by
 #      the pins SGLang declares in its own wheel METADATA (transformers,
 #      tokenizers, openai, xgrammar, apache-tvm-ffi, ...)
-#   5. test tools (pytest, pytest-timeout, pyyaml)
+#   5. test tools (pytest, pytest-timeout, pyyaml, ruff: tests/test_lint.py)
 #   6. an import check (with tests/cpu_stand_ins on PYTHONPATH, which provides
 #      the sgl_kernel / torchvision stand-ins; see tests/cpu_stand_ins/README.md)
 set -euo pipefail
@@ -95,7 +95,7 @@ EOF
     log "constraints: $(tr '\n' ' ' <"$CONSTRAINTS")"
 
     log "installing CPU serving deps + test tools"
-    pip_i -r "$REQS" -c "$CONSTRAINTS" pytest pytest-timeout pyyaml
+    pip_i -r "$REQS" -c "$CONSTRAINTS" pytest pytest-timeout pyyaml "ruff>=0.6"
 
     # The sgl-sparse plugin itself is installed by the caller afterwards:
     #   "$VENV_DIR/bin/pip" install -c "$CONSTRAINTS" --no-deps -e "$REPO"

@@ -48,6 +48,8 @@ def test_runs_look_like_fresh_processes(tmp_path):
     assert raised.returncode == 1 and raised.stderr.rstrip().endswith("ValueError: boom")
     assert "Traceback" in raised.stderr and "seen True False" in raised.stdout  # wave: not from the run before
     assert message.returncode == 1 and message.stderr == "stopped: reason\n"
+    assert three.returncode == 3
+    assert (module.returncode, module.stdout) == (5, "local ['x']\n")  # `-m`: the working directory's module
     assert slept.returncode is None and "argv ['sleep']" in slept.stdout
     grandchild = int((dirs[3] / "grandchild.pid").read_text())
     deadline = time.monotonic() + 10
@@ -63,5 +65,3 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    assert three.returncode == 3
-    assert (module.returncode, module.stdout) == (5, "local ['x']\n")  # `-m`: the working directory's module

@@ -7,7 +7,6 @@ exactly as it was (NaN stays NaN). ``a_len`` starts at random values so
 updates of unflagged requests would be caught.
 """
 
-import os
 import random
 
 import pytest

@@ -4,7 +4,6 @@ queries, row_mask 2 = side effects only), the refresh path, window evidence and
 the Selector scores."""
 
 import dataclasses
-import math
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ batches, GQA 1/4/8, lengths that are not a multiple of the blocks; and the whole
 refresh (selected positions, packed compact buffers) against the key-reading path.
 """
 
-import math
 
 import pytest
 import torch

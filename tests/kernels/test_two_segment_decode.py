@@ -1005,7 +1005,7 @@ def test_split_major_grid_is_the_balanced_launch_s_alone_and_changes_no_bit(monk
 @pytest.mark.parametrize("ctx", [32768, 131072])
 def test_gpu_indexed_long_context(ctx, fused):
     """Rows: indexed (2K listed positions per head, different counts), dense, compact."""
-    bs, hkv = 3, 8
+    hkv = 8
     seq_lens = [ctx - 7, ctx // 2, ctx - 100]
     b_ranges = [(seq_lens[0] - 256, seq_lens[0]), (0, seq_lens[1]), (seq_lens[2] - 256, seq_lens[2])]
     case = T.make_decode_case(
