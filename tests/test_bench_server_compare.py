@@ -13,6 +13,7 @@ import random
 import pytest
 
 from tests.bench_scripts import load_bench_script
+from tests.forked_runs import Run, run_forked
 
 server_compare = load_bench_script("gpu/server_compare.py")
 
@@ -102,6 +103,30 @@ def test_the_kv_cache_dtype_among_the_extra_flags():
     assert server_compare.kv_cache_dtype("--kv-cache-dtype=fp8_e5m2 --tp-size 2") == "fp8_e5m2"
     assert server_compare.kv_cache_dtype("--disable-prefill-cuda-graph") == "auto"
     assert server_compare.kv_cache_dtype("--kv-cache-dtype") == "auto"
+
+
+def test_both_servers_capture_decode_graphs_up_to_the_cases_largest_batch(tmp_path):
+    """graph_flags: the cases' largest batch by default, SGLang's list on request, the
+    extra flags' own graph settings untouched; SGLang's own parser takes the result."""
+    flags = server_compare.graph_flags
+    assert flags("--disable-prefill-cuda-graph", "32768x8", "auto") == ["--cuda-graph-max-bs-decode", "8"]
+    assert flags("", "8192x32,32768x1,2048x64", "auto") == ["--cuda-graph-max-bs-decode", "64"]
+    assert flags("", "8192x32", "16") == ["--cuda-graph-max-bs-decode", "16"]
+    assert flags("", "8192x32", "sglang") == []
+    for own in ("--cuda-graph-max-bs 4", "--cuda-graph-max-bs=4", "--cuda-graph-max-bs-decode 4", "--cuda-graph-bs 1 2 4",
+                "--cuda-graph-bs-decode 1 2", "--disable-cuda-graph", "--cuda-graph-backend-decode disabled"):
+        assert flags(own, "8192x32", "auto") == [], own
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit, match="--graph-max-bs"):
+            flags("", "8192x32", bad)
+    # SGLang's own parser (imported in a forked child, as the CPU stand-ins need)
+    code = ("import argparse, sys\nfrom sglang.srt.server_args import ServerArgs\n"
+            "p = argparse.ArgumentParser()\nServerArgs.add_cli_args(p)\n"
+            "print(p.parse_args(['--model-path', 'm', *sys.argv[1:]]).cuda_graph_max_bs_decode)\n")
+    out, = run_forked([Run(args=["-c", *flags("", "32768x8,2048x64", "auto")], cwd=tmp_path, code=code)],
+                      preload=["sglang.srt.server_args"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "64"
 
 
 def test_slow_bursts_find_the_slow_step_and_its_refresh():

@@ -21,6 +21,7 @@
 #                                       # PREFILL_RUNS: prefill-only batches per row, default 2;
 #                                       # ITL=1: one more streamed batch per row, per-step latency mean/p50/p99;
 #                                       # EXTRA: SGLang flags of both servers, default --disable-prefill-cuda-graph;
+#                                       # GRAPH_MAX_BS: both servers' decode-graph sizes, default auto: up to the cases' largest batch (sglang: its own list);
 #                                       # BACKENDS: default flashinfer,sgl_sparse; sgl_sparse@CONFIG: one more sgl_sparse server with that --sparse-config;
 #                                       # QK_NORM_GAIN: the random model's q/k norm weights, default 1 (make_random_model.py: peakier attention))
 #   bash bench/gpu/run_all.sh profile   # GPU time per decode step by kernel (SGLang's torch profiler; env CASE, RUNS, SPARSE_CONFIG, MEM_FRACTION, EXTRA;
@@ -168,7 +169,7 @@ e2e)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000 --qk-norm-gain "${QK_NORM_GAIN:-1}"
     python3 bench/gpu/server_compare.py --model /root/model --cases "${CASES:-8192x8,2048x64}" --backends "${BACKENDS:-flashinfer,sgl_sparse}" \
         --repeats "${REPEATS:-3}" --out-len "${OUT_LEN:-128}" --sparse-extra "--sparse-config ${SPARSE_CONFIG:-bench/gpu/sparse_config.yaml}" --policies "${POLICIES:-full,streaming:2048,sadas:2048}" \
-        ${INTERLEAVE:+--interleave} ${NO_QA_COVERING:+--no-qa-covering} ${ITL:+--itl} --extra="${EXTRA---disable-prefill-cuda-graph}" --prefill-runs "${PREFILL_RUNS:-2}" --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
+        ${INTERLEAVE:+--interleave} ${NO_QA_COVERING:+--no-qa-covering} ${ITL:+--itl} ${GRAPH_MAX_BS:+--graph-max-bs "$GRAPH_MAX_BS"} --extra="${EXTRA---disable-prefill-cuda-graph}" --prefill-runs "${PREFILL_RUNS:-2}" --out "$OUT/e2e.json" --logdir "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -30
     # what the first server's start-up compiled (FlashInfer's JIT, ~4 min on a bare
     # machine): whether it is small enough to carry to the next lease
     du -sh ~/.cache/* 2>/dev/null | tee -a "$OUT/e2e.log"

@@ -341,8 +341,8 @@ class Server:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
                *(["--max-total-tokens", str(max_tokens)] if max_tokens else []), "--enable-metrics",
-               "--disable-radix-cache"] + a.extra.split() + (sparse_flags(a.sparse_extra, config)
-                                                             if backend == "sgl_sparse" else [])
+               "--disable-radix-cache", *graph_flags(a.extra, a.cases, a.graph_max_bs), *a.extra.split(),
+               *(sparse_flags(a.sparse_extra, config) if backend == "sgl_sparse" else [])]
         self.res = {"backend": spec, "cmd": " ".join(cmd), "env": env, "cases": []}
         with open(log, "w") as lf:
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
@@ -478,6 +478,26 @@ def case_prompts(a, case: str):
     return ctx, bs, [[rng.randrange(lo, hi) for _ in range(ctx)] for _ in range(bs)]
 
 
+def graph_flags(extra: str, cases: str, graph_max_bs: str) -> list[str]:
+    """Both servers' decode-graph sizes: up to the largest batch the cases run
+    (`--graph-max-bs auto`), unless the extra flags set them or it is `sglang` (its
+    default list). A batch replays the graph of the smallest captured size that holds
+    it whatever sizes follow, so the timed steps are the same; each server starts
+    faster: SGLang's default 36 sizes took 78-91 s a server to capture at 32768 x 8
+    (H200, session 54, ten variants a size on sgl_sparse), and three servers overran
+    a 560 s call. Greedy checks send one request at a time (size 1, always captured)."""
+    own = {"--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", "--cuda-graph-bs", "--cuda-graph-bs-decode",
+           "--disable-cuda-graph", "--cuda-graph-backend-decode"}
+    if graph_max_bs == "sglang" or own & set(extra.replace("=", " ").split()):
+        return []
+    if graph_max_bs == "auto":
+        graph_max_bs = str(max(int(c.split("x")[1]) for c in cases.split(",")))
+    if not graph_max_bs.isdigit() or int(graph_max_bs) < 1:
+        raise SystemExit(f"--graph-max-bs: 'auto', 'sglang' or a batch size >= 1, not {graph_max_bs!r}")
+    # the flag's name since SGLang 0.5.17 (--cuda-graph-max-bs: its deprecated alias)
+    return ["--cuda-graph-max-bs-decode", graph_max_bs]
+
+
 def warm_requests(ctx: int, bs: int, extra: str) -> int:
     """Requests of a row's warm-up batch: enough that a prompt crosses a prefill chunk
     (--chunked-prefill-size, SGLang's default 8192), so the chunked prefill's kernels
@@ -605,6 +625,9 @@ def main():
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--extra", default="--disable-prefill-cuda-graph")
     ap.add_argument("--sparse-extra", default="", help="extra flags for the sgl_sparse server only")
+    ap.add_argument("--graph-max-bs", default="auto",
+                    help="both servers' --cuda-graph-max-bs-decode: auto (the cases' largest batch), sglang (its "
+                         "default sizes) or N; --extra's own graph flags win (graph_flags)")
     ap.add_argument("--ready-limit", type=float, default=480)
     ap.add_argument("--interleave", action="store_true",
                     help="both servers at once, timed batches alternating (see the module doc)")
