@@ -42,7 +42,7 @@ from collections import defaultdict
 import requests
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_compare import batch_wall, gen_stream, parse_row, request_meta, wait_ready  # noqa: E402
+from server_compare import batch_wall, gen_stream, graph_flags, parse_row, request_meta, wait_ready  # noqa: E402
 
 
 def busy_union(kernels: list[dict]) -> float:
@@ -187,6 +187,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--sparse-extra", default="--sparse-config bench/gpu/sparse_config.yaml")
     ap.add_argument("--extra", default="", help="SGLang flags of every server (e.g. --kv-cache-dtype fp8_e4m3)")
+    ap.add_argument("--graph-max-bs", default="auto",
+                    help="every server's decode-graph sizes: auto (up to the case's batch), sglang or N "
+                         "(server_compare.graph_flags)")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mem-fraction-static", default="0.8",
                     help="lower it where the stores of many query-aware slots must fit beside the pool")
@@ -207,7 +210,8 @@ def main() -> None:
     for backend, pols in by_backend.items():
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(a.port), "--mem-fraction-static", a.mem_fraction_static,
-               "--disable-radix-cache", "--disable-prefill-cuda-graph"] + a.extra.split() + \
+               "--disable-radix-cache", "--disable-prefill-cuda-graph", *graph_flags(a.extra, a.case, a.graph_max_bs)
+               ] + a.extra.split() + \
             (a.sparse_extra.split() if backend == "sgl_sparse" else [])
         env = {**os.environ, "SGLANG_TORCH_PROFILER_DIR": outdir}
         log = open(os.path.join(os.path.dirname(os.path.abspath(a.out)), f"profile-server-{backend}.log"), "w")
