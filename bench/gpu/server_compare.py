@@ -416,6 +416,11 @@ def split_backend(spec: str) -> tuple[str, str | None]:
     return backend, config or None
 
 
+def shapes(cases: str) -> list[tuple[int, int]]:
+    """--cases "CTXxBATCH,..." as (context, batch) pairs."""
+    return [tuple(map(int, c.split("x"))) for c in cases.split(",")]
+
+
 def sparse_flags(extra: str, config: str | None) -> list[str]:
     """--sparse-extra's flags, its --sparse-config replaced by `config` when given."""
     flags = extra.split()
@@ -433,7 +438,7 @@ def store_shortfalls(config: dict | None, policies: str, cases: str, out_len: in
     the dense kernel from there on (reason context_exceeds_store), so its row would time
     stock attention under the policy's name (session 37: lfps at 130000 x 4 with a store
     of 130304 and 512 tokens out, 41% of its steps dense)."""
-    longest = max(int(c.split("x")[0]) for c in cases.split(",")) + out_len
+    longest = max(ctx for ctx, _ in shapes(cases)) + out_len
     stores = (config or {}).get("query_aware") or {}
     short = []
     for name in sorted({m["policy"] for p in policies.split(",") for m in members(parse_row(p)[1])}):
@@ -491,7 +496,7 @@ def graph_flags(extra: str, cases: str, graph_max_bs: str) -> list[str]:
     if graph_max_bs == "sglang" or own & set(extra.replace("=", " ").split()):
         return []
     if graph_max_bs == "auto":
-        graph_max_bs = str(max(int(c.split("x")[1]) for c in cases.split(",")))
+        graph_max_bs = str(max(bs for _, bs in shapes(cases)))
     if not graph_max_bs.isdigit() or int(graph_max_bs) < 1:
         raise SystemExit(f"--graph-max-bs: 'auto', 'sglang' or a batch size >= 1, not {graph_max_bs!r}")
     # the flag's name since SGLang 0.5.17 (--cuda-graph-max-bs: its deprecated alias)
@@ -511,7 +516,7 @@ def warm_requests(ctx: int, bs: int, extra: str) -> int:
 def pool_tokens(a) -> int:
     """KV tokens an interleaved server needs: the largest case's prompts and outputs,
     10% and one 8K chunk of headroom (the greedy checks are smaller)."""
-    need = max(bs * (ctx + a.out_len) for ctx, bs in (map(int, c.split("x")) for c in a.cases.split(",")))
+    need = max(bs * (ctx + a.out_len) for ctx, bs in shapes(a.cases))
     return int(need * 1.1) + 8192
 
 
