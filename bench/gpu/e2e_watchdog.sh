@@ -13,6 +13,22 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LIMIT="${LIMIT:-480}"
 STALL="${STALL:-0}"
+# the server processes (pgrep -f's regex; the CPU test names processes of its own)
+SERVER_PATTERN="${SERVER_PATTERN:-sglang[.]launch_server|sglang::}"
+# The device tool stops a call at 600 s, and with it this watchdog when the same call
+# spent time before it (session 55: the install, then LIMIT=570: stopped at 600 s
+# before the watchdog fired, no state dumped, and a server left running into the next
+# call; stop_stale_servers.sh now clears that). So LIMIT counts from the call's start
+# as well, where that is known: the age of this process's session leader, when it is
+# younger than CALL_LIMIT (default 585) -- a leader older than that is not a call's.
+CALL_LIMIT="${CALL_LIMIT:-585}"
+leader_age=$(ps -o etimes= -p "$(ps -o sid= -p $$ | tr -d ' ')" 2>/dev/null | tr -d ' ')
+if [ -n "$leader_age" ] && [ "$leader_age" -lt "$CALL_LIMIT" ]; then
+    [ $((CALL_LIMIT - leader_age)) -lt "$LIMIT" ] && LIMIT=$((CALL_LIMIT - leader_age))
+    echo "watchdog: the call started ${leader_age} s ago; LIMIT ${LIMIT} s"
+else
+    echo "watchdog: session leader ${leader_age:-unknown} s old, not this call's start; LIMIT ${LIMIT} s"
+fi
 export PYTHONFAULTHANDLER=1
 bash "$(dirname "$0")/run_all.sh" e2e &
 pid=$!
@@ -29,6 +45,6 @@ done
 echo "watchdog: e2e ${why}; dumping state" | tee -a "$OUT/watchdog.txt"
 nvidia-smi >> "$OUT/watchdog.txt" 2>&1
 ps -eo pid,ppid,etimes,pcpu,args | grep -i "[s]glang\|[s]erver_compare" >> "$OUT/watchdog.txt"
-pkill -ABRT -f "[s]glang::" ; sleep 5
-pkill -9 -f "[s]glang.launch_server"; pkill -9 -f "[s]glang::"; kill "$pid" 2>/dev/null
+pkill -ABRT -f "$SERVER_PATTERN"; sleep 5
+pkill -9 -f "$SERVER_PATTERN"; kill "$pid" 2>/dev/null
 exit 124

@@ -33,6 +33,7 @@ export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 what="${1:-kernels}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+bash "$(dirname "$0")/stop_stale_servers.sh" | tee -a "$OUT/device.txt"
 # A JIT cache from an earlier lease (JIT_SNAPSHOT=1 below, carried as .gpu/jit): a fresh
 # machine skips FlashInfer's and tvm-ffi's builds, ~5 min of the first server's start-up
 # (session 16: stock-only e2e at 8192 x 32, 6.4 min fresh). Ninja rebuilds an output

@@ -1,0 +1,99 @@
+"""The device calls' guards against the tool's 600 s limit, on the CPU, with real
+processes: bench/gpu/stop_stale_servers.sh stops server processes an earlier call left
+running in sessions of their own (and nothing else); bench/gpu/e2e_watchdog.sh counts
+its LIMIT from the call's start (its session leader's age), so it fires before the
+tool would stop the call. Both take SERVER_PATTERN here so that they touch only this
+test's processes: CI's other leg runs real SGLang servers meanwhile. Stand-in (test
+only): bench/gpu/run_all.sh, which needs the GPU, is a script that sleeps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.sglang_independent,
+              pytest.mark.skipif(shutil.which("bash") is None or shutil.which("pgrep") is None,
+                                 reason="needs bash and procps")]
+
+GPU = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+
+
+def _fake_server(name: str) -> subprocess.Popen:
+    """A process whose command line carries `name`, in a session of its own, as
+    server_compare.py starts SGLang's."""
+    return subprocess.Popen(["bash", "-c", f"exec -a '{name} --port 1' sleep 300"], start_new_session=True)
+
+
+def test_stops_the_matching_processes_only_and_waits_for_them(tmp_path):
+    tag = f"sgl-sparse-stale-{uuid.uuid4().hex[:8]}"
+    stale = [_fake_server(f"python3 -m {tag}.serve"), _fake_server(f"{tag}::scheduler")]
+    other = _fake_server(f"python3 -m not-{tag[::-1]}.server")
+    try:
+        env = {**os.environ, "SERVER_PATTERN": f"{tag}[.]serve|{tag}::"}
+        out = subprocess.run(["bash", str(GPU / "stop_stale_servers.sh")], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "stopping 2 server process(es)" in out.stdout, out.stdout
+        assert f"{tag}::scheduler" in out.stdout
+        # the script returned only once they were gone: reaping them now does not block
+        assert [p.wait(timeout=5) for p in stale] == [-9, -9]
+        assert other.poll() is None
+        again = subprocess.run(["bash", str(GPU / "stop_stale_servers.sh")], env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert again.returncode == 0 and again.stdout == "", again.stdout
+    finally:
+        for p in (*stale, other):
+            p.kill()
+            p.wait()
+
+
+def _checkout(tmp_path: Path) -> Path:
+    work = tmp_path / "checkout"
+    (work / "bench" / "gpu").mkdir(parents=True)
+    shutil.copy(GPU / "e2e_watchdog.sh", work / "bench" / "gpu")
+    (work / "bench" / "gpu" / "run_all.sh").write_text("sleep 120 >/dev/null 2>&1\n")  # not holding the call's stdout
+    return work
+
+
+@pytest.mark.parametrize("late_start", [True, False])
+def test_watchdog_counts_its_limit_from_the_calls_start(tmp_path, late_start):
+    """A call that spent 3 s before the watchdog (the install), CALL_LIMIT 8: the
+    watchdog fires after ~5 s, not at its LIMIT of 100; its state dump runs and the
+    server it names is stopped. A session leader older than CALL_LIMIT is not a call's
+    start: LIMIT then stands (checked up to the first line)."""
+    work, out_dir = _checkout(tmp_path), tmp_path / "out"
+    tag = f"sgl-sparse-wd-{uuid.uuid4().hex[:8]}"
+    server = _fake_server(f"python3 -m {tag}.serve")
+    env = {**os.environ, "OUT": str(out_dir), "LIMIT": "100", "CALL_LIMIT": "8" if late_start else "2",
+           "SERVER_PATTERN": f"{tag}[.]serve"}
+    # setsid: the call's shell leads a session of its own, as the device tool's does
+    call = subprocess.Popen(["setsid", "bash", "-c", "sleep 3; exec bash bench/gpu/e2e_watchdog.sh"], cwd=work,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if not late_start:
+            first = call.stdout.readline()
+            assert "not this call's start; LIMIT 100 s" in first, first
+            return
+        t0 = time.monotonic()
+        text, _ = call.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert call.returncode == 124, text
+        assert "the call started 3 s ago; LIMIT 5 s" in text, text
+        # 5 s of LIMIT after the 3 s, then the dump's 5 s pause for the stacks
+        assert 8 < took < 20, (took, text)
+        assert "still running after 5 s" in (out_dir / "watchdog.txt").read_text()
+        assert server.wait(timeout=10) in (-6, -9)
+    finally:
+        try:  # the call's session: the watchdog and the stand-in's sleep
+            os.killpg(call.pid, 9)
+        except ProcessLookupError:
+            pass
+        call.wait()
+        server.kill()
+        server.wait()
