@@ -19,15 +19,23 @@ SERVER_PATTERN="${SERVER_PATTERN:-sglang[.]launch_server|sglang::}"
 # spent time before it (session 55: the install, then LIMIT=570: stopped at 600 s
 # before the watchdog fired, no state dumped, and a server left running into the next
 # call; stop_stale_servers.sh now clears that). So LIMIT counts from the call's start
-# as well, where that is known: the age of this process's session leader, when it is
-# younger than CALL_LIMIT (default 585) -- a leader older than that is not a call's.
+# as well, where that is known: the age of the oldest process above this one, up to
+# its session's leader, that is younger than CALL_LIMIT (default 585; an older one,
+# such as a daemon that runs the calls, is not a call's).
 CALL_LIMIT="${CALL_LIMIT:-585}"
-leader_age=$(ps -o etimes= -p "$(ps -o sid= -p $$ | tr -d ' ')" 2>/dev/null | tr -d ' ')
-if [ -n "$leader_age" ] && [ "$leader_age" -lt "$CALL_LIMIT" ]; then
-    [ $((CALL_LIMIT - leader_age)) -lt "$LIMIT" ] && LIMIT=$((CALL_LIMIT - leader_age))
-    echo "watchdog: the call started ${leader_age} s ago; LIMIT ${LIMIT} s"
+call_age=""; p=$$; sid=$(ps -o sid= -p $$ | tr -d ' ')
+while [ -n "$p" ] && [ "$p" -gt 1 ]; do
+    age=$(ps -o etimes= -p "$p" 2>/dev/null | tr -d ' ')
+    [ -z "$age" ] && break
+    if [ "$age" -lt "$CALL_LIMIT" ] && [ "$age" -gt "${call_age:--1}" ]; then call_age=$age; fi
+    [ "$p" = "$sid" ] && break
+    p=$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')
+done
+if [ -n "$call_age" ]; then
+    [ $((CALL_LIMIT - call_age)) -lt "$LIMIT" ] && LIMIT=$((CALL_LIMIT - call_age))
+    echo "watchdog: the call started ${call_age} s ago; LIMIT ${LIMIT} s"
 else
-    echo "watchdog: session leader ${leader_age:-unknown} s old, not this call's start; LIMIT ${LIMIT} s"
+    echo "watchdog: no process above this one younger than ${CALL_LIMIT} s; LIMIT ${LIMIT} s"
 fi
 export PYTHONFAULTHANDLER=1
 bash "$(dirname "$0")/run_all.sh" e2e &
