@@ -31,3 +31,11 @@ def test_no_pyflakes_errors():
                           "sgl_sparse", "kernels", "tests", "sgl_sparse_entry.py"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_bench_scripts_import_nothing_unused():
+    """bench/ under the rules its timing lambdas do not trip: unused imports, redefined
+    and unused names, syntax errors (session 55 removed six unused imports there)."""
+    out = subprocess.run([*_ruff(), "check", "--no-cache", "--select", "F401,F811,F841,E9", "--output-format", "concise",
+                          "bench"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

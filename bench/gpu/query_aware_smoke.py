@@ -7,7 +7,7 @@ policies in the same eager server (not comparable to CUDA-graph runs).
     python3 bench/gpu/make_random_model.py --shape qwen3-1.7b --out /root/model --max-pos 40000
     python3 bench/gpu/query_aware_smoke.py     # writes $OUT/qa_smoke.json, $OUT/server.log
 """
-import json, os, random, subprocess, sys, time
+import json, os, random, subprocess, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_compare import batch_wall, gen, scrape, sparse_stats, wait_ready  # noqa: E402
 

@@ -44,9 +44,8 @@ import json
 import os
 import platform
 import sys
-import time
 from _bench_env import Timer, decode_stage1_variants, import_kernels, module_constant, use_cuda_or_exit
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 
 

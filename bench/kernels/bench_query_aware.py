@@ -44,9 +44,8 @@ import json
 import os
 import platform
 import sys
-import time
 from _bench_env import Timer, import_kernels, use_cuda_or_exit
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 
 

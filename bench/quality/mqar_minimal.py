@@ -8,7 +8,7 @@ again in random order (each followed by its value), loss only on those values.
 
 See README "Bug hunt after sweep run 1".
 """
-import sys, time, math, torch, torch.nn.functional as F
+import time, torch, torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 torch.set_num_threads(1); torch.manual_seed(0)
 import argparse
