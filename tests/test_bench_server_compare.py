@@ -247,3 +247,39 @@ def test_an_ab_of_two_sparse_servers_compares_each_policy_with_its_own_row():
     stock = [{"ctx": 8192, "batch": 32, "policy": "stock", "decode_tok_s": 3000.0},
              {"ctx": 32768, "batch": 8, "policy": "stock", "decode_tok_s": 900.0}]
     assert server_compare.base_case(stock, other)["decode_tok_s"] == 3000.0
+
+
+def test_a_port_something_answers_on_is_refused_before_a_server_starts():
+    """Session 55: a stale server answered on the new one's port, and every row measured it."""
+    import socket
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"port {port} already answers"):
+            server_compare.check_port_free(port)
+    server_compare.check_port_free(port)  # closed again: free
+
+
+def test_the_pool_sglang_logged_and_a_batch_it_cannot_hold():
+    """The line SGLang's scheduler logs once its pool is sized (as on the H200, session 55)."""
+    log = ("[2026-12-03 10:13:25] Capture target decode CUDA graph end. elapsed=101.71 s\n"
+           "[2026-12-03 10:13:25] max_total_num_tokens=1010664, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+           "max_running_requests=3696, context_len=140000, available_gpu_mem=25.09 GB\n")
+    pool = server_compare.kv_pool_tokens(log)
+    assert pool == 1010664
+    assert server_compare.kv_pool_tokens("no pool line yet") is None
+    assert server_compare.pool_shortfall(pool, 32768, 8, 512) is None  # 266240 tokens fit
+    assert server_compare.pool_shortfall(76552, 8192, 32, 512) == 32 * 8704 - 76552
+    assert server_compare.pool_shortfall(None, 8192, 32, 512) is None  # unknown: not flagged
+
+
+def test_a_row_of_a_batch_the_pool_cannot_hold_says_so():
+    from types import SimpleNamespace
+    a = argparse.Namespace(interleave=False, repeats=2, out_len=512)
+    short = SimpleNamespace(res={"kv_pool_tokens": 76552})
+    row = server_compare._timed_row(a, short, "stock", None, 8192, 32, 2.0, [17.6, 17.7], {}, {})
+    assert row["pool_shortfall"] == 32 * 8704 - 76552
+    assert row["decode_tok_s"] == round(32 * 511 / (17.65 - 2.0), 1)
+    roomy = SimpleNamespace(res={"kv_pool_tokens": 1010664})
+    assert server_compare._timed_row(a, roomy, "stock", None, 8192, 32, 2.0, [6.4], {}, {})["pool_shortfall"] is None

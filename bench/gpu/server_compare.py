@@ -20,8 +20,20 @@ half-made (H100 run: the second one refused to start), and an uncapped first ser
 leaves the second nothing. Only where two capped pools fit: 2048x64 (~140K tokens,
 ~16 GB at the Qwen3-1.7B shape) and 32768x1, not 32768x8.
 """
-import argparse, json, os, random, statistics, subprocess, sys, time, concurrent.futures as cf
+import argparse, json, os, random, re, socket, statistics, subprocess, sys, time, concurrent.futures as cf
 import requests
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Refuse a port something already answers on: wait_ready would take that server's
+    /health for the new one's. Session 55: a server of the call before, left running,
+    answered on 30000, the new servers failed to start, and every row of the call
+    measured the stale server (batches of 32 without decode graphs, captured up to 8)."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        if sock.connect_ex((host, port)) == 0:
+            raise SystemExit(f"port {port} already answers: another server is up (an earlier call's? "
+                             "bench/gpu/stop_stale_servers.sh stops it)")
 
 
 def wait_ready(url, proc, limit):
@@ -30,7 +42,7 @@ def wait_ready(url, proc, limit):
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}")
         try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
+            if requests.get(url + "/health", timeout=2).status_code == 200 and proc.poll() is None:
                 return time.time() - t0
         except requests.RequestException:
             pass
@@ -331,19 +343,36 @@ QUERY_AWARE_COVERING = {
 }
 
 
+def kv_pool_tokens(log_text: str) -> int | None:
+    """The KV pool SGLang sized at start-up, read from its log (`max_total_num_tokens=N`,
+    0.5.17 and 0.5.23 alike)."""
+    found = re.findall(r"max_total_num_tokens=(\d+)", log_text)
+    return int(found[-1]) if found else None
+
+
+def pool_shortfall(pool: int | None, ctx: int, bs: int, out_len: int) -> int | None:
+    """KV tokens a case's batch needs beyond the server's pool, else None. Such a batch
+    runs in waves and its row is not the shape it names (a low --mem-fraction-static,
+    or memory another process holds: session 55's stock server found 76552 tokens' room
+    beside a stale server, where 8192 x 32 needs 278528)."""
+    need = bs * (ctx + out_len)
+    return need - pool if pool is not None and need > pool else None
+
+
 class Server:
     """One SGLang server process (`--attention-backend backend`) and what it ran."""
 
     def __init__(self, a, spec: str, port: int, log: str, mem_fraction: float, max_tokens: int | None = None):
         base, env = split_env(spec)
         backend, config = split_backend(base)
-        self.backend, self.url = backend, f"http://127.0.0.1:{port}"
+        self.backend, self.url, self.log = backend, f"http://127.0.0.1:{port}", log
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--attention-backend", backend,
                "--skip-tokenizer-init", "--port", str(port), "--mem-fraction-static", str(mem_fraction),
                *(["--max-total-tokens", str(max_tokens)] if max_tokens else []), "--enable-metrics",
                "--disable-radix-cache", *graph_flags(a.extra, a.cases, a.graph_max_bs), *a.extra.split(),
                *(sparse_flags(a.sparse_extra, config) if backend == "sgl_sparse" else [])]
         self.res = {"backend": spec, "cmd": " ".join(cmd), "env": env, "cases": []}
+        check_port_free(port)
         with open(log, "w") as lf:
             self.proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **env})
@@ -352,6 +381,13 @@ class Server:
 
     def ready(self, a) -> None:
         self.res["ready_s"] = round(wait_ready(self.url, self.proc, a.ready_limit), 1)
+        with open(self.log, errors="replace") as f:
+            self.res["kv_pool_tokens"] = kv_pool_tokens(f.read())
+        for ctx, bs in shapes(a.cases):
+            if short := pool_shortfall(self.res["kv_pool_tokens"], ctx, bs, a.out_len):
+                print(f"WARNING {self.res['backend']}: {ctx} x {bs} needs {short} KV tokens more than the pool's "
+                      f"{self.res['kv_pool_tokens']}: its batches run in waves (another process on the GPU?)",
+                      flush=True)
 
     def check_greedy(self, a) -> None:
         """Greedy outputs on fixed prompts (the same on every server: the rng is reseeded)."""
@@ -533,6 +569,7 @@ def _timed_row(a, s, label, pol, ctx: int, bs: int, t1: float, walls: list, befo
     # None where a batch was not slower than its prefill alone: no decode time to divide by
     tok = lambda w: bs * (a.out_len - 1) / (w - t1) if w > t1 else None  # noqa: E731
     return {"ctx": ctx, "batch": bs, "policy": label, "sparse": pol, "out_len": a.out_len,
+            "pool_shortfall": pool_shortfall(s.res.get("kv_pool_tokens"), ctx, bs, a.out_len),
             "t_prefill_s": round(t1, 3), "t_total_s": round(tl, 3), "t_total_runs_s": [round(w, 3) for w in walls],
             "decode_tok_s": tok(tl) and round(tok(tl), 1),
             "decode_tok_s_runs": [x and round(x, 1) for x in map(tok, walls)],
@@ -664,7 +701,8 @@ def main():
             row = {"ctx": c["ctx"], "batch": c["batch"], "policy": c["policy"], "stock_tok_s": st["decode_tok_s"],
                    "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
                    "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention"),
-                   "dense_fallback_share": c.get("dense_fallback_share")}
+                   "dense_fallback_share": c.get("dense_fallback_share"),
+                   "pool_short": bool(c.get("pool_shortfall") or st.get("pool_shortfall"))}
             if c.get("itl_ms_mean") and st.get("itl_ms_mean"):  # --itl: per-step latency, client side
                 row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
                 # the slow tail against a dense step at the same length (issue 4: <= 1.3)
@@ -699,7 +737,9 @@ def main():
                   + (f"; fast steps {f['fast_step_ms_p50']} ms ({f['fast_step_share']:.0%} of the steps)"
                      if (f := row.get("itl_fast_steps")) else "")
                   + (f" DENSE FALLBACK on {row['dense_fallback_share']:.0%} of its steps"
-                     if row.get("dense_fallback_share") else ""))
+                     if row.get("dense_fallback_share") else "")
+                  + (" POOL SHORT: a batch ran in waves, not this shape (pool_shortfall in the JSON)"
+                     if row["pool_short"] else ""))
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
 
