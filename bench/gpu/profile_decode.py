@@ -42,7 +42,8 @@ from collections import defaultdict
 import requests
 
 sys.path.insert(0, os.path.dirname(__file__))
-from server_compare import batch_wall, gen_stream, graph_flags, parse_row, request_meta, wait_ready  # noqa: E402
+from server_compare import (batch_wall, check_port_free, gen_stream, graph_flags, parse_row,  # noqa: E402
+                            request_meta, wait_ready)
 
 
 def busy_union(kernels: list[dict]) -> float:
@@ -215,6 +216,7 @@ def main() -> None:
             (a.sparse_extra.split() if backend == "sgl_sparse" else [])
         env = {**os.environ, "SGLANG_TORCH_PROFILER_DIR": outdir}
         log = open(os.path.join(os.path.dirname(os.path.abspath(a.out)), f"profile-server-{backend}.log"), "w")
+        check_port_free(a.port)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             wait_ready(url, proc, 480)

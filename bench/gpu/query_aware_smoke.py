@@ -9,7 +9,7 @@ policies in the same eager server (not comparable to CUDA-graph runs).
 """
 import json, os, random, subprocess, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_compare import batch_wall, gen, scrape, sparse_stats, wait_ready  # noqa: E402
+from server_compare import batch_wall, check_port_free, gen, scrape, sparse_stats, wait_ready  # noqa: E402
 
 out = os.environ.get("OUT", "/tmp/out")
 cfg = os.path.join(out, "qa.yaml")
@@ -24,6 +24,7 @@ cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/root/mode
        "--skip-tokenizer-init", "--port", "30111", "--mem-fraction-static", "0.7", "--enable-metrics",
        "--disable-radix-cache", "--disable-cuda-graph", "--sparse-config", cfg]
 log = open(os.path.join(out, "server.log"), "w")
+check_port_free(30111)
 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 res = {"cmd": " ".join(cmd)}
 try:
