@@ -1,8 +1,9 @@
 """The device calls' guards against the tool's 600 s limit, on the CPU, with real
 processes: bench/gpu/stop_stale_servers.sh stops server processes an earlier call left
 running in sessions of their own (and nothing else); bench/gpu/e2e_watchdog.sh counts
-its LIMIT from the call's start (its session leader's age), so it fires before the
-tool would stop the call. Both take SERVER_PATTERN here so that they touch only this
+its LIMIT from the call's start (the age of the oldest process above it, up to its
+session's leader, younger than CALL_LIMIT), so it fires before the tool would stop
+the call. Both take SERVER_PATTERN here so that they touch only this
 test's processes: CI's other leg runs real SGLang servers meanwhile. Stand-in (test
 only): bench/gpu/run_all.sh, which needs the GPU, is a script that sleeps."""
 

@@ -4,10 +4,9 @@
 # its own (so that they can kill its whole process group), and the device tool's
 # end-of-call cleanup spares such a process: a call the tool stops at its 600 s limit
 # leaves its server running on the warm machine, holding its KV pool and its share of
-# the GPU. Session 55: 0q's call was stopped at 600 s with an sgl_sparse server up;
-# the next call's servers, at --mem-fraction-static 0.5, got a KV pool of 76552 tokens
-# instead of ~500k, and the batch of 32 x 8704 tokens ran in waves (every row of that
-# call discarded).
+# the GPU. Session 55: 0q's call was stopped at 600 s with an sgl_sparse server up; in
+# the next call it still answered on port 30000, the new servers could not start
+# beside it, and every row of that call measured the stale server (discarded).
 #
 # Prints what it stopped (nothing when there was nothing) and exits 0; waits up to
 # WAIT seconds (default 30) for the processes to be gone, so that their GPU memory is
@@ -17,7 +16,7 @@
 set -u
 pattern=${SERVER_PATTERN:-'sglang[.]launch_server|sglang::'}
 wait_s=${WAIT:-30}
-pids=$(pgrep -f "$pattern" | grep -vx "$$" || true)
+pids=$(pgrep -f "$pattern")
 [ -z "$pids" ] && exit 0
 echo "stop_stale_servers: stopping $(echo "$pids" | wc -l) server process(es) an earlier call left running:"
 ps -o pid=,etimes=,args= -p "$(echo "$pids" | paste -sd,)" | cut -c1-160
