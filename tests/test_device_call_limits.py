@@ -57,7 +57,8 @@ def test_stops_the_matching_processes_only_and_waits_for_them(tmp_path):
 def _checkout(tmp_path: Path) -> Path:
     work = tmp_path / "checkout"
     (work / "bench" / "gpu").mkdir(parents=True)
-    shutil.copy(GPU / "e2e_watchdog.sh", work / "bench" / "gpu")
+    for script in ("e2e_watchdog.sh", "finish_out.sh"):
+        shutil.copy(GPU / script, work / "bench" / "gpu")
     (work / "bench" / "gpu" / "run_all.sh").write_text("sleep 120 >/dev/null 2>&1\n")  # not holding the call's stdout
     return work
 
@@ -101,3 +102,42 @@ def test_watchdog_counts_its_limit_from_the_calls_start(tmp_path, late_start, la
         call.wait()
         server.kill()
         server.wait()
+
+
+def test_watchdog_stopping_the_e2e_still_returns_the_jit_snapshot_and_packs_past_8_files(tmp_path):
+    """The stand-in run_all.sh writes ten result files and a JIT output, then hangs: the
+    watchdog's stop must leave what run_all.sh's end would have (finish_out.sh): the
+    JIT caches in parts that restore to the same files, what this lease compiled, and
+    every other file in one archive, since the device tool returns at most 8."""
+    work, out_dir, root = _checkout(tmp_path), tmp_path / "out", tmp_path / "root"
+    (root / ".cache" / "flashinfer" / "decode").mkdir(parents=True)
+    (root / ".triton" / "cache" / "ab").mkdir(parents=True)
+    (work / "bench" / "gpu" / "run_all.sh").write_text(
+        'echo h200 > "$OUT/device.txt"; sleep 1\n'
+        'for i in $(seq 10); do echo "$i" > "$OUT/server-$i.log"; done\n'
+        'echo so > "$JIT_ROOT/.cache/flashinfer/decode/decode.so"\n'
+        'sleep 120 >/dev/null 2>&1\n')
+    env = {**os.environ, "OUT": str(out_dir), "LIMIT": "3", "JIT_SNAPSHOT": "1", "JIT_ROOT": str(root),
+           "SERVER_PATTERN": f"sgl-sparse-none-{uuid.uuid4().hex[:8]}"}
+    call = subprocess.Popen(["setsid", "bash", "bench/gpu/e2e_watchdog.sh"], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = call.communicate(timeout=60)
+        assert call.returncode == 124, text
+        returned = sorted(p.name for p in out_dir.iterdir())
+        assert returned == ["jit_cache.tgz.partaa", "run_all_e2e.tgz"], (returned, text)
+        assert "JIT outputs built this lease: 1 directories" in text, text
+        packed = subprocess.run(["tar", "tzf", str(out_dir / "run_all_e2e.tgz")], capture_output=True,
+                                text=True, check=True).stdout.split()
+        assert {f"server-{i}.log" for i in range(1, 11)} | {"device.txt", "watchdog.txt",
+                                                            "jit_built_this_lease.txt"} <= set(packed), packed
+        restored = tmp_path / "restored"
+        restored.mkdir()
+        subprocess.run(["tar", "xzf", str(out_dir / "jit_cache.tgz.partaa"), "-C", str(restored)], check=True)
+        assert (restored / ".cache" / "flashinfer" / "decode" / "decode.so").read_text() == "so\n"
+    finally:
+        try:
+            os.killpg(call.pid, 9)
+        except ProcessLookupError:
+            pass
+        call.wait()

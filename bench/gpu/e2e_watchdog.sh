@@ -20,9 +20,10 @@ SERVER_PATTERN="${SERVER_PATTERN:-sglang[.]launch_server|sglang::}"
 # before the watchdog fired, no state dumped, and a server left running into the next
 # call; stop_stale_servers.sh now clears that). So LIMIT counts from the call's start
 # as well, where that is known: the age of the oldest process above this one, up to
-# its session's leader, that is younger than CALL_LIMIT (default 585; an older one,
+# its session's leader, that is younger than CALL_LIMIT (default 575; an older one,
 # such as a daemon that runs the calls, is not a call's).
-CALL_LIMIT="${CALL_LIMIT:-585}"
+# 575 leaves the stop ~20 s: the stacks' 5 s pause, then finish_out.sh (JIT snapshot, archive).
+CALL_LIMIT="${CALL_LIMIT:-575}"
 call_age=""; p=$$; sid=$(ps -o sid= -p $$ | tr -d ' ')
 while [ -n "$p" ] && [ "$p" -gt 1 ]; do
     age=$(ps -o etimes= -p "$p" 2>/dev/null | tr -d ' ')
@@ -55,4 +56,6 @@ nvidia-smi >> "$OUT/watchdog.txt" 2>&1
 ps -eo pid,ppid,etimes,pcpu,args | grep -i "[s]glang\|[s]erver_compare" >> "$OUT/watchdog.txt"
 pkill -ABRT -f "$SERVER_PATTERN"; sleep 5
 pkill -9 -f "$SERVER_PATTERN"; kill "$pid" 2>/dev/null
+# run_all.sh's end did not come: what it would have made ready comes from here
+bash "$(dirname "$0")/finish_out.sh" e2e
 exit 124

@@ -180,16 +180,6 @@ e2e)
     # SFI refresh graphs captured (selector/graphs.py): each held one step, timestamped.
     grep -H "SFI refresh graph captured" "$OUT"/server-*.log > "$OUT/refresh_graph_captures.txt"
     wc -l "$OUT/refresh_graph_captures.txt" | tee -a "$OUT/e2e.log"
-    # JIT_SNAPSHOT=1: bring every JIT cache back (FlashInfer, tvm-ffi, Triton) to replace
-    # .gpu/jit/jit_cache.tgz. On a fresh machine the stock server's start-up took 4.3 min
-    # against 0.5 min warm (session 10: decode-graph capture 90 s vs 30 s, then ~2.5 min
-    # in its warm-up request), sgl_sparse's 1.7 vs 0.8 min: what the 14 MB cache lacked.
-    if [ -n "${JIT_SNAPSHOT:-}" ]; then
-        # in parts under the device tool's 16 MiB a returned file; on the next lease:
-        # cat .gpu/jit/jit_cache.tgz.part* | tar -xz -C /root
-        (cd /root && tar -cz .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null | split -b 15M - "$OUT/jit_cache.tgz.part")
-        ls -la "$OUT"/jit_cache.tgz.part* | tee -a "$OUT/e2e.log"
-    fi
     ;;
 profile)
     python3 bench/gpu/make_random_model.py --shape "${SHAPE:-qwen3-1.7b}" --out /root/model --max-pos 140000 --qk-norm-gain "${QK_NORM_GAIN:-1}"
@@ -199,17 +189,5 @@ profile)
         --mem-fraction-static "${MEM_FRACTION:-0.8}" ${TIMELINE:+--timeline "$TIMELINE"} --extra="${EXTRA:-}" --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -40
     ;;
 esac
-# What this lease compiled in spite of the restored cache (session 17: stock's warm-up
-# request still took 134 s on a fresh machine with it): every JIT output written after
-# device.txt, i.e. missing from .gpu/jit or rebuilt by ninja.
-find /root/.cache /root/.triton -newer "$OUT/device.txt" \( -name '*.so' -o -name '*.cubin' \) 2>/dev/null \
-    | sed 's|/[^/]*$||' | sort | uniq -c > "$OUT/jit_built_this_lease.txt"
-echo "JIT outputs built this lease: $(wc -l < "$OUT/jit_built_this_lease.txt") directories ($OUT/jit_built_this_lease.txt)"
-# The device tool brings back at most 8 files a call (session 31 lost 11 of `fp8` and
-# `splits` that way): past 8, every file but the JIT cache's parts (each under the
-# tool's 16 MiB) goes into one archive, run_all_<what>.tgz.
-others=$(cd "$OUT" && ls -1 | grep -v '^jit_cache\.tgz\.part' | grep -v '^run_all_.*\.tgz$')
-if [ "$(echo "$others" | grep -c .)" -gt 8 ]; then
-    (cd "$OUT" && tar czf "run_all_$what.tgz" --remove-files $others)
-    echo "more than 8 files under $OUT: packed into $OUT/run_all_$what.tgz"
-fi
+# the JIT snapshot (JIT_SNAPSHOT=1), what this lease compiled, past 8 files one archive
+bash "$(dirname "$0")/finish_out.sh" "$what"
