@@ -105,16 +105,17 @@ def test_watchdog_counts_its_limit_from_the_calls_start(tmp_path, late_start, la
 
 
 def test_watchdog_stopping_the_e2e_still_returns_the_jit_snapshot_and_packs_past_8_files(tmp_path):
-    """The stand-in run_all.sh writes ten result files and a JIT output, then hangs: the
-    watchdog's stop must leave what run_all.sh's end would have (finish_out.sh): the
-    JIT caches in parts that restore to the same files, what this lease compiled, and
-    every other file in one archive, since the device tool returns at most 8."""
+    """The stand-in run_all.sh writes four server logs and a JIT output, then hangs:
+    the watchdog's stop must leave what run_all.sh's end would have (finish_out.sh):
+    the JIT caches in parts that restore to the same files, what this lease compiled,
+    and every other file in one archive, since the device tool returns at most 8 (here
+    8 besides the JIT part: session 56's count left the part out and lost two logs)."""
     work, out_dir, root = _checkout(tmp_path), tmp_path / "out", tmp_path / "root"
     (root / ".cache" / "flashinfer" / "decode").mkdir(parents=True)
     (root / ".triton" / "cache" / "ab").mkdir(parents=True)
     (work / "bench" / "gpu" / "run_all.sh").write_text(
         'echo h200 > "$OUT/device.txt"; sleep 1\n'
-        'for i in $(seq 10); do echo "$i" > "$OUT/server-$i.log"; done\n'
+        'for i in $(seq 4); do echo "$i" > "$OUT/server-$i.log"; done\n'
         'echo so > "$JIT_ROOT/.cache/flashinfer/decode/decode.so"\n'
         'sleep 120 >/dev/null 2>&1\n')
     env = {**os.environ, "OUT": str(out_dir), "LIMIT": "3", "JIT_SNAPSHOT": "1", "JIT_ROOT": str(root),
@@ -129,7 +130,7 @@ def test_watchdog_stopping_the_e2e_still_returns_the_jit_snapshot_and_packs_past
         assert "JIT outputs built this lease: 1 directories" in text, text
         packed = subprocess.run(["tar", "tzf", str(out_dir / "run_all_e2e.tgz")], capture_output=True,
                                 text=True, check=True).stdout.split()
-        assert {f"server-{i}.log" for i in range(1, 11)} | {"device.txt", "watchdog.txt",
+        assert {f"server-{i}.log" for i in range(1, 5)} | {"device.txt", "watchdog.txt",
                                                             "jit_built_this_lease.txt"} <= set(packed), packed
         restored = tmp_path / "restored"
         restored.mkdir()

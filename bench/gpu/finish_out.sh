@@ -27,10 +27,11 @@ if [ -f "$OUT/device.txt" ]; then
     echo "JIT outputs built this lease: $(wc -l < "$OUT/jit_built_this_lease.txt") directories ($OUT/jit_built_this_lease.txt)"
 fi
 # The device tool brings back at most 8 files a call (session 31 lost 11 of `fp8` and
-# `splits` that way): past 8, every file but the JIT cache's parts (each under the
-# tool's 16 MiB) goes into one archive, run_all_<what>.tgz.
+# `splits` that way): past 8, the JIT cache's parts counted (session 56 lost two server
+# logs beside them), every file but those parts (each under the tool's 16 MiB) goes
+# into one archive, run_all_<what>.tgz.
 others=$(cd "$OUT" && ls -1 | grep -v '^jit_cache\.tgz\.part' | grep -v '^run_all_.*\.tgz$')
-if [ "$(echo "$others" | grep -c .)" -gt 8 ]; then
+if [ "$(ls -1 "$OUT" | grep -c .)" -gt 8 ]; then
     (cd "$OUT" && tar czf "run_all_$what.tgz" --remove-files $others)
     echo "more than 8 files under $OUT: packed into $OUT/run_all_$what.tgz"
 fi
