@@ -26,14 +26,16 @@ SGLang's decode graph runner keys its graphs by a variant label beside the batch
   lfps or asyncspade step, bench/README "Session 32"). A row the device still finds
   dense (the host's twin of its decision disagreeing) has B = [0, n): the kernel attends
   it all;
-- `qa_kernel_balanced`, `qa_<policy>_kernel_balanced` (SGLANG_SPARSE_QA_JOIN=1, with
-  `compact.balance_splits`): the kernel-only twins with the kernel's splits balanced,
-  for a query-aware batch with rows for the stock kernel too (`full`, covering
-  windows), joined on the kernel as `joins` does for batches without query-aware
-  rows; also the twin a kernel-only query-aware batch that may hold an SFI slow step
-  replays. Off by default until served against the split (bench/README 0q): a plain
-  grid would wait on the dense rows (32768 x 8 over e4m3, 4 of 8 rows dense: 6.76 ms
-  plain against 3.16 balanced, kernel level, session 52). The step's shares count a
+- `qa_kernel_balanced`, `qa_<policy>_kernel_balanced` (with `compact.balance_splits`;
+  SGLANG_SPARSE_QA_JOIN=0 drops them): the kernel-only twins with the kernel's splits
+  balanced, for a query-aware batch with rows for the stock kernel too (`full`,
+  covering windows), joined on the kernel as `joins` does for batches without
+  query-aware rows; also the twin a kernel-only query-aware batch that may hold an SFI
+  slow step replays. A plain grid would wait on the dense rows (32768 x 8 over e4m3, 4
+  of 8 rows dense: 6.76 ms plain against 3.16 balanced, kernel level, session 52).
+  Served against the split in one call (session 56, H200, bf16, half `full` and half
+  quest / asyncspade): 1.155x / 1.193x the split at 8192 x 32, 1.021x / 1.004x at
+  32768 x 8, for 0.06 GB and no time more of graph capture. The step's shares count a
   query-aware row's segment B only: its A is selected within each layer, after them;
 - `mixed`: both paths (rows of each kind). Unless SGLANG_SPARSE_MIXED_ONE_LAUNCH=0 a
   batch of both kinds without query-aware rows does not replay it: its stock-kernel
@@ -63,7 +65,8 @@ SGLANG_SPARSE_QA_POLICY_VARIANTS=0 drops the per-policy `qa_<policy>` graphs (ev
 query-aware batch replays `qa`, the behaviour before session 18);
 SGLANG_SPARSE_QA_KERNEL_VARIANTS=0 drops the kernel-only twins of the query-aware ones
 (both paths at every query-aware step, the behaviour before session 32);
-SGLANG_SPARSE_QA_JOIN=1 adds their balanced twins (above).
+SGLANG_SPARSE_QA_JOIN=0 drops their balanced twins (above; a query-aware batch with
+`full` rows then runs both paths, split).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ ROUTE_ENABLED = env_switch("ROUTE_VARIANTS", True)
 QA_POLICY_ENABLED = env_switch("QA_POLICY_VARIANTS", True)
 QA_KERNEL_ENABLED = env_switch("QA_KERNEL_VARIANTS", True)
 MIXED_ONE_LAUNCH = env_switch("MIXED_ONE_LAUNCH", True)
-QA_JOIN = env_switch("QA_JOIN", False)
+QA_JOIN = env_switch("QA_JOIN", True)
 
 QA, MIXED, DENSE, KERNEL = "qa", "mixed", "dense", "kernel"
 # KERNEL with the kernel's splits balanced across requests (a step that may hold an

@@ -136,8 +136,11 @@ for qa_dev in (False, True):
 # quest and asyncspade offered under graphs: a graph per policy beside the one with both
 two = make_backend()
 two.qa = SimpleNamespace(device=SimpleNamespace(policies=(PolicyId.QUEST, PolicyId.ASYNCSPADE), only=None))
-two_variants = gv.wanted(two)
-out["variants_two_qa"] = list(two_variants)
+# the default (SGLANG_SPARSE_QA_JOIN on since session 56) and the split server's
+# variants (the switch off), which the routing checks below replay
+out["variants_two_qa"] = list(gv.wanted(two))
+two_variants = gv.wanted(two, qa_join=False)
+out["variants_two_qa_split"] = list(two_variants)
 out["variants_two_qa_one_graph"] = list(gv.wanted(two, qa=False))
 gv.QA_POLICY_ENABLED = False  # SGLANG_SPARSE_QA_POLICY_VARIANTS=0
 out["variants_two_qa_switch_off"] = list(gv.wanted(two))
@@ -168,7 +171,7 @@ for v in two_variants:
     with two.capturing_graph_variant(v):
         two._route_decode_rows(batch([2, 3], 4), eager=False, in_capture=True)
         out["capture_route"][v] = two._route
-# SGLANG_SPARSE_QA_JOIN=1: the kernel-only twins' balanced twins; a query-aware batch
+# SGLANG_SPARSE_QA_JOIN (default on): the kernel-only twins' balanced twins; a query-aware batch
 # with rows for the stock kernel joins the kernel in one (the state's query-aware
 # policies set here: the routing reads only them), never without the twin captured,
 # nor eagerly
@@ -424,6 +427,8 @@ def res(tmp_path_factory):
     env.pop("SGL_SPARSE_BALANCE_SPLITS", None)
     env.pop("SGLANG_SPARSE_MIXED_ONE_LAUNCH", None)
     env.pop("SGL_SPARSE_MIXED_ONE_LAUNCH", None)
+    env.pop("SGLANG_SPARSE_QA_JOIN", None)
+    env.pop("SGL_SPARSE_QA_JOIN", None)
     out = subprocess.run([sys.executable, "-c", SNIPPET], env=env, cwd=tmp_path_factory.mktemp("route"),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -434,7 +439,9 @@ def res(tmp_path_factory):
 def test_captured_variants(res):
     v = res["variants"]
     # query-aware blocks captured: their graph, then both paths, then one path each
-    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "qa_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
+    # (with the balanced twin of the kernel-only one: SGLANG_SPARSE_QA_JOIN's default)
+    assert v["qa_dev=True,route=True,qa=True"] == ["qa", "qa_kernel", "qa_kernel_balanced", "mixed", "dense", "kernel",
+                                                   "kernel_balanced"]
     assert v["qa_dev=True,route=True,qa=False"] == ["qa", "dense", "kernel", "kernel_balanced"]
     assert v["qa_dev=True,route=False,qa=True"] == ["qa", "mixed"]
     assert v["qa_dev=True,route=False,qa=False"] == []  # one graph with the blocks (before)
@@ -442,9 +449,14 @@ def test_captured_variants(res):
     assert v["qa_dev=False,route=False,qa=True"] == []  # one graph, both paths (before)
     # two query-aware policies under graphs: one graph each beside the one with both
     assert res["variants_two_qa"] == ["qa", "qa_quest", "qa_asyncspade", "qa_kernel", "qa_quest_kernel",
-                                      "qa_asyncspade_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
+                                      "qa_asyncspade_kernel", "qa_kernel_balanced", "qa_quest_kernel_balanced",
+                                      "qa_asyncspade_kernel_balanced", "mixed", "dense", "kernel", "kernel_balanced"]
+    # SGLANG_SPARSE_QA_JOIN=0: no balanced twins of the query-aware graphs
+    assert res["variants_two_qa_split"] == ["qa", "qa_quest", "qa_asyncspade", "qa_kernel", "qa_quest_kernel",
+                                            "qa_asyncspade_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
     assert res["variants_two_qa_one_graph"] == ["qa", "dense", "kernel", "kernel_balanced"]
-    assert res["variants_two_qa_switch_off"] == ["qa", "qa_kernel", "mixed", "dense", "kernel", "kernel_balanced"]
+    assert res["variants_two_qa_switch_off"] == ["qa", "qa_kernel", "qa_kernel_balanced", "mixed", "dense", "kernel",
+                                                 "kernel_balanced"]
 
 
 @pytest.mark.timeout(300)
@@ -493,7 +505,7 @@ def test_replay_routes_each_batch_to_its_paths(res):
 
 @pytest.mark.timeout(300)
 def test_query_aware_batches_join_the_kernel_in_a_balanced_twin(res):
-    """SGLANG_SPARSE_QA_JOIN=1: the kernel-only query-aware twins' balanced twins."""
+    """SGLANG_SPARSE_QA_JOIN (on by default): the kernel-only query-aware twins' balanced twins."""
     assert res["variants_two_qa_join"] == [
         "qa", "qa_quest", "qa_asyncspade", "qa_kernel", "qa_quest_kernel", "qa_asyncspade_kernel",
         "qa_kernel_balanced", "qa_quest_kernel_balanced", "qa_asyncspade_kernel_balanced",
@@ -510,7 +522,7 @@ def test_query_aware_batches_join_the_kernel_in_a_balanced_twin(res):
     # kernel in the balanced twin
     assert j["joined"] == {"variant": "qa_quest_kernel_balanced", "route": "kernel", "balance_step": True,
                            "mask": [1, 1, 1, 1]}
-    # the twin not captured (QA_JOIN off), or eager: both paths, the full row FlashInfer's
+    # the twin not captured (SGLANG_SPARSE_QA_JOIN=0), or eager: both paths, the full row FlashInfer's
     assert j["not_captured"] == {"variant": "qa_quest", "route": "mixed", "balance_step": False,
                                  "mask": [0, 1, 0, 0]}
     assert j["eager"]["route"] == "mixed" and j["eager"]["mask"] == [0, 1, 0, 0]
