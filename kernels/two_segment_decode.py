@@ -102,7 +102,7 @@ FP8_MAX_SPLITS = 32
 # leases apart, stock within 0.6%): 2 is the A/B knob until one run compares both.
 FP8_SPLIT_FACTOR = env_count("FP8_SPLIT_FACTOR", 1, 1, 4)
 # fused_merge=None picks the one-launch merge up to this many splits. H100, bf16,
-# D=128 (bench/results/kernels_h100_run3.json, CUDA-graph times): with 4 splits
+# D=128 (bench/results/kernels_h100_run3.json.gz, CUDA-graph times): with 4 splits
 # (batch >= 8) it is 0.76-0.80x the two launches for rows of <= 256 keys (and
 # saves a launch for rows another kernel serves), 1.00-1.06x at 512-2K keys and
 # within 1% above; with 32-33 splits (batch 1) the last arriving program's serial

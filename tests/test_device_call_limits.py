@@ -142,3 +142,27 @@ def test_watchdog_stopping_the_e2e_still_returns_the_jit_snapshot_and_packs_past
         except ProcessLookupError:
             pass
         call.wait()
+
+
+# The tool's limit on what one call carries: the tracked tree plus the carried paths.
+CARRY_LIMIT = 64 * 2**20
+# The install call's carry beside the tree: the wheelhouse's last part (23.5 MB) and
+# this project's wheel (bench/README "How the GPU runs are made"), with room to spare.
+INSTALL_CARRY = 26 * 2**20
+
+
+def test_the_tracked_tree_leaves_room_for_the_install_call():
+    """Every device call carries the tracked tree, and the install call the
+    wheelhouse's last part and our wheel beside it, under the tool's 64 MiB. Session
+    56 found the tree at 38 MiB, 3 MiB short of refusal, mostly results' JSON: a
+    result over 100 KB is kept as .json.gz."""
+    root = GPU.parents[1]
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    paths = [root / f for f in files.decode().split("\0") if f]
+    tree = sum(p.stat().st_size for p in paths if p.is_file())
+    assert tree + INSTALL_CARRY <= CARRY_LIMIT, f"tracked tree {tree / 2**20:.1f} MiB"
+    big = [str(p.relative_to(root)) for p in paths
+           if p.suffix == ".json" and "results" in p.parts and p.is_file() and p.stat().st_size > 100_000]
+    assert not big, f"gzip these results (gzip -9, and .json.gz where bench/README names them): {big}"
