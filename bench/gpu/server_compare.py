@@ -736,7 +736,7 @@ def main():
                      if (b := row.get("itl_bursts")) and b.get("burst_steps_mean") else "")
                   + (f"; fast steps {f['fast_step_ms_p50']} ms ({f['fast_step_share']:.0%} of the steps)"
                      if (f := row.get("itl_fast_steps")) else "")
-                  + (f" DENSE FALLBACK on {row['dense_fallback_share']:.0%} of its steps"
+                  + (f" DENSE FALLBACK on {row['dense_fallback_share']:.1%} of its steps"
                      if row.get("dense_fallback_share") else "")
                   + (" POOL SHORT: a batch ran in waves, not this shape (pool_shortfall in the JSON)"
                      if row["pool_short"] else ""))
