@@ -63,6 +63,7 @@ def test_row_figures_are_the_differences_over_the_timed_batches():
     assert after[("sglang_sparse_decode_forwards_total", "path=kernel_balanced")] == 64
     assert server_compare.sparse_stats(before, after, "sfi") == {
         "decode_steps": 256, "slow_step_ratio": round(8 / 256, 4), "retention": 0.1, "dense_fallback_share": 0.25,
+        "dense_fallback_unplanned_share": 0.25,  # context_exceeds_store's 64; selection_pending's unchanged
         "prepare_ms_per_step": round(1e3 * 0.12 / 256, 3),
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
         "balanced_forward_share": 0.25, "balanced_launch_share": 0.0625,  # 16 of 256 forwards

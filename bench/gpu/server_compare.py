@@ -266,6 +266,13 @@ def scrape(url):
         return {}
 
 
+FALLBACK = "sglang_sparse_dense_fallback_steps_total"
+# Dense steps a sparse row should not have where it measures its policy: the server ran
+# short of slots or the store's context. The others are the policies' own (asyncspade's
+# first step, a budget that covers the sequence, an SFI selection not yet made).
+UNPLANNED_FALLBACK = ("no_compact_slot", "no_store_slot", "context_exceeds_store")
+
+
 def parse_metrics(text):
     """sglang_sparse_* counters by (name, policy), summed over the other labels; the
     kernel-compile counter by (name, "phase=<phase>"), the decode-forward one by
@@ -287,6 +294,9 @@ def parse_metrics(text):
             path = kv.get("path", "").strip('"')
             key = (name, pol or (f"phase={phase}" if phase else f"path={path}" if path else ""))
             out[key] = out.get(key, 0.0) + float(value)
+            if name == FALLBACK and kv.get("reason", "").strip('"') in UNPLANNED_FALLBACK:
+                key = (FALLBACK + ":unplanned", pol)
+                out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -316,7 +326,8 @@ def sparse_stats(before, after, policy):
             # steps of the policy served dense (no store slot, a sequence past the store's
             # max_context, ...): a row measuring a sparse policy should have none (session
             # 21's first 512-token A/B left its 33024-position store after ~256 steps)
-            "dense_fallback_share": round(d("sglang_sparse_dense_fallback_steps_total") / steps, 4),
+            "dense_fallback_share": round(d(FALLBACK) / steps, 4),
+            "dense_fallback_unplanned_share": round(d(FALLBACK + ":unplanned") / steps, 4),
             "prepare_ms_per_step": round(1e3 * prep_s / forwards, 3) if forwards else None,
             "selector_runs_per_step": round(runs / forwards, 4) if forwards else None,
             "selector_rows_per_run": round(rows / runs, 2) if runs else None,
@@ -702,6 +713,7 @@ def main():
                    "tok_s": c["decode_tok_s"], "ratio": ratio(c["decode_tok_s"], st["decode_tok_s"]),
                    "slow_step_ratio": c.get("slow_step_ratio"), "retention": c.get("retention"),
                    "dense_fallback_share": c.get("dense_fallback_share"),
+                   "dense_fallback_unplanned_share": c.get("dense_fallback_unplanned_share"),
                    "pool_short": bool(c.get("pool_shortfall") or st.get("pool_shortfall"))}
             if c.get("itl_ms_mean") and st.get("itl_ms_mean"):  # --itl: per-step latency, client side
                 row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
@@ -736,8 +748,8 @@ def main():
                      if (b := row.get("itl_bursts")) and b.get("burst_steps_mean") else "")
                   + (f"; fast steps {f['fast_step_ms_p50']} ms ({f['fast_step_share']:.0%} of the steps)"
                      if (f := row.get("itl_fast_steps")) else "")
-                  + (f" DENSE FALLBACK on {row['dense_fallback_share']:.1%} of its steps"
-                     if row.get("dense_fallback_share") else "")
+                  + (f" DENSE FALLBACK (no slot, or past the store) on {row['dense_fallback_unplanned_share']:.1%}"
+                     " of its steps" if row.get("dense_fallback_unplanned_share") else "")
                   + (" POOL SHORT: a batch ran in waves, not this shape (pool_shortfall in the JSON)"
                      if row["pool_short"] else ""))
     with open(a.out, "w") as f:
