@@ -29,6 +29,11 @@ _SCORED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0
 # Seconds per output token / per decode step: GPU decode (ms) up to a loaded CPU box.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+# One decode step's period: finer where GPU decode steps fall (1-50 ms, ~15% apart), so
+# that histogram_quantile's p99 can tell a slow step of 1.3x a dense one from 1.5x.
+_STEP_BUCKETS = (0.0005, 0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045,
+                 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.0115, 0.013, 0.015, 0.0175, 0.02, 0.025,
+                 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
 # One Selector refresh (all layers, the rows refreshed before a step).
 _SELECTOR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1.0, 2.5, 5.0)
@@ -115,7 +120,7 @@ class SchedulerMetrics:
             "sglang_sparse_decode_step_duration_seconds",
             "Host time between the starts of two consecutive decode forwards with no other forward "
             "between them, by the policy mix of the first (full / sparse / mixed).",
-            ["mix", "model_name"], buckets=_LATENCY_BUCKETS)
+            ["mix", "model_name"], buckets=_STEP_BUCKETS)
         self.selector_duration = Histogram(
             "sglang_sparse_selector_refresh_duration_seconds",
             "One SFI Selector refresh (all layers, every row refreshed before a decode step); "

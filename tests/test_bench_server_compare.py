@@ -49,7 +49,22 @@ def _text(steps: float, slow: float, attended: float, cached: float, serving: fl
         f'sglang_sparse_lfps_scored_fraction_bucket{{{m},le="0.05"}} {scored[1]}',
         f"sglang_sparse_lfps_scored_fraction_sum{{{m}}} {scored[0]}",
         f"sglang_sparse_lfps_scored_fraction_count{{{m}}} {scored[1]}",
+        *_step_histogram(steps),
     ])
+
+
+def _step_histogram(steps: float) -> list[str]:
+    """The decode-step histogram of a server whose steps (all but the first of the 356
+    counted here) took 3 ms, one in 50 of them 12 ms, split over two mix labels."""
+    m = 'model_name="/root/model"'
+    slow = steps // 50
+    fast = steps - slow
+    out = []
+    for mix, share in (("sparse", 0.75), ("mixed", 0.25)):
+        for le, cum in (("0.0025", 0.0), ("0.003", fast), ("0.01", fast), ("0.0115", fast), ("0.013", steps),
+                        ("+Inf", steps)):
+            out.append(f'sglang_sparse_decode_step_duration_seconds_bucket{{{m},mix="{mix}",le="{le}"}} {cum * share}')
+    return out
 
 
 def test_row_figures_are_the_differences_over_the_timed_batches():
@@ -68,7 +83,11 @@ def test_row_figures_are_the_differences_over_the_timed_batches():
         "selector_runs_per_step": round(8 / 256, 4), "selector_rows_per_run": 4.0,
         "balanced_forward_share": 0.25, "balanced_launch_share": 0.0625,  # 16 of 256 forwards
         "refresh_graph_captures": 2, "compiles_while_serving": 2,
-        "lfps_scored_fraction": 0.05}  # (0.23 - 0.03) / (5 - 1) requests
+        "lfps_scored_fraction": 0.05,  # (0.23 - 0.03) / (5 - 1) requests
+        # 256 steps in the window, 5 of them (356 // 50 - 100 // 50) in the (11.5, 13] ms
+        # bucket: p99 at rank 253.44 falls there, interpolated; p50 in (2.5, 3]
+        "server_steps": 256, "server_step_ms_p50": round(2.5 + 0.5 * 128 / 251, 3),
+        "server_step_ms_p99": round(11.5 + 1.5 * (253.44 - 251) / 5, 3)}
     assert server_compare.sparse_stats(before, before, "sfi") == {}  # no decode step: no row figures
 
 
@@ -284,3 +303,16 @@ def test_a_row_of_a_batch_the_pool_cannot_hold_says_so():
     assert row["decode_tok_s"] == round(32 * 511 / (17.65 - 2.0), 1)
     roomy = SimpleNamespace(res={"kv_pool_tokens": 1010664})
     assert server_compare._timed_row(a, roomy, "stock", None, 8192, 32, 2.0, [6.4], {}, {})["pool_shortfall"] is None
+
+
+def test_step_quantiles_follow_histogram_quantile():
+    """server_compare.step_quantiles against Prometheus' interpolation, by hand: an
+    empty window gives nothing, and a rank past the last finite bound gives that bound."""
+    q = server_compare.step_quantiles
+    k = lambda le: ("sglang_sparse_decode_step_duration_seconds_bucket", le)  # noqa: E731
+    after = {k("0.002"): 10.0, k("0.004"): 90.0, k("0.01"): 99.0, k("+Inf"): 100.0}
+    assert q({}, after) == {"server_steps": 100, "server_step_ms_p50": 3.0,  # 2 + 2 * (50 - 10) / 80
+                            "server_step_ms_p99": 10.0}
+    assert q(after, after) == {}
+    tail = {k("0.002"): 0.0, k("0.004"): 0.0, k("0.01"): 0.0, k("+Inf"): 100.0}
+    assert q({}, tail)["server_step_ms_p99"] == 10.0

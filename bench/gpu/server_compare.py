@@ -266,6 +266,7 @@ def scrape(url):
         return {}
 
 
+STEP = "sglang_sparse_decode_step_duration_seconds"
 FALLBACK = "sglang_sparse_dense_fallback_steps_total"
 # Dense steps a sparse row should not have where it measures its policy: the server ran
 # short of slots or the store's context. The others are the policies' own (asyncspade's
@@ -285,6 +286,12 @@ def parse_metrics(text):
                             "sglang_sparse_lfps_scored_fraction_")) and ("_sum{" in line or "_count{" in line):
             key = (line.split("{", 1)[0], "")  # host time per decode forward; Selector runs; lfps's scored
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith(STEP + "_bucket{"):
+            # the decode-step period's histogram, summed over its mix labels
+            labels, value = line.split("{", 1)[1].rsplit("} ", 1)
+            le = dict(x.split("=", 1) for x in labels.split(",") if "=" in x)["le"].strip('"')
+            key = (STEP + "_bucket", le)
+            out[key] = out.get(key, 0.0) + float(value)
         elif line.startswith("sglang_sparse_") and "_total{" in line:
             name, rest = line.split("{", 1)
             labels, value = rest.rsplit("} ", 1)
@@ -297,6 +304,32 @@ def parse_metrics(text):
             if name == FALLBACK and kv.get("reason", "").strip('"') in UNPLANNED_FALLBACK:
                 key = (FALLBACK + ":unplanned", pol)
                 out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def step_quantiles(before, after, qs=(0.5, 0.99)):
+    """The server's decode-step periods over a window (the histogram's difference),
+    their quantiles in ms as Prometheus' histogram_quantile interpolates them, and
+    the steps counted. Server side: at batch 32 and ~3 ms steps the client's streamed
+    chunks come in bunches (session 49's per-request p99 was 24 ms where the median
+    of the 32 requests' gaps, step by step, had a p99 of 6), so the per-request
+    inter-token times overstate the slow tail there."""
+    les = sorted((float(le), after[k] - before.get(k, 0.0))
+                 for k in after if k[0] == STEP + "_bucket" for le in [k[1]])
+    if not les or les[-1][1] <= 0:
+        return {}
+    total, out = les[-1][1], {"server_steps": int(les[-1][1])}
+    for q in qs:
+        rank, lo, below = q * total, 0.0, 0.0
+        for le, cum in les:
+            if cum >= rank:
+                if le == float("inf"):  # past the last bound: that bound, as Prometheus does
+                    value = lo
+                else:
+                    value = lo + (le - lo) * ((rank - below) / (cum - below) if cum > below else 1.0)
+                out[f"server_step_ms_p{round(q * 100):d}"] = round(1e3 * value, 3)
+                break
+            lo, below = le, cum
     return out
 
 
@@ -342,7 +375,9 @@ def sparse_stats(before, after, policy):
             "compiles_while_serving": int(after.get(compiles, 0.0) - before.get(compiles, 0.0)),
             # lfps: positions scored exactly over those past the sinks, per finished request
             # (read a forward after each release: the previous batch's requests, mostly)
-            "lfps_scored_fraction": round(d0(scored + "sum") / d0(scored + "count"), 4) if d0(scored + "count") else None}
+            "lfps_scored_fraction": round(d0(scored + "sum") / d0(scored + "count"), 4) if d0(scored + "count") else None,
+            # the scheduler's decode-step periods over the timed batches (server side)
+            **step_quantiles(before, after)}
 
 
 #: quest/asyncspade/lfps requests that attend every key of check_greedy's prompts
@@ -715,6 +750,11 @@ def main():
                    "dense_fallback_share": c.get("dense_fallback_share"),
                    "dense_fallback_unplanned_share": c.get("dense_fallback_unplanned_share"),
                    "pool_short": bool(c.get("pool_shortfall") or st.get("pool_shortfall"))}
+            if c.get("server_step_ms_p99") and st.get("decode_tok_s"):
+                # the slow tail server side against the first server's mean step (stock: batch / its tok/s)
+                stock_step = 1e3 * c["batch"] / st["decode_tok_s"]
+                row["server_step_ms"] = [c.get("server_step_ms_p50"), c["server_step_ms_p99"]]
+                row["server_p99_over_stock_step"] = round(c["server_step_ms_p99"] / stock_step, 3)
             if c.get("itl_ms_mean") and st.get("itl_ms_mean"):  # --itl: per-step latency, client side
                 row["itl_ratio"] = round(st["itl_ms_mean"] / c["itl_ms_mean"], 3)
                 # the slow tail against a dense step at the same length (issue 4: <= 1.3)
@@ -741,6 +781,8 @@ def main():
             print(f"| {row['ctx']} x {row['batch']} | {row['policy']} | {row['stock_tok_s']} | {row['tok_s']} | "
                   f"{row['ratio']} | {row['slow_step_ratio']} | {row['retention']} |"
                   + (f" paired {row['paired_ratio']} {row['paired_ratios']}" if "paired_ratio" in row else "")
+                  + (f" server step p50 / p99 {row['server_step_ms'][0]} / {row['server_step_ms'][1]} ms, "
+                     f"p99 / base mean step {row['server_p99_over_stock_step']};" if "server_step_ms" in row else "")
                   + (f" itl ratio {row['itl_ratio']}, p99 / stock p50 {row['itl_p99_over_stock_p50']}"
                      if "itl_ratio" in row else "")
                   + (f"; slow bursts {b['bursts_per_100_steps']} / 100 steps, {b['burst_steps_mean']} steps each, "
