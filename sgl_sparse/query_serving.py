@@ -8,7 +8,8 @@ once per group with scalar knobs). Device side, per layer: tensor ops only.
 
   extend (after the chunk's KV is written), per row of the chunk:
     quest       bounds of every page of [0, n) recomputed from the pool (a radix
-                prefix hit's pages included)
+                prefix hit's pages included); with kernels every quest row of the
+                forward in one launch a layer (kernels.quest_bounds_update)
     asyncspade  query window <- the chunk's last W + 1 queries
     lfps        tables, K̄, V̄, σ̂² from the chunk's last s queries (Eq. 4, §4.2)
   decode, layer by layer:
@@ -38,6 +39,7 @@ import torch
 from sgl_sparse.decision import DecodePlan
 from sgl_sparse.kernels import indexed_slots
 from sgl_sparse.kernels.index_keys import channel_smoothing, quantize_keys, smoothed_codes, smoothed_query
+from sgl_sparse.kernels.quest_pages import quest_bounds_update
 from sgl_sparse.policies import quest, query_aware
 from sgl_sparse.policies.base import PolicyId, RowInit
 from sgl_sparse.query_device import POLICIES as DEVICE_POLICIES
@@ -103,6 +105,9 @@ class QueryAwareRuntime:
         self.cap = max((s.cfg.capacity for s in self.stores.values()), default=1)
         self.groups: list[Group] = []
         self.extend_rows: list[ExtendRow] = []
+        # (pool rows, slots, first, end positions) of this forward's quest extend rows on
+        # the device, for one bounds launch a layer (kernels only; plan_extend)
+        self._quest_extend: Optional[tuple[torch.Tensor, ...]] = None
         self._lfps_out: dict[int, lfps_math.LfpsStep] = {}
         if use_kernels is None:
             use_kernels = state.device.type == "cuda"
@@ -161,13 +166,25 @@ class QueryAwareRuntime:
             if i is not None and n <= i.max_context:
                 self.extend_rows.append(ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext))
             start += ext
+        self._quest_extend = None
         if self.extend_rows:
             # One copy for all rows, not pageable and so not stream-synchronizing: a
             # synchronizing copy per row and layer (8 rows x 28 layers a chunk at
             # 32768 x 8) stalled the host behind the GPU through the whole prefill.
-            host = torch.tensor([[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows], dtype=torch.int64)
-            for e, d in zip(self.extend_rows, to_device(host, self.state.device)):
+            per_row = [[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows]
+            # With kernels, quest's rows are bounded in one launch a layer: their pool
+            # rows, slots, first and end positions, each field contiguous after the rows'
+            quest_rows = [e for e in self.extend_rows if e.policy == PolicyId.QUEST] if self.device else []
+            fields = [[e.req_row for e in quest_rows], [e.slot for e in quest_rows],
+                      [0] * len(quest_rows), [e.n for e in quest_rows]]
+            host = torch.tensor([x for row in per_row for x in row] + [x for f in fields for x in f],
+                                dtype=torch.int64)
+            dev = to_device(host, self.state.device)
+            rows_dev = dev[: 3 * len(per_row)].view(-1, 3)
+            for e, d in zip(self.extend_rows, rows_dev):
                 e.dev = d
+            if quest_rows:
+                self._quest_extend = dev[3 * len(per_row):].view(4, len(quest_rows)).unbind(0)
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""
@@ -186,10 +203,18 @@ class QueryAwareRuntime:
         ``scale``: the layer's softmax scale times an fp8 cache's k_scale, as the decode
         selections take it (they score the keys as stored); ``v_scale``: the values'
         (lfps's V̄ is output as it is)."""
+        if self._quest_extend is not None:
+            # every quest row's pages of [0, n) at once (the torch loop below: a row
+            # at a time, ~10 small ops each: 0.7 s of a 64 x 2048 prefill, session 51)
+            req, slot, lo, hi = self._quest_extend
+            store = self.stores[PolicyId.QUEST]
+            quest_bounds_update(k_cache, req_to_token, req, slot, lo, hi, store.kmin[li], store.kmax[li])
         for e in self.extend_rows:
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
             if e.policy == PolicyId.QUEST:
+                if self._quest_extend is not None:
+                    continue
                 pages = -(-e.n // quest.PAGE)
                 lo, hi = quest.page_bounds(k_cache[locs], e.n, pages)
                 store.kmin[li, e.slot, :, :pages] = lo.to(store.kmin.dtype)

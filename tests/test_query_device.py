@@ -694,3 +694,38 @@ def test_one_policy_graph_runs_that_policy_alone(policy):
 
 def _store_tensors(store) -> list[torch.Tensor]:
     return [v for v in vars(store).values() if isinstance(v, torch.Tensor)]
+
+
+def test_quest_extend_bounds_in_one_launch_equal_the_torch_loop():
+    """With kernels, quest's rows of an extend forward are bounded in one
+    quest_bounds_update launch a layer (pages of [0, n), as the torch loop rebuilds
+    them row by row). Two chunks, the first after a radix-style prefix on one row,
+    lengths not multiples of a page; every bound equal to the loop's, and slots of
+    no row untouched."""
+    gen = torch.Generator().manual_seed(11)
+    stores = []
+    for use_kernels in (True, False):
+        twin = Twin(2, use_kernels=use_kernels, num_layers=2)
+        rows = list(twin.specs)
+        inits = [MODULES[s.policy if s is not None else "full"].init_row(s, [], [], (None, None))
+                 for s in twin.specs.values()]
+        store = twin.st.query_stores[PolicyId.QUEST]
+        store.kmin.fill_(7.0)
+        store.kmax.fill_(-7.0)
+        # chunk 1: 37 tokens each, row 2 with 21 more before them (a prefix hit); chunk 2: the rest
+        first = {r: 37 + (21 if r == 2 else 0) for r in rows}
+        for lens, ext in (([first[r] for r in rows], [37] * len(rows)),
+                          ([twin.lens[r] for r in rows], [twin.lens[r] - first[r] for r in rows])):
+            admitted = twin.st.admit(rows, inits)
+            twin.rt.plan_extend(rows, lens, ext, admitted)
+            assert (twin.rt._quest_extend is not None) == use_kernels
+            q = torch.randn(sum(ext), HKV * 2, D, generator=gen).to(KV)
+            for li in range(2):
+                twin.rt.on_extend(li, q, twin.k, twin.v, twin.r2t, SCALE)
+        stores.append(store)
+    kern, loop = stores
+    assert torch.equal(kern.kmin, loop.kmin) and torch.equal(kern.kmax, loop.kmax)
+    used = sorted({i.slot for i in twin.st._active.values() if i.policy == PolicyId.QUEST})
+    assert len(used) == 3
+    free = [s for s in range(kern.kmin.shape[1]) if s not in used]
+    assert free and bool((kern.kmin[:, free] == 7.0).all())
