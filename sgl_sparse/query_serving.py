@@ -210,11 +210,11 @@ class QueryAwareRuntime:
             store = self.stores[PolicyId.QUEST]
             quest_bounds_update(k_cache, req_to_token, req, slot, lo, hi, store.kmin[li], store.kmax[li])
         for e in self.extend_rows:
+            if e.policy == PolicyId.QUEST and self._quest_extend is not None:
+                continue  # bounded above, no per-row gather either
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
             if e.policy == PolicyId.QUEST:
-                if self._quest_extend is not None:
-                    continue
                 pages = -(-e.n // quest.PAGE)
                 lo, hi = quest.page_bounds(k_cache[locs], e.n, pages)
                 store.kmin[li, e.slot, :, :pages] = lo.to(store.kmin.dtype)
