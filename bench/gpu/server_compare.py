@@ -288,23 +288,25 @@ def parse_metrics(text):
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith(STEP + "_bucket{"):
             # the decode-step period's histogram, summed over its mix labels
-            labels, value = line.split("{", 1)[1].rsplit("} ", 1)
-            le = dict(x.split("=", 1) for x in labels.split(",") if "=" in x)["le"].strip('"')
-            key = (STEP + "_bucket", le)
-            out[key] = out.get(key, 0.0) + float(value)
+            _, kv, value = _sample(line)
+            key = (STEP + "_bucket", kv["le"])
+            out[key] = out.get(key, 0.0) + value
         elif line.startswith("sglang_sparse_") and "_total{" in line:
-            name, rest = line.split("{", 1)
-            labels, value = rest.rsplit("} ", 1)
-            kv = dict(x.split("=", 1) for x in labels.split(",") if "=" in x)
-            pol = kv.get("policy", "").strip('"')
-            phase = kv.get("phase", "").strip('"')
-            path = kv.get("path", "").strip('"')
+            name, kv, value = _sample(line)
+            pol, phase, path = kv.get("policy", ""), kv.get("phase", ""), kv.get("path", "")
             key = (name, pol or (f"phase={phase}" if phase else f"path={path}" if path else ""))
-            out[key] = out.get(key, 0.0) + float(value)
-            if name == FALLBACK and kv.get("reason", "").strip('"') in UNPLANNED_FALLBACK:
+            out[key] = out.get(key, 0.0) + value
+            if name == FALLBACK and kv.get("reason", "") in UNPLANNED_FALLBACK:
                 key = (FALLBACK + ":unplanned", pol)
-                out[key] = out.get(key, 0.0) + float(value)
+                out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _sample(line: str) -> tuple[str, dict, float]:
+    """`name{k="v",...} value` -> (name, {k: v}, value)."""
+    name, rest = line.split("{", 1)
+    labels, value = rest.rsplit("} ", 1)
+    return name, {k: v.strip('"') for k, v in (x.split("=", 1) for x in labels.split(",") if "=" in x)}, float(value)
 
 
 def step_quantiles(before, after, qs=(0.5, 0.99)):
@@ -314,8 +316,7 @@ def step_quantiles(before, after, qs=(0.5, 0.99)):
     chunks come in bunches (session 49's per-request p99 was 24 ms where the median
     of the 32 requests' gaps, step by step, had a p99 of 6), so the per-request
     inter-token times overstate the slow tail there."""
-    les = sorted((float(le), after[k] - before.get(k, 0.0))
-                 for k in after if k[0] == STEP + "_bucket" for le in [k[1]])
+    les = sorted((float(k[1]), after[k] - before.get(k, 0.0)) for k in after if k[0] == STEP + "_bucket")
     if not les or les[-1][1] <= 0:
         return {}
     total, out = les[-1][1], {"server_steps": int(les[-1][1])}
