@@ -11,7 +11,9 @@ once per group with scalar knobs). Device side, per layer: tensor ops only.
                 prefix hit's pages included); with kernels every quest row of the
                 forward in one launch a layer (kernels.quest_bounds_update)
     asyncspade  query window <- the chunk's last W + 1 queries
-    lfps        tables, K̄, V̄, σ̂² from the chunk's last s queries (Eq. 4, §4.2)
+    lfps        tables, K̄, V̄, σ̂² from the chunk's last s queries (Eq. 4, §4.2); the
+                forward's rows of the same knobs and s in one init_tables call a
+                layer, padded to the longest (LfpsExtend, memory-capped)
   decode, layer by layer:
     select      quest: bounds of the current page, then pages by this query;
                 asyncspade: the selection predicted at the previous step;
@@ -31,6 +33,7 @@ The torch groups stay the CPU path and that path's oracle.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -78,6 +81,52 @@ def lfps_knobs(spec) -> lfps_math.LfpsKnobs:
     return lfps_math.LfpsKnobs(s=spec.s, r=spec.r, eps=spec.eps, a=spec.a, n_local=spec.local, n_sink=spec.sink)
 
 
+# The most an lfps extend call's logits ([rows, Hq, s, n_max] fp32; their masked copy
+# and softmax are as large) take at once: one call for 8 rows of 32768 would hold 8 rows'
+# worth, where the loop of a row at a time held one. A call takes one row at least.
+LFPS_EXTEND_BYTES = 256 << 20
+
+
+@dataclass
+class LfpsExtend:
+    """lfps extend rows of one forward that one init_tables call a layer initializes
+    (plan_extend): the same knobs with s = the queries each takes, keys padded to
+    the longest row's n."""
+
+    knobs: lfps_math.LfpsKnobs
+    n_max: int
+    req_rows: torch.Tensor  # [b] int64, on the device
+    slots: torch.Tensor  # [b]
+    n: torch.Tensor  # [b]
+    q_rows: torch.Tensor  # [b, s]: each row's last s queries in the forward's q
+    valid: torch.Tensor  # [b, n_max] bool: positions < n
+
+
+def lfps_extend_calls(rows: list[ExtendRow], num_q_heads: int,
+                      cap_bytes: int) -> list[tuple[lfps_math.LfpsKnobs, list[ExtendRow]]]:
+    """lfps extend rows by init_tables call: its knobs (s = min(spec.s, the chunk's
+    queries)) and rows. The math takes the knobs and s as scalars, so only rows
+    equal in all of them share a call; each call's rows longest first, so that it
+    pads to lengths alike, and as many as keep its logits within cap_bytes."""
+    by_knobs: dict[tuple, tuple[lfps_math.LfpsKnobs, list[ExtendRow]]] = {}
+    for e in rows:
+        kn = lfps_knobs(e.spec)
+        kn = dataclasses.replace(kn, s=min(kn.s, e.q_end - e.q_start))
+        by_knobs.setdefault(dataclasses.astuple(kn), (kn, []))[1].append(e)
+    calls: list[tuple[lfps_math.LfpsKnobs, list[ExtendRow]]] = []
+    for kn, group in by_knobs.values():
+        row_bytes = num_q_heads * kn.s * 4  # a row's logits per key position
+        group.sort(key=lambda e: -e.n)
+        call: list[ExtendRow] = []
+        for e in group:
+            if call and (len(call) + 1) * row_bytes * call[0].n > cap_bytes:
+                calls.append((kn, call))
+                call = []
+            call.append(e)
+        calls.append((kn, call))
+    return calls
+
+
 def prepend_sink(pos: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
                  k_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment A from a selection of non-sink positions: [0, min(sink, b_start))
@@ -108,6 +157,7 @@ class QueryAwareRuntime:
         # (pool rows, slots, first, end positions) of this forward's quest extend rows on
         # the device, for one bounds launch a layer (kernels only; plan_extend)
         self._quest_extend: Optional[tuple[torch.Tensor, ...]] = None
+        self._lfps_extend: list[LfpsExtend] = []
         self._lfps_out: dict[int, lfps_math.LfpsStep] = {}
         if use_kernels is None:
             use_kernels = state.device.type == "cuda"
@@ -167,6 +217,7 @@ class QueryAwareRuntime:
                 self.extend_rows.append(ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext))
             start += ext
         self._quest_extend = None
+        self._lfps_extend = []
         if self.extend_rows:
             # One copy for all rows, not pageable and so not stream-synchronizing: a
             # synchronizing copy per row and layer (8 rows x 28 layers a chunk at
@@ -177,14 +228,33 @@ class QueryAwareRuntime:
             quest_rows = [e for e in self.extend_rows if e.policy == PolicyId.QUEST] if self.device else []
             fields = [[e.req_row for e in quest_rows], [e.slot for e in quest_rows],
                       [0] * len(quest_rows), [e.n for e in quest_rows]]
+            # lfps's rows in few init_tables calls a layer (a call a row and layer, over
+            # a hundred small ops each, made its prefill 18-23% slower than stock's):
+            # each call's pool rows, slots, lengths and query rows, after quest's
+            lfps_rows = [e for e in self.extend_rows if e.policy == PolicyId.LFPS]
+            hq = self.stores[PolicyId.LFPS].sigma_hat2.shape[-1] if lfps_rows else 0
+            lfps_calls = lfps_extend_calls(lfps_rows, hq, LFPS_EXTEND_BYTES)
+            for kn, call in lfps_calls:
+                fields += [[e.req_row for e in call], [e.slot for e in call], [e.n for e in call],
+                           [q for e in call for q in range(e.q_end - kn.s, e.q_end)]]
             host = torch.tensor([x for row in per_row for x in row] + [x for f in fields for x in f],
                                 dtype=torch.int64)
             dev = to_device(host, self.state.device)
             rows_dev = dev[: 3 * len(per_row)].view(-1, 3)
             for e, d in zip(self.extend_rows, rows_dev):
                 e.dev = d
+            at = 3 * len(per_row)
             if quest_rows:
-                self._quest_extend = dev[3 * len(per_row):].view(4, len(quest_rows)).unbind(0)
+                self._quest_extend = dev[at: at + 4 * len(quest_rows)].view(4, len(quest_rows)).unbind(0)
+            at += 4 * len(quest_rows)
+            for kn, call in lfps_calls:
+                b = len(call)
+                req, slots, n = dev[at: at + 3 * b].view(3, b).unbind(0)
+                q_rows = dev[at + 3 * b: at + (3 + kn.s) * b].view(b, kn.s)
+                at += (3 + kn.s) * b
+                n_max = call[0].n  # longest first
+                valid = torch.arange(n_max, device=dev.device)[None, :] < n[:, None]
+                self._lfps_extend.append(LfpsExtend(kn, n_max, req, slots, n, q_rows, valid))
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""
@@ -209,9 +279,11 @@ class QueryAwareRuntime:
             req, slot, lo, hi = self._quest_extend
             store = self.stores[PolicyId.QUEST]
             quest_bounds_update(k_cache, req_to_token, req, slot, lo, hi, store.kmin[li], store.kmax[li])
+        for call in self._lfps_extend:
+            self._lfps_init(li, call, q3, k_cache, v_cache, req_to_token, scale, v_scale)
         for e in self.extend_rows:
-            if e.policy == PolicyId.QUEST and self._quest_extend is not None:
-                continue  # bounded above, no per-row gather either
+            if e.policy == PolicyId.LFPS or (e.policy == PolicyId.QUEST and self._quest_extend is not None):
+                continue  # initialized above, no per-row gather either
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
             if e.policy == PolicyId.QUEST:
@@ -230,21 +302,31 @@ class QueryAwareRuntime:
                         store.filled[li, e.slot] = 0
                     if store.ksmooth is not None:  # the prompt so far, radix-cache hits included
                         store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
-            else:
-                knobs = lfps_knobs(e.spec)
-                s = min(knobs.s, e.q_end - e.q_start)
-                values = v_cache[locs][None]
-                if v_scale is not None:
-                    values = values.float() * v_scale
-                lfps_math.init_tables(
-                    q3[e.q_end - s: e.q_end][None], k_cache[locs][None], values,
-                    e.dev[1:2], scale, store.cfg.max_context, knobs, out=store.layer(li), rows=e.dev[0:1])
-                store.tscale[li, e.slot].fill_(1.0)  # the tables as written: true values
-                if store.shift is not None:
-                    # the statistics' power sums about the tables' means: not the slot's
-                    # previous owner's, which only the rounding would pay for
-                    store.shift[li, e.slot, :, 0] = store.ver[li, e.slot, :, : e.n].mean(-1)
-                    store.shift[li, e.slot, :, 1] = store.sla[li, e.slot, :, : e.n].mean(-1)
+
+    def _lfps_init(self, li: int, c: LfpsExtend, q3: torch.Tensor, k_cache, v_cache, req_to_token,
+                   scale: float, v_scale: Optional[float]) -> None:
+        """The tables, K̄, V̄ and σ̂² of one call's rows, from their keys padded to n_max."""
+        store = self.stores[PolicyId.LFPS]
+        locs = req_to_token[c.req_rows, : c.n_max]
+        # Past its n a row reads its first key again: the pool slots there are anyone's
+        # (an fp8 cache's may hold NaN or inf), and init_tables' priors multiply keys
+        # by their masks, where 0 * NaN would be NaN. Masked out, any finite key will do.
+        locs = torch.where(c.valid, locs, locs[:, :1]).long()
+        values = v_cache[locs]
+        if v_scale is not None:
+            values = values.float() * v_scale
+        lfps_math.init_tables(q3[c.q_rows], k_cache[locs], values, c.n, scale, store.cfg.max_context, c.knobs,
+                              out=store.layer(li), rows=c.slots)
+        # the tables as written: true values (index_fill_: `t[idx] = 1.0` would copy
+        # the scalar from the host, waiting for the stream)
+        store.tscale[li].index_fill_(0, c.slots, 1.0)
+        if store.shift is not None:
+            # the statistics' power sums about the tables' means over [0, n): not the
+            # slot's previous owner's, which only the rounding would pay for
+            valid = c.valid[:, None, :]
+            means = [torch.where(valid, t[li, c.slots, :, : c.n_max], 0.0).sum(-1) / c.n[:, None]
+                     for t in (store.ver, store.sla)]
+            store.shift[li].index_copy_(0, c.slots, torch.stack(means, -1))
 
     # ---- decode, per layer ---------------------------------------------------------
     def select(self, li: int, plan: DecodePlan, q3: torch.Tensor, k_cache, req_to_token,

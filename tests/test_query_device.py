@@ -23,13 +23,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sgl_sparse import query_device, reference
+from sgl_sparse import query_device, query_serving, reference
 from sgl_sparse.config import AsyncSpadePolicy, LfpsPolicy, QuestPolicy, SparseServerConfig
 from sgl_sparse.decision import plan_decode
 from sgl_sparse.policies import MODULES, PolicyId
 from sgl_sparse.policies.base import QUERY_AWARE_IDS
-from sgl_sparse.query_serving import QueryAwareRuntime
+from sgl_sparse.query_serving import QueryAwareRuntime, lfps_knobs
 from sgl_sparse.query_store import AsyncSpadeStore, LfpsStore, QuestStore
+from sgl_sparse.queryaware import lfps as lfps_math
 from sgl_sparse.state import SparseState
 from tests.bench_scripts import load_bench_script
 
@@ -729,3 +730,110 @@ def test_quest_extend_bounds_in_one_launch_equal_the_torch_loop():
     assert len(used) == 3
     free = [s for s in range(kern.kmin.shape[1]) if s not in used]
     assert free and bool((kern.kmin[:, free] == 7.0).all())
+
+
+def _lfps_extend_row_by_row(rt: QueryAwareRuntime, li: int, q3: torch.Tensor, k_cache, v_cache, req_to_token,
+                            scale: float, v_scale) -> None:
+    """lfps's extend a row at a time, as on_extend ran it before its LfpsExtend calls:
+    each row's own keys [0, n) and last s queries, init_tables on a batch of one."""
+    store = rt.stores[PolicyId.LFPS]
+    for e in rt.extend_rows:
+        if e.policy != PolicyId.LFPS:
+            continue
+        locs = req_to_token[e.req_row, : e.n].long()
+        knobs = lfps_knobs(e.spec)
+        s = min(knobs.s, e.q_end - e.q_start)
+        values = v_cache[locs][None]
+        if v_scale is not None:
+            values = values.float() * v_scale
+        lfps_math.init_tables(q3[e.q_end - s: e.q_end][None], k_cache[locs][None], values, torch.tensor([e.n]),
+                              scale, store.cfg.max_context, knobs, out=store.layer(li), rows=torch.tensor([e.slot]))
+        store.tscale[li, e.slot].fill_(1.0)
+        store.shift[li, e.slot, :, 0] = store.ver[li, e.slot, :, : e.n].mean(-1)
+        store.shift[li, e.slot, :, 1] = store.sla[li, e.slot, :, : e.n].mean(-1)
+
+
+@pytest.mark.parametrize("cap", ["default", "split", "one_row"])
+@pytest.mark.parametrize("kv", [torch.float16, torch.float8_e4m3fn])
+def test_lfps_extend_in_calls_equals_the_row_loop(monkeypatch, cap, kv):
+    """lfps's rows of an extend forward are initialized by one init_tables call per
+    knobs and s, each row's keys padded to the call's longest (LfpsExtend), in calls
+    whose logits stay within LFPS_EXTEND_BYTES. Two knob sets, lengths not multiples
+    of 16, prompts shorter than s (then s = the chunk's queries: a call of their own),
+    a radix-style prefix and a second chunk shorter than s; the pool slots past each
+    row's n hold NaN / inf, as an fp8 cache's may (the padding reads none of them).
+    Every table, prior, scale and shift equal to the row-by-row loop's, no NaN, the
+    slots of no row untouched."""
+    monkeypatch.setattr(importlib.import_module("sgl_sparse.kernels.lfps_tables"), "STATS_POWER_SUMS", True)
+    hq = HKV * 2
+    a, b = LfpsPolicy(budget=12, local=6, sink=4, s=8), LfpsPolicy(budget=12, local=3, sink=2, s=6, r=0.9, a=0.3)
+    caps = {"default": query_serving.LFPS_EXTEND_BYTES, "one_row": 1,
+            "split": 2 * 70 * hq * 8 * 4 - 1}  # 2 rows of a's s = 8 up to n_max 70
+    monkeypatch.setattr(query_serving, "LFPS_EXTEND_BYTES", caps[cap])
+    specs = {1: a, 2: a, 3: a, 9: a, 10: a, 4: b, 5: b, 8: b, 6: QuestPolicy(budget=16, recent=9, sink=4), 7: None}
+    # row -> (sequence length, queries) of each chunk. Row 2: 21 tokens of a prefix hit
+    # before its first 37; rows 3 and 5 shorter than s, row 1's second chunk too; rows
+    # 9, 8 and 10 padded in their last chunk (those of 2 and 5 are overwritten by the next)
+    chunks = [{1: (70, 70), 2: (58, 37), 3: (5, 5), 4: (61, 61), 5: (3, 3), 8: (33, 33), 9: (45, 45),
+               6: (37, 37), 7: (37, 37)},
+              {1: (75, 5), 2: (103, 45), 10: (30, 30), 5: (12, 9), 6: (50, 13), 7: (40, 3)}]
+    second = [(5, [75]), (8, [103, 30]), (6, [12])]
+    expect = {  # (s, n) of each call, of each chunk
+        "default": [[(8, [70, 58, 45]), (5, [5]), (6, [61, 33]), (3, [3])], second],
+        "split": [[(8, [70]), (8, [58, 45]), (5, [5]), (6, [61, 33]), (3, [3])],
+                  [(5, [75]), (8, [103]), (8, [30]), (6, [12])]],
+        "one_row": [[(8, [70]), (8, [58]), (8, [45]), (5, [5]), (6, [61]), (6, [33]), (3, [3])],
+                    [(5, [75]), (8, [103]), (8, [30]), (6, [12])]],
+    }[cap]
+    gen = torch.Generator().manual_seed(5)
+    width = MAXCTX + 40
+    k = torch.randn(12 * width + 1, HKV, D, generator=gen)
+    v = torch.randn(12 * width + 1, HKV, D, generator=gen)
+    # each request row its own pool slots, those past its n included (where the NaN go)
+    r2t = (torch.randperm(12 * width, generator=gen) + 1).to(torch.int32).view(12, width)
+    kscale, vscale = (None, None) if kv == torch.float16 else (0.5, 0.25)
+    scale = SCALE * (kscale or 1.0)
+    stores, plans = [], []
+    for batched in (True, False):
+        twin = Twin(2, use_kernels=False, specs=specs, lens={r: c[0] for r, c in chunks[0].items()},
+                    store={"slots": 10}, num_layers=2)
+        store = twin.st.query_stores[PolicyId.LFPS]
+        assert store.shift is not None
+        for t in (store.ver, store.sla, store.kbar, store.vbar, store.sigma_hat2, store.shift):
+            t.fill_(7.0)
+        store.tscale.fill_(3.0)
+        gen = torch.Generator().manual_seed(6)
+        for chunk in chunks:
+            rows = list(chunk)
+            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
+                specs[r], [], [], (None, None)) for r in rows]
+            admitted = twin.st.admit(rows, inits)
+            ext = [chunk[r][1] for r in rows]
+            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            if batched:
+                plans.append([(c.knobs.s, c.n.tolist()) for c in twin.rt._lfps_extend])
+            else:
+                twin.rt._lfps_extend = []  # on_extend skips the lfps rows: the loop runs them
+            # the chunk's keys written; past each row's n, anything at all
+            kc, vc = k.clone(), v.clone()
+            for r, (n, _) in chunk.items():
+                kc[r2t[r, n:].long()] = vc[r2t[r, n:].long()] = float("nan")
+                kc[r2t[r, n::3].long()] = float("inf")
+            kc, vc = kc.to(kv), vc.to(kv)
+            q = torch.randn(sum(ext), hq, D, generator=gen).to(KV)
+            for li in range(2):
+                v_scale = vscale if li == 1 else None  # layer 0's values as stored
+                twin.rt.on_extend(li, q.roll(li, 0), kc, vc, r2t, scale, v_scale)
+                if not batched:
+                    _lfps_extend_row_by_row(twin.rt, li, q.roll(li, 0), kc, vc, r2t, scale, v_scale)
+        stores.append(store)
+    assert plans == expect
+    got, want = stores
+    fields = ("ver", "sla", "kbar", "vbar", "sigma_hat2", "tscale", "shift")
+    for f in fields:
+        assert not getattr(got, f).isnan().any(), f
+        torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=2e-6, atol=1e-7, msg=f)
+    used = sorted({twin.st.row_init(r).slot for r, s in specs.items() if s is not None and s.policy == "lfps"})
+    assert len(used) == 8 and bool((got.tscale[:, used] == 1.0).all())
+    free = [s for s in range(got.ver.shape[1]) if s not in used]
+    assert free and all(bool((getattr(got, f)[:, free] == (3.0 if f == "tscale" else 7.0)).all()) for f in fields)
