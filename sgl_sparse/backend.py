@@ -729,6 +729,10 @@ def _setup_query_stores(state: SparseState, model_runner, kv_pool) -> None:
                         query_store.nbytes(store, store.cache_tensors()) / 2**30)
         if state.metrics is not None:
             state.metrics.set_query_store(name, query_store.nbytes(store))
+    if kv.is_cuda:
+        from sgl_sparse.query_serving import warm_up_extend_kernels
+
+        warm_up_extend_kernels(state.query_stores, kv, model_runner.req_to_token_pool.req_to_token)
 
 
 def stores_headroom_warning(stores: int, free_before_load: int, fraction: float) -> Optional[str]:

@@ -127,6 +127,19 @@ def lfps_extend_calls(rows: list[ExtendRow], num_q_heads: int,
     return calls
 
 
+def warm_up_extend_kernels(stores: dict, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> None:
+    """Compile quest's extend kernel at start-up, in the argument classes plan_extend
+    passes it (its fields 16-byte aligned), so that no prefill waits for Triton: on the
+    H200 the first quest prefills did, twice, 0.3 s each (session 57). Slot -1 and an
+    empty range: nothing is written. k_pool: a layer's key buffer, as on_extend gets it."""
+    store = stores.get(PolicyId.QUEST)
+    if store is None:
+        return
+    dev = k_pool.device
+    req, slot, lo, hi = (torch.full((1,), v, dtype=torch.int64, device=dev) for v in (0, -1, 0, 0))
+    quest_bounds_update(k_pool, req_to_token, req, slot, lo, hi, store.kmin[0], store.kmax[0])
+
+
 def prepend_sink(pos: torch.Tensor, count: torch.Tensor, sink: torch.Tensor, b_start: torch.Tensor,
                  k_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment A from a selection of non-sink positions: [0, min(sink, b_start))
@@ -224,10 +237,16 @@ class QueryAwareRuntime:
             # 32768 x 8) stalled the host behind the GPU through the whole prefill.
             per_row = [[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows]
             # With kernels, quest's rows are bounded in one launch a layer: their pool
-            # rows, slots, first and end positions, each field contiguous after the rows'
+            # rows, slots, first and end positions, each field contiguous, first in the
+            # copy and padded to an even count: 16-byte aligned whatever the rows, the
+            # pointer class warm_up_extend_kernels compiled (Triton keys its binaries
+            # on it; fields 8 bytes off compiled mid-prefill, 0.3 s, session 57)
             quest_rows = [e for e in self.extend_rows if e.policy == PolicyId.QUEST] if self.device else []
-            fields = [[e.req_row for e in quest_rows], [e.slot for e in quest_rows],
-                      [0] * len(quest_rows), [e.n for e in quest_rows]]
+            nq = len(quest_rows) + len(quest_rows) % 2
+            pad = [0] * (nq - len(quest_rows))
+            quest_fields = [[e.req_row for e in quest_rows] + pad, [e.slot for e in quest_rows] + pad,
+                            [0] * nq, [e.n for e in quest_rows] + pad]
+            fields = []
             # lfps's rows in few init_tables calls a layer (a call a row and layer, over
             # a hundred small ops each, made its prefill 18-23% slower than stock's):
             # each call's pool rows, slots, lengths and query rows, after quest's
@@ -237,16 +256,16 @@ class QueryAwareRuntime:
             for kn, call in lfps_calls:
                 fields += [[e.req_row for e in call], [e.slot for e in call], [e.n for e in call],
                            [q for e in call for q in range(e.q_end - kn.s, e.q_end)]]
-            host = torch.tensor([x for row in per_row for x in row] + [x for f in fields for x in f],
-                                dtype=torch.int64)
+            host = torch.tensor([x for f in quest_fields for x in f] + [x for row in per_row for x in row]
+                                + [x for f in fields for x in f], dtype=torch.int64)
             dev = to_device(host, self.state.device)
-            rows_dev = dev[: 3 * len(per_row)].view(-1, 3)
+            if quest_rows:
+                self._quest_extend = dev[: 4 * nq].view(4, nq)[:, : len(quest_rows)].unbind(0)
+            at = 4 * nq
+            rows_dev = dev[at: at + 3 * len(per_row)].view(-1, 3)
             for e, d in zip(self.extend_rows, rows_dev):
                 e.dev = d
-            at = 3 * len(per_row)
-            if quest_rows:
-                self._quest_extend = dev[at: at + 4 * len(quest_rows)].view(4, len(quest_rows)).unbind(0)
-            at += 4 * len(quest_rows)
+            at += 3 * len(per_row)
             for kn, call in lfps_calls:
                 b = len(call)
                 req, slots, n = dev[at: at + 3 * b].view(3, b).unbind(0)

@@ -201,3 +201,38 @@ def test_on_the_gpu_a_refresh_after_the_warm_up_compiles_nothing(monkeypatch, fr
     torch.cuda.synchronize()
     print(f"warm-up: {warm} compiles; refreshes after it: {compile_watch.compiles - warm}")
     assert compile_watch.compiles == warm
+
+
+@pytest.mark.parametrize("rows", [[1], [1, 4, 6], [4, 1, 2, 7], [1, 2, 3, 4, 5, 6, 7]],
+                         ids=["one_quest", "odd_rows", "two_quest", "every_policy"])
+def test_quest_extends_launch_only_the_binary_the_warm_up_compiled(monkeypatch, rows):
+    """quest's extend bounds every quest row of a forward in one launch a layer, its
+    four fields slices of the forward's one host-to-device copy. At an odd offset in
+    that copy a field is 8 bytes off 16, another pointer class: on the H200 the first
+    quest prefills compiled the kernel twice, 0.3 s each (session 57). The fields now
+    lead the copy, padded to even counts, and the start-up warm-up
+    (query_serving.warm_up_extend_kernels) compiles their one class."""
+    from sgl_sparse.policies import PolicyId
+    from sgl_sparse.query_serving import warm_up_extend_kernels
+    from tests.test_query_device import MODULES, SPECS, Twin
+
+    name = "sgl_sparse.kernels.quest_pages._quest_bounds_update_kernel"
+    specs = {r: SPECS[r] for r in rows}
+    twin = Twin(2, use_kernels=True, num_layers=2, specs=specs)
+    store = twin.st.query_stores[PolicyId.QUEST]
+    before = store.kmin.clone(), store.kmax.clone()
+    with _binaries(monkeypatch) as warm:
+        warm_up_extend_kernels(twin.st.query_stores, twin.k, twin.r2t)
+    assert torch.equal(store.kmin, before[0]) and torch.equal(store.kmax, before[1])  # slot -1: nothing written
+    inits = [MODULES[s.policy if s is not None else "full"].init_row(s, [], [], (None, None)) for s in specs.values()]
+    admitted = twin.st.admit(rows, inits)
+    lens = [twin.lens[r] for r in rows]
+    twin.rt.plan_extend(rows, lens, lens, admitted)
+    assert all(t.data_ptr() % 16 == 0 for t in twin.rt._quest_extend)
+    q = torch.randn(sum(lens), 4, twin.d).to(twin.k.dtype)
+    with _binaries(monkeypatch) as served:
+        for li in range(2):
+            twin.rt.on_extend(li, q, twin.k, twin.v, twin.r2t, 0.25)
+    served = {k for k in served if k[0] == name}
+    assert served and served <= warm, served - warm
+    assert {k[0] for k in warm} == {name}
