@@ -41,3 +41,30 @@ def test_qk_norm_gain_sets_the_norms_and_scales_the_logits_by_its_square():
     with torch.no_grad():
         ratio = _logits(gained, x) / _logits(plain, x)
     assert torch.allclose(ratio, torch.full_like(ratio, 6.25), rtol=1e-4)
+
+
+def test_a_checkpoint_from_the_same_arguments_is_kept(tmp_path, monkeypatch, capsys):
+    """Every e2e call of a lease runs make_random_model.py: the same arguments keep the
+    checkpoint already written (its files untouched), other ones, or a write cut short
+    (no marker), write it again."""
+    import json
+
+    import make_random_model as M
+    from shapes import SHAPES, Shape
+
+    monkeypatch.setitem(SHAPES, "tiny", Shape(32, 2, 4, 2, 64, True, head_dim=16, vocab=64))
+    out = tmp_path / "model"
+    argv = ["--shape", "tiny", "--out", str(out), "--vocab", "64", "--max-pos", "64"]
+    M.main(argv)
+    shard = next(out.glob("*.safetensors"))
+    stamp = shard.stat().st_mtime_ns
+    assert "wrote tiny" in capsys.readouterr().out
+    M.main(argv)
+    assert "kept tiny" in capsys.readouterr().out and shard.stat().st_mtime_ns == stamp
+    M.main([*argv, "--qk-norm-gain", "2.5"])  # another model: written again
+    assert "wrote tiny" in capsys.readouterr().out
+    (out / M.MARKER).unlink()  # as after a write cut short
+    M.main([*argv, "--qk-norm-gain", "2.5"])
+    assert "wrote tiny" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 64

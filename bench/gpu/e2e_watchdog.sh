@@ -13,8 +13,7 @@ set -u
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LIMIT="${LIMIT:-480}"
 STALL="${STALL:-0}"
-# the server processes (pgrep -f's regex; the CPU test names processes of its own)
-SERVER_PATTERN="${SERVER_PATTERN:-sglang[.]launch_server|sglang::}"
+. "$(dirname "$0")/server_pattern.sh"  # the server processes
 # The device tool stops a call at 600 s, and with it this watchdog when the same call
 # spent time before it (session 55: the install, then LIMIT=570: stopped at 600 s
 # before the watchdog fired, no state dumped, and a server left running into the next

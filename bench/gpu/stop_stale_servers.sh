@@ -10,11 +10,10 @@
 #
 # Prints what it stopped (nothing when there was nothing) and exits 0; waits up to
 # WAIT seconds (default 30) for the processes to be gone, so that their GPU memory is
-# free when the caller starts its own servers. SERVER_PATTERN (pgrep -f's regex): the
-# processes; the CPU test points it at processes of its own, since CI's other leg runs
-# real SGLang servers meanwhile.
+# free when the caller starts its own servers. The processes: server_pattern.sh.
 set -u
-pattern=${SERVER_PATTERN:-'sglang[.]launch_server|sglang::'}
+. "$(dirname "$0")/server_pattern.sh"
+pattern=$SERVER_PATTERN
 wait_s=${WAIT:-30}
 pids=$(pgrep -f "$pattern")
 [ -z "$pids" ] && exit 0
