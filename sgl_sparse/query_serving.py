@@ -10,7 +10,9 @@ once per group with scalar knobs). Device side, per layer: tensor ops only.
     quest       bounds of every page of [0, n) recomputed from the pool (a radix
                 prefix hit's pages included); with kernels every quest row of the
                 forward in one launch a layer (kernels.quest_bounds_update)
-    asyncspade  query window <- the chunk's last W + 1 queries
+    asyncspade  query window <- the chunk's last W + 1 queries; the forward's rows in
+                one ring_load a layer, their index copies' resets and smoothing
+                (int4) in few ops (AspdExtend, memory-capped)
     lfps        tables, K̄, V̄, σ̂² from the chunk's last s queries (Eq. 4, §4.2); the
                 forward's rows of the same knobs and s in one init_tables call a
                 layer, padded to the longest (LfpsExtend, memory-capped)
@@ -72,9 +74,6 @@ class ExtendRow:
     n: int  # sequence length after this chunk
     q_start: int  # the chunk's queries in the forward's q
     q_end: int
-    # (slot, n, queries the asyncspade ring takes) on the device: views of one copy
-    # made per forward, not a blocking host-to-device copy per row and layer
-    dev: Optional[torch.Tensor] = None
 
 
 def lfps_knobs(spec) -> lfps_math.LfpsKnobs:
@@ -127,6 +126,54 @@ def lfps_extend_calls(rows: list[ExtendRow], num_q_heads: int,
     return calls
 
 
+# The most an asyncspade extend call's gathered keys take at once as fp32 ([rows, n_max,
+# Hkv, D]: the smoothing's max |k| of int4 copies; their copy and |k| are as large): one
+# call for 32 rows of 32768 would hold 32 rows' worth, where the loop of a row at a
+# time held one. A call takes one row at least.
+ASPD_EXTEND_BYTES = 256 << 20
+
+
+@dataclass
+class AspdSmooth:
+    """One channel_smoothing call of asyncspade's extend: consecutive rows of its
+    AspdExtend (longest first), keys padded to the first's n."""
+
+    n_max: int
+    req_rows: torch.Tensor  # [b] int64, on the device
+    valid: torch.Tensor  # [b, n_max] bool: positions < n
+    side_slots: torch.Tensor  # [b] their slots where the smoothing lives (the cache GPU's, if remote)
+
+
+@dataclass
+class AspdExtend:
+    """asyncspade extend rows of one forward (plan_extend), longest first: one
+    ring_load a layer for all, the slots' index copies reset in one op and their
+    smoothing (int4) in calls of rows padded to the call's longest."""
+
+    slots: torch.Tensor  # [b] int64, on the device (the ring's rows)
+    count: torch.Tensor  # [b]: the chunk's last queries each ring takes, c <= W
+    q_rows: torch.Tensor  # [b, W]: the right-aligned window's queries in the forward's q
+    q_ok: torch.Tensor  # [b, W] bool: the window's last c entries (the left pad reads a taken query)
+    side_slots: Optional[torch.Tensor]  # [b] the slots where the index copies live (index_keys only)
+    smooth: list[AspdSmooth]  # the rows of n > 0 (int4 only)
+    empty: Optional[torch.Tensor]  # side slots of rows with n == 0 (their smoothing: 1), if any
+
+
+def aspd_smooth_calls(ns: list[int], row_bytes: int, cap_bytes: int) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges of rows (lengths ns, longest first) whose keys, padded to
+    the range's first, take at most cap_bytes (row_bytes a row and position), one row
+    at least; rows of n == 0 (at the end) in none: they have no keys to gather."""
+    hi = sum(1 for n in ns if n > 0)
+    calls, lo = [], 0
+    for i in range(hi):
+        if i > lo and (i + 1 - lo) * row_bytes * ns[lo] > cap_bytes:
+            calls.append((lo, i))
+            lo = i
+    if hi > lo:
+        calls.append((lo, hi))
+    return calls
+
+
 def warm_up_extend_kernels(stores: dict, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> None:
     """Compile quest's extend kernel at start-up, in the argument classes plan_extend
     passes it (its fields 16-byte aligned), so that no prefill waits for Triton: on the
@@ -171,6 +218,7 @@ class QueryAwareRuntime:
         # the device, for one bounds launch a layer (kernels only; plan_extend)
         self._quest_extend: Optional[tuple[torch.Tensor, ...]] = None
         self._lfps_extend: list[LfpsExtend] = []
+        self._aspd_extend: Optional[AspdExtend] = None
         self._lfps_out: dict[int, lfps_math.LfpsStep] = {}
         if use_kernels is None:
             use_kernels = state.device.type == "cuda"
@@ -231,11 +279,11 @@ class QueryAwareRuntime:
             start += ext
         self._quest_extend = None
         self._lfps_extend = []
+        self._aspd_extend = None
         if self.extend_rows:
             # One copy for all rows, not pageable and so not stream-synchronizing: a
             # synchronizing copy per row and layer (8 rows x 28 layers a chunk at
             # 32768 x 8) stalled the host behind the GPU through the whole prefill.
-            per_row = [[e.slot, e.n, self._ring_take(e)] for e in self.extend_rows]
             # With kernels, quest's rows are bounded in one launch a layer: their pool
             # rows, slots, first and end positions, each field contiguous, first in the
             # copy and padded to an even count: 16-byte aligned whatever the rows, the
@@ -256,16 +304,23 @@ class QueryAwareRuntime:
             for kn, call in lfps_calls:
                 fields += [[e.req_row for e in call], [e.slot for e in call], [e.n for e in call],
                            [q for e in call for q in range(e.q_end - kn.s, e.q_end)]]
-            host = torch.tensor([x for f in quest_fields for x in f] + [x for row in per_row for x in row]
-                                + [x for f in fields for x in f], dtype=torch.int64)
+            # asyncspade's rows in one ring_load a layer (a row and layer took ~15 small
+            # ops: its prefill 5% slower than stock's at 32768 x 32), longest first (the
+            # smoothing's calls pad to their first): slots, ring counts, pool rows,
+            # lengths, then each row's window of W queries, right-aligned, its left pad
+            # (c < W) reading the row's first taken query (masked to 0 on each layer)
+            aspd_rows = sorted((e for e in self.extend_rows if e.policy == PolicyId.ASYNCSPADE), key=lambda e: -e.n)
+            w = self.stores[PolicyId.ASYNCSPADE].ring.shape[2] if aspd_rows else 0
+            takes = [self._ring_take(e) for e in aspd_rows]
+            fields += [[e.slot for e in aspd_rows], takes, [e.req_row for e in aspd_rows], [e.n for e in aspd_rows],
+                       [max(e.q_end - w + j, e.q_end - c) if c else 0 for e, c in zip(aspd_rows, takes)
+                        for j in range(w)]]
+            host = torch.tensor([x for f in quest_fields for x in f] + [x for f in fields for x in f],
+                                dtype=torch.int64)
             dev = to_device(host, self.state.device)
             if quest_rows:
                 self._quest_extend = dev[: 4 * nq].view(4, nq)[:, : len(quest_rows)].unbind(0)
             at = 4 * nq
-            rows_dev = dev[at: at + 3 * len(per_row)].view(-1, 3)
-            for e, d in zip(self.extend_rows, rows_dev):
-                e.dev = d
-            at += 3 * len(per_row)
             for kn, call in lfps_calls:
                 b = len(call)
                 req, slots, n = dev[at: at + 3 * b].view(3, b).unbind(0)
@@ -274,6 +329,33 @@ class QueryAwareRuntime:
                 n_max = call[0].n  # longest first
                 valid = torch.arange(n_max, device=dev.device)[None, :] < n[:, None]
                 self._lfps_extend.append(LfpsExtend(kn, n_max, req, slots, n, q_rows, valid))
+            if aspd_rows:
+                b = len(aspd_rows)
+                self._aspd_extend = self._plan_aspd(aspd_rows, dev[at: at + (4 + w) * b], w)
+
+    def _plan_aspd(self, rows: list[ExtendRow], dev: torch.Tensor, w: int) -> AspdExtend:
+        """AspdExtend of the rows (longest first) from their fields in the forward's copy."""
+        store = self.stores[PolicyId.ASYNCSPADE]
+        b = len(rows)
+        slots, count, req, n = dev[: 4 * b].view(4, b).unbind(0)
+        q_rows = dev[4 * b:].view(b, w)
+        q_ok = torch.arange(w, device=dev.device)[None, :] >= w - count[:, None]
+        side_slots, smooth, empty = None, [], None
+        if store.index_keys:
+            # the index copies may live on another GPU (store.remote): their slots there,
+            # copied once per forward (device to device, ordered by both streams)
+            side = store.filled.device
+            side_slots = slots if side == slots.device else slots.to(side, non_blocking=True)
+        if store.ksmooth is not None:
+            ns = [e.n for e in rows]
+            hkv, d = store.ksmooth.shape[-2:]
+            for lo, hi in aspd_smooth_calls(ns, hkv * d * 4, ASPD_EXTEND_BYTES):
+                valid = torch.arange(ns[lo], device=dev.device)[None, :] < n[lo:hi, None]
+                smooth.append(AspdSmooth(ns[lo], req[lo:hi], valid, side_slots[lo:hi]))
+            nonempty = sum(1 for x in ns if x > 0)
+            if nonempty < b:  # no key to gather: channel_smoothing's 1 (a chunk of no token: not seen served)
+                empty = side_slots[nonempty:]
+        return AspdExtend(slots, count, q_rows, q_ok, side_slots, smooth, empty)
 
     def _ring_take(self, e: ExtendRow) -> int:
         """The chunk's last queries an asyncspade row's ring takes (0 for the others)."""
@@ -300,27 +382,44 @@ class QueryAwareRuntime:
             quest_bounds_update(k_cache, req_to_token, req, slot, lo, hi, store.kmin[li], store.kmax[li])
         for call in self._lfps_extend:
             self._lfps_init(li, call, q3, k_cache, v_cache, req_to_token, scale, v_scale)
+        if self._aspd_extend is not None:
+            self._aspd_init(li, self._aspd_extend, q3, k_cache, req_to_token)
         for e in self.extend_rows:
-            if e.policy == PolicyId.LFPS or (e.policy == PolicyId.QUEST and self._quest_extend is not None):
+            if e.policy != PolicyId.QUEST or self._quest_extend is not None:
                 continue  # initialized above, no per-row gather either
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
-            if e.policy == PolicyId.QUEST:
-                pages = -(-e.n // quest.PAGE)
-                lo, hi = quest.page_bounds(k_cache[locs], e.n, pages)
-                store.kmin[li, e.slot, :, :pages] = lo.to(store.kmin.dtype)
-                store.kmax[li, e.slot, :, :pages] = hi.to(store.kmax.dtype)
-            elif e.policy == PolicyId.ASYNCSPADE:
-                w = store.ring.shape[2]
-                c = self._ring_take(e)
-                win = q3.new_zeros((1, w, *q3.shape[1:]))
-                win[0, w - c:] = q3[e.q_end - c: e.q_end]
-                aspd.ring_load(store.ring[li], store.total[li], e.dev[0:1], win, e.dev[2:3])
-                with store.cache_writes(k_cache.device):  # on the cache GPU, if the selection runs there
-                    if store.index_keys:  # the slot's key copies are its previous owner's
-                        store.filled[li, e.slot] = 0
-                    if store.ksmooth is not None:  # the prompt so far, radix-cache hits included
-                        store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
+            pages = -(-e.n // quest.PAGE)
+            lo, hi = quest.page_bounds(k_cache[locs], e.n, pages)
+            store.kmin[li, e.slot, :, :pages] = lo.to(store.kmin.dtype)
+            store.kmax[li, e.slot, :, :pages] = hi.to(store.kmax.dtype)
+
+    def _aspd_init(self, li: int, a: AspdExtend, q3: torch.Tensor, k_cache, req_to_token) -> None:
+        """The rings of the forward's asyncspade rows, their index copies reset and
+        smoothed (int4), as a row at a time but in a few ops for all."""
+        store = self.stores[PolicyId.ASYNCSPADE]
+        # ring_load writes the whole window into the ring (its left pad into the slots
+        # past c, masked wherever read): zeros there, as a zeroed window gave them
+        win = torch.where(a.q_ok[:, :, None, None], q3[a.q_rows], 0.0)
+        aspd.ring_load(store.ring[li], store.total[li], a.slots, win, a.count)
+        if not store.index_keys:
+            return
+        with store.cache_writes(k_cache.device):  # on the cache GPU, if the selection runs there
+            # the slots' key copies are their previous owners' (index_fill_: `t[idx] = 0`
+            # would copy the scalar from the host, waiting for the stream)
+            store.filled[li].index_fill_(0, a.side_slots, 0)
+            if store.ksmooth is None:
+                return
+            for c in a.smooth:  # the prompt so far, radix-cache hits included
+                locs = req_to_token[c.req_rows, : c.n_max]
+                # Past its n a row reads its first key again: the pool slots there are
+                # anyone's (an fp8 cache's may hold NaN or inf); the max is the same
+                locs = torch.where(c.valid, locs, locs[:, :1]).long()
+                # [b, n_max, Hkv, D] as n_max positions of [b, Hkv, D]: the max over them
+                f = channel_smoothing(k_cache[locs].transpose(0, 1))
+                store.ksmooth[li].index_copy_(0, c.side_slots, f.to(store.ksmooth.device))
+            if a.empty is not None:
+                store.ksmooth[li].index_fill_(0, a.empty, 1.0)
 
     def _lfps_init(self, li: int, c: LfpsExtend, q3: torch.Tensor, k_cache, v_cache, req_to_token,
                    scale: float, v_scale: Optional[float]) -> None:

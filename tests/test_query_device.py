@@ -837,3 +837,166 @@ def test_lfps_extend_in_calls_equals_the_row_loop(monkeypatch, cap, kv):
     assert len(used) == 8 and bool((got.tscale[:, used] == 1.0).all())
     free = [s for s in range(got.ver.shape[1]) if s not in used]
     assert free and all(bool((getattr(got, f)[:, free] == (3.0 if f == "tscale" else 7.0)).all()) for f in fields)
+
+
+def _aspd_extend_row_by_row(rt: QueryAwareRuntime, li: int, q3: torch.Tensor, k_cache, req_to_token) -> None:
+    """asyncspade's extend a row at a time, as on_extend ran it before its AspdExtend:
+    a zeroed window with the chunk's last c queries at its right end, ring_load on a
+    batch of one, then the slot's index copies reset and smoothed from its keys [0, n)."""
+    from sgl_sparse.kernels.index_keys import channel_smoothing
+    from sgl_sparse.queryaware import asyncspade as aspd
+
+    store = rt.stores[PolicyId.ASYNCSPADE]
+    for e in rt.extend_rows:
+        if e.policy != PolicyId.ASYNCSPADE:
+            continue
+        locs = req_to_token[e.req_row, : e.n].long()
+        w = store.ring.shape[2]
+        c = rt._ring_take(e)
+        win = q3.new_zeros((1, w, *q3.shape[1:]))
+        win[0, w - c:] = q3[e.q_end - c: e.q_end]
+        aspd.ring_load(store.ring[li], store.total[li], torch.tensor([e.slot]), win, torch.tensor([c]))
+        with store.cache_writes(k_cache.device):
+            if store.index_keys:
+                store.filled[li, e.slot] = 0
+            if store.ksmooth is not None:
+                store.ksmooth[li, e.slot] = channel_smoothing(k_cache[locs])
+
+
+@pytest.mark.parametrize("ring_window", [4, 9])
+@pytest.mark.parametrize("index_keys,cap,kv", [
+    ("kv", "default", torch.float16), ("int8", "default", torch.float16), ("int4", "default", torch.float16),
+    ("int4", "split", torch.float16), ("int4", "one_row", torch.float16), ("int4", "split", torch.float8_e4m3fn),
+])
+def test_aspd_extend_in_calls_equals_the_row_loop(monkeypatch, ring_window, index_keys, cap, kv):
+    """asyncspade's rows of an extend forward are initialized together (AspdExtend):
+    one ring_load a layer over windows gathered from the forward's queries, the
+    slots' index copies reset by one index_fill_, their smoothing (int4) over keys
+    padded to the call's longest, in calls within ASPD_EXTEND_BYTES. Rings of W = 5
+    and 10 (rows of other knob windows too), chunks of fewer, as many and more
+    queries than W, lengths not multiples of 16, a radix-style prefix and a second
+    chunk, among quest / lfps / full rows; the pool slots past each row's n hold NaN
+    / inf (as an fp8 cache's may) and the chunk's queries its ring does not take are
+    NaN (the windows' left pad reads none of them). Every ring, total, filled and
+    smoothing equal to the row-by-row loop's, bit for bit, every other store tensor
+    too, no NaN, the slots of no row untouched."""
+    hq = HKV * 2
+    d = 64 if index_keys == "int4" else D
+    row_bytes = HKV * d * 4
+    caps = {"default": query_serving.ASPD_EXTEND_BYTES, "one_row": 1, "split": 2 * 70 * row_bytes - 1}
+    monkeypatch.setattr(query_serving, "ASPD_EXTEND_BYTES", caps[cap])
+    specs = {1: AsyncSpadePolicy(window=3, budget=24, recent=8, sink=2),
+             2: AsyncSpadePolicy(window=4, budget=40, recent=5, sink=3, ridge=0.05),
+             3: AsyncSpadePolicy(window=2, budget=16, recent=4, sink=1),
+             4: AsyncSpadePolicy(window=4, budget=24, recent=8, sink=2),
+             5: AsyncSpadePolicy(window=1, budget=24, recent=8, sink=2),
+             9: AsyncSpadePolicy(window=3, budget=24, recent=8, sink=2),
+             10: AsyncSpadePolicy(window=4, budget=24, recent=8, sink=2),
+             11: AsyncSpadePolicy(window=2, budget=24, recent=8, sink=2),
+             6: QuestPolicy(budget=16, recent=9, sink=4), 8: LfpsPolicy(budget=12, local=6, sink=4, s=8), 7: None}
+    # row -> (sequence length, queries) of each chunk. Row 2: 21 tokens of a prefix hit
+    # before its first 37; rows 3 and 5 take fewer queries than either ring (5: than
+    # W = 10 only), row 1's second chunk as many as W = 5; rows 10 and 11 join in the
+    # second, row 11 empty (no key, no query: its smoothing 1, as channel_smoothing's)
+    chunks = [{1: (70, 70), 2: (58, 37), 3: (3, 3), 4: (61, 61), 5: (7, 7), 9: (45, 45), 6: (37, 37),
+               8: (33, 33), 7: (37, 37)},
+              {1: (75, 5), 2: (103, 45), 10: (30, 30), 11: (0, 0), 5: (12, 5), 6: (50, 13), 8: (40, 7),
+               7: (40, 3)}]
+    lens_of = [[70, 61, 58, 45, 7, 3], [103, 75, 30, 12]]  # each chunk's asyncspade rows of keys, longest first
+    expect = {  # the smoothing calls' row lengths, of each chunk
+        "default": [[ns] for ns in lens_of],
+        "one_row": [[[n] for n in ns] for ns in lens_of],
+        "split": [[[70], [61, 58], [45, 7, 3]], [[103], [75], [30, 12]]],
+    }[cap]
+    gen = torch.Generator().manual_seed(5)
+    width = MAXCTX + 40
+    k = torch.randn(12 * width + 1, HKV, d, generator=gen) * 3.0
+    v = torch.randn(12 * width + 1, HKV, d, generator=gen)
+    r2t = (torch.randperm(12 * width, generator=gen) + 1).to(torch.int32).view(12, width)
+    stores, plans, loads = [], [], []
+    real_load = query_serving.aspd.ring_load
+
+    def counted_load(*a, **kw):
+        loads[-1] += 1
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(query_serving.aspd, "ring_load", counted_load)
+    for batched in (True, False):
+        twin = Twin(2, use_kernels=False, specs=specs, lens={r: c[0] for r, c in chunks[0].items()},
+                    store={"slots": 10}, num_layers=2, index_keys=index_keys)
+        old = twin.st.query_stores[PolicyId.ASYNCSPADE]
+        store = AsyncSpadeStore(old.cfg, window=ring_window, num_layers=2, num_kv_heads=HKV, num_q_heads=hq,
+                                head_dim=d, dtype=KV, device=torch.device("cpu"))
+        twin.st.query_stores[PolicyId.ASYNCSPADE] = store  # the runtime's stores (the same dict)
+        assert twin.rt.stores[PolicyId.ASYNCSPADE] is store and store.ring.shape[2] == ring_window + 1
+        assert (store.ksmooth is not None) == (index_keys == "int4") and store.index_keys == (index_keys != "kv")
+        for st in twin.st.query_stores.values():  # torch.empty's among them: alike in both
+            for t in _store_tensors(st):
+                t.zero_()
+        store.ring.fill_(7.0)
+        store.total.fill_(99)
+        if store.index_keys:
+            store.filled.fill_(5)
+        if store.ksmooth is not None:
+            store.ksmooth.fill_(3.0)
+        gen = torch.Generator().manual_seed(6)
+        for chunk in chunks:
+            rows = list(chunk)
+            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
+                specs[r], [], [], (None, None)) for r in rows]
+            admitted = twin.st.admit(rows, inits)
+            ext = [chunk[r][1] for r in rows]
+            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            if batched:
+                a = twin.rt._aspd_extend
+                plans.append([c.valid.sum(1).tolist() for c in a.smooth])
+                assert all(c.n_max == c.valid.shape[1] == int(c.valid.sum(1)[0]) for c in a.smooth)
+                assert (a.empty is not None and a.empty.tolist() == [twin.st.row_init(11).slot]) == (
+                    11 in chunk and index_keys == "int4")
+            else:
+                twin.rt._aspd_extend = None  # on_extend skips the asyncspade rows: the loop runs them
+            kc = k.clone()
+            for r, (n, _) in chunk.items():
+                kc[r2t[r, n:].long()] = float("nan")
+                kc[r2t[r, n::3].long()] = float("inf")
+            kc = kc.to(kv)
+            q = torch.randn(sum(ext), hq, d, generator=gen).to(KV)
+            # the queries no ring takes: NaN (a window reading one would carry it)
+            for e in twin.rt.extend_rows:
+                if e.policy == PolicyId.ASYNCSPADE:
+                    q[e.q_start: e.q_end - twin.rt._ring_take(e)] = float("nan")
+            for li in range(2):
+                ql = q if li == 0 else -q  # each layer its own queries, NaN where layer 0's are
+                loads.append(0)
+                vc = v.to(kv)
+                with _Watch() as w:
+                    twin.rt.on_extend(li, ql, kc, vc, r2t, SCALE)
+                if batched:  # every row of the forward at once; device ops only: no host value, no sync
+                    assert loads[-1] == 1
+                    assert w.syncs == 0 and not [f for f, _ in w.shapes if "lift_fresh" in f]
+                else:
+                    _aspd_extend_row_by_row(twin.rt, li, ql, kc, r2t)
+                    assert loads[-1] == sum(e.policy == PolicyId.ASYNCSPADE for e in twin.rt.extend_rows)
+        stores.append(twin.st.query_stores)
+    assert plans == (expect if index_keys == "int4" else [[], []])
+    got, want = (s[PolicyId.ASYNCSPADE] for s in stores)
+    for f in ("ring", "total", "filled", "ksmooth"):
+        t = getattr(got, f)
+        if t is None:
+            continue
+        assert not t.isnan().any(), f
+        assert torch.equal(t, getattr(want, f)), f
+    for p in QUERY_AWARE_IDS:  # everything else written (or not) alike
+        for a, b in zip(_store_tensors(stores[0][p]), _store_tensors(stores[1][p])):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), p
+    used = sorted({twin.st.row_init(r).slot for r, s in specs.items() if s is not None and s.policy == "asyncspade"})
+    assert len(used) == 8
+    free = [s for s in range(got.ring.shape[1]) if s not in used]
+    assert free and bool((got.ring[:, free] == 7.0).all()) and bool((got.total[:, free] == 99).all())
+    assert bool((got.total[:, used] <= ring_window + 1).all())
+    if got.index_keys:
+        free_side = [s for s in range(got.filled.shape[1]) if s not in used]
+        assert bool((got.filled[:, used] == 0).all()) and bool((got.filled[:, free_side] == 5).all())
+    if got.ksmooth is not None:
+        assert bool((got.ksmooth[:, free_side] == 3.0).all()) and not bool((got.ksmooth[:, used] == 3.0).any())
+        assert bool((got.ksmooth[:, twin.st.row_init(11).slot] == 1.0).all())
