@@ -54,19 +54,6 @@ def test_stops_the_matching_processes_only_and_waits_for_them(tmp_path):
             p.wait()
 
 
-def test_the_default_server_pattern_names_sglangs_processes_only():
-    """server_pattern.sh's default (both scripts source it): SGLang's launcher and its
-    `sglang::` children, not the benchmark that starts them nor other Pythons."""
-    names = ["python3 -m sglang.launch_server --model-path /root/model --port 30000", "sglang::scheduler",
-             "sglang::detokenizer", "python3 bench/gpu/server_compare.py --model /root/model",
-             "python3 -m pytest -q tests", "python3 -m sglang_router.launch"]
-    script = ('. "$1"; shift; for n in "$@"; do [[ $n =~ $SERVER_PATTERN ]] && echo y || echo n; done')
-    env = {k: v for k, v in os.environ.items() if k != "SERVER_PATTERN"}
-    out = subprocess.run(["bash", "-c", script, "_", str(GPU / "server_pattern.sh"), *names], env=env,
-                         capture_output=True, text=True, timeout=30)
-    assert out.stdout.split() == ["y", "y", "y", "n", "n", "n"], out
-
-
 def _checkout(tmp_path: Path) -> Path:
     work = tmp_path / "checkout"
     (work / "bench" / "gpu").mkdir(parents=True)
