@@ -732,6 +732,18 @@ def test_quest_extend_bounds_in_one_launch_equal_the_torch_loop():
     assert free and bool((kern.kmin[:, free] == 7.0).all())
 
 
+def _plan_chunk(twin: Twin, specs: dict, chunk: dict) -> list[int]:
+    """Admit a chunk's rows (row -> (sequence length, queries)) and plan its extend;
+    the rows' query counts, in order."""
+    rows = list(chunk)
+    inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(specs[r], [], [], (None, None))
+             for r in rows]
+    admitted = twin.st.admit(rows, inits)
+    ext = [chunk[r][1] for r in rows]
+    twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+    return ext
+
+
 def _lfps_extend_row_by_row(rt: QueryAwareRuntime, li: int, q3: torch.Tensor, k_cache, v_cache, req_to_token,
                             scale: float, v_scale) -> None:
     """lfps's extend a row at a time, as on_extend ran it before its LfpsExtend calls:
@@ -804,12 +816,7 @@ def test_lfps_extend_in_calls_equals_the_row_loop(monkeypatch, cap, kv):
         store.tscale.fill_(3.0)
         gen = torch.Generator().manual_seed(6)
         for chunk in chunks:
-            rows = list(chunk)
-            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
-                specs[r], [], [], (None, None)) for r in rows]
-            admitted = twin.st.admit(rows, inits)
-            ext = [chunk[r][1] for r in rows]
-            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            ext = _plan_chunk(twin, specs, chunk)
             if batched:
                 plans.append([(c.knobs.s, c.n.tolist()) for c in twin.rt._lfps_extend])
             else:
@@ -941,12 +948,7 @@ def test_aspd_extend_in_calls_equals_the_row_loop(monkeypatch, ring_window, inde
             store.ksmooth.fill_(3.0)
         gen = torch.Generator().manual_seed(6)
         for chunk in chunks:
-            rows = list(chunk)
-            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
-                specs[r], [], [], (None, None)) for r in rows]
-            admitted = twin.st.admit(rows, inits)
-            ext = [chunk[r][1] for r in rows]
-            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            ext = _plan_chunk(twin, specs, chunk)
             if batched:
                 a = twin.rt._aspd_extend
                 plans.append([c.valid.sum(1).tolist() for c in a.smooth])
