@@ -384,9 +384,10 @@ class QueryAwareRuntime:
             self._lfps_init(li, call, q3, k_cache, v_cache, req_to_token, scale, v_scale)
         if self._aspd_extend is not None:
             self._aspd_init(li, self._aspd_extend, q3, k_cache, req_to_token)
+        # quest without kernels (the CPU path, and its oracle): a row at a time
         for e in self.extend_rows:
             if e.policy != PolicyId.QUEST or self._quest_extend is not None:
-                continue  # initialized above, no per-row gather either
+                continue
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
             pages = -(-e.n // quest.PAGE)
