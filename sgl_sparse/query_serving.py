@@ -101,6 +101,29 @@ class LfpsExtend:
     valid: torch.Tensor  # [b, n_max] bool: positions < n
 
 
+def padded_calls(ns: list[int], row_bytes: int, cap_bytes: int) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges of rows (lengths ns, longest first) that one call pads to
+    its first's length: as many as keep row_bytes a row and position within
+    cap_bytes, one row at least (lfps's and asyncspade's extends)."""
+    calls, lo = [], 0
+    for i in range(1, len(ns)):
+        if (i + 1 - lo) * row_bytes * ns[lo] > cap_bytes:
+            calls.append((lo, i))
+            lo = i
+    if ns:
+        calls.append((lo, len(ns)))
+    return calls
+
+
+def padded_locs(req_to_token: torch.Tensor, req_rows: torch.Tensor, n_max: int,
+                valid: torch.Tensor) -> torch.Tensor:
+    """The pool slots of rows' positions [0, n_max), a row's first again past its n:
+    the slots there are anyone's (an fp8 cache's may hold NaN or inf), and a masked
+    product or a max over them must see a finite key of the row's own."""
+    locs = req_to_token[req_rows, :n_max]
+    return torch.where(valid, locs, locs[:, :1]).long()
+
+
 def lfps_extend_calls(rows: list[ExtendRow], num_q_heads: int,
                       cap_bytes: int) -> list[tuple[lfps_math.LfpsKnobs, list[ExtendRow]]]:
     """lfps extend rows by init_tables call: its knobs (s = min(spec.s, the chunk's
@@ -114,15 +137,9 @@ def lfps_extend_calls(rows: list[ExtendRow], num_q_heads: int,
         by_knobs.setdefault(dataclasses.astuple(kn), (kn, []))[1].append(e)
     calls: list[tuple[lfps_math.LfpsKnobs, list[ExtendRow]]] = []
     for kn, group in by_knobs.values():
-        row_bytes = num_q_heads * kn.s * 4  # a row's logits per key position
         group.sort(key=lambda e: -e.n)
-        call: list[ExtendRow] = []
-        for e in group:
-            if call and (len(call) + 1) * row_bytes * call[0].n > cap_bytes:
-                calls.append((kn, call))
-                call = []
-            call.append(e)
-        calls.append((kn, call))
+        row_bytes = num_q_heads * kn.s * 4  # a row's logits per key position
+        calls += [(kn, group[lo:hi]) for lo, hi in padded_calls([e.n for e in group], row_bytes, cap_bytes)]
     return calls
 
 
@@ -159,19 +176,6 @@ class AspdExtend:
     empty: Optional[torch.Tensor]  # side slots of rows with n == 0 (their smoothing: 1), if any
 
 
-def aspd_smooth_calls(ns: list[int], row_bytes: int, cap_bytes: int) -> list[tuple[int, int]]:
-    """The [lo, hi) ranges of rows (lengths ns, longest first) whose keys, padded to
-    the range's first, take at most cap_bytes (row_bytes a row and position), one row
-    at least; rows of n == 0 (at the end) in none: they have no keys to gather."""
-    hi = sum(1 for n in ns if n > 0)
-    calls, lo = [], 0
-    for i in range(hi):
-        if i > lo and (i + 1 - lo) * row_bytes * ns[lo] > cap_bytes:
-            calls.append((lo, i))
-            lo = i
-    if hi > lo:
-        calls.append((lo, hi))
-    return calls
 
 
 def warm_up_extend_kernels(stores: dict, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> None:
@@ -347,14 +351,14 @@ class QueryAwareRuntime:
             side = store.filled.device
             side_slots = slots if side == slots.device else slots.to(side, non_blocking=True)
         if store.ksmooth is not None:
-            ns = [e.n for e in rows]
+            # rows of n == 0 (last) in no call: they have no keys to gather
+            ns = [e.n for e in rows if e.n > 0]
             hkv, d = store.ksmooth.shape[-2:]
-            for lo, hi in aspd_smooth_calls(ns, hkv * d * 4, ASPD_EXTEND_BYTES):
+            for lo, hi in padded_calls(ns, hkv * d * 4, ASPD_EXTEND_BYTES):
                 valid = torch.arange(ns[lo], device=dev.device)[None, :] < n[lo:hi, None]
                 smooth.append(AspdSmooth(ns[lo], req[lo:hi], valid, side_slots[lo:hi]))
-            nonempty = sum(1 for x in ns if x > 0)
-            if nonempty < b:  # no key to gather: channel_smoothing's 1 (a chunk of no token: not seen served)
-                empty = side_slots[nonempty:]
+            if len(ns) < b:  # no key to gather: channel_smoothing's 1 (a chunk of no token: not seen served)
+                empty = side_slots[len(ns):]
         return AspdExtend(slots, count, q_rows, q_ok, side_slots, smooth, empty)
 
     def _ring_take(self, e: ExtendRow) -> int:
@@ -412,10 +416,7 @@ class QueryAwareRuntime:
             if store.ksmooth is None:
                 return
             for c in a.smooth:  # the prompt so far, radix-cache hits included
-                locs = req_to_token[c.req_rows, : c.n_max]
-                # Past its n a row reads its first key again: the pool slots there are
-                # anyone's (an fp8 cache's may hold NaN or inf); the max is the same
-                locs = torch.where(c.valid, locs, locs[:, :1]).long()
+                locs = padded_locs(req_to_token, c.req_rows, c.n_max, c.valid)  # a row's max: the same
                 # [b, n_max, Hkv, D] as n_max positions of [b, Hkv, D]: the max over them
                 f = channel_smoothing(k_cache[locs].transpose(0, 1))
                 store.ksmooth[li].index_copy_(0, c.side_slots, f.to(store.ksmooth.device))
@@ -426,11 +427,8 @@ class QueryAwareRuntime:
                    scale: float, v_scale: Optional[float]) -> None:
         """The tables, K̄, V̄ and σ̂² of one call's rows, from their keys padded to n_max."""
         store = self.stores[PolicyId.LFPS]
-        locs = req_to_token[c.req_rows, : c.n_max]
-        # Past its n a row reads its first key again: the pool slots there are anyone's
-        # (an fp8 cache's may hold NaN or inf), and init_tables' priors multiply keys
-        # by their masks, where 0 * NaN would be NaN. Masked out, any finite key will do.
-        locs = torch.where(c.valid, locs, locs[:, :1]).long()
+        # init_tables' priors multiply keys by their masks, where 0 * NaN would be NaN
+        locs = padded_locs(req_to_token, c.req_rows, c.n_max, c.valid)
         values = v_cache[locs]
         if v_scale is not None:
             values = values.float() * v_scale
