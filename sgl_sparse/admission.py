@@ -9,6 +9,7 @@ to disturb the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -53,7 +54,8 @@ def row_for_request(
     if spec is None:
         return RowInit(policy=PolicyId.FULL)
     prompt, output = compat.token_ids(req)
-    return MODULES[spec.policy].init_row(spec, prompt, output, think_ids)
+    init = MODULES[spec.policy].init_row(spec, prompt, output, think_ids)
+    return dataclasses.replace(init, prefill_end=len(prompt) + len(output))
 
 
 def rows_for_batch(

@@ -371,5 +371,6 @@ def report_internal_state(result, scheduler, *args, **kwargs):
             "active_by_policy": state.active_by_policy(),
             "compact_slots_in_use": state.compact_slots_in_use(),
             "query_slots_in_use": state.query_slots_in_use(),
+            "query_prompts_pending": state.prompts_pending(),
         }
     return result

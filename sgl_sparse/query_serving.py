@@ -6,7 +6,8 @@ Host side, once per forward: which batch rows belong to which policy group (rows
 of one group share the request knobs, so the math of sgl_sparse/queryaware/ runs
 once per group with scalar knobs). Device side, per layer: tensor ops only.
 
-  extend (after the chunk's KV is written), per row of the chunk:
+  extend (after the chunk's KV is written), per row of the chunk (the prompt's last
+  chunk only, RowInit.prefill_end, but asyncspade's query window):
     quest       bounds of every page of [0, n) recomputed from the pool (a radix
                 prefix hit's pages included); with kernels every quest row of the
                 forward in one launch a layer (kernels.quest_bounds_update)
@@ -74,6 +75,9 @@ class ExtendRow:
     n: int  # sequence length after this chunk
     q_start: int  # the chunk's queries in the forward's q
     q_end: int
+    # the prompt's last chunk (RowInit.prefill_end): the one that builds the store's
+    # prompt state; an earlier chunk only feeds asyncspade's query ring
+    last: bool = True
 
 
 def lfps_knobs(spec) -> lfps_math.LfpsKnobs:
@@ -171,7 +175,7 @@ class AspdExtend:
     count: torch.Tensor  # [b]: the chunk's last queries each ring takes, c <= W
     q_rows: torch.Tensor  # [b, W]: the right-aligned window's queries in the forward's q
     q_ok: torch.Tensor  # [b, W] bool: the window's last c entries (the left pad reads a taken query)
-    side_slots: Optional[torch.Tensor]  # [b] the slots where the index copies live (index_keys only)
+    side_slots: Optional[torch.Tensor]  # [b'] the last chunks' slots where the index copies live (index_keys only)
     smooth: list[AspdSmooth]  # the rows of n > 0 (int4 only)
     empty: Optional[torch.Tensor]  # side slots of rows with n == 0 (their smoothing: 1), if any
 
@@ -275,12 +279,21 @@ class QueryAwareRuntime:
         want = {int(r): i for r, i in zip(*admitted)
                 if i.policy in self.stores and i.slot >= 0}
         self.extend_rows = []
-        start = 0
+        start, pending, done = 0, [], []
         for r, n, ext in zip(order, seq_lens, ext_lens):
             i = want.get(int(r))
-            if i is not None and n <= i.max_context:
-                self.extend_rows.append(ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext))
+            if i is not None:
+                # a chunk of a chunked prefill that is not the prompt's last builds no
+                # prompt state: the last rebuilds it from every key of [0, n) (at
+                # 32768 x 32 in chunks of 8192, lfps's tables were built 4 times a
+                # prompt, over 2.5 prompts' keys)
+                last = n >= i.prefill_end
+                (done if last else pending).append(int(r))
+                if n <= i.max_context:
+                    self.extend_rows.append(
+                        ExtendRow(i.policy, i.spec, int(r), i.slot, int(n), start, start + ext, last))
             start += ext
+        self.state.mark_prompt_chunks(pending, done)
         self._quest_extend = None
         self._lfps_extend = []
         self._aspd_extend = None
@@ -293,7 +306,7 @@ class QueryAwareRuntime:
             # copy and padded to an even count: 16-byte aligned whatever the rows, the
             # pointer class warm_up_extend_kernels compiled (Triton keys its binaries
             # on it; fields 8 bytes off compiled mid-prefill, 0.3 s, session 57)
-            quest_rows = [e for e in self.extend_rows if e.policy == PolicyId.QUEST] if self.device else []
+            quest_rows = [e for e in self.extend_rows if e.policy == PolicyId.QUEST and e.last] if self.device else []
             nq = len(quest_rows) + len(quest_rows) % 2
             pad = [0] * (nq - len(quest_rows))
             quest_fields = [[e.req_row for e in quest_rows] + pad, [e.slot for e in quest_rows] + pad,
@@ -302,18 +315,21 @@ class QueryAwareRuntime:
             # lfps's rows in few init_tables calls a layer (a call a row and layer, over
             # a hundred small ops each, made its prefill 18-23% slower than stock's):
             # each call's pool rows, slots, lengths and query rows, after quest's
-            lfps_rows = [e for e in self.extend_rows if e.policy == PolicyId.LFPS]
+            lfps_rows = [e for e in self.extend_rows if e.policy == PolicyId.LFPS and e.last]
             hq = self.stores[PolicyId.LFPS].sigma_hat2.shape[-1] if lfps_rows else 0
             lfps_calls = lfps_extend_calls(lfps_rows, hq, LFPS_EXTEND_BYTES)
             for kn, call in lfps_calls:
                 fields += [[e.req_row for e in call], [e.slot for e in call], [e.n for e in call],
                            [q for e in call for q in range(e.q_end - kn.s, e.q_end)]]
             # asyncspade's rows in one ring_load a layer (a row and layer took ~15 small
-            # ops: its prefill 5% slower than stock's at 32768 x 32), longest first (the
-            # smoothing's calls pad to their first): slots, ring counts, pool rows,
-            # lengths, then each row's window of W queries, right-aligned, its left pad
-            # (c < W) reading the row's first taken query (masked to 0 on each layer)
-            aspd_rows = sorted((e for e in self.extend_rows if e.policy == PolicyId.ASYNCSPADE), key=lambda e: -e.n)
+            # ops: its prefill 5% slower than stock's at 32768 x 32), every chunk's (a
+            # last chunk shorter than W takes the queries before it from the ring), the
+            # last chunks first and each part longest first (the smoothing's calls pad
+            # to their first): slots, ring counts, pool rows, lengths, then each row's
+            # window of W queries, right-aligned, its left pad (c < W) reading the
+            # row's first taken query (masked to 0 on each layer)
+            aspd_rows = sorted((e for e in self.extend_rows if e.policy == PolicyId.ASYNCSPADE),
+                               key=lambda e: (not e.last, -e.n))
             w = self.stores[PolicyId.ASYNCSPADE].ring.shape[2] if aspd_rows else 0
             takes = [self._ring_take(e) for e in aspd_rows]
             fields += [[e.slot for e in aspd_rows], takes, [e.req_row for e in aspd_rows], [e.n for e in aspd_rows],
@@ -345,20 +361,21 @@ class QueryAwareRuntime:
         q_rows = dev[4 * b:].view(b, w)
         q_ok = torch.arange(w, device=dev.device)[None, :] >= w - count[:, None]
         side_slots, smooth, empty = None, [], None
-        if store.index_keys:
+        nl = sum(e.last for e in rows)  # the prompts' last chunks (first): their index copies are reset
+        if store.index_keys and nl:
             # the index copies may live on another GPU (store.remote): their slots there,
             # copied once per forward (device to device, ordered by both streams)
             side = store.filled.device
-            side_slots = slots if side == slots.device else slots.to(side, non_blocking=True)
-        if store.ksmooth is not None:
-            # rows of n == 0 (last) in no call: they have no keys to gather
-            ns = [e.n for e in rows if e.n > 0]
-            hkv, d = store.ksmooth.shape[-2:]
-            for lo, hi in padded_calls(ns, hkv * d * 4, ASPD_EXTEND_BYTES):
-                valid = torch.arange(ns[lo], device=dev.device)[None, :] < n[lo:hi, None]
-                smooth.append(AspdSmooth(ns[lo], req[lo:hi], valid, side_slots[lo:hi]))
-            if len(ns) < b:  # no key to gather: channel_smoothing's 1 (a chunk of no token: not seen served)
-                empty = side_slots[len(ns):]
+            side_slots = slots[:nl] if side == slots.device else slots[:nl].to(side, non_blocking=True)
+            if store.ksmooth is not None:
+                # rows of n == 0 (last) in no call: they have no keys to gather
+                ns = [e.n for e in rows[:nl] if e.n > 0]
+                hkv, d = store.ksmooth.shape[-2:]
+                for lo, hi in padded_calls(ns, hkv * d * 4, ASPD_EXTEND_BYTES):
+                    valid = torch.arange(ns[lo], device=dev.device)[None, :] < n[lo:hi, None]
+                    smooth.append(AspdSmooth(ns[lo], req[lo:hi], valid, side_slots[lo:hi]))
+                if len(ns) < nl:  # no key to gather: channel_smoothing's 1 (a chunk of no token: not seen served)
+                    empty = side_slots[len(ns):]
         return AspdExtend(slots, count, q_rows, q_ok, side_slots, smooth, empty)
 
     def _ring_take(self, e: ExtendRow) -> int:
@@ -390,7 +407,7 @@ class QueryAwareRuntime:
             self._aspd_init(li, self._aspd_extend, q3, k_cache, req_to_token)
         # quest without kernels (the CPU path, and its oracle): a row at a time
         for e in self.extend_rows:
-            if e.policy != PolicyId.QUEST or self._quest_extend is not None:
+            if e.policy != PolicyId.QUEST or not e.last or self._quest_extend is not None:
                 continue
             store = self.stores[e.policy]
             locs = req_to_token[e.req_row, : e.n].long()
@@ -407,7 +424,7 @@ class QueryAwareRuntime:
         # past c, masked wherever read): zeros there, as a zeroed window gave them
         win = torch.where(a.q_ok[:, :, None, None], q3[a.q_rows], 0.0)
         aspd.ring_load(store.ring[li], store.total[li], a.slots, win, a.count)
-        if not store.index_keys:
+        if a.side_slots is None:  # no index copies, or no prompt's last chunk
             return
         with store.cache_writes(k_cache.device):  # on the cache GPU, if the selection runs there
             # the slots' key copies are their previous owners' (index_fill_: `t[idx] = 0`

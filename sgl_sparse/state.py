@@ -110,6 +110,9 @@ class SparseState:
         self._sfi: dict[int, sfi.HostMirror] = {}
         self._refresh: dict[int, int] = {}  # row -> sequence-length bound for the Selector
         self._refresh_later: set[int] = set()  # ... whose slow step was not the first (window: 1 query)
+        # Query-aware rows extended by a chunk that was not their prompt's last: their
+        # store's prompt state waits for that chunk (query_serving.plan_extend)
+        self._prompt_pending: set[int] = set()
         self._lock = threading.Lock()
         self._admissions = 0  # SFI rows admitted with refresh_groups > 1 (dealt into groups)
         # Host mirror of each live row's policy knobs; `latched` follows SADAS's
@@ -436,6 +439,7 @@ class SparseState:
                 self._sfi.pop(int(r), None)
                 self._refresh.pop(int(r), None)
                 self._refresh_later.discard(int(r))
+                self._prompt_pending.discard(int(r))
                 st = self._stats.pop(int(r), None)
                 free = self._free_list(row.policy) if row is not None else None
                 if free is not None and row.slot >= 0:
@@ -528,6 +532,20 @@ class SparseState:
     def compact_slots_in_use(self) -> int:
         with self._lock:
             return self.config.compact.slots - len(self._free_slots)
+
+    def mark_prompt_chunks(self, pending: Iterable[int], done: Iterable[int]) -> None:
+        """Query-aware rows whose extend chunk was not their prompt's last (their prompt
+        state waits), and those whose last chunk built it (RowInit.prefill_end)."""
+        with self._lock:
+            self._prompt_pending.update(int(r) for r in pending)
+            self._prompt_pending.difference_update(int(r) for r in done)
+
+    def prompts_pending(self) -> int:
+        """Live query-aware rows still waiting for their prompt's last chunk. A
+        request decoding while counted here would select from a store without its
+        prompt state: the leak and e2e tests read this as 0 whenever decoding."""
+        with self._lock:
+            return len(self._prompt_pending)
 
     def query_slots_in_use(self) -> dict[str, int]:
         """Store slots held by live requests, per query-aware policy."""

@@ -15,6 +15,7 @@ as on serving's rows; the same selections with it off, and with it on for 4-bit 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -1002,3 +1003,89 @@ def test_aspd_extend_in_calls_equals_the_row_loop(monkeypatch, ring_window, inde
     if got.ksmooth is not None:
         assert bool((got.ksmooth[:, free_side] == 3.0).all()) and not bool((got.ksmooth[:, used] == 3.0).any())
         assert bool((got.ksmooth[:, twin.st.row_init(11).slot] == 1.0).all())
+
+
+
+# The store tensors holding a prompt's state, by policy (each [layers, slots, ...]), and
+# asyncspade's query ring, which every chunk feeds
+PROMPT_STATE = {PolicyId.QUEST: ("kmin", "kmax"), PolicyId.ASYNCSPADE: ("filled", "ksmooth"),
+                PolicyId.LFPS: ("ver", "sla", "kbar", "vbar", "sigma_hat2", "tscale")}
+
+
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_prompt_state_built_at_the_prompts_last_chunk_only(use_kernels):
+    """A prompt prefilled in chunks builds its stores' prompt state (quest's page
+    bounds, lfps's tables, asyncspade's index copies reset and smoothing) at its last
+    chunk only (RowInit.prefill_end): an earlier chunk leaves its slot as it was and
+    only feeds asyncspade's query ring, whose last chunk (2 queries, fewer than W)
+    takes the earlier ones from it. Beside them a prompt admitted whole is built at
+    once. After the last chunk every store tensor equals that of building at every
+    chunk (prefill_end 0: each chunk taken as the last, as before), bit for bit. The
+    state counts the rows still waiting, and a release drops them."""
+    specs = {1: SPECS[1], 3: SPECS[3], 4: SPECS[4], 6: SPECS[6], 7: None}
+    lens = {1: 75, 3: 45, 4: 90, 6: 70, 7: 50}
+    waiting = {1: PolicyId.QUEST, 4: PolicyId.ASYNCSPADE, 6: PolicyId.LFPS}
+    chunks = [{1: (37, 37), 3: (45, 45), 4: (88, 88), 6: (37, 37), 7: (37, 37)},  # row 3 whole
+              {1: (75, 38), 4: (90, 2), 6: (70, 33), 7: (50, 13)}]
+
+    def stores(twin) -> dict[str, torch.Tensor]:
+        """Every state tensor of the stores (asyncspade's: not its decode's scratch)."""
+        out = {}
+        for p in QUERY_AWARE_IDS:
+            st = twin.st.query_stores[p]
+            out.update({f"{p.name}.{i}": t.clone() for i, t in enumerate(st.tensors()) if p != PolicyId.ASYNCSPADE})
+            fields = (*PROMPT_STATE[p], "ring", "total", "kq", "kscale", "sel_pos", "sel_count")
+            out.update({f"{p.name}.{f}": getattr(st, f).clone() for f in fields if hasattr(st, f)})
+        return out
+
+    def run(last_only: bool):
+        twin = Twin(2, use_kernels=use_kernels, specs=specs, lens=lens, index_keys="int4", num_layers=2)
+        for p, fields in PROMPT_STATE.items():  # the slots' previous owners' state
+            for f in fields:
+                getattr(twin.st.query_stores[p], f).fill_(3)
+        gen = torch.Generator().manual_seed(8)
+        snaps = []
+        for chunk in chunks:
+            rows = list(chunk)
+            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
+                specs[r], [], [], (None, None)) for r in rows]
+            if last_only:
+                inits = [dataclasses.replace(i, prefill_end=lens[r]) for r, i in zip(rows, inits)]
+            admitted = twin.st.admit(rows, inits)
+            ext = [chunk[r][1] for r in rows]
+            before = stores(twin)
+            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            assert [e.last for e in twin.rt.extend_rows] == [
+                not last_only or chunk[e.req_row][0] == lens[e.req_row] for e in twin.rt.extend_rows]
+            q = torch.randn(sum(ext), HKV * 2, twin.d, generator=gen).to(KV)
+            for li in range(2):
+                twin.rt.on_extend(li, q.roll(li, 0), twin.k, twin.v, twin.r2t, SCALE)
+            snaps.append((before, stores(twin), twin.st.prompts_pending()))
+        return twin, snaps
+
+    twin, got = run(True)
+    _, every = run(False)
+    slot = {r: twin.st.row_init(r).slot for r in (1, 3, 4, 6)}
+    # the first chunk: rows 1, 4 and 6 wait (7 is full): their slots' prompt state as
+    # before it; row 3's built; asyncspade's ring loaded as at every chunk
+    before, after, pending = got[0]
+    assert pending == 3 and every[0][2] == 0
+    for r, p in waiting.items():
+        for f in PROMPT_STATE[p]:
+            assert torch.equal(after[f"{p.name}.{f}"][:, slot[r]], before[f"{p.name}.{f}"][:, slot[r]]), (p, f)
+            assert not torch.equal(every[0][1][f"{p.name}.{f}"][:, slot[r]], before[f"{p.name}.{f}"][:, slot[r]])
+    for f in PROMPT_STATE[PolicyId.QUEST]:
+        assert torch.equal(after[f"QUEST.{f}"][:, slot[3]], every[0][1][f"QUEST.{f}"][:, slot[3]])
+    assert torch.equal(after["ASYNCSPADE.ring"], every[0][1]["ASYNCSPADE.ring"])
+    assert not torch.equal(after["ASYNCSPADE.ring"], before["ASYNCSPADE.ring"])
+    # the last chunk: every store tensor as built at every chunk
+    after, pending = got[1][1], got[1][2]
+    assert pending == 0
+    assert after.keys() == every[1][1].keys()
+    for name, t in after.items():
+        assert torch.equal(t, every[1][1][name]), name
+    # a release drops a waiting row
+    twin.st.mark_prompt_chunks([1, 6], [])
+    assert twin.st.prompts_pending() == 2
+    twin.st.release([1, 6])
+    assert twin.st.prompts_pending() == 0

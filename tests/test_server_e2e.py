@@ -189,20 +189,24 @@ def test_no_state_left_after_finish_and_abort(sparse_server, think_ids):
     """Runs after the tests above in this module (and after the other modules sharing
     the server): every request they sent finished or was aborted."""
     ids = _prompts(think_ids)["plain_c"]
-    sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True,
-          "custom_params": {"sparse": {"policy": "streaming", "window": 8}}}
-    with requests.post(sparse_server.url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True},
-                       stream=True, timeout=300) as r:
-        lines = r.iter_lines()  # kept alive: a collected iterator closes the stream (an abort)
-        first = next(line for line in lines if line)
-        assert b"error" not in first, first
-        live = _sparse_internal_state(sparse_server.url)
-        assert live["active_requests"] >= 1 and live["active_by_policy"].get("streaming", 0) >= 1
+    # a quest request decoding (knobs no earlier test used: no radix-cache hit), its
+    # prompt admitted over several chunks of 64: its store's prompt state was built at
+    # the last one (none waits); then a streaming one
+    for sparse in ({"policy": "quest", "budget": 48, "recent": 8}, {"policy": "streaming", "window": 8}):
+        sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True, "custom_params": {"sparse": sparse}}
+        with requests.post(sparse_server.url + "/generate", stream=True, timeout=300,
+                           json={"input_ids": ids, "sampling_params": sp, "stream": True}) as r:
+            lines = r.iter_lines()  # kept alive: a collected iterator closes the stream (an abort)
+            first = next(line for line in lines if line)
+            assert b"error" not in first, first
+            live = _sparse_internal_state(sparse_server.url)
+            assert live["active_requests"] >= 1 and live["active_by_policy"].get(sparse["policy"], 0) >= 1
+            assert live["query_prompts_pending"] == 0, live
     deadline = time.time() + 60
     while (state := _sparse_internal_state(sparse_server.url))["active_requests"] and time.time() < deadline:
         time.sleep(0.5)  # the abort reaches the scheduler asynchronously
     assert state == {"active_requests": 0, "active_by_policy": {}, "compact_slots_in_use": 0,
-                     "query_slots_in_use": {"quest": 0, "asyncspade": 0, "lfps": 0}}
+                     "query_slots_in_use": {"quest": 0, "asyncspade": 0, "lfps": 0}, "query_prompts_pending": 0}
 
 
 def _scrape(url: str) -> dict[tuple[str, frozenset], float]:

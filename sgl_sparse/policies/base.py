@@ -52,6 +52,12 @@ class RowInit:
     # Query-aware policies (window = the recent positions of segment B): the longest
     # sequence their store can serve sparse (0: none).
     max_context: int = 0
+    # The request's length once its extend is complete (prompt + tokens generated so
+    # far; admission.row_for_request): a chunk ending before it is not the prompt's
+    # last (chunked prefill), and the query-aware stores build their prompt state
+    # (quest's page bounds, lfps's tables, asyncspade's smoothing) at the last chunk
+    # only, since no decode step reads it before. 0: unknown, every chunk is the last.
+    prefill_end: int = 0
 
     def __post_init__(self):
         # The host's per-step loop compares members by identity (state.set_step_rows).
