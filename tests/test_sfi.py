@@ -164,7 +164,7 @@ def test_step_balance_asks_for_balanced_splits_when_a_slow_step_may_sit_among_fa
 
     dense_keys: list[int] = []
 
-    pinned = SfiPolicy(t_max=t_max, sentence_triggers=False, budget=8, recent=8, sink=2)
+    pinned = SfiPolicy(t_max=t_max, sentence_triggers=False, budget=8, recent=8, sink=2, refresh_groups=1)
     # one group: every row slow together (step 0, then every t_max + 1): never mixed;
     # those steps' keys (step_dense_keys) are the rows' lengths, 0 on the others
     assert run([pinned] * 3, 12) == [False] * 12
@@ -195,7 +195,7 @@ def test_step_balance_asks_for_balanced_splits_when_a_slow_step_may_sit_among_fa
 
 def test_a_later_extend_chunk_keeps_its_refresh_phase():
     spec = SfiPolicy(t_max=5, refresh_groups=3)
-    st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5)])  # the default: one group, no phase
+    st = _state([1, 2, 3], [spec, spec, SfiPolicy(t_max=5, refresh_groups=1)])  # one group: no phase
     assert [int(st.refresh_phase[r]) for r in (1, 2, 3)] == [0, 2, 0]
     st.admit([2], [sfi.init_row(spec, [], [], (None, None))])  # its next chunk
     assert int(st.refresh_phase[2]) == 2 and st.row_init(2).refresh_phase == 2

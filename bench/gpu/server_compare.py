@@ -198,10 +198,11 @@ def batch_wall(url, prompts, n, sparse=None):
 # slow-step ratio pinned to 1/32 by the refresh budget (31 fast steps, then slow).
 SFI = {"policy": "sfi", "budget": 2048, "recent": 256, "sink": 4}
 # sfi-pinned: the slow ratio pinned to 1/32 by the refresh budget (issue 4's rows):
-# a batch's requests all refresh on the same step. sfi-pinned-gN: the same dealt into
-# N refresh groups (refresh_groups; session 14's first "sfi-pinned" run was N = 31, its
+# a batch's requests all refresh on the same step (one refresh group, the default
+# until session 58). sfi-pinned-gN: the same dealt into N refresh groups
+# (refresh_groups; session 14's first "sfi-pinned" run was N = 31, its
 # "sfi-pinned-aligned" is sfi-pinned).
-NAMED = {"sfi": SFI, "sfi-pinned": {**SFI, "sentence_triggers": False, "t_max": 31},
+NAMED = {"sfi": SFI, "sfi-pinned": {**SFI, "sentence_triggers": False, "t_max": 31, "refresh_groups": 1},
          **{f"sfi-pinned-g{g}": {**SFI, "sentence_triggers": False, "t_max": 31, "refresh_groups": g}
             for g in (2, 4, 8, 31)}}
 
