@@ -167,9 +167,10 @@ class AspdSmooth:
 
 @dataclass
 class AspdExtend:
-    """asyncspade extend rows of one forward (plan_extend), longest first: one
-    ring_load a layer for all, the slots' index copies reset in one op and their
-    smoothing (int4) in calls of rows padded to the call's longest."""
+    """asyncspade extend rows of one forward (plan_extend), the prompts' last chunks
+    first, each part longest first: one ring_load a layer for all, the last chunks'
+    index copies reset in one op and their smoothing (int4) in calls of rows padded
+    to the call's longest."""
 
     slots: torch.Tensor  # [b] int64, on the device (the ring's rows)
     count: torch.Tensor  # [b]: the chunk's last queries each ring takes, c <= W
@@ -178,8 +179,6 @@ class AspdExtend:
     side_slots: Optional[torch.Tensor]  # [b'] the last chunks' slots where the index copies live (index_keys only)
     smooth: list[AspdSmooth]  # the rows of n > 0 (int4 only)
     empty: Optional[torch.Tensor]  # side slots of rows with n == 0 (their smoothing: 1), if any
-
-
 
 
 def warm_up_extend_kernels(stores: dict, k_pool: torch.Tensor, req_to_token: torch.Tensor) -> None:
@@ -354,7 +353,8 @@ class QueryAwareRuntime:
                 self._aspd_extend = self._plan_aspd(aspd_rows, dev[at: at + (4 + w) * b], w)
 
     def _plan_aspd(self, rows: list[ExtendRow], dev: torch.Tensor, w: int) -> AspdExtend:
-        """AspdExtend of the rows (longest first) from their fields in the forward's copy."""
+        """AspdExtend of the rows (the prompts' last chunks first, each part longest
+        first) from their fields in the forward's copy."""
         store = self.stores[PolicyId.ASYNCSPADE]
         b = len(rows)
         slots, count, req, n = dev[: 4 * b].view(4, b).unbind(0)

@@ -733,12 +733,15 @@ def test_quest_extend_bounds_in_one_launch_equal_the_torch_loop():
     assert free and bool((kern.kmin[:, free] == 7.0).all())
 
 
-def _plan_chunk(twin: Twin, specs: dict, chunk: dict) -> list[int]:
+def _plan_chunk(twin: Twin, specs: dict, chunk: dict, prefill_end: dict | None = None) -> list[int]:
     """Admit a chunk's rows (row -> (sequence length, queries)) and plan its extend;
-    the rows' query counts, in order."""
+    the rows' query counts, in order. prefill_end: row -> its prompt's length
+    (RowInit.prefill_end; none: every chunk is taken as the last)."""
     rows = list(chunk)
     inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(specs[r], [], [], (None, None))
              for r in rows]
+    if prefill_end is not None:
+        inits = [dataclasses.replace(i, prefill_end=prefill_end[r]) for r, i in zip(rows, inits)]
     admitted = twin.st.admit(rows, inits)
     ext = [chunk[r][1] for r in rows]
     twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
@@ -1046,15 +1049,8 @@ def test_prompt_state_built_at_the_prompts_last_chunk_only(use_kernels):
         gen = torch.Generator().manual_seed(8)
         snaps = []
         for chunk in chunks:
-            rows = list(chunk)
-            inits = [MODULES[specs[r].policy if specs[r] is not None else "full"].init_row(
-                specs[r], [], [], (None, None)) for r in rows]
-            if last_only:
-                inits = [dataclasses.replace(i, prefill_end=lens[r]) for r, i in zip(rows, inits)]
-            admitted = twin.st.admit(rows, inits)
-            ext = [chunk[r][1] for r in rows]
             before = stores(twin)
-            twin.rt.plan_extend(rows, [chunk[r][0] for r in rows], ext, admitted)
+            ext = _plan_chunk(twin, specs, chunk, lens if last_only else None)
             assert [e.last for e in twin.rt.extend_rows] == [
                 not last_only or chunk[e.req_row][0] == lens[e.req_row] for e in twin.rt.extend_rows]
             q = torch.randn(sum(ext), HKV * 2, twin.d, generator=gen).to(KV)
